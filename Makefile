@@ -1,0 +1,31 @@
+# The two README commands: `make run` (set up + main job) and `make test` (set up + test suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# 8 fake CPU devices so mesh tests (fsdp, tp, disjoint trainer/generator meshes) run without a GPU.
+TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
+
+.PHONY: install run test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin $(ARGS)
+
+test: install
+	$(TEST_ENV) $(BIN)/python -m pytest -q $(ARGS)
+
+bench: install
+	$(TEST_ENV) $(BIN)/python scripts/bench_generate.py
+	$(TEST_ENV) $(BIN)/python scripts/bench_weight_sync.py
+	$(TEST_ENV) $(BIN)/python scripts/bench_async.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,306 @@
+"""Hugging Face checkpoints in and out: `config.json` + `*.safetensors` <-> our `Llama`.
+
+Loading reads one tensor at a time (lazily, via `safe_open`) and places it straight onto its
+sharding, so a large model never exists as a full replicated host copy. Saving writes a directory
+that `transformers.AutoModelForCausalLM.from_pretrained` loads, atomically (temp dir + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from llamarl_jax import parallel
+from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory is missing, malformed or describes a model we do not support."""
+
+
+_SUPPORTED_ARCHS = {"LlamaForCausalLM"}
+_SUPPORTED_ACTS = {"silu"}
+
+
+def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
+                   compute_dtype=None) -> ModelConfig:
+  """Translate an HF `config.json` dict, refusing what the model cannot represent (names the field)."""
+  model_type = hf.get("model_type")
+  if model_type != "llama":
+    raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (only 'llama')")
+  archs = hf.get("architectures") or ["LlamaForCausalLM"]
+  if not set(archs) & _SUPPORTED_ARCHS:
+    raise CheckpointError(f"{source}: architectures {archs} not supported (need LlamaForCausalLM)")
+  for field, ok in (("attention_bias", False), ("mlp_bias", False)):
+    if hf.get(field, ok) != ok:
+      raise CheckpointError(f"{source}: field {field}={hf[field]!r} is not supported (need {ok})")
+  if hf.get("hidden_act", "silu") not in _SUPPORTED_ACTS:
+    raise CheckpointError(f"{source}: field hidden_act={hf['hidden_act']!r} is not supported (need 'silu')")
+  # transformers < 5 writes `rope_scaling` + `rope_theta`; >= 5 writes `rope_parameters` holding both.
+  rope_params = hf.get("rope_parameters") or {}
+  rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+  rope_scaling = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None)
+  if rope_scaling is not None:
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type not in ("llama3", "default"):
+      raise CheckpointError(f"{source}: field rope_scaling.rope_type={rope_type!r} is not supported "
+                            "(supported: 'llama3', 'default')")
+    if rope_type == "default":
+      rope_scaling = None
+    else:
+      keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+      missing = [k for k in keys if k not in rope_scaling]
+      if missing:
+        raise CheckpointError(f"{source}: rope_scaling is missing {missing}")
+      rope_scaling = {"rope_type": "llama3", **{k: rope_scaling[k] for k in keys}}
+  required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+  missing = [k for k in required if k not in hf]
+  if missing:
+    raise CheckpointError(f"{source}: missing required field(s) {missing}")
+  param_dtype = jnp.dtype(dtype).name
+  return ModelConfig(
+      vocab_size=hf["vocab_size"],
+      hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"],
+      num_layers=hf["num_hidden_layers"],
+      num_heads=hf["num_attention_heads"],
+      num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+      rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+      rope_theta=rope_theta,
+      rope_scaling=rope_scaling,
+      max_position_embeddings=hf.get("max_position_embeddings", 8192),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      param_dtype=param_dtype,
+      dtype=jnp.dtype(compute_dtype or param_dtype).name,
+  )
+
+
+def config_to_hf(config: ModelConfig, *, torch_dtype: str = "float32", bos_token_id=None,
+                 eos_token_id=None, pad_token_id=None) -> dict:
+  return {
+      "architectures": ["LlamaForCausalLM"],
+      "model_type": "llama",
+      "vocab_size": config.vocab_size,
+      "hidden_size": config.hidden_size,
+      "intermediate_size": config.intermediate_size,
+      "num_hidden_layers": config.num_layers,
+      "num_attention_heads": config.num_heads,
+      "num_key_value_heads": config.num_kv_heads,
+      "head_dim": config.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": config.rms_norm_eps,
+      "rope_theta": config.rope_theta,
+      "rope_scaling": config.rope_scaling_dict,
+      "rope_parameters": {"rope_type": "default", **(config.rope_scaling_dict or {}),
+                          "rope_theta": config.rope_theta},
+      "max_position_embeddings": config.max_position_embeddings,
+      "tie_word_embeddings": config.tie_word_embeddings,
+      "attention_bias": False,
+      "mlp_bias": False,
+      "torch_dtype": torch_dtype,
+      "bos_token_id": bos_token_id,
+      "eos_token_id": eos_token_id,
+      "pad_token_id": pad_token_id,
+  }
+
+
+# Our parameter path -> (HF tensor name, to_ours(hf_array, config), to_hf(our_array, config)).
+def _tensor_map(config: ModelConfig) -> dict[tuple, tuple[str, Callable, Callable]]:
+  d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+  t = lambda x: np.ascontiguousarray(x.T)
+  proj_in = lambda heads: (lambda w: t(w).reshape(d, heads, hd), lambda w: t(w.reshape(d, heads * hd)))
+  m = {
+      ("embed",): ("model.embed_tokens.weight", lambda w: w, lambda w: w),
+      ("final_norm", "scale"): ("model.norm.weight", lambda w: w, lambda w: w),
+  }
+  if not config.tie_word_embeddings:
+    m[("lm_head",)] = ("lm_head.weight", t, t)
+  for i in range(config.num_layers):
+    p = f"model.layers.{i}."
+    m[("layers", i, "attn", "wq")] = (p + "self_attn.q_proj.weight", *proj_in(h))
+    m[("layers", i, "attn", "wk")] = (p + "self_attn.k_proj.weight", *proj_in(kv))
+    m[("layers", i, "attn", "wv")] = (p + "self_attn.v_proj.weight", *proj_in(kv))
+    m[("layers", i, "attn", "wo")] = (p + "self_attn.o_proj.weight",
+                                      lambda w: t(w).reshape(h, hd, d), lambda w: t(w.reshape(h * hd, d)))
+    m[("layers", i, "mlp", "w_gate")] = (p + "mlp.gate_proj.weight", t, t)
+    m[("layers", i, "mlp", "w_up")] = (p + "mlp.up_proj.weight", t, t)
+    m[("layers", i, "mlp", "w_down")] = (p + "mlp.down_proj.weight", t, t)
+    m[("layers", i, "attn_norm", "scale")] = (p + "input_layernorm.weight", lambda w: w, lambda w: w)
+    m[("layers", i, "mlp_norm", "scale")] = (p + "post_attention_layernorm.weight", lambda w: w, lambda w: w)
+  return m
+
+
+def _get(tree, path):
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def _set(tree, path, value):
+  for k in path[:-1]:
+    tree = tree[k]
+  tree[path[-1]] = value
+
+
+def _safetensors_index(path: Path) -> dict[str, Path]:
+  """HF tensor name -> file holding it (single-file and sharded layouts)."""
+  index_file = path / "model.safetensors.index.json"
+  if index_file.exists():
+    try:
+      weight_map = json.loads(index_file.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+      raise CheckpointError(f"{index_file}: not a valid safetensors index ({e})") from e
+    files = {name: path / fname for name, fname in weight_map.items()}
+    for f in set(files.values()):
+      if not f.exists():
+        raise CheckpointError(f"{index_file} lists shard {f.name}, which is missing from {path}")
+    return files
+  single = path / "model.safetensors"
+  if not single.exists():
+    found = sorted(p.name for p in path.iterdir())
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json (found {found})")
+  with safe_open(single, framework="np") as f:
+    return {name: single for name in f.keys()}
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, compute_dtype=None,
+                       mesh=None, rules=parallel.RULES) -> tuple[ModelConfig, Llama]:
+  """Load an HF Llama directory into our `Llama` (params in `dtype`, optionally sharded on `mesh`)."""
+  path = Path(path)
+  if not path.is_dir():
+    raise CheckpointError(f"checkpoint directory {path} does not exist")
+  config_file = path / "config.json"
+  if not config_file.exists():
+    raise CheckpointError(f"{config_file} is missing: not a Hugging Face checkpoint directory")
+  try:
+    hf_config = json.loads(config_file.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{config_file}: invalid JSON ({e})") from e
+  config = config_from_hf(hf_config, source=str(config_file), dtype=dtype, compute_dtype=compute_dtype)
+  files = _safetensors_index(path)
+
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  graphdef, shapes = split_params(abstract)
+  axes = parallel.logical_axes(abstract)
+  shardings = None if mesh is None else parallel.param_shardings(shapes, axes, mesh, rules)
+  tmap = _tensor_map(config)
+  expected = {name for name, *_ in tmap.values()}
+  if config.tie_word_embeddings:
+    expected.add("lm_head.weight")  # may or may not be stored; ignored when tied
+  unexpected = sorted(n for n in files if n not in expected and "rotary_emb" not in n)
+  if unexpected:
+    raise CheckpointError(f"{path}: unexpected tensors {unexpected[:5]}{'...' if len(unexpected) > 5 else ''} "
+                          "(does config.json match the weights?)")
+  missing = sorted(name for name, *_ in tmap.values() if name not in files)
+  if missing:
+    raise CheckpointError(f"{path}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+  params = jax.tree.map(lambda x: None, shapes)
+  handles: dict[Path, Any] = {}
+  try:
+    for our_path, (name, to_ours, _) in tmap.items():
+      if files[name] not in handles:
+        handles[files[name]] = safe_open(files[name], framework="np")
+      f = handles[files[name]]
+      raw = f.get_tensor(name)
+      want = _get(shapes, our_path)
+      try:
+        value = to_ours(raw)
+      except ValueError:
+        value = raw
+      if value.shape != want.shape:
+        raise CheckpointError(f"{files[name].name}: tensor {name} has shape {raw.shape}, which does not "
+                              f"fit {want.shape} (our layout) implied by config.json")
+      value = value.astype(want.dtype)
+      sharding = None if shardings is None else _get(shardings, our_path)
+      _set(params, our_path, jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value))
+  finally:
+    handles.clear()
+  return config, nnx.merge(graphdef, params)
+
+
+def save_hf_checkpoint(model: Llama, config: ModelConfig, path: str | os.PathLike, *,
+                       dtype=None, tokenizer=None, max_shard_bytes: int = 5 * 2**30) -> Path:
+  """Write `model` as an HF Llama directory (config.json + safetensors, sharded above max_shard_bytes).
+
+  Written into a temp directory and renamed into place, so a crash never leaves half a checkpoint.
+  """
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  _, params = split_params(model)
+  out_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
+  tensors: dict[str, np.ndarray] = {}
+  for our_path, (name, _, to_hf) in _tensor_map(config).items():
+    tensors[name] = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(_get(params, our_path)))).astype(out_dtype))
+  hf_config = config_to_hf(config, torch_dtype=out_dtype.name)
+  if tokenizer is not None:
+    hf_config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
+  try:
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    shards, current, size = [], {}, 0
+    for name, arr in tensors.items():
+      if current and size + arr.nbytes > max_shard_bytes:
+        shards.append(current)
+        current, size = {}, 0
+      current[name] = arr
+      size += arr.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+      save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+      weight_map = {}
+      for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+      total = sum(a.nbytes for a in tensors.values())
+      (tmp / "model.safetensors.index.json").write_text(
+          json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if tokenizer is not None:
+      tokenizer.save_pretrained(str(tmp))
+    if path.exists():
+      old = path.with_name(path.name + ".old")
+      shutil.rmtree(old, ignore_errors=True)
+      path.rename(old)
+      tmp.rename(path)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      tmp.rename(path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return path
+
+
+def load_tokenizer(path: str | os.PathLike):
+  """`transformers.AutoTokenizer` from a local directory, with a clear error when absent."""
+  from transformers import AutoTokenizer  # heavy import, only when needed
+
+  path = Path(path)
+  if not path.is_dir():
+    raise CheckpointError(f"tokenizer directory {path} does not exist")
+  if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    raise CheckpointError(f"{path}: no tokenizer.json / tokenizer_config.json / tokenizer.model")
+  return AutoTokenizer.from_pretrained(str(path))
+
+
+def check_tokenizer_matches(tokenizer, config: ModelConfig) -> None:
+  """Raise if the tokenizer produces ids the model's embedding cannot hold."""
+  n = len(tokenizer)
+  if n > config.vocab_size:
+    raise CheckpointError(f"tokenizer has {n} tokens but the model's vocab_size is {config.vocab_size}: "
+                          "tokenizer/model mismatch")

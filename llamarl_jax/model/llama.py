@@ -1,0 +1,283 @@
+"""Llama 3 / 3.1 / 3.2 in Flax NNX.
+
+One config dataclass, one model file (gpt-fast style). Every parameter carries a
+`logical_axes` metadata tuple (`vocab`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`,
+`norm`) that `llamarl_jax.parallel` maps onto mesh axes (fsdp, tp).
+
+Weight layouts (ours, einsum-friendly; `hf.py` converts from/to the HF `[out, in]` layout):
+  embed      [vocab, embed]
+  wq         [embed, heads, head_dim]      wk, wv [embed, kv_heads, head_dim]
+  wo         [heads, head_dim, embed]
+  w_gate     [embed, mlp]   w_up [embed, mlp]   w_down [mlp, embed]
+  lm_head    [embed, vocab]  (absent when embeddings are tied)
+
+KV cache layout (`KVCache`): per layer `k`, `v` of shape `[batch, max_len, kv_heads, head_dim]`
+in the compute dtype, and one scalar `index`: the cache slot the next token is written to.
+All rows share the write slot; rows whose prompts are shorter are left-padded and the caller's
+`attention_mask` marks the padded slots invalid. RoPE uses each token's own `positions`, so a
+left-padded prompt produces the same continuation as the same prompt alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a Llama 3 family model (field names follow HF's LlamaConfig where they exist)."""
+
+  vocab_size: int = 128256
+  hidden_size: int = 4096
+  intermediate_size: int = 14336
+  num_layers: int = 32
+  num_heads: int = 32
+  num_kv_heads: int = 8
+  head_dim: int | None = None  # defaults to hidden_size // num_heads
+  rms_norm_eps: float = 1e-5
+  rope_theta: float = 500000.0
+  # None, or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+  # "original_max_position_embeddings"} as in HF config.json.
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  max_position_embeddings: int = 8192
+  tie_word_embeddings: bool = False
+  param_dtype: str = "float32"
+  dtype: str = "float32"  # compute dtype (activations, matmuls, KV cache)
+
+  def __post_init__(self):
+    if self.head_dim is None:
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+  @property
+  def rope_scaling_dict(self) -> dict | None:
+    return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  def num_params(self) -> int:
+    d, f, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    per_layer = attn + 3 * d * f + 2 * d
+    return L * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Preallocated KV cache: per-layer `[batch, max_len, kv_heads, head_dim]` and the write slot."""
+
+  k: tuple[Array, ...]
+  v: tuple[Array, ...]
+  index: Array  # int32 scalar
+
+  @classmethod
+  def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return cls(k=zeros(), v=zeros(), index=jnp.zeros((), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[1]
+
+
+def rope_frequencies(config: ModelConfig) -> Array:
+  """Inverse frequencies `[head_dim // 2]` (fp32), with Llama 3 `rope_scaling` applied."""
+  dim = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  scaling = config.rope_scaling_dict
+  if scaling is None:
+    return inv_freq
+  rope_type = scaling.get("rope_type", scaling.get("type"))
+  if rope_type == "default":
+    return inv_freq
+  if rope_type != "llama3":
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: 'llama3', 'default')")
+  factor = scaling["factor"]
+  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old_len = scaling["original_max_position_embeddings"]
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+  """Rotate-half RoPE (HF convention). x `[B, T, H, D]`, positions `[B, T]`."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)).astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, scale=None) -> nnx.Param:
+  fan_in = shape[0] if scale is None else None
+  std = scale if scale is not None else 1.0 / math.sqrt(fan_in)
+  value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+  def __call__(self, x: Array) -> Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    c, pd = config, jnp.dtype(config.param_dtype)
+    self.config = config
+    d, h, kv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pd, 1 / math.sqrt(d))
+    self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
+    self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
+    self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pd, 1 / math.sqrt(h * hd))
+
+  def __call__(self, x, positions, inv_freq, mask, layer_cache):
+    """x `[B, T, E]`; mask `[B, T, S]` bool; layer_cache None or (k, v, index)."""
+    dt = x.dtype
+    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt))
+    k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dt))
+    v = jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(dt))
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    new_cache = None
+    if layer_cache is not None:
+      ck, cv, index = layer_cache
+      k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
+      v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+      new_cache = (k, v)
+    out = jax.nn.dot_product_attention(q, k.astype(dt), v.astype(dt), mask=mask[:, None])
+    return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dt)), new_cache
+
+
+class MLP(nnx.Module):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    d, f, pd = config.hidden_size, config.intermediate_size, jnp.dtype(config.param_dtype)
+    self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), pd)
+    self.w_up = _param(rngs, (d, f), ("embed", "mlp"), pd)
+    self.w_down = _param(rngs, (f, d), ("mlp", "embed"), pd)
+
+  def __call__(self, x):
+    dt = x.dtype
+    h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+    return h @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    pd = jnp.dtype(config.param_dtype)
+    self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
+    self.attn = Attention(config, rngs)
+    self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
+    self.mlp = MLP(config, rngs)
+
+  def __call__(self, x, positions, inv_freq, mask, layer_cache):
+    h, new_cache = self.attn(self.attn_norm(x), positions, inv_freq, mask, layer_cache)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), new_cache
+
+
+class Llama(nnx.Module):
+  """Llama 3 decoder. `model(tokens, positions=None, cache=None, attention_mask=None)`.
+
+  tokens `[B, T]` int; positions `[B, T]` (default `arange(T)`, offset by `cache.index` when a
+  cache is given); attention_mask `[B, S]` (1 = real token; S = T without a cache, S = cache
+  length with one). Returns fp32 logits `[B, T, vocab]`, and the updated `KVCache` when a cache
+  is given. With `remat=True` each block's activations are recomputed in the backward pass.
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    pd = jnp.dtype(config.param_dtype)
+    self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd, 0.02)
+    self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+    self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
+    if not config.tie_word_embeddings:
+      self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd)
+
+  def hidden_states(self, tokens, positions=None, cache=None, attention_mask=None, remat=False):
+    """Final-norm hidden states `[B, T, E]` (and the new cache); the shared trunk of `__call__`."""
+    c = self.config
+    dt = jnp.dtype(c.dtype)
+    B, T = tokens.shape
+    offset = 0 if cache is None else cache.index
+    if positions is None:
+      positions = jnp.broadcast_to(offset + jnp.arange(T, dtype=jnp.int32), (B, T))
+    S = T if cache is None else cache.max_len
+    q_slot = offset + jnp.arange(T)
+    mask = jnp.arange(S)[None, :] <= q_slot[:, None]  # causal over cache slots [T, S]
+    mask = jnp.broadcast_to(mask, (B, T, S))
+    if attention_mask is not None:
+      if attention_mask.shape != (B, S):
+        raise ValueError(f"attention_mask must be [batch, {S}] = {(B, S)}, got {attention_mask.shape}")
+      mask = mask & attention_mask[:, None, :].astype(bool)
+    inv_freq = rope_frequencies(c)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+
+    def run_block(block, x, layer_cache):
+      return block(x, positions, inv_freq, mask, layer_cache)
+
+    if remat:
+      run_block = nnx.remat(run_block)
+    new_k, new_v = [], []
+    for i, block in enumerate(self.layers):
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
+      x, kv = run_block(block, x, layer_cache)
+      if kv is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
+    x = self.final_norm(x)
+    new_cache = None
+    if cache is not None:
+      new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), index=cache.index + T)
+    return x, new_cache
+
+  def logits(self, x: Array) -> Array:
+    """Project hidden states `[..., E]` to fp32 logits `[..., vocab]`."""
+    w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+    return jnp.einsum("...e,ev->...v", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens, positions=None, cache=None, attention_mask=None, remat=False):
+    x, new_cache = self.hidden_states(tokens, positions, cache, attention_mask, remat)
+    logits = self.logits(x)
+    return logits if cache is None else (logits, new_cache)
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Llama:
+  """A randomly initialised model (tests, the tiny embedded default)."""
+  return Llama(config, rngs=nnx.Rngs(params=seed))
+
+
+def split_params(model: Llama):
+  """(graphdef, params) with params a plain nested dict of arrays (optax/orbax/device_put friendly)."""
+  graphdef, state = nnx.split(model)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def merge_params(graphdef, params) -> Llama:
+  """Inverse of `split_params`; cheap inside jit (trace time only)."""
+  return nnx.merge(graphdef, params)

@@ -1,0 +1,121 @@
+"""Meshes and logical-axis sharding rules (FSDP x TP), nanodo style.
+
+Every mesh has the axes `("data", "fsdp", "tp")` (sizes may be 1), so one rule table serves the
+trainer (fsdp x tp) and the generator (data x tp): an axis of size 1 shards nothing. Parameters carry
+logical axis names (see `llamarl_jax.model.llama`); `RULES` maps them to mesh axes. A dimension not
+divisible by its mesh axis is replicated instead (tiny test models on 4 devices, odd vocab sizes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tp")
+BATCH_AXES = ("data", "fsdp")
+
+# logical axis -> mesh axis (None = replicated)
+RULES: dict[str, str | None] = {
+    "vocab": "tp",
+    "embed": "fsdp",
+    "heads": "tp",
+    "kv_heads": "tp",
+    "head_dim": None,
+    "mlp": "tp",
+    "norm": None,
+}
+
+
+def make_mesh(devices: Sequence[jax.Device], *, data: int = 1, fsdp: int = 1, tp: int = 1) -> Mesh:
+  """A `(data, fsdp, tp)` mesh over exactly `data * fsdp * tp` of `devices` (tp innermost)."""
+  n = data * fsdp * tp
+  if n != len(devices):
+    raise ValueError(f"mesh data={data} x fsdp={fsdp} x tp={tp} = {n} devices, but got {len(devices)}")
+  return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp, tp), MESH_AXES)
+
+
+def make_meshes(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int = 1,
+                generator_tp: int = 1, colocated: bool = False,
+                devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh]:
+  """Split `jax.devices()` into disjoint (trainer, generator) meshes.
+
+  The trainer takes the first `trainer_fsdp * trainer_tp` devices, the generator the next
+  `generator_dp * generator_tp`. With `colocated=True` both roles share one mesh over the trainer's
+  devices: the generator mesh is the same devices reshaped to `(generator_dp, 1, generator_tp)`.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  n_train = trainer_fsdp * trainer_tp
+  n_gen = generator_dp * generator_tp
+  if colocated:
+    if n_gen != n_train:
+      raise ValueError(f"colocated mode needs generator_dp*generator_tp ({n_gen}) == "
+                       f"trainer_fsdp*trainer_tp ({n_train})")
+    if n_train > len(devices):
+      raise ValueError(f"colocated mesh needs {n_train} devices, only {len(devices)} available")
+    shared = devices[:n_train]
+    return (make_mesh(shared, fsdp=trainer_fsdp, tp=trainer_tp),
+            make_mesh(shared, data=generator_dp, tp=generator_tp))
+  if n_train + n_gen > len(devices):
+    raise ValueError(
+        f"trainer ({trainer_fsdp}x{trainer_tp}={n_train}) + generator ({generator_dp}x{generator_tp}="
+        f"{n_gen}) need {n_train + n_gen} devices, only {len(devices)} available; reduce the meshes, "
+        "use colocated=True, or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+  return (make_mesh(devices[:n_train], fsdp=trainer_fsdp, tp=trainer_tp),
+          make_mesh(devices[n_train:n_train + n_gen], data=generator_dp, tp=generator_tp))
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules: Mapping[str, str | None] = RULES) -> P:
+  """PartitionSpec for one array; dims not divisible by their mesh axis stay replicated."""
+  if len(axes) != len(shape):
+    raise ValueError(f"logical axes {tuple(axes)} do not match array rank {len(shape)} (shape {tuple(shape)})")
+  spec = []
+  for name, dim in zip(axes, shape):
+    if name is not None and name not in rules:
+      raise KeyError(f"no sharding rule for logical axis {name!r}; known: {sorted(rules)}")
+    mesh_axis = None if name is None else rules[name]
+    if mesh_axis is not None and (mesh.shape[mesh_axis] == 1 or dim % mesh.shape[mesh_axis]):
+      mesh_axis = None
+    spec.append(mesh_axis)
+  return P(*spec)
+
+
+def logical_axes(model: nnx.Module) -> dict:
+  """Nested dict (same structure as `split_params`) of each parameter's logical axis names."""
+  state = nnx.state(model, nnx.Param)
+  axes = jax.tree.map(lambda v: v.get_metadata().get("logical_axes"), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(axes)
+
+
+def param_shardings(params: Any, axes: Any, mesh: Mesh, rules: Mapping[str, str | None] = RULES) -> Any:
+  """NamedSharding pytree for `params` (arrays or ShapeDtypeStructs) given their logical `axes`."""
+  return jax.tree.map(lambda ax, p: NamedSharding(mesh, logical_to_spec(ax, p.shape, mesh, rules)),
+                      axes, params, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def shard_params(params: Any, axes: Any, mesh: Mesh, rules: Mapping[str, str | None] = RULES,
+                 dtype=None) -> Any:
+  """Place `params` on `mesh` with the rules (device to device when they already live on devices)."""
+  shardings = param_shardings(params, axes, mesh, rules)
+  if dtype is not None:
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+  return jax.device_put(params, shardings)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Shard dim 0 (the batch) over `data` x `fsdp`; the rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_divisor(mesh: Mesh) -> int:
+  """The batch dimension must be a multiple of this to shard over `data` x `fsdp`."""
+  return mesh.shape["data"] * mesh.shape["fsdp"]
