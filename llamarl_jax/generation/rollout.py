@@ -1,0 +1,80 @@
+"""Rollout data: what the generator produces and the trainer consumes (pytrees, fixed shapes)."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FINISH_STOP = 0    # a stop token was generated (it is part of the response and of the mask)
+FINISH_LENGTH = 1  # max_new_tokens reached
+
+
+@flax.struct.dataclass
+class RolloutBatch:
+  """A batch of sampled responses. B = n_prompts * n (the n samples of a prompt are contiguous).
+
+  prompt_tokens       int32 [B, P]  left-padded with the pad id
+  prompt_mask         int32 [B, P]  1 = real prompt token
+  response_tokens     int32 [B, R]  right-padded with the pad id after the finish
+  response_mask       int32 [B, R]  1 = generated token (the stop token included)
+  behaviour_logprobs  f32   [B, R]  log mu(token) under the distribution actually sampled from
+                                    (after temperature/top-k/top-p); 0 where response_mask is 0
+  lengths             int32 [B]     number of generated tokens (= response_mask.sum(-1))
+  finish_reason       int32 [B]     FINISH_STOP or FINISH_LENGTH
+  group_ids           int32 [B]     index of the prompt within the batch (the GRPO group)
+  policy_version      int32 [B]     version of the weights that generated the row
+  """
+
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  response_tokens: jax.Array
+  response_mask: jax.Array
+  behaviour_logprobs: jax.Array
+  lengths: jax.Array
+  finish_reason: jax.Array
+  group_ids: jax.Array
+  policy_version: jax.Array
+
+  @property
+  def batch_size(self) -> int:
+    return self.prompt_tokens.shape[0]
+
+  def to_host(self) -> "RolloutBatch":
+    """Numpy copy (for the reward executor, the replay buffer and the trainer's re-sharding)."""
+    return jax.tree.map(np.asarray, jax.device_get(self))
+
+
+@flax.struct.dataclass
+class ScoredBatch:
+  """A RolloutBatch with its rewards `[B]` (f32) and advantages `[B]` (f32, per sequence)."""
+
+  rollout: RolloutBatch
+  rewards: jax.Array
+  advantages: jax.Array
+
+  @property
+  def batch_size(self) -> int:
+    return self.rollout.batch_size
+
+
+def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
+  """Stack host batches along the batch axis (all must share P and R); group ids stay distinct."""
+  offset, fixed = 0, []
+  for b in batches:
+    fixed.append(b.replace(group_ids=np.asarray(b.group_ids) + offset))
+    offset += int(np.max(b.group_ids)) + 1 if b.batch_size else 0
+  return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *fixed)
+
+
+def sequence_layout(prompt_tokens, prompt_mask, response_tokens, response_mask):
+  """Concatenate a left-padded prompt and its response into one trainer sequence.
+
+  Returns tokens `[B, P+R]`, positions `[B, P+R]` (0 at the first real prompt token, as the sampler
+  assigned them) and attention_mask `[B, P+R]`. The logits at index P-1+t predict response token t.
+  """
+  tokens = jnp.concatenate([prompt_tokens, response_tokens], axis=1)
+  mask = jnp.concatenate([prompt_mask, response_mask], axis=1).astype(jnp.int32)
+  positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
+  return tokens, positions, mask
