@@ -1,0 +1,429 @@
+"""Policy-gradient losses for LLM RL as pure JAX functions over `[batch, seq]` token arrays.
+
+Every loss has the same signature shape and the same conventions:
+
+  loss, metrics = some_loss(logprobs, behaviour_logprobs, advantages, mask, *, <loss knobs>,
+                            ref_logprobs=None, kl_coef=0.0, kl_estimator="k3",
+                            entropy=None, entropy_coef=0.0,
+                            aggregation="token_mean", loss_norm_constant=None)
+
+  logprobs            f [B, T]  log pi(y_t): the trainer's current policy at the sampled tokens. The
+                                gradient flows through this array (and through `entropy`) only.
+  behaviour_logprobs  f [B, T]  log mu(y_t): the distribution that actually sampled y_t (a stale policy
+                                version and/or a quantised generator). Treated as a constant.
+  advantages          f [B] (per sequence, broadcast over tokens) or f [B, T] (per token); a constant.
+  mask                  [B, T]  nonzero = valid response token (bool, int or float).
+
+Masked positions contribute exactly 0 to the loss, the gradient and every metric, even when the
+arrays hold inf or NaN there. All inputs are upcast to at least float32; the loss is a scalar.
+All-masked batches give loss 0, zero gradients and finite (zero) metrics.
+
+Loss aggregation (`aggregation`, the same names for every loss), for per-token terms l[b, t]:
+  "token_mean"           sum_{b,t} m l / sum_{b,t} m            (DAPO's token-level mean; default)
+  "seq_mean_token_mean"  mean over non-empty sequences of (sum_t m l / sum_t m)  (GRPO's original)
+  "seq_sum_norm"         mean over non-empty sequences of (sum_t m l / C)        (Dr. GRPO), with
+                         C = `loss_norm_constant` (e.g. the max response length; default: T).
+To accumulate microbatches into the full-batch value, weight each microbatch's loss by
+`metrics["policy/num_tokens"]` (token_mean) or `metrics["policy/num_seqs"]` (the two others).
+
+Metrics (flat dict of scalar float32 arrays, cleanRL-style names; token statistics are taken over
+valid tokens only, and are 0 when there is none):
+  loss/total              the returned loss: loss/pg + loss/kl + loss/entropy
+  loss/pg                 the aggregated policy-gradient term
+  loss/kl                 kl_coef * aggregated KL-to-reference      (only with ref_logprobs)
+  loss/entropy            -entropy_coef * aggregated entropy        (only with entropy)
+  policy/ratio_mean|max|min  statistics of the importance ratio the loss truncates or clips
+                          (pi/mu for aipo and ppo_clip, pi/pi_prox for decoupled_ppo)
+  policy/frac_truncated   fraction of tokens whose weight hit rho_max (aipo, decoupled_ppo)
+  policy/frac_clipped     fraction of tokens where the PPO clip is active, i.e. zero gradient
+                          (ppo_clip, decoupled_ppo); split into policy/frac_clipped_low (A < 0,
+                          ratio < 1 - eps_low) and policy/frac_clipped_high (A > 0, ratio > 1 + eps_high)
+  policy/behaviour_ratio_mean|max  pi_prox/mu before truncation (decoupled_ppo only)
+  policy/kl_behaviour     KL(mu || pi), k3 estimate with the sampled tokens: how off-policy the batch is
+  policy/kl_ref           mean per-token KL(pi || ref) estimate     (only with ref_logprobs)
+  policy/entropy          mean per-token entropy                    (only with entropy)
+  policy/num_tokens       number of valid tokens
+  policy/num_seqs         number of sequences with at least one valid token
+
+For numerical safety, log-ratios are clipped to +-20 before exponentiation (a ratio beyond
+e^20 ~ 5e8 is treated as e^20; its gradient is then 0 in the ratio-through-clamp/PPO forms).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AIPO_FORMS = ("detached", "clamped")
+DEFAULT_RHO_MAX = 2.0
+LOG_RATIO_LIMIT = 20.0
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def _as_float(x) -> Array:
+  """`x` as an array of at least float32 (bf16/f16 are upcast; f64 stays f64 under x64)."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def masked_mean(values: Array, mask: Array) -> Array:
+  """Mean of `values` over positions where `mask` is nonzero; 0 when there are none."""
+  valid = jnp.asarray(mask) != 0
+  total = jnp.sum(jnp.where(valid, values, 0))
+  return total / jnp.maximum(jnp.sum(valid), 1)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_positive(name: str, value) -> None:
+  if isinstance(value, (int, float)) and not value > 0:
+    raise ValueError(f"{name} must be > 0, got {value}")
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def kl_estimate(logprobs: Array, ref_logprobs: Array, kind: str = "k3") -> Array:
+  """Per-token estimate of KL(q || p) from tokens sampled from q (Schulman, "Approximating KL").
+
+  logprobs = log q(x), ref_logprobs = log p(x), any matching shapes; returns that shape. With
+  log_r = log p(x) - log q(x) (clipped to +-20):
+    k1 = -log_r                 unbiased, high variance, can be negative per token
+    k2 = log_r^2 / 2            biased (accurate when q ~ p), nonnegative
+    k3 = (e^log_r - 1) - log_r  unbiased, nonnegative, low variance (the GRPO penalty)
+  E.g. the KL-to-reference penalty is kl_estimate(log pi, log pi_ref); the off-policyness
+  KL(mu || pi) of a batch sampled from mu is kl_estimate(log mu, log pi).
+  """
+  _check_choice("kind", kind, KL_ESTIMATORS)
+  logprobs, ref_logprobs = _as_float(logprobs), _as_float(ref_logprobs)
+  chex.assert_equal_shape([logprobs, ref_logprobs],
+                          custom_message="kl_estimate: logprobs and ref_logprobs must have the same shape")
+  log_r = jnp.clip(ref_logprobs - logprobs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+  if kind == "k1":
+    return -log_r
+  if kind == "k2":
+    return 0.5 * jnp.square(log_r)
+  return jnp.expm1(log_r) - log_r
+
+
+def entropy_from_logits(logits: Array) -> Array:
+  """Entropy H = -sum_v p_v log p_v of softmax(logits) over the last axis.
+
+  logits [..., V] (any float dtype; computed in float32) -> [...] float32. Safe for -inf logits
+  (masked vocabulary entries): their 0 * log 0 terms are 0 in value and gradient.
+  """
+  logp = jax.nn.log_softmax(_as_float(logits), axis=-1)
+  p = jnp.exp(logp)
+  return -jnp.sum(p * jnp.where(p > 0, logp, 0.0), axis=-1)
+
+
+def _aggregate(values: Array, valid: Array, mode: str, loss_norm_constant) -> Array:
+  values = jnp.where(valid, values, 0)
+  if mode == "token_mean":
+    return jnp.sum(values) / jnp.maximum(jnp.sum(valid), 1)
+  tokens_per_seq = jnp.sum(valid, axis=-1)
+  num_seqs = jnp.maximum(jnp.sum(tokens_per_seq > 0), 1)
+  if mode == "seq_mean_token_mean":
+    seq_means = jnp.sum(values, axis=-1) / jnp.maximum(tokens_per_seq, 1)
+    return jnp.sum(seq_means) / num_seqs
+  norm = values.shape[-1] if loss_norm_constant is None else loss_norm_constant
+  return jnp.sum(values) / (norm * num_seqs)
+
+
+def aggregate(values: Array, mask: Array, mode: str = "token_mean",
+              loss_norm_constant: float | None = None) -> Array:
+  """Reduce per-token values `[B, T]` to a scalar over the valid (mask != 0) tokens.
+
+  "token_mean":          sum(m * v) / sum(m)
+  "seq_mean_token_mean": mean over sequences with >= 1 valid token of sum_t(m v) / sum_t(m)
+  "seq_sum_norm":        mean over sequences with >= 1 valid token of sum_t(m v) / C, where
+                         C = loss_norm_constant (default: T, the padded length). Dr. GRPO: a
+                         constant C keeps long and short responses' tokens on the same scale.
+  Empty batches give 0.
+  """
+  _check_choice("aggregation", mode, AGGREGATIONS)
+  if loss_norm_constant is not None:
+    _check_positive("loss_norm_constant", loss_norm_constant)
+  values = _as_float(values)
+  chex.assert_rank(values, 2, custom_message="aggregate: values must be [batch, seq]")
+  chex.assert_shape(mask, values.shape,
+                    custom_message=f"aggregate: mask must have the shape of values {values.shape}")
+  return _aggregate(values, jnp.asarray(mask) != 0, mode, loss_norm_constant)
+
+
+# ----------------------------------------------------------------------------- shared loss plumbing
+
+
+class _Tokens(NamedTuple):
+  """Checked, upcast inputs; every array is 0 at masked positions (so nothing there can leak)."""
+
+  logprobs: Array            # [B, T] differentiable
+  behaviour_logprobs: Array  # [B, T] constant
+  advantages: Array          # [B, T] constant
+  valid: Array               # [B, T] bool
+  ref_logprobs: Array | None
+  entropy: Array | None
+
+
+def _prepare(logprobs, behaviour_logprobs, advantages, mask, *, ref_logprobs, entropy,
+             aggregation, kl_estimator, loss_norm_constant, loss_name, **extra_token_arrays):
+  _check_choice("aggregation", aggregation, AGGREGATIONS)
+  _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+  if loss_norm_constant is not None:
+    _check_positive("loss_norm_constant", loss_norm_constant)
+  chex.assert_rank(logprobs, 2, custom_message=(
+      f"{loss_name}: logprobs must be [batch, seq]; for one sequence add a leading axis (x[None])"))
+  chex.assert_type(logprobs, float, custom_message=f"{loss_name}: logprobs must be floating point")
+  shape = jnp.shape(logprobs)
+  token_arrays = dict(behaviour_logprobs=behaviour_logprobs, ref_logprobs=ref_logprobs,
+                      entropy=entropy, **extra_token_arrays)
+  for name, x in token_arrays.items():
+    if x is not None:
+      chex.assert_shape(x, shape, custom_message=(
+          f"{loss_name}: {name} must have the shape of logprobs {shape}, got {jnp.shape(x)}"))
+      chex.assert_type(x, float, custom_message=f"{loss_name}: {name} must be floating point")
+  chex.assert_shape(mask, shape, custom_message=(
+      f"{loss_name}: mask must have the shape of logprobs {shape}, got {jnp.shape(mask)}"))
+  adv_msg = (f"{loss_name}: advantages must be per sequence [batch] = {shape[:1]} or per token "
+             f"[batch, seq] = {shape}, got {jnp.shape(advantages)}")
+  if jnp.ndim(advantages) == 1:
+    chex.assert_shape(advantages, shape[:1], custom_message=adv_msg)
+    advantages = jnp.asarray(advantages)[:, None]
+  else:
+    chex.assert_shape(advantages, shape, custom_message=adv_msg)
+
+  valid = jnp.asarray(mask) != 0
+
+  def clean(x, constant=True):
+    if x is None:
+      return None
+    x = jnp.where(valid, _as_float(x), 0.0)
+    return jax.lax.stop_gradient(x) if constant else x
+
+  tokens = _Tokens(logprobs=clean(logprobs, constant=False),
+                   behaviour_logprobs=clean(behaviour_logprobs),
+                   advantages=clean(jnp.broadcast_to(_as_float(advantages), shape)),
+                   valid=valid, ref_logprobs=clean(ref_logprobs), entropy=clean(entropy, constant=False))
+  extras = {name: clean(x) for name, x in extra_token_arrays.items()}
+  return tokens, extras
+
+
+def _log_ratio(numerator: Array, denominator: Array) -> Array:
+  return jnp.clip(numerator - denominator, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def _reduce_token_metrics(stats: dict[str, tuple[str, Array]], valid: Array) -> dict[str, Array]:
+  """{name: (reduction, per-token values [B, T])} -> {name: scalar} over the valid tokens.
+
+  reduction is "mean", "max" or "min"; an empty mask gives 0.
+  """
+  any_valid = jnp.any(valid)
+  out = {}
+  for name, (reduction, values) in stats.items():
+    values = jax.lax.stop_gradient(jnp.asarray(values, jnp.float32))
+    if reduction == "mean":
+      out[name] = masked_mean(values, valid)
+    elif reduction == "max":
+      out[name] = jnp.where(any_valid, jnp.max(jnp.where(valid, values, -jnp.inf)), 0.0)
+    else:
+      out[name] = jnp.where(any_valid, jnp.min(jnp.where(valid, values, jnp.inf)), 0.0)
+  return out
+
+
+def _ratio_stats(log_ratio: Array) -> dict[str, tuple[str, Array]]:
+  ratio = jnp.exp(log_ratio)
+  return {"policy/ratio_mean": ("mean", ratio), "policy/ratio_max": ("max", ratio),
+          "policy/ratio_min": ("min", ratio)}
+
+
+def _clipped_surrogate(log_ratio: Array, advantages: Array, eps_low, eps_high):
+  """Per-token PPO loss -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) and its clip statistics."""
+  _check_positive("eps_low", eps_low)
+  _check_positive("eps_high", eps_high)
+  ratio = jnp.exp(log_ratio)
+  clipped_ratio = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  per_token = -jnp.minimum(ratio * advantages, clipped_ratio * advantages)
+  ratio_sg = jax.lax.stop_gradient(ratio)
+  clipped_high = (advantages > 0) & (ratio_sg > 1.0 + eps_high)
+  clipped_low = (advantages < 0) & (ratio_sg < 1.0 - eps_low)
+  stats = {"policy/frac_clipped": ("mean", clipped_high | clipped_low),
+           "policy/frac_clipped_low": ("mean", clipped_low),
+           "policy/frac_clipped_high": ("mean", clipped_high)}
+  return per_token, stats
+
+
+def _finish(pg: Array, tokens: _Tokens, stats: dict[str, tuple[str, Array]], *, kl_coef,
+            kl_estimator, entropy_coef, aggregation,
+            loss_norm_constant) -> tuple[Array, dict[str, Array]]:
+  """Add the optional KL/entropy terms, aggregate, and compute the metrics."""
+  valid = tokens.valid
+  terms = {"loss/pg": (1.0, pg)}  # name: (coefficient, per-token values)
+  if tokens.ref_logprobs is not None:
+    kl = kl_estimate(tokens.logprobs, tokens.ref_logprobs, kl_estimator)
+    terms["loss/kl"] = (kl_coef, kl)
+    stats["policy/kl_ref"] = ("mean", kl)
+  if tokens.entropy is not None:
+    terms["loss/entropy"] = (-entropy_coef, tokens.entropy)
+    stats["policy/entropy"] = ("mean", tokens.entropy)
+  stats["policy/kl_behaviour"] = ("mean", kl_estimate(tokens.behaviour_logprobs, tokens.logprobs))
+
+  metrics = {name: coef * _aggregate(values, valid, aggregation, loss_norm_constant)
+             for name, (coef, values) in terms.items()}
+  total = sum(metrics.values())
+  metrics["loss/total"] = total
+  metrics.update(_reduce_token_metrics(stats, valid))
+  metrics["policy/num_tokens"] = jnp.sum(valid)
+  metrics["policy/num_seqs"] = jnp.sum(jnp.any(valid, axis=-1))
+  metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+  return total, metrics
+
+
+# ----------------------------------------------------------------------------- the losses
+
+
+def aipo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
+              rho_max: float = DEFAULT_RHO_MAX,
+              form: str = "detached",
+              ref_logprobs: Array | None = None,
+              kl_coef: float = 0.0,
+              kl_estimator: str = "k3",
+              entropy: Array | None = None,
+              entropy_coef: float = 0.0,
+              aggregation: str = "token_mean",
+              loss_norm_constant: float | None = None) -> tuple[Array, dict[str, Array]]:
+  """LlamaRL's AIPO (Asynchronous Importance-weighted Policy Optimisation) loss.
+
+  pi = current policy (logprobs), mu = behaviour policy (behaviour_logprobs), r_t = pi/mu,
+  w_t = min(r_t, rho_max): a one-sided truncated importance weight; no PPO two-sided clip.
+
+  form="detached" (default; the paper's update):
+      l_t = -stop_gradient(w_t) * A_t * log pi_t
+      grad = -sum_t w_t A_t grad log pi_t  (aggregated). Tokens with r_t > rho_max keep the
+      gradient rho_max * A_t * grad log pi_t. At pi == mu this is exactly REINFORCE. The loss
+      value itself is not a surrogate objective (it scales with log pi); only its gradient matters.
+  form="clamped" (ratio through the clamp, what some peers call AIPO):
+      l_t = -min(r_t, rho_max) * A_t
+      grad = -r_t A_t grad log pi_t where r_t < rho_max and 0 where r_t > rho_max (for either
+      sign of A_t). Below rho_max both forms have the same gradient (not the same loss value).
+
+  Plus kl_coef * KL(pi || ref) (estimator `kl_estimator` with ref_logprobs) and
+  -entropy_coef * entropy (entropy: per-token [B, T], e.g. entropy_from_logits(logits)), each
+  aggregated like the policy term. Shapes, aggregation and metrics: see the module docstring;
+  policy/frac_truncated is the fraction of valid tokens with r_t > rho_max.
+  rho_max: > 0; typically 2..10; float("inf") disables truncation.
+  """
+  _check_choice("form", form, AIPO_FORMS)
+  _check_positive("rho_max", rho_max)
+  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
+                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
+                       loss_norm_constant=loss_norm_constant, loss_name="aipo_loss")
+  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
+  log_rho = jnp.log(jnp.asarray(rho_max, log_ratio.dtype))
+  weight = jnp.exp(jnp.minimum(log_ratio, log_rho))
+  if form == "detached":
+    pg = -jax.lax.stop_gradient(weight) * tokens.advantages * tokens.logprobs
+  else:
+    pg = -weight * tokens.advantages
+  stats = {**_ratio_stats(log_ratio), "policy/frac_truncated": ("mean", log_ratio > log_rho)}
+  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                 entropy_coef=entropy_coef, aggregation=aggregation,
+                 loss_norm_constant=loss_norm_constant)
+
+
+def ppo_clip_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
+                  eps_low: float = 0.2,
+                  eps_high: float = 0.2,
+                  ref_logprobs: Array | None = None,
+                  kl_coef: float = 0.0,
+                  kl_estimator: str = "k3",
+                  entropy: Array | None = None,
+                  entropy_coef: float = 0.0,
+                  aggregation: str = "token_mean",
+                  loss_norm_constant: float | None = None) -> tuple[Array, dict[str, Array]]:
+  """PPO/GRPO clipped surrogate with asymmetric clip range (DAPO's clip-higher).
+
+  r_t = pi/mu (mu = the behaviour policy, PPO's "old" policy):
+      l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+  The gradient is -r_t A_t grad log pi_t, except 0 where the clip is active: A_t > 0 and
+  r_t > 1 + eps_high, or A_t < 0 and r_t < 1 - eps_low. Symmetric PPO: eps_low = eps_high = 0.2;
+  DAPO: eps_low = 0.2, eps_high = 0.28. KL/entropy terms, shapes, aggregation and metrics: see
+  `aipo_loss` and the module docstring.
+  """
+  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
+                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
+                       loss_norm_constant=loss_norm_constant, loss_name="ppo_clip_loss")
+  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
+  pg, clip_stats = _clipped_surrogate(log_ratio, tokens.advantages, eps_low, eps_high)
+  return _finish(pg, tokens, {**_ratio_stats(log_ratio), **clip_stats}, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                 entropy_coef=entropy_coef, aggregation=aggregation,
+                 loss_norm_constant=loss_norm_constant)
+
+
+def decoupled_ppo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
+                       proximal_logprobs: Array,
+                       eps_low: float = 0.2,
+                       eps_high: float = 0.2,
+                       rho_max: float = DEFAULT_RHO_MAX,
+                       ref_logprobs: Array | None = None,
+                       kl_coef: float = 0.0,
+                       kl_estimator: str = "k3",
+                       entropy: Array | None = None,
+                       entropy_coef: float = 0.0,
+                       aggregation: str = "token_mean",
+                       loss_norm_constant: float | None = None) -> tuple[Array, dict[str, Array]]:
+  """Decoupled PPO (Hilton et al. 2021; AReaL): the clip is around a proximal policy, not mu.
+
+  pi_prox (proximal_logprobs [B, T], a constant: e.g. the trainer's weights before this update)
+  anchors the trust region; mu (the generator that sampled) is corrected by an importance weight:
+      w_t = min(pi_prox / mu, rho_max)            (constant, truncated at rho_max)
+      r_t = pi / pi_prox
+      l_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+  With pi_prox == mu it is exactly `ppo_clip_loss`. Metrics as in `ppo_clip_loss` (policy/ratio_*
+  describe r_t = pi/pi_prox), plus policy/frac_truncated (pi_prox/mu > rho_max) and
+  policy/behaviour_ratio_mean|max (pi_prox/mu before truncation).
+  """
+  _check_positive("rho_max", rho_max)
+  tokens, extras = _prepare(logprobs, behaviour_logprobs, advantages, mask,
+                            ref_logprobs=ref_logprobs, entropy=entropy, aggregation=aggregation,
+                            kl_estimator=kl_estimator, loss_norm_constant=loss_norm_constant,
+                            loss_name="decoupled_ppo_loss", proximal_logprobs=proximal_logprobs)
+  prox = extras["proximal_logprobs"]
+  log_ratio = _log_ratio(tokens.logprobs, prox)
+  log_weight = _log_ratio(prox, tokens.behaviour_logprobs)
+  log_rho = jnp.log(jnp.asarray(rho_max, log_weight.dtype))
+  weight = jnp.exp(jnp.minimum(log_weight, log_rho))
+  surrogate, clip_stats = _clipped_surrogate(log_ratio, tokens.advantages, eps_low, eps_high)
+  pg = weight * surrogate
+  behaviour_ratio = jnp.exp(log_weight)
+  stats = {**_ratio_stats(log_ratio), **clip_stats,
+           "policy/frac_truncated": ("mean", log_weight > log_rho),
+           "policy/behaviour_ratio_mean": ("mean", behaviour_ratio),
+           "policy/behaviour_ratio_max": ("max", behaviour_ratio)}
+  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                 entropy_coef=entropy_coef, aggregation=aggregation,
+                 loss_norm_constant=loss_norm_constant)
+
+
+# Read-only name -> loss table (for configs: Controller(loss="aipo", loss_kwargs={...})).
+LOSSES = types.MappingProxyType({"aipo": aipo_loss, "ppo_clip": ppo_clip_loss,
+                                 "decoupled_ppo": decoupled_ppo_loss})
+
+
+def get_loss(name: str) -> Callable[..., tuple[Array, dict[str, Array]]]:
+  """The loss function registered under `name` ("aipo", "ppo_clip", "decoupled_ppo")."""
+  if name not in LOSSES:
+    raise ValueError(f"unknown loss {name!r}; expected one of {tuple(LOSSES)}")
+  return LOSSES[name]
