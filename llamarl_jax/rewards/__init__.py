@@ -1,0 +1,57 @@
+"""Reward functions: `fn(response_text, ground_truth) -> float`, registered by name.
+
+Built-ins: "math" (`rewards.math.verify`, GSM8K/MATH answers), "arithmetic" and "countdown" (the
+synthetic tasks' exact verifiers). Register your own with
+
+    @register_reward("my_reward")
+    def my_reward(response_text: str, ground_truth: str) -> float: ...
+
+`RewardExecutor` runs reward functions in spawned worker processes, which receive the function by
+pickled reference (module + name). So a reward function must be defined at the top level of an
+importable module (not a lambda, closure or nested function); a function in a script's `__main__`
+works too when the script guards its entry point with `if __name__ == "__main__":`.
+This package must stay free of JAX imports: the workers import it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+from llamarl_jax.rewards import math, synthetic
+
+RewardFn = Callable[[str, str], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str, fn: RewardFn | None = None):
+  """Register `fn` under `name`; usable as a decorator (`@register_reward("name")`) or a call."""
+  def add(f: RewardFn) -> RewardFn:
+    if not callable(f):
+      raise TypeError(f"reward {name!r} must be callable, got {type(f).__name__}")
+    if name in _REGISTRY and _REGISTRY[name] is not f:
+      raise ValueError(f"reward {name!r} is already registered to {_REGISTRY[name]!r}; pick another name")
+    _REGISTRY[name] = f
+    return f
+  return add(fn) if fn is not None else add
+
+
+def get_reward_fn(name_or_fn: Union[str, RewardFn]) -> RewardFn:
+  """The reward function registered as `name_or_fn`, or `name_or_fn` itself when it is callable."""
+  if callable(name_or_fn):
+    return name_or_fn
+  if name_or_fn not in _REGISTRY:
+    raise KeyError(f"no reward function named {name_or_fn!r}; registered: {sorted(_REGISTRY)}. "
+                   "Register one with llamarl_jax.rewards.register_reward.")
+  return _REGISTRY[name_or_fn]
+
+
+def registered_rewards() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+register_reward("math", math.verify)
+register_reward("arithmetic", synthetic.score_arithmetic)
+register_reward("countdown", synthetic.score_countdown)
+
+__all__ = ["RewardFn", "get_reward_fn", "math", "register_reward", "registered_rewards", "synthetic"]

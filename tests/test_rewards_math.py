@@ -1,0 +1,161 @@
+"""rewards.math.verify: a table of GSM8K- and MATH-style responses, correct and incorrect."""
+
+from fractions import Fraction
+
+import pytest
+
+from llamarl_jax.rewards import get_reward_fn
+from llamarl_jax.rewards import math as M
+
+# (response, ground truth, expected reward)
+GSM8K_CASES = [
+    # the #### convention
+    ("Natalia sold 48/2 = 24 clips in May.\nShe sold 48+24 = 72 clips.\n#### 72", "72", 1.0),
+    ("#### 72", "72", 1.0),
+    ("#### 72 clips", "72", 1.0),
+    ("#### $1,080", "1080", 1.0),
+    ("#### 1,234,567", "1234567", 1.0),
+    ("#### -15", "-15", 1.0),
+    ("#### 18.00", "18", 1.0),
+    ("#### 73", "72", 0.0),
+    ("#### 7.2", "72", 0.0),
+    ("First 5, then 10. #### 10\nsome trailing chatter with 3", "10", 1.0),
+    # the ground truth given as the raw GSM8K answer field
+    ("#### 72", "She sold 48+24 = <<48+24=72>>72 clips.\n#### 72", 1.0),
+    ("The answer is 71.", "She sold 48+24 = <<48+24=72>>72 clips.\n#### 72", 0.0),
+    # "the answer is"
+    ("So the answer is 42.", "42", 1.0),
+    ("The final answer is: 42", "42", 1.0),
+    ("Answer: 42 apples", "42", 1.0),
+    ("The answer is $42.50.", "42.5", 1.0),
+    ("The answer is 41.", "42", 0.0),
+    ("The answer is forty-two.", "42", 0.0),
+    ("The answer is 48 + 24 = 72 clips", "72", 1.0),
+    # the last number
+    ("He has 3 + 4 = 7 apples left.", "7", 1.0),
+    ("It takes 3 hours, so 180 minutes", "180", 1.0),
+    ("It costs $18.00 dollars", "18", 1.0),
+    ("Total: 1,000 people", "1000", 1.0),
+    ("The temperature drops to -5 degrees", "-5", 1.0),
+    ("10-3 is 7", "7", 1.0),
+    ("He ends with 7 apples. Earlier he had 3.", "7", 0.0),
+    ("There are 4 groups of 25", "100", 0.0),
+    ("no numbers here", "5", 0.0),
+    ("", "5", 0.0),
+    ("The share is 3/4", "0.75", 1.0),
+    ("The share is 0.75", "3/4", 1.0),
+    ("That is 50% of the class", "50", 1.0),
+    ("That is 50% of the class", "0.5", 0.0),
+]
+
+MATH_CASES = [
+    # \boxed answers
+    (r"Thus $x = \boxed{5}$.", "5", 1.0),
+    (r"\boxed{5}", "6", 0.0),
+    (r"\boxed{\frac{1}{2}}", r"\frac12", 1.0),
+    (r"\boxed{\dfrac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{\tfrac{3}{6}}", "1/2", 1.0),
+    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+    (r"\boxed{\frac{2}{3}}", r"\frac{3}{2}", 0.0),
+    (r"\boxed{0.67}", r"\frac{2}{3}", 0.0),
+    (r"\boxed{-\frac{3}{4}}", r"\frac{-3}{4}", 1.0),
+    (r"\boxed{\frac{-3}{4}}", r"-0.75", 1.0),
+    (r"\boxed{\frac{3}{4}}", r"-\frac{3}{4}", 0.0),
+    (r"\boxed{2\sqrt{3}}", r"\sqrt{12}", 1.0),
+    (r"\boxed{\sqrt{2}/2}", r"\frac{\sqrt{2}}{2}", 1.0),
+    (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{\sqrt2}{2}", 1.0),
+    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt{2}}{2}", 0.0),
+    (r"\boxed{\sqrt{16}}", "4", 1.0),
+    (r"\boxed{\sqrt[3]{27}}", "3", 1.0),
+    (r"\boxed{2^{10}}", "1024", 1.0),
+    (r"\boxed{2^10}", "1024", 1.0),
+    (r"\boxed{10\pi}", r"10\pi", 1.0),
+    (r"\boxed{\pi \cdot 10}", r"10\pi", 1.0),
+    (r"\boxed{31.4}", r"10\pi", 0.0),
+    (r"\boxed{25\%}", "25", 1.0),
+    (r"\boxed{25}", r"25\%", 1.0),
+    (r"\boxed{30^\circ}", "30", 1.0),
+    (r"\boxed{30^{\circ}}", r"30", 1.0),
+    (r"\boxed{12 \text{ cm}}", "12", 1.0),
+    (r"\boxed{12\text{ square units}}", "12", 1.0),
+    (r"\boxed{\$ 3.50}", "3.5", 1.0),
+    (r"\boxed{1{,}000}", "1000", 1.0),
+    (r"\boxed{x = 7}", "7", 1.0),
+    (r"\boxed{7}", "x=7", 1.0),
+    (r"\boxed{f(x) = 2x+1}", "1+2x", 1.0),
+    (r"\boxed{x^2 + y^2 = 1}", "x^2+y^2=1", 1.0),
+    (r"\boxed{1}", "x^2+y^2=1", 0.0),  # an equation is not its right-hand side
+    (r"\boxed{1.5e3}", "1500", 1.0),
+    (r"\boxed{2x+2}", "2(x+1)", 1.0),
+    (r"\boxed{x^2-1}", "(x-1)(x+1)", 1.0),
+    (r"\boxed{x^2+1}", "(x+1)^2", 0.0),
+    (r"\boxed{\frac{x}{2}}", "0.5x", 1.0),
+    (r"\boxed{2y}", "2x", 0.0),
+    (r"\boxed{(1, 2)}", "(1,2)", 1.0),
+    (r"\boxed{(2, 1)}", "(1,2)", 0.0),
+    (r"\boxed{\left( 3, \frac{1}{2} \right)}", "(3, 0.5)", 1.0),
+    (r"\boxed{[0, 1)}", "[0,1)", 1.0),
+    (r"\boxed{[0, 1)}", "[0,1]", 0.0),
+    (r"\boxed{2, 1}", "1, 2", 1.0),
+    (r"\boxed{1, 2, 3}", "1, 2", 0.0),
+    (r"\boxed{\text{(C)}}", "C", 1.0),
+    (r"\boxed{(C)}", r"\text{(C)}", 1.0),
+    (r"\boxed{B}", "C", 0.0),
+    (r"\boxed{\text{Monday}}", "Monday", 1.0),
+    (r"\boxed{Tuesday}", "Monday", 0.0),
+    (r"\boxed{\infty}", r"\infty", 1.0),
+    (r"The area is \boxed{\frac{9}{4}} and that is final.", r"2.25", 1.0),
+    (r"\boxed{3} is wrong, so \boxed{4}", "4", 1.0),  # the last box counts
+    (r"\boxed{4}, no wait: \boxed{3}", "4", 0.0),
+    (r"\fbox{8}", "8", 1.0),
+    (r"\boxed{-7}", "7", 0.0),
+    (r"$\boxed{\frac{7}{2}}$", r"3\frac{1}{2}", 0.0),  # mixed numbers are not supported (read as a product)
+    # the ground truth given as a MATH solution
+    (r"\boxed{\frac{1}{4}}", r"The probability is $\frac{2}{8} = \boxed{\frac{1}{4}}$.", 1.0),
+    (r"\boxed{\frac{1}{3}}", r"The probability is $\frac{2}{8} = \boxed{\frac{1}{4}}$.", 0.0),
+    (r"\boxed{\frac{1}{2", "0.5", 0.0),  # unbalanced box
+]
+
+
+@pytest.mark.parametrize("response,truth,expected", GSM8K_CASES + MATH_CASES)
+def test_verify(response, truth, expected):
+  assert M.verify(response, truth) == expected
+
+
+def test_the_table_is_large_and_balanced():
+  cases = GSM8K_CASES + MATH_CASES
+  assert len(cases) >= 60
+  assert sum(e == 1.0 for *_, e in cases) >= 25 and sum(e == 0.0 for *_, e in cases) >= 25
+
+
+def test_registered_as_math():
+  assert get_reward_fn("math") is M.verify
+
+
+@pytest.mark.parametrize("text,value", [
+    ("1+2*3", Fraction(7)), ("(1+2)*3", Fraction(9)), ("2^3^2", Fraction(512)), ("-2^2", Fraction(-4)),
+    ("2^-1", Fraction(1, 2)), (r"\frac{1}{3}+\frac{1}{6}", Fraction(1, 2)), (r"\frac12", Fraction(1, 2)),
+    ("0.1+0.2", Fraction(3, 10)), (r"4\sqrt{9}", Fraction(12)), ("8^{2/3}", Fraction(4)), ("2(3)(4)", Fraction(24)),
+])
+def test_evaluate_exact(text, value):
+  assert M.evaluate(M.parse(text)) == value
+
+
+@pytest.mark.parametrize("text", ["1/0", r"\sqrt{-4}", "0^-1", "2^100000", "(-8)^{1/2}"])
+def test_evaluate_rejects(text):
+  with pytest.raises(M.ParseError):
+    M.evaluate(M.parse(text))
+
+
+@pytest.mark.parametrize("text", ["", "1+", "(1", "1)", "f(x)!", r"\sin{x}", "1 @ 2", "x_1"])
+def test_parse_rejects(text):
+  with pytest.raises(M.ParseError):
+    M.evaluate(M.parse(text, allow_vars=False))
+
+
+@pytest.mark.parametrize("response,answer", [
+    (r"so \boxed{\frac{1}{2}} done", r"\frac{1}{2}"), ("x\n#### 5 apples\nmore", "5 apples"),
+    ("The answer is 12.", "12."), ("a 1,234.5 b", "1,234.5"), ("3 then -4", "-4"), ("nothing", None),
+])
+def test_extract_answer(response, answer):
+  assert M.extract_answer(response) == answer
