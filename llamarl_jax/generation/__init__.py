@@ -1,2 +1,3 @@
 """Generation: rollout data types and the sampler."""
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch, ScoredBatch
+from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits

@@ -147,6 +147,24 @@ class RMSNorm(nnx.Module):
     return self.scale[...].astype(x.dtype) * xf.astype(x.dtype)
 
 
+def decode_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+  """Attention of one query per row over the cache, reading `k`, `v` in their cache layout.
+
+  q `[B, 1, H, D]`; k, v `[B, S, KV, D]`; mask `[B, S]` bool. Returns `[B, 1, H, D]`. Written as
+  multiply-reduce (fp32 accumulation) rather than a batched matmul: a dot with batch dims (B, KV)
+  makes XLA transpose the whole cache to `[B, KV, S, D]` every decode step, which costs more than
+  the attention itself.
+  """
+  B, _, H, D = q.shape
+  KV = k.shape[2]
+  qg = q.reshape(B, KV, H // KV, D).astype(jnp.float32) * (1.0 / math.sqrt(D))
+  scores = jnp.sum(qg[:, None] * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [B, S, KV, G]
+  scores = jnp.where(mask[:, :, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=1)
+  out = jnp.sum(probs[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [B, KV, G, D]
+  return out.reshape(B, 1, H, D).astype(q.dtype)
+
+
 class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     c, pd = config, jnp.dtype(config.param_dtype)
@@ -170,8 +188,12 @@ class Attention(nnx.Module):
       k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
       v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
       new_cache = (k, v)
-    out = jax.nn.dot_product_attention(q, k.astype(dt), v.astype(dt), mask=mask[:, None])
-    return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dt)), new_cache
+    if q.shape[1] == 1 and layer_cache is not None:  # one new token per row: the decode step
+      out = decode_attention(q, k, v, mask[:, 0])
+    else:
+      out = jax.nn.dot_product_attention(q, k.astype(dt), v.astype(dt), mask=mask[:, None])
+    B, T, H, D = out.shape  # a plain [B*T, H*D] @ [H*D, E] matmul: no per-call transpose of wo
+    return out.reshape(B, T, H * D) @ self.wo[...].astype(dt).reshape(H * D, -1), new_cache
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,437 @@
+"""The trainer executor: one jitted, sharded policy-gradient step per scored batch (LlamaRL's trainer).
+
+`TrainerExecutor.step(batch)` runs on the trainer mesh:
+
+  host:   the `ScoredBatch` (numpy, fixed shapes [B, P] / [B, R]) is cast to fixed dtypes and put on
+          the mesh with the batch sharding (rows over `data` x `fsdp`).
+  device: one jitted call (params and optimizer state donated, explicit in/out shardings):
+          a `lax.scan` over `microbatches` slices of the batch, each a forward over prompt+response,
+          response-token log-probs (`token_logprobs`), the chosen loss (`LOSSES`, AIPO by default)
+          and its gradient, accumulated in fp32 on the parameter shardings (reduce-scatter under
+          FSDP); then global-norm clipping and AdamW. A non-finite loss or gradient norm keeps the
+          old params and optimizer state (an elementwise select) and bumps `train/skipped_nonfinite`.
+
+Microbatching is exact, not an approximation: the loss of a microbatch is weighted by its share of
+the batch's normaliser (valid tokens for `token_mean`, valid sequences for `seq_mean_token_mean`,
+rows for the fixed-normaliser modes), so the summed gradient equals the full-batch gradient.
+
+Params are fp32 masters, sharded by `parallel.RULES` (FSDP over `fsdp`; TP over `tp` when the mesh
+has tp > 1). The model casts them to `config.dtype` inside each matmul, so `dtype='bfloat16'` gives
+bf16 compute with fp32 master weights and fp32 logits/log-probs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from llamarl_jax import losses, parallel
+from llamarl_jax.generation.rollout import ScoredBatch, sequence_layout
+from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
+
+Array = jax.Array
+
+
+# --------------------------------------------------------------------------------------------------
+# optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with linear warmup, then a constant or cosine learning rate, and global-norm clipping.
+
+  The learning rate of update k (k = 0, 1, ...) is `lr * (k + 1) / warmup_steps` during warmup (the
+  first update is not wasted at lr 0), then `lr` ("constant") or a cosine from `lr` down to
+  `lr * final_lr_ratio` at `total_steps` ("cosine"; it stays there afterwards). Weight decay (decoupled)
+  applies to matrices only, not to norm scales. `max_grad_norm <= 0` disables clipping.
+  """
+
+  lr: float = 1e-6
+  warmup_steps: int = 0
+  schedule: str = "constant"
+  total_steps: int = 1000
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  max_grad_norm: float = 1.0
+  final_lr_ratio: float = 0.0
+
+  def __post_init__(self):
+    if self.schedule not in ("constant", "cosine"):
+      raise ValueError(f"OptimizerConfig.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+    if self.warmup_steps < 0 or self.total_steps < 1:
+      raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, "
+                       f"{self.total_steps}")
+
+
+def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+  """Learning rate as a function of the number of updates already applied (see `OptimizerConfig`)."""
+
+  def schedule(count):
+    count = jnp.asarray(count, jnp.float32)
+    warm = jnp.minimum(1.0, (count + 1.0) / max(cfg.warmup_steps, 1))
+    if cfg.schedule == "constant":
+      return cfg.lr * warm
+    decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
+    progress = jnp.clip((count - cfg.warmup_steps) / decay_steps, 0.0, 1.0)
+    cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+    decayed = cfg.lr * (cfg.final_lr_ratio + (1.0 - cfg.final_lr_ratio) * cosine)
+    return jnp.where(count < cfg.warmup_steps, cfg.lr * warm, decayed)
+
+  return schedule
+
+
+def _decay_mask(params):
+  """Weight decay on matrices (ndim >= 2), not on vectors (RMSNorm scales)."""
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+  """clip_by_global_norm -> AdamW(lr_schedule(cfg)), decay masked to matrices."""
+  adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                      weight_decay=cfg.weight_decay, mask=_decay_mask)
+  if cfg.max_grad_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+  return adamw
+
+
+def _applied_updates(opt_state) -> Array:
+  """The schedule's count (updates applied so far) inside an optax state built by `make_optimizer`."""
+  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(x)]
+  if len(found) != 1:
+    raise ValueError(f"expected one ScaleByScheduleState in the optimizer state, found {len(found)}")
+  return found[0].count
+
+
+# --------------------------------------------------------------------------------------------------
+# log-probs
+
+
+def token_logprobs(graphdef, params, prompt_tokens, prompt_mask, response_tokens, response_mask, *,
+                   temperature: float = 1.0, remat: bool = False, with_entropy: bool = False):
+  """Log-probs `[B, R]` (fp32) of the response tokens under the policy at `temperature`.
+
+  One forward over the left-padded prompt `[B, P]` + right-padded response `[B, R]`
+  (`sequence_layout`); the hidden states at indices P-1 .. P+R-2 (which predict response tokens
+  0 .. R-1) are sliced *before* the vocabulary projection, so the prompt's logits are never built.
+  Positions where `response_mask` is 0 are 0. With `with_entropy=True` also returns the entropy
+  `[B, R]` of the tempered next-token distribution (0 where masked).
+  """
+  model = merge_params(graphdef, params)
+  P_len, R = prompt_tokens.shape[1], response_tokens.shape[1]
+  tokens, positions, attention_mask = sequence_layout(prompt_tokens, prompt_mask, response_tokens,
+                                                      response_mask)
+  hidden, _ = model.hidden_states(tokens, positions, attention_mask=attention_mask, remat=remat)
+  hidden = jax.lax.slice_in_dim(hidden, P_len - 1, P_len - 1 + R, axis=1)
+  logits = model.logits(hidden) / temperature  # fp32 [B, R, V]
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, response_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  valid = response_mask.astype(bool)
+  logprobs = jnp.where(valid, picked - log_z, 0.0)
+  if not with_entropy:
+    return logprobs
+  probs = jax.nn.softmax(logits, axis=-1)
+  entropy = log_z - jnp.sum(probs * logits, axis=-1)
+  return logprobs, jnp.where(valid, entropy, 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# losses
+
+# The trainer's losses, by name (functions in `llamarl_jax.losses`). decoupled_ppo is left out on
+# purpose: with one optimizer step per batch its proximal policy is the current policy, and then its
+# gradient is exactly AIPO's.
+TRAINER_LOSSES = ("aipo", "ppo_clip")
+
+
+def get_loss(name: str) -> Callable:
+  if name not in TRAINER_LOSSES:
+    raise ValueError(f"unknown loss {name!r} for the trainer; expected one of {TRAINER_LOSSES}")
+  return losses.get_loss(name)
+
+
+# --------------------------------------------------------------------------------------------------
+# the executor
+
+_BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask",
+                 "behaviour_logprobs", "advantages")
+_BATCH_DTYPES = {"prompt_tokens": np.int32, "prompt_mask": np.int32, "response_tokens": np.int32,
+                 "response_mask": np.int32, "behaviour_logprobs": np.float32, "advantages": np.float32}
+
+
+class TrainerExecutor:
+  """Holds the policy's fp32 params and optimizer state on the trainer mesh; `step` trains one batch.
+
+  config: the model architecture (its `dtype` is the compute dtype). mesh: the trainer mesh
+  `(data, fsdp, tp)`. params: initial params (nested dict as from `split_params`; host or device,
+  any dtype; copied, cast to fp32 and sharded). loss: a name in `TRAINER_LOSSES`; loss_kwargs go to it
+  (e.g. `rho_max`). microbatches: gradient-accumulation slices of the batch (B must be a multiple of
+  `microbatches * data * fsdp`). ref_params: optional frozen reference policy for a KL penalty
+  (`kl_coef`), kept in the compute dtype on the same mesh.
+
+  `params` returns the live arrays: the next `step` donates them, so copy what you keep.
+  """
+
+  def __init__(self, config: ModelConfig, mesh: Mesh, params: Any, *,
+               optimizer: OptimizerConfig | None = None, loss: str = "aipo",
+               loss_kwargs: Mapping[str, Any] | None = None, microbatches: int = 1, remat: bool = False,
+               temperature: float = 1.0, ref_params: Any = None, kl_coef: float = 0.0,
+               rules: Mapping[str, str | None] = parallel.RULES):
+    if microbatches < 1:
+      raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if temperature <= 0:
+      raise ValueError(f"temperature must be > 0 (the sampling temperature; use 1.0 for greedy), "
+                       f"got {temperature}")
+    if (kl_coef or (loss_kwargs or {}).get("kl_coef")) and ref_params is None:
+      raise ValueError("a KL penalty (kl_coef > 0) needs ref_params, the reference policy's params")
+    self.config = config
+    self.mesh = mesh
+    self.optimizer_config = optimizer or OptimizerConfig()
+    self.loss_name = loss
+    self.loss_fn = get_loss(loss)
+    self.loss_kwargs = dict(loss_kwargs or {})
+    for reserved in ("ref_logprobs", "entropy"):
+      if reserved in self.loss_kwargs:
+        raise ValueError(f"loss_kwargs must not contain {reserved!r}: the trainer computes it")
+    if kl_coef:
+      if self.loss_kwargs.get("kl_coef", kl_coef) != kl_coef:
+        raise ValueError(f"kl_coef given twice: {kl_coef} and loss_kwargs {self.loss_kwargs['kl_coef']}")
+      self.loss_kwargs["kl_coef"] = kl_coef
+    self._with_entropy = bool(self.loss_kwargs.get("entropy_coef", 0.0))
+    self.microbatches = microbatches
+    self.remat = remat
+    self.temperature = float(temperature)
+    self.busy_seconds = 0.0
+    self.trace_count = 0  # times the train step was traced (= compiled); a test asserts 1
+
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    self.graphdef, shapes = split_params(abstract)
+    self.axes = parallel.logical_axes(abstract)
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), shapes)
+    self.param_shardings = parallel.param_shardings(shapes, self.axes, mesh, rules)
+    self._replicated = parallel.replicated(mesh)
+    self.tx = make_optimizer(self.optimizer_config)
+
+    opt_shapes = jax.eval_shape(self.tx.init, shapes)
+    self.opt_shardings = optax.tree_map_params(
+        self.tx, lambda _, sharding: sharding, opt_shapes, self.param_shardings,
+        transform_non_params=lambda _: self._replicated)
+    self._params = self._place(params, jnp.float32)
+    self._opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self._params)
+    self._step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+    self._skipped = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+    self._ref_params = None
+    if ref_params is not None:
+      self._ref_params = self._place(ref_params, jnp.dtype(config.dtype))
+
+    batch_sh = {k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in _BATCH_FIELDS}
+    self._batch_shardings = batch_sh
+    ref_sh = None if self._ref_params is None else self.param_shardings
+    self._train_step = jax.jit(
+        self._train_step_impl,
+        in_shardings=(self.param_shardings, self.opt_shardings, self._replicated, self._replicated,
+                      batch_sh, ref_sh),
+        out_shardings=(self.param_shardings, self.opt_shardings, self._replicated, self._replicated,
+                       self._replicated),
+        donate_argnums=(0, 1, 2, 3))
+
+  # ------------------------------------------------------------------------------------------------
+  # state
+
+  def _place(self, params, dtype) -> Any:
+    """Copy `params` onto the trainer shardings in `dtype` (never aliasing the caller's buffers)."""
+    if jax.tree.structure(params) != jax.tree.structure(self.param_shardings):
+      raise ValueError("params do not match the model's structure for this ModelConfig: expected "
+                       f"{jax.tree.structure(self.param_shardings)}, got {jax.tree.structure(params)}")
+    dtype = jnp.dtype(dtype)
+    cast = lambda x: x if x.dtype == dtype else (
+        x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x, dtype))
+    return jax.device_put(jax.tree.map(cast, params), self.param_shardings, may_alias=False)
+
+  @property
+  def params(self) -> Any:
+    """Current fp32 params on the trainer mesh (live buffers: the next `step` donates them)."""
+    return self._params
+
+  @property
+  def opt_state(self) -> Any:
+    return self._opt_state
+
+  @property
+  def ref_params(self) -> Any:
+    return self._ref_params
+
+  @property
+  def num_steps(self) -> int:
+    return int(self._step)
+
+  def load_params(self, params: Any) -> None:
+    """Replace the policy params (e.g. after a supervised warm start); the optimizer state is kept."""
+    self._params = self._place(params, jnp.float32)
+
+  def state_dict(self) -> dict:
+    """Checkpointable state (an orbax-friendly pytree of arrays): params, opt_state, step, skips."""
+    return {"params": self._params, "opt_state": self._opt_state, "step": self._step,
+            "skipped_nonfinite": self._skipped}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    """Inverse of `state_dict` (arrays from host or devices are copied onto the trainer shardings)."""
+    self._params = self._place(state["params"], jnp.float32)
+    opt_state = jax.tree.unflatten(jax.tree.structure(self._opt_state), jax.tree.leaves(state["opt_state"]))
+    self._opt_state = jax.device_put(opt_state, self.opt_shardings, may_alias=False)
+    self._step = jax.device_put(jnp.asarray(state["step"], jnp.int32), self._replicated)
+    self._skipped = jax.device_put(jnp.asarray(state.get("skipped_nonfinite", 0), jnp.int32),
+                                   self._replicated)
+
+  # ------------------------------------------------------------------------------------------------
+  # the step
+
+  def step(self, batch: ScoredBatch) -> dict[str, float]:
+    """One optimizer step on `batch` (host numpy or device arrays); returns scalar metrics."""
+    start = time.perf_counter()
+    arrays = self._put_batch(batch)
+    self._params, self._opt_state, self._step, self._skipped, metrics = self._train_step(
+        self._params, self._opt_state, self._step, self._skipped, arrays, self._ref_params)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+    elapsed = time.perf_counter() - start
+    self.busy_seconds += elapsed
+    metrics["time/train_step"] = elapsed
+    return metrics
+
+  def _put_batch(self, batch: ScoredBatch) -> dict[str, Array]:
+    r = batch.rollout
+    host = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
+            "response_tokens": r.response_tokens, "response_mask": r.response_mask,
+            "behaviour_logprobs": r.behaviour_logprobs, "advantages": batch.advantages}
+    B = np.shape(host["prompt_tokens"])[0]
+    multiple = self.microbatches * parallel.batch_divisor(self.mesh)
+    if B % multiple:
+      raise ValueError(f"batch size {B} must be a multiple of microbatches ({self.microbatches}) x "
+                       f"data*fsdp ({parallel.batch_divisor(self.mesh)}) = {multiple}; pad the batch "
+                       "with rows whose response_mask is 0")
+    expected = {"prompt_tokens": (B, None), "prompt_mask": np.shape(host["prompt_tokens"]),
+                "response_tokens": (B, None), "response_mask": np.shape(host["response_tokens"]),
+                "behaviour_logprobs": np.shape(host["response_tokens"]), "advantages": (B,)}
+    out = {}
+    for k, v in host.items():
+      shape = np.shape(v)
+      want = expected[k]
+      if len(shape) != len(want) or any(w is not None and w != s for w, s in zip(want, shape)):
+        raise ValueError(f"batch field {k} has shape {shape}, expected {want} (None = any)")
+      if isinstance(v, jax.Array):
+        v = v.astype(_BATCH_DTYPES[k])
+      else:
+        v = np.asarray(v, _BATCH_DTYPES[k])
+      out[k] = jax.device_put(v, self._batch_shardings[k])
+    return out
+
+  def _microbatch_loss(self, params, ref_params, mb, totals):
+    """This microbatch's share of the full-batch loss (see `_loss_share`), and its metrics."""
+    mask = mb["response_mask"]
+    kw = dict(self.loss_kwargs)
+    out = token_logprobs(self.graphdef, params, mb["prompt_tokens"], mb["prompt_mask"],
+                         mb["response_tokens"], mask, temperature=self.temperature, remat=self.remat,
+                         with_entropy=self._with_entropy)
+    logprobs, kw["entropy"] = out if self._with_entropy else (out, None)
+    if ref_params is not None:
+      kw["ref_logprobs"] = jax.lax.stop_gradient(token_logprobs(
+          self.graphdef, ref_params, mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"],
+          mask, temperature=self.temperature))
+    loss, metrics = self.loss_fn(logprobs, mb["behaviour_logprobs"], mb["advantages"], mask, **kw)
+    share = _loss_share(mask, totals, kw.get("aggregation", "token_mean"))
+    return loss * share, (share, metrics)
+
+  def _train_step_impl(self, params, opt_state, step, skipped, batch, ref_params):
+    self.trace_count += 1
+    M = self.microbatches
+    mask = batch["response_mask"]
+    totals = _valid_counts(mask)
+    # Row j*M + m goes to microbatch m: each device keeps its own rows (no resharding for the scan).
+    batch_axes = parallel.BATCH_AXES
+
+    def split(x):
+      x = x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
+      return jax.lax.with_sharding_constraint(
+          x, NamedSharding(self.mesh, P(None, batch_axes, *([None] * (x.ndim - 2)))))
+
+    micro = jax.tree.map(split, batch)
+    grad_fn = jax.value_and_grad(self._microbatch_loss, has_aux=True)
+
+    def accumulate(grads, mb):
+      (loss_part, (share, metrics)), g = grad_fn(params, ref_params, mb, totals)
+      grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+      grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
+      return grads, (loss_part, share, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (loss_parts, shares, micro_metrics) = jax.lax.scan(accumulate, zeros, micro)
+    total_loss = jnp.sum(loss_parts)
+    metrics = _combine_metrics(micro_metrics, shares)
+
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(total_loss) & jnp.isfinite(grad_norm)
+    lr = lr_schedule(self.optimizer_config)(_applied_updates(opt_state))
+    updates, new_opt_state = self.tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    skipped = skipped + (~finite).astype(jnp.int32)
+    step = step + 1
+    metrics.update({
+        "loss/total": total_loss, "train/grad_norm": grad_norm, "train/lr": lr,
+        "train/tokens": jnp.sum(mask).astype(jnp.float32), "train/skipped_nonfinite": skipped,
+        "train/step": step, "train/update_applied": finite.astype(jnp.float32),
+    })
+    return params, opt_state, step, skipped, metrics
+
+
+def _valid_counts(mask: Array) -> dict[str, Array]:
+  """Valid tokens and non-empty sequences of `mask` `[B, R]` (the loss aggregations' normalisers)."""
+  valid = mask > 0
+  return {"tokens": jnp.sum(valid).astype(jnp.float32),
+          "seqs": jnp.sum(jnp.any(valid, axis=-1)).astype(jnp.float32)}
+
+
+def _loss_share(mask: Array, totals: Mapping[str, Array], aggregation: str) -> Array:
+  """A microbatch's share of the full batch's normaliser: sum_m share_m * loss_m = loss(full batch).
+
+  token_mean normalises by valid tokens; seq_mean_token_mean and seq_sum_norm by non-empty
+  sequences (see `llamarl_jax.losses`). An empty microbatch has share 0 (its loss is 0 anyway).
+  """
+  key = "tokens" if aggregation == "token_mean" else "seqs"
+  return _valid_counts(mask)[key] / jnp.maximum(totals[key], 1.0)
+
+
+def _combine_metrics(micro: Mapping[str, Array], shares: Array) -> dict[str, Array]:
+  """Per-microbatch metrics `[M]` -> the full batch's.
+
+  loss/*: share-weighted sums (like the loss); policy/num_*: sums; *_max / *_min: max / min over
+  microbatches with valid tokens; every other metric is a per-token mean: token-weighted.
+  """
+  tokens = micro["policy/num_tokens"]
+  has = tokens > 0
+  out = {}
+  for k, v in micro.items():
+    if k.startswith("loss/"):
+      out[k] = jnp.sum(shares * v)
+    elif k.startswith("policy/num_"):
+      out[k] = jnp.sum(v)
+    elif k.endswith("_max"):
+      out[k] = jnp.where(jnp.any(has), jnp.max(jnp.where(has, v, -jnp.inf)), 0.0)
+    elif k.endswith("_min"):
+      out[k] = jnp.where(jnp.any(has), jnp.min(jnp.where(has, v, jnp.inf)), 0.0)
+    else:
+      out[k] = jnp.sum(tokens * v) / jnp.maximum(jnp.sum(tokens), 1.0)
+  return out

@@ -1,0 +1,370 @@
+"""The generator's engine: batched sampling with a preallocated KV cache, on a (data, tp) mesh.
+
+`Sampler.generate(params, prompts, sampling)` turns token-id prompts into a `RolloutBatch`:
+
+  host:    repeat each prompt `n` times, left-pad to a bucket length P, pad the batch to a multiple
+           of the mesh's data axis, and put it on the mesh (batch over `data`, params over `tp`).
+  prefill: one jitted call runs the prompts through the model into a fresh KV cache of length
+           P + R (R = max_new_tokens) and samples the first response token.
+  decode:  one jitted call runs a `lax.while_loop` on device (the cache donated to it): each step
+           feeds the last token, samples the next, and the loop exits as soon as every row has
+           stopped or R tokens exist. No host round trip per token.
+
+Shapes depend only on (P bucket, padded batch, R) and the static sampling switches (greedy, top_k,
+top_p < 1), so new prompts of similar length reuse the compiled functions; temperature, top_p,
+seed and stop ids are traced values.
+
+Behaviour log-probs are those of the distribution actually sampled from: log-softmax of
+logits / temperature restricted to the top-k / top-p set and renormalised. For greedy decoding
+(temperature 0) the one-hot distribution would give log 1 = 0, which says nothing, so we report the
+log-softmax of the untempered logits at the argmax instead (the model's own log-prob of the token).
+
+Random numbers: the key of row r at step t is fold_in(fold_in(seed_key, t), r), so a row's samples
+do not depend on how the batch is sharded. Callers that generate many batches must vary `seed` (or
+pass `rng`), otherwise row r of every batch sees the same noise.
+
+Continuous batching (refilling a finished row while others decode) is not implemented: the
+`KVCache` has one write slot shared by all rows. The pieces are separated so that it can be added
+by giving the cache a per-row write index and prefilling new prompts into freed rows between decode
+segments (the decode loop already carries per-row `done`/`lengths`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from llamarl_jax import parallel
+from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
+from llamarl_jax.model.llama import KVCache, Llama, ModelConfig, merge_params, split_params
+
+Array = jax.Array
+
+DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to sample. temperature 0 = greedy; top_k 0 = off; top_p 1 = off.
+
+  n: samples per prompt (contiguous rows sharing a group id). stop_token_ids: a sampled stop token
+  ends its row (it is part of the response). seed: the default PRNG seed of `Sampler.generate`.
+  """
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_new_tokens: int = 64
+  n: int = 1
+  stop_token_ids: tuple[int, ...] = ()
+  seed: int = 0
+
+  def __post_init__(self):
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.n < 1:
+      raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+# ----------------------------------------------------------------------------- sampling step
+
+
+def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0, top_k: int = 0,
+                  top_p: float | Array = 1.0, greedy: bool = False,
+                  use_top_p: bool | None = None) -> tuple[Array, Array]:
+  """Sample one token per row from `logits [B, V]`; returns (tokens int32 [B], logprobs f32 [B]).
+
+  The distribution is softmax(logits / temperature), restricted to the `top_k` most likely tokens
+  (0 = all), then to the smallest prefix of those (by probability) whose mass reaches `top_p`, and
+  renormalised; `logprobs` is the log-probability of each sampled token under exactly that
+  distribution. `greedy`: argmax, with logprobs = log_softmax(logits) at the argmax (untempered).
+
+  `greedy`, `top_k` and `use_top_p` are static; `temperature` and `top_p` may be traced.
+  `use_top_p` defaults to `top_p < 1` (pass it when `top_p` is traced). Row r draws with key
+  fold_in(key, r), so results do not depend on how the batch is split across devices.
+  """
+  logits = logits.astype(jnp.float32)
+  B, V = logits.shape
+  if greedy:
+    tokens = jnp.argmax(logits, axis=-1)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=-1)[:, 0]
+    return tokens.astype(jnp.int32), logprobs
+  if use_top_p is None:
+    use_top_p = bool(top_p < 1)
+  top_k = 0 if top_k >= V else top_k
+  x = logits / temperature
+  row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B, dtype=jnp.uint32))
+  draw = jax.vmap(jax.random.categorical)
+  if not top_k and not use_top_p:  # no filtering: no sort, sample over the full vocabulary
+    tokens = draw(row_keys, x)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(x), tokens[:, None], axis=-1)[:, 0]
+    return tokens.astype(jnp.int32), logprobs
+  # Candidates sorted by descending logit: the top k, or the whole vocabulary for top-p alone.
+  vals, idx = jax.lax.top_k(x, top_k or V)
+  if use_top_p:
+    probs = jax.nn.softmax(vals, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the strictly better candidates
+    vals = jnp.where(mass_before < top_p, vals, -jnp.inf)  # the best candidate always stays
+  choice = draw(row_keys, vals)
+  tokens = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+  logprobs = jnp.take_along_axis(jax.nn.log_softmax(vals), choice[:, None], axis=-1)[:, 0]
+  return tokens.astype(jnp.int32), logprobs
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything that changes the compiled program besides array shapes."""
+
+  max_new_tokens: int
+  greedy: bool
+  top_k: int
+  use_top_p: bool
+
+
+class Sampler:
+  """Generates rollouts for one model architecture on one generator mesh.
+
+  mesh: a `(data, fsdp, tp)` mesh (see `parallel.make_mesh`); None = the first device. Params are
+    sharded with `param_shardings(rules)` (tensor parallel over `tp`), the batch over data x fsdp.
+  pad_id: written in padded prompt slots and after a row's finish.
+  prompt_buckets: prompt lengths are rounded up to the next bucket (past the largest: to a multiple
+    of it), so prompts of similar length share one compiled program.
+  batch_multiple: the batch (n_prompts * n) is padded up to a multiple of this (default: the mesh's
+    data x fsdp size; always rounded to a multiple of it). A larger value means fewer recompiles
+    for a varying number of prompts.
+
+  `num_traces` counts how often the prefill/decode functions were traced (= compiled).
+  """
+
+  def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, pad_id: int = 0,
+               prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, batch_multiple: int | None = None,
+               rules: Mapping[str, str | None] = parallel.RULES):
+    self.config = config
+    self.mesh = mesh if mesh is not None else parallel.make_mesh(jax.devices()[:1])
+    self.pad_id = int(pad_id)
+    self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
+    if not self.prompt_buckets or self.prompt_buckets[0] < 1:
+      raise ValueError(f"prompt_buckets must be positive lengths, got {prompt_buckets}")
+    divisor = parallel.batch_divisor(self.mesh)
+    self.batch_multiple = math.lcm(divisor, int(batch_multiple or divisor))
+    self.rules = dict(rules)
+
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    self._graphdef, shapes = split_params(abstract)
+    self.param_shardings = parallel.param_shardings(shapes, parallel.logical_axes(abstract), self.mesh, rules)
+    kv_spec = parallel.logical_to_spec((None, None, "kv_heads", "head_dim"),
+                                       (1, 1, config.num_kv_heads, config.head_dim), self.mesh, rules)
+    self._cache_sharding = NamedSharding(self.mesh, P(parallel.BATCH_AXES, *kv_spec[1:]))
+    self._batch1 = parallel.batch_sharding(self.mesh, 1)
+    self._batch2 = parallel.batch_sharding(self.mesh, 2)
+    self._repl = parallel.replicated(self.mesh)
+    self._fns: dict[_Static, tuple[Any, Any]] = {}
+    self.num_traces = 0
+    self.last_decode_steps: Array | None = None  # device scalar: decode iterations of the last call
+
+  # -- public -----------------------------------------------------------------
+
+  def generate(self, params_or_model: Llama | dict, prompts: Sequence[Sequence[int]],
+               sampling: SamplingParams = SamplingParams(), *, policy_version: int = 0,
+               rng: Array | None = None) -> RolloutBatch:
+    """Sample `sampling.n` responses per prompt; rows [i*n, (i+1)*n) belong to prompt i.
+
+    params_or_model: a `Llama` or the params dict of `split_params` (placed on this sampler's
+      mesh if not already there). prompts: token ids, each non-empty. rng: a PRNG key overriding
+      `sampling.seed`. Returns device arrays with R = max_new_tokens exactly and P = the bucket.
+    """
+    params = self._place_params(params_or_model)
+    tokens, mask, n_rows = self._pad_prompts(prompts, sampling.n)
+    static = _Static(sampling.max_new_tokens, sampling.greedy,
+                     0 if sampling.top_k >= self.config.vocab_size else sampling.top_k,
+                     sampling.top_p < 1)
+    prefill, decode = self._compiled(static)
+
+    if rng is None:
+      rng = jax.random.key(sampling.seed)
+    elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+      rng = jax.random.wrap_key_data(rng)
+    put = jax.device_put
+    tokens_d, mask_d = put(tokens, self._batch2), put(mask, self._batch2)
+    stops = sampling.stop_token_ids  # padded with -1 (matches no token) to a multiple of 8: fewer shapes
+    stop_ids = np.full(max(8, -(-len(stops) // 8) * 8), -1, np.int32)
+    stop_ids[:len(stops)] = stops
+    scalars = put((rng, np.float32(max(sampling.temperature, 1e-6)), np.float32(sampling.top_p), stop_ids,
+                   np.int32(n_rows)), self._repl)
+    rng, temperature, top_p, stop_ids, num_real = scalars
+
+    cache, first_token, first_logprob = prefill(params, tokens_d, mask_d, rng, temperature, top_p)
+    out_tokens, logprobs, lengths, finish, steps, _ = decode(
+        params, cache, first_token, first_logprob, mask_d, num_real, rng, temperature, top_p, stop_ids)
+    self.last_decode_steps = steps
+
+    B = tokens.shape[0]
+    group_ids = np.repeat(np.arange(len(prompts), dtype=np.int32), sampling.n)
+    group_ids = np.concatenate([group_ids, np.full(B - n_rows, -1, np.int32)])
+    response_mask = (jnp.arange(sampling.max_new_tokens)[None, :] < lengths[:, None]).astype(jnp.int32)
+    batch = RolloutBatch(
+        prompt_tokens=tokens_d, prompt_mask=mask_d, response_tokens=out_tokens,
+        response_mask=response_mask, behaviour_logprobs=logprobs, lengths=lengths,
+        finish_reason=finish, group_ids=put(group_ids, self._batch1),
+        policy_version=put(np.full(B, policy_version, np.int32), self._batch1))
+    if n_rows < B:  # drop the rows that only padded the batch to the mesh
+      batch = jax.tree.map(lambda x: x[:n_rows], batch)
+    return batch
+
+  def prompt_bucket(self, length: int) -> int:
+    """The padded prompt length for a longest prompt of `length` tokens."""
+    for b in self.prompt_buckets:
+      if length <= b:
+        return b
+    top = self.prompt_buckets[-1]
+    return -(-length // top) * top
+
+  # -- host side ----------------------------------------------------------------
+
+  def _place_params(self, params_or_model):
+    if isinstance(params_or_model, Llama):
+      if params_or_model.config != self.config:
+        raise ValueError(f"model config {params_or_model.config} differs from the sampler's {self.config}; "
+                         "build the Sampler with the model's config")
+      _, params = split_params(params_or_model)
+    else:
+      params = params_or_model
+    try:
+      return jax.device_put(params, self.param_shardings)  # no copy when already placed so
+    except ValueError as e:
+      raise ValueError(f"params do not match the sampler's model structure ({e}); expected the dict "
+                       "of `split_params(Llama(config))`") from e
+
+  def _pad_prompts(self, prompts, n: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Left-padded tokens and mask `[B_padded, P_bucket]`, and the number of real rows."""
+    if len(prompts) == 0:
+      raise ValueError("generate() needs at least one prompt")
+    prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    lengths = [len(p) for p in prompts]
+    if min(lengths) == 0:
+      raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token (e.g. BOS)")
+    V = self.config.vocab_size
+    for i, p in enumerate(prompts):
+      if p.min() < 0 or p.max() >= V:
+        raise ValueError(f"prompt {i} has token ids outside [0, {V}): min {p.min()}, max {p.max()}")
+    n_rows = len(prompts) * n
+    B = -(-n_rows // self.batch_multiple) * self.batch_multiple
+    Pb = self.prompt_bucket(max(lengths))
+    tokens = np.full((B, Pb), self.pad_id, np.int32)
+    mask = np.zeros((B, Pb), np.int32)
+    for i, p in enumerate(prompts):
+      rows = slice(i * n, (i + 1) * n)
+      tokens[rows, Pb - len(p):] = p
+      mask[rows, Pb - len(p):] = 1
+    mask[n_rows:, -1] = 1  # padding rows hold one pad token (never attended by real rows)
+    return tokens, mask, n_rows
+
+  # -- device side --------------------------------------------------------------
+
+  def _compiled(self, static: _Static):
+    """(prefill, decode) jitted for `static`; jit itself caches per shapes (P bucket, batch)."""
+    if static not in self._fns:
+      b1, b2, repl = self._batch1, self._batch2, self._repl
+      cache_sh = KVCache(k=(self._cache_sharding,) * self.config.num_layers,
+                         v=(self._cache_sharding,) * self.config.num_layers, index=repl)
+      prefill = jax.jit(
+          lambda *a: self._prefill(static, *a),
+          in_shardings=(self.param_shardings, b2, b2, repl, repl, repl),
+          out_shardings=(cache_sh, b1, b1))
+      decode = jax.jit(
+          lambda *a: self._decode(static, *a),
+          in_shardings=(self.param_shardings, cache_sh, b1, b1, b2, repl, repl, repl, repl, repl),
+          out_shardings=(b2, b2, b1, b1, repl, cache_sh),
+          donate_argnums=(1,))  # the loop updates the donated cache in place (returned, aliased)
+      self._fns[static] = (prefill, decode)
+    return self._fns[static]
+
+  def _sample(self, static: _Static, key, logits, temperature, top_p):
+    return sample_logits(key, logits, temperature=temperature, top_k=static.top_k, top_p=top_p,
+                         greedy=static.greedy, use_top_p=static.use_top_p)
+
+  def _cache_mask(self, prompt_mask, R: int):
+    """`[B, P + R]` valid cache slots: the real prompt tokens and every generated slot."""
+    return jnp.concatenate([prompt_mask, jnp.ones((prompt_mask.shape[0], R), prompt_mask.dtype)], axis=1)
+
+  def _prefill(self, static: _Static, params, tokens, prompt_mask, key, temperature, top_p):
+    """Prompts `[B, P]` -> (KV cache of length P + R, first tokens [B], their logprobs [B])."""
+    self.num_traces += 1
+    model = merge_params(self._graphdef, params)
+    B, Pb = tokens.shape
+    cache = KVCache.init(self.config, B, Pb + static.max_new_tokens)
+    cache = jax.lax.with_sharding_constraint(
+        cache, KVCache(k=(self._cache_sharding,) * self.config.num_layers,
+                       v=(self._cache_sharding,) * self.config.num_layers, index=self._repl))
+    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
+    x, cache = model.hidden_states(tokens, positions, cache, self._cache_mask(prompt_mask, static.max_new_tokens))
+    logits = model.logits(x[:, -1])  # only the last position's logits are needed
+    token, logprob = self._sample(static, jax.random.fold_in(key, 0), logits, temperature, top_p)
+    return cache, token, logprob
+
+  def _decode(self, static: _Static, params, cache, first_token, first_logprob, prompt_mask, num_real,
+              key, temperature, top_p, stop_ids):
+    """The on-device decode loop.
+
+    Returns tokens [B, R], logprobs [B, R], lengths [B], finish [B], the number of loop steps run,
+    and the final cache (returned so the donated input buffer is reused in place, not copied).
+    """
+    self.num_traces += 1
+    model = merge_params(self._graphdef, params)
+    R = static.max_new_tokens
+    B = first_token.shape[0]
+    cache_mask = self._cache_mask(prompt_mask, R)
+    prompt_len = jnp.sum(prompt_mask, axis=1).astype(jnp.int32)
+    is_stop = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
+
+    real = jnp.arange(B) < num_real
+    token = jnp.where(real, first_token, self.pad_id)
+    stopped = real & is_stop(token)
+    tokens = jnp.full((B, R), self.pad_id, jnp.int32).at[:, 0].set(token)
+    logprobs = jnp.zeros((B, R), jnp.float32).at[:, 0].set(jnp.where(real, first_logprob, 0.0))
+    lengths = real.astype(jnp.int32)
+    done = stopped | ~real
+
+    def cond(state):
+      t, _, _, done, *_ = state
+      return (t < R) & ~jnp.all(done)
+
+    def body(state):
+      t, cache, prev, done, stopped, lengths, tokens, logprobs = state
+      positions = (prompt_len + t - 1)[:, None]  # the previous token sits at position len + t - 1
+      x, cache = model.hidden_states(prev[:, None], positions, cache, cache_mask)
+      token, logprob = self._sample(static, jax.random.fold_in(key, t), model.logits(x[:, 0]),
+                                    temperature, top_p)
+      token = jnp.where(done, self.pad_id, token)
+      logprob = jnp.where(done, 0.0, logprob)
+      tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t))
+      logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, t))
+      lengths = lengths + (~done).astype(jnp.int32)
+      new_stop = ~done & is_stop(token)
+      return t + 1, cache, token, done | new_stop, stopped | new_stop, lengths, tokens, logprobs
+
+    state = (jnp.int32(1), cache, token, done, stopped, lengths, tokens, logprobs)
+    steps, cache, _, _, stopped, lengths, tokens, logprobs = jax.lax.while_loop(cond, body, state)
+    finish = jnp.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(jnp.int32)
+    return tokens, logprobs, lengths, finish, steps, cache

@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Trainer throughput: tokens/s of `TrainerExecutor.step` and model FLOPs utilisation (MFU).
+
+For each size a random-weight policy is put on a mesh over all local devices (fsdp = device count)
+and trained on fixed-shape random batches (every prompt and response token valid). The first
+--warmup steps (compilation included) are not timed; each timed step ends when its metrics reach
+the host. We report the median step time of --steps steps.
+
+  tokens/s   B * (P + R) / step time: every position of the trainer's forward + backward
+  MFU        6 * N * B * (P + R) / step time / --peak_tflops, with N = the parameters used in
+             matmuls (all but the input embedding gather). The usual 6N-per-token model-FLOPs
+             estimate: attention scores and remat recompute are not counted, and the lm_head counted
+             at every position although the trainer projects only the R response positions.
+
+  python scripts/bench_train.py                                   # CPU: tiny and 100m
+  python scripts/bench_train.py --sizes 1b --dtype bfloat16 --batch 16 --prompt_len 512 \\
+      --resp_len 1536 --remat --microbatches 2 --peak_tflops 989   # H100 (bf16 dense peak)
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# name: (vocab, hidden, intermediate, layers, heads, kv_heads, tied)
+SIZES = {
+    "tiny": (100, 128, 384, 4, 4, 2, True),  # the embedded tiny default (char tokenizer)
+    "100m": (32000, 768, 2048, 12, 12, 4, True),
+    "400m": (32000, 1024, 2816, 24, 16, 8, False),
+    "1b": (128256, 2048, 8192, 16, 32, 8, True),  # Llama 3.2 1B shapes
+}
+
+
+def model_config(name, dtype):
+  from llamarl_jax.model.llama import ModelConfig
+
+  vocab, d, f, layers, heads, kv, tied = SIZES[name]
+  return ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=heads,
+                     num_kv_heads=kv, max_position_embeddings=8192, rope_theta=500000.0,
+                     tie_word_embeddings=tied, dtype=dtype)
+
+
+def matmul_params(config) -> int:
+  """Parameters that take part in matmuls: all but the embedding table when it is only gathered."""
+  embed_only = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+  return config.num_params() - embed_only
+
+
+def cpu_model():
+  try:
+    for line in open("/proc/cpuinfo"):
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
+
+
+def default_peak_tflops() -> tuple[float, str]:
+  """A rough fp32 peak for this CPU: cores * 32 FLOP/cycle (2 AVX2 FMA units) * clock."""
+  mhz = []
+  try:
+    mhz = [float(l.split(":")[1]) for l in open("/proc/cpuinfo") if l.startswith("cpu MHz")]
+  except OSError:
+    pass
+  ghz = (max(mhz) / 1000) if mhz else 2.5
+  cores = os.cpu_count() or 1
+  return cores * 32 * ghz / 1000, f"estimate: {cores} cores x 32 fp32 FLOP/cycle x {ghz:.2f} GHz"
+
+
+def random_params(config, trainer_shardings, seed=0):
+  """Random weights made on the devices, straight onto the trainer's shardings."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from llamarl_jax.model.llama import Llama, split_params
+
+  _, shapes = split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+  leaves, treedef = jax.tree.flatten(shapes)
+
+  def init(key):
+    keys = jax.random.split(key, len(leaves))
+    out = [jnp.ones(s.shape, jnp.float32) if len(s.shape) == 1 else
+           jax.random.normal(k, s.shape, jnp.float32) * (0.02 if s.shape[0] == config.vocab_size else
+                                                         s.shape[0] ** -0.5)
+           for k, s in zip(keys, leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+  return jax.jit(init, out_shardings=trainer_shardings)(jax.random.key(seed))
+
+
+def random_batch(rng, config, B, P, R):
+  import numpy as np
+
+  from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
+
+  ones = lambda *s: np.ones(s, np.int32)
+  rollout = RolloutBatch(
+      prompt_tokens=rng.randint(1, config.vocab_size, (B, P)).astype(np.int32), prompt_mask=ones(B, P),
+      response_tokens=rng.randint(1, config.vocab_size, (B, R)).astype(np.int32), response_mask=ones(B, R),
+      behaviour_logprobs=rng.uniform(-4, -1, (B, R)).astype(np.float32), lengths=np.full(B, R, np.int32),
+      finish_reason=np.zeros(B, np.int32), group_ids=np.arange(B, dtype=np.int32) // 4,
+      policy_version=np.zeros(B, np.int32))
+  adv = rng.choice([-1.0, 1.0], B).astype(np.float32)
+  return ScoredBatch(rollout=rollout, rewards=(adv > 0).astype(np.float32), advantages=adv)
+
+
+def make_trainer(config, mesh, args):
+  """A TrainerExecutor (AIPO) whose random params are created directly on its shardings."""
+  from flax import nnx
+
+  from llamarl_jax import parallel
+  from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
+  from llamarl_jax.model.llama import Llama, split_params
+
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  shardings = parallel.param_shardings(split_params(abstract)[1], parallel.logical_axes(abstract), mesh)
+  params = random_params(config, shardings)
+  return TrainerExecutor(config, mesh, params, optimizer=OptimizerConfig(lr=1e-5), loss="aipo",
+                         loss_kwargs={"rho_max": 2.0}, microbatches=args.microbatches, remat=args.remat)
+
+
+def bench(name, args, peak_tflops):
+  import jax
+  import numpy as np
+
+  from llamarl_jax import parallel
+
+  config = model_config(name, args.dtype)
+  devices = jax.devices()
+  mesh = parallel.make_mesh(devices, fsdp=len(devices) // args.tp, tp=args.tp)
+  trainer = make_trainer(config, mesh, args)
+  rng = np.random.RandomState(0)
+  B, P, R = args.batch, args.prompt_len, args.resp_len
+  batches = [random_batch(rng, config, B, P, R) for _ in range(2)]  # alternate: new data every step
+  t0 = time.perf_counter()
+  for i in range(args.warmup):
+    trainer.step(batches[i % 2])
+  warmup_s = time.perf_counter() - t0
+  times = [trainer.step(batches[i % 2])["time/train_step"] for i in range(args.steps)]
+  step_s = statistics.median(times)
+  tokens = B * (P + R)
+  n = matmul_params(config)
+  tflops = 6 * n * tokens / step_s / 1e12
+  return {"size": name, "params": config.num_params(), "B": B, "P": P, "R": R, "dtype": args.dtype,
+          "mb": args.microbatches, "remat": args.remat, "step_s": step_s, "tokens_per_s": tokens / step_s,
+          "resp_tokens_per_s": B * R / step_s, "tflops": tflops, "mfu": tflops / peak_tflops,
+          "warmup_s": warmup_s, "compiles": trainer.trace_count}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--sizes", default="tiny,100m", help=f"comma-separated, from {sorted(SIZES)}")
+  parser.add_argument("--batch", type=int, default=None, help="rows per step (default: 32 tiny, 8 otherwise)")
+  parser.add_argument("--prompt_len", type=int, default=64)
+  parser.add_argument("--resp_len", type=int, default=64)
+  parser.add_argument("--dtype", default="float32", help="compute dtype (params stay fp32)")
+  parser.add_argument("--microbatches", type=int, default=1)
+  parser.add_argument("--remat", action="store_true")
+  parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the rest is fsdp)")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation included)")
+  parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+  parser.add_argument("--peak_tflops", type=float, default=None,
+                      help="device peak for MFU (e.g. 989 for H100 bf16 dense); default: a CPU estimate")
+  parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "BENCHMARKS_train.md"))
+  args = parser.parse_args(argv)
+
+  import jax
+
+  platform_name = jax.devices()[0].platform
+  if args.peak_tflops is None:
+    if platform_name != "cpu":
+      parser.error("--peak_tflops is required on accelerators (e.g. 989 for an H100 in bf16)")
+    peak, peak_note = default_peak_tflops()
+  else:
+    peak, peak_note = args.peak_tflops, "--peak_tflops"
+
+  rows = []
+  for name in args.sizes.split(","):
+    size_args = argparse.Namespace(**vars(args))
+    if size_args.batch is None:
+      size_args.batch = 32 if name == "tiny" else 8
+    row = bench(name, size_args, peak)
+    rows.append(row)
+    print(f"{name}: {row['tokens_per_s']:.0f} tokens/s, step {row['step_s'] * 1e3:.1f} ms, "
+          f"MFU {100 * row['mfu']:.2f}%", flush=True)
+
+  header = ("| size | params | B x (P+R) | dtype | microbatches | remat | step (ms) | tokens/s | "
+            "response tokens/s | TFLOP/s | MFU |")
+  lines = [header, "|" + "---|" * (header.count("|") - 1)]
+  for r in rows:
+    lines.append(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['B']} x ({r['P']}+{r['R']}) | {r['dtype']} | "
+                 f"{r['mb']} | {r['remat']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
+                 f"{r['resp_tokens_per_s']:.0f} | {r['tflops']:.3f} | {100 * r['mfu']:.2f}% |")
+  table = "\n".join(lines)
+  devices = jax.devices()
+  machine = (f"{platform_name} x{len(devices)} ({devices[0].device_kind}); host: {os.cpu_count()} CPUs "
+             f"({cpu_model()}), nproc={len(os.sched_getaffinity(0))}")
+  command = "python scripts/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:])
+  section = (f"\n## {datetime.date.today().isoformat()}: {platform_name}\n\n"
+             f"- command: `{command.strip()}`\n- machine: {machine}\n- jax {jax.__version__}\n"
+             f"- peak for MFU: {peak:.3f} TFLOP/s ({peak_note})\n"
+             f"- timed: median of {args.steps} steps after {args.warmup} warm-up steps (compile excluded)\n\n"
+             f"{table}\n")
+  print(section)
+  out = Path(args.out)
+  if not out.exists():
+    out.write_text("# Trainer benchmarks\n\nWritten by `scripts/bench_train.py`; see its docstring for the "
+                   "definitions (tokens/s counts every prompt + response position; MFU = 6 N tokens / "
+                   "time / peak).\n")
+  with out.open("a") as f:
+    f.write(section)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
