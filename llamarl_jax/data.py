@@ -182,6 +182,9 @@ class PromptSource:
 
   # ----------------------------------------------------------------------------------------------
 
+  def __bool__(self) -> bool:  # a source is truthy even when infinite (no __len__) or empty
+    return True
+
   def __len__(self) -> int:
     """Rows per epoch (files); synthetic sources are infinite and have no length."""
     if self._rows is None:

@@ -255,9 +255,11 @@ class TrainerExecutor:
       raise ValueError("params do not match the model's structure for this ModelConfig: expected "
                        f"{jax.tree.structure(self.param_shardings)}, got {jax.tree.structure(params)}")
     dtype = jnp.dtype(dtype)
-    cast = lambda x: x if x.dtype == dtype else (
-        x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x, dtype))
-    return jax.device_put(jax.tree.map(cast, params), self.param_shardings, may_alias=False)
+    # device_put may alias a shard that already sits on the right device even with may_alias=False,
+    # and the train step donates its params: copy device arrays first so the caller's stay valid.
+    cast = lambda x: (jnp.array(x, dtype=dtype, copy=True) if isinstance(x, jax.Array)
+                      else np.asarray(x, dtype))
+    return jax.device_put(jax.tree.map(cast, params), self.param_shardings)
 
   @property
   def params(self) -> Any:

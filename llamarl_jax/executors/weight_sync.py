@@ -103,6 +103,12 @@ class WeightSync:
       return self._version
 
   def close(self) -> None:
+    """Wake every `wait_for_version` waiter (they return False) and keep them from blocking again."""
     with self._cond:
       self._closed = True
       self._cond.notify_all()
+
+  def reopen(self) -> None:
+    """Undo `close` (the controller reopens between `run` calls); the weights are kept."""
+    with self._cond:
+      self._closed = False

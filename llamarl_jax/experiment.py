@@ -1,0 +1,171 @@
+"""The main job: build a policy (HF checkpoint or a tiny random model), optionally warm-start it with
+supervised fine-tuning, evaluate, run asynchronous RL with the Controller, evaluate again, export.
+
+Everything here is bound by gin at the edge (`scripts/train.py`); the library code it calls takes
+plain arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from llamarl_jax import parallel
+from llamarl_jax.controller import Controller
+from llamarl_jax.data import PromptSource
+from llamarl_jax.executors.trainer import OptimizerConfig, token_logprobs
+from llamarl_jax.metrics import MetricsLogger
+from llamarl_jax.model import hf
+from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+
+gin.external_configurable(ModelConfig, "ModelConfig")
+gin.external_configurable(PromptSource, "PromptSource")
+gin.external_configurable(OptimizerConfig, "OptimizerConfig")
+
+
+@gin.configurable
+def build_policy(*, model_path: str | None = None, tiny: ModelConfig | None = None, seed: int = 0,
+                 tokenizer_extra_chars: str = "") -> tuple[ModelConfig, Any, Any]:
+  """(config, params, tokenizer): from an HF directory, or a tiny random model + char tokenizer."""
+  if model_path:
+    config, model = hf.load_hf_checkpoint(model_path)
+    tokenizer = hf.load_tokenizer(model_path)
+    hf.check_tokenizer_matches(tokenizer, config)
+    _, params = split_params(model)
+    return config, params, tokenizer
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tokenizer = make_char_tokenizer(tokenizer_extra_chars)
+  config = (tiny or ModelConfig(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
+                                num_kv_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+                                tie_word_embeddings=True)).replace(vocab_size=len(tokenizer))
+  model = Llama(config, rngs=nnx.Rngs(params=seed))
+  _, params = split_params(model)
+  return config, params, tokenizer
+
+
+def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int):
+  """Left-padded prompts and right-padded `completion + eos` as (prompt, mask, response, mask) arrays."""
+  pad = tokenizer.pad_token_id or 0
+  B = len(examples)
+  pt = np.full((B, prompt_len), pad, np.int32)
+  pm = np.zeros((B, prompt_len), np.int32)
+  rt = np.full((B, resp_len), pad, np.int32)
+  rm = np.zeros((B, resp_len), np.int32)
+  for i, (ex, comp) in enumerate(zip(examples, completions)):
+    p = ex.encode(tokenizer)[-prompt_len:]
+    r = (tokenizer(comp, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:resp_len]
+    pt[i, prompt_len - len(p):], pm[i, prompt_len - len(p):] = p, 1
+    rt[i, :len(r)], rm[i, :len(r)] = r, 1
+  return pt, pm, rt, rm
+
+
+@gin.configurable
+def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptSource, *, steps: int = 300,
+                         batch_size: int = 64, learning_rate: float = 3e-3, prompt_len: int = 32,
+                         resp_len: int = 16, log_every: int = 50, logger: MetricsLogger | None = None,
+                         progress: bool = True):
+  """Maximum-likelihood fine-tuning on the task's reference completions (`source.reference(ex)`).
+
+  This is the warm start before RL, so RL starts from a policy that sometimes succeeds.
+  """
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  graphdef, _ = split_params(abstract)
+  opt = optax.chain(optax.clip_by_global_norm(1.0),
+                    optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(steps // 10, 1),
+                                                                   steps, learning_rate * 0.1),
+                                weight_decay=0.0))
+  opt_state = opt.init(params)
+
+  @jax.jit
+  def step(params, opt_state, pt, pm, rt, rm):
+    def loss_fn(p):
+      lp = token_logprobs(graphdef, p, pt, pm, rt, rm)
+      lp = lp[0] if isinstance(lp, tuple) else lp
+      return -jnp.sum(lp * rm) / jnp.maximum(jnp.sum(rm), 1)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  it = range(steps)
+  if progress:
+    from tqdm.auto import tqdm
+    it = tqdm(it, desc="SFT warm start", dynamic_ncols=True)
+  for i in it:
+    examples = source.next_batch(batch_size)
+    batch = _sft_batch(tokenizer, examples, [source.reference(ex) for ex in examples], prompt_len, resp_len)
+    params, opt_state, loss = step(params, opt_state, *batch)
+    if (i + 1) % log_every == 0 or i + 1 == steps:
+      loss = float(loss)
+      if progress:
+        it.set_postfix(nll=f"{loss:.3f}")
+      if logger is not None:
+        logger.log(i + 1 - steps, {"sft/nll": loss})
+  return params
+
+
+@gin.configurable
+def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source: PromptSource | None = None,
+                   rl_source: PromptSource | None = None, eval_source: PromptSource | None = None,
+                   eval_size: int = 256, sft: bool = True, resume: bool = False, export: bool = True,
+                   tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True) -> dict:
+  """SFT warm start (optional) -> eval -> async RL -> eval -> HF export. Returns the summary."""
+  run_dir = Path(run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  (run_dir / "config.gin").write_text(gin.config_str())
+  t_start = time.perf_counter()
+  config, params, tokenizer = build_policy()
+  logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project)
+  rl_source = PromptSource() if rl_source is None else rl_source
+  if rl_source.tokenizer is None:  # format prompts with the model's chat template, when it has one
+    rl_source = rl_source.with_tokenizer(tokenizer)
+  if eval_source is not None and eval_source.tokenizer is None:
+    eval_source = eval_source.with_tokenizer(tokenizer)
+  eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size)
+  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, logger=logger,
+                          progress=progress)
+  summary: dict = {"run_dir": str(run_dir), "model_params": config.num_params()}
+  resumed = resume and controller.checkpointer.latest_step() is not None
+  if resumed:
+    summary["resumed_from_step"] = controller.restore_checkpoint()
+  elif sft:
+    source = sft_source or rl_source.fork(seed_offset=1)
+    params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
+                                  progress=progress)
+    controller.trainer.load_params(params)
+  before = controller.evaluate(eval_examples)
+  summary["eval_before_rl"] = before["eval/accuracy"]
+  remaining = max(rl_steps - controller.step, 0)
+  t_rl = time.perf_counter()
+  history = controller.run(remaining) if remaining else []
+  summary["rl_seconds"] = time.perf_counter() - t_rl
+  after = controller.evaluate(eval_examples)
+  summary["eval_after_rl"] = after["eval/accuracy"]
+  summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - before["eval/accuracy"])
+  summary["samples_after"] = after["eval/samples"]
+  if history:
+    last = history[-min(10, len(history)):]
+    summary["train_reward_last10"] = float(np.mean([m["reward/mean"] for m in last]))
+    summary["mean_step_seconds"] = float(np.mean([m["time/step"] for m in history]))
+    summary["policy_lag_max"] = float(max(m["policy/lag_max"] for m in history))
+  logger.log(controller.step, {"eval/accuracy_before": before["eval/accuracy"],
+                               "eval/accuracy_after": after["eval/accuracy"]})
+  if export:
+    from llamarl_jax.model.llama import merge_params
+    model = merge_params(split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0],
+                         jax.device_get(controller.trainer.params))
+    summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
+  summary["total_seconds"] = time.perf_counter() - t_start
+  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  controller.close()
+  logger.close()
+  return summary
