@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin $(ARGS)
+	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin --run_dir=runs/tiny_cpu_$$(date +%Y%m%d_%H%M%S) $(ARGS)
 
 test: install
 	$(TEST_ENV) $(BIN)/python -m pytest -q $(ARGS)

@@ -310,6 +310,7 @@ class Controller:
       from tqdm.auto import tqdm
       bar = tqdm(total=num_steps, desc="RL", dynamic_ncols=True)
     steps: list[dict] = []
+    interrupted = False
     try:
       for _ in range(num_steps):
         steps.append(self._train_one())
@@ -319,6 +320,9 @@ class Controller:
                           lag=f"{m['policy/lag_mean']:.1f}",
                           gen_tok_s=f"{m.get('throughput/gen_tokens_per_s', 0):.0f}")
           bar.update(1)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM routed here by scripts/train.py
+      interrupted = True
+      raise
     finally:
       if bar is not None:
         bar.close()
@@ -326,8 +330,9 @@ class Controller:
       for t in threads:
         t.join(timeout=30)
       self._drain()
-    if self.checkpoint_every and self.checkpointer.latest_step() != self.step:
-      self.save_checkpoint()  # at exit, unless this step was just saved
+      # At exit (and always on an interrupt): the last finished step, unless it was just saved.
+      if (self.checkpoint_every or interrupted) and self.checkpointer.latest_step() != self.step:
+        self.save_checkpoint()
     return steps
 
   def _drain(self) -> None:

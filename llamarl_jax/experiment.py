@@ -133,7 +133,27 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size)
   controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, logger=logger,
                           progress=progress)
+  try:
+    summary = _sft_rl_eval_export(controller, config, tokenizer, rl_source, sft_source, eval_examples,
+                                  run_dir=run_dir, rl_steps=rl_steps, sft=sft, resume=resume, export=export,
+                                  logger=logger, progress=progress)
+  finally:  # also on Ctrl-C / SIGTERM: Controller.run has checkpointed the last finished step
+    controller.close()
+    logger.close()
+  summary["total_seconds"] = time.perf_counter() - t_start
+  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  return summary
+
+
+def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sft_source, eval_examples, *,
+                        run_dir: Path, rl_steps: int, sft: bool, resume: bool, export: bool,
+                        logger: MetricsLogger, progress: bool) -> dict:
   summary: dict = {"run_dir": str(run_dir), "model_params": config.num_params()}
+  if not resume and controller.checkpointer.latest_step() is not None:
+    raise FileExistsError(f"{run_dir} already holds checkpoints (latest step "
+                          f"{controller.checkpointer.latest_step()}): pass --resume to continue that run, or "
+                          f"choose a new --run_dir; nothing was overwritten")
+  before_file = run_dir / "eval_before_rl.json"
   resumed = resume and controller.checkpointer.latest_step() is not None
   if resumed:
     summary["resumed_from_step"] = controller.restore_checkpoint()
@@ -142,30 +162,31 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
                                   progress=progress)
     controller.trainer.load_params(params)
-  before = controller.evaluate(eval_examples)
-  summary["eval_before_rl"] = before["eval/accuracy"]
+  if resumed and before_file.exists():  # the baseline is the policy RL started from, not the resume point
+    summary["eval_before_rl"] = json.loads(before_file.read_text())["eval/accuracy"]
+  else:
+    summary["eval_before_rl"] = controller.evaluate(eval_examples)["eval/accuracy"]
+    before_file.write_text(json.dumps({"eval/accuracy": summary["eval_before_rl"]}))
+  if progress:
+    print(f"held-out accuracy before RL: {summary['eval_before_rl']:.3f} ({len(eval_examples)} problems)")
   remaining = max(rl_steps - controller.step, 0)
   t_rl = time.perf_counter()
   history = controller.run(remaining) if remaining else []
   summary["rl_seconds"] = time.perf_counter() - t_rl
   after = controller.evaluate(eval_examples)
   summary["eval_after_rl"] = after["eval/accuracy"]
-  summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - before["eval/accuracy"])
+  summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - summary["eval_before_rl"])
   summary["samples_after"] = after["eval/samples"]
   if history:
     last = history[-min(10, len(history)):]
     summary["train_reward_last10"] = float(np.mean([m["reward/mean"] for m in last]))
     summary["mean_step_seconds"] = float(np.mean([m["time/step"] for m in history]))
     summary["policy_lag_max"] = float(max(m["policy/lag_max"] for m in history))
-  logger.log(controller.step, {"eval/accuracy_before": before["eval/accuracy"],
+  logger.log(controller.step, {"eval/accuracy_before": summary["eval_before_rl"],
                                "eval/accuracy_after": after["eval/accuracy"]})
   if export:
     from llamarl_jax.model.llama import merge_params
     model = merge_params(split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0],
                          jax.device_get(controller.trainer.params))
     summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
-  summary["total_seconds"] = time.perf_counter() - t_start
-  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-  controller.close()
-  logger.close()
   return summary

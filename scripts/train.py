@@ -7,6 +7,7 @@ configurable or parameter fails immediately with gin's error.
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -33,7 +34,16 @@ def main(argv=None) -> dict:
   if args.resume:
     bindings.append("run_experiment.resume = True")
   gin.parse_config_files_and_bindings(args.gin_file, bindings)
-  summary = experiment.run_experiment()
+
+  def on_sigterm(signum, frame):  # stop like Ctrl-C: the controller checkpoints the last finished step
+    raise KeyboardInterrupt(f"signal {signum}")
+
+  signal.signal(signal.SIGTERM, on_sigterm)
+  try:
+    summary = experiment.run_experiment()
+  except KeyboardInterrupt:
+    print("\ninterrupted: the last finished step is checkpointed; continue with --resume", file=sys.stderr)
+    sys.exit(130)
   print("\n=== summary ===")
   print(json.dumps({k: v for k, v in summary.items() if k != "samples_after"}, indent=2, default=str))
   print("sample completions after RL:")

@@ -124,6 +124,43 @@ def test_executor_exception_stops_the_run_with_its_error(policy, tokenizer, tmp_
     c.close()
 
 
+def _fail_on_call(real_step, fail_at, exc):
+  calls = {"n": 0}
+
+  def step(batch):
+    calls["n"] += 1
+    if calls["n"] == fail_at:
+      raise exc
+    return real_step(batch)
+  return step
+
+
+def test_trainer_exception_propagates_and_stops_the_executor_threads(policy, tokenizer, tmp_path):
+  import threading
+
+  c = make_controller(policy, tokenizer, tmp_path, max_policy_lag=2)
+  c.trainer.step = _fail_on_call(c.trainer.step, 2, FloatingPointError("optimizer state is corrupt"))
+  try:
+    with pytest.raises(FloatingPointError, match="optimizer state is corrupt"):
+      c.run(5)
+    assert c.step == 1
+    assert not any(t.name in ("generator", "reward") for t in threading.enumerate())
+  finally:
+    c.close()
+
+
+def test_interrupt_writes_a_checkpoint_of_the_last_finished_step(policy, tokenizer, tmp_path):
+  """Ctrl-C (or SIGTERM, which scripts/train.py turns into KeyboardInterrupt) saves, then re-raises."""
+  c = make_controller(policy, tokenizer, tmp_path, max_policy_lag=1, checkpoint_every=0)
+  c.trainer.step = _fail_on_call(c.trainer.step, 3, KeyboardInterrupt())
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      c.run(10)
+    assert c.step == 2 and c.checkpointer.latest_step() == 2
+  finally:
+    c.close()
+
+
 def test_crashing_reward_function_scores_zero_and_is_counted(policy, tokenizer, tmp_path):
   """A reward function that raises on every sample: the run goes on, every error is counted."""
   reward = RewardExecutor(_always_raises, inline=True)
@@ -149,9 +186,11 @@ def test_resumed_synchronous_run_reproduces_uninterrupted_metrics(policy, tokeni
   _, full = run(policy, tokenizer, tmp_path / "full", 4, max_policy_lag=0, seed=3)
   first = make_controller(policy, tokenizer, tmp_path / "resumed", max_policy_lag=0, seed=3, checkpoint_every=2)
   try:
-    first.run(2)
+    head = first.run(2)
   finally:
     first.close()
+  for a, b in zip(full[:2], head):  # lag 0, same seed: two runs are identical
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
   second = make_controller(policy, tokenizer, tmp_path / "resumed", max_policy_lag=0, seed=3, checkpoint_every=2)
   try:
     assert second.restore_checkpoint() == 2
