@@ -1,42 +1,63 @@
-"""Step-time and memory model for LlamaRL-style RL post-training: a plan on paper, in code.
+"""Step-time and memory model of LlamaRL-style RL post-training: a plan on paper, in code.
 
-Pure Python (no JAX): given a Llama 3 shape, a GPU count, per-executor layouts, hardware numbers and
-a few achieved-efficiency factors, predict
+Pure Python (no JAX). Given a Llama 3 shape, a GPU count, each executor's layout, H100 numbers and a
+few achieved-efficiency factors, it predicts
 
-  * the synchronous step (the paper's DeepSpeed-Chat-like baseline): generator and trainer are
-    colocated on all GPUs and take turns, generate -> train -> reshard, in sequence;
-  * the asynchronous step (LlamaRL): generator and trainer on disjoint GPU sets run at the same time,
-    the step is the slower of the two plus the exposed weight sync;
-  * the weight-sync time (DDMA analogue): the generator's bf16/fp8 copy moved trainer -> generator,
-    every shard in parallel over the per-GPU network link;
-  * the per-device memory plan (params, grads, fp32 Adam, remat activations, KV cache) and whether it
-    fits in HBM; `choose_layout` picks meshes that fit and are fastest.
+  * the synchronous step of the paper's DeepSpeed-Chat-like baseline: trainer and generator colocated
+    on all GPUs, generate -> train -> reshard in sequence;
+  * the asynchronous step of LlamaRL: generator and trainer on disjoint GPU sets at the same time,
+    max(generate, train) + the exposed weight sync;
+  * the weight-sync time (DDMA): the generator's bf16 / fp8 copy sent trainer -> generator, every shard
+    in parallel over its GPU's network link;
+  * the per-GPU memory plan (params, grads, fp32 Adam, remat activations, generator weights, KV cache),
+    and `choose_layout`, which picks the fastest layouts that fit.
 
-The model of each phase (all assumptions are here and in the function docstrings):
+What each phase costs (the docstrings of the functions below say the rest):
 
-  train     FLOPs = (6 + 2 * remat) * N_matmul * tokens + attention, at `Efficiency.mfu` of the dense
-            bf16 peak, slowed by the pipeline bubble (pp - 1) / (microbatches + pp - 1). Tokens are
-            packed: prompts x samples x (prompt_len + mean response). FSDP traffic overlaps compute.
-  decode    one token for every sequence of a replica per step; a step reads the replica's weights
-            and its KV cache from HBM at `Efficiency.hbm` of peak bandwidth, or is FLOP-bound, plus two
-            all-reduces per layer (tp > 1) and a hop per pipeline stage. Pipeline stages of one replica
-            run one after the other for a token (a training layout reused for decoding, as colocated
-            systems do, leaves pp - 1 of every pp GPUs idle).
-  generate  synchronous: static batches, every batch lasts as long as its longest response
-            (`Workload.response_max` steps), as many waves as the KV cache allows. Asynchronous:
-            continuous batching streams prompts, a batch costs its mean length (`response_mean`).
-  sync      bytes of the generator's copy (2 bytes/param bf16, 1 fp8) received per generator GPU
-            (params / model-parallel size) and sent per trainer GPU (params x replicas / trainer GPUs),
-            over the per-GPU network link at `Efficiency.link`; all shards move in parallel.
+  train     (6 + 2 remat) x N x tokens FLOPs (+ attention) at `Efficiency.mfu` of the bf16 peak, over
+            packed tokens (prompt + mean response; `Workload.packed`). ZeRO-3 / FSDP gathers the bf16 weights for the
+            forward, the recompute and the backward and reduce-scatters fp32 grads, per microbatch; that
+            traffic overlaps compute (the slower of the two is paid). Tensor-parallel all-reduces and
+            the pipeline bubble are exposed.
+  decode    a step emits one token per sequence in flight: read the weights and the KV cache at
+            `Efficiency.hbm` of peak bandwidth (or FLOP-bound, whichever is slower), two ring
+            all-reduces per layer over tp, plus `Efficiency.decode_overhead` (sampling, scheduling).
+            A ring step across nodes costs `network_latency`: tensor parallelism that spans nodes pays
+            it 2 (tp - 1) times per all-reduce, twice per layer, every token.
+  generate  synchronous: static batches, each lasting its longest response (`response_max` steps),
+            as many waves as the KV cache that is left allows. Asynchronous: continuous batching
+            streams prompts into free slots, so a batch costs its mean length (`response_mean`).
+  sync      every generator GPU receives params x bytes / tp, every trainer GPU sends its slice to each
+            replica, over the 400 Gb/s per-GPU link at `Efficiency.link`.
 
-Calibration (`CALIBRATED`): one set of constants for all three sizes, chosen so that the paper's six
-published step times are reproduced within 25% (see `PAPER` and `python -m llamarl_jax.perf_model`).
+The two systems compared, as in the paper:
+
+  baseline  DeepSpeed-Chat-like: a ZeRO-3 trainer over all GPUs; a bf16 hybrid-engine generator whose
+            tensor parallelism is the fastest that fits beside the trainer's resident params, grads and
+            Adam state (at 405B that is 16 GPUs: two nodes, so every decode all-reduce crosses the
+            network). Synchronous, static batches.
+  LlamaRL   disjoint meshes: an FSDP x TP (x PP) trainer and fp8 generator replicas with tp inside a
+            node, the split chosen to balance the two; lag-1 asynchronous, streaming generation.
+
+Calibration: `CALIBRATED` is one set of constants for every model size, chosen by a coarse grid
+search over plausible values so that the six step times LlamaRL published are all reproduced within
+25% (`python -m llamarl_jax.perf_model` prints the table; currently within 12%). The workload is an
+assumption, not read from the paper (we could not get its experimental details): 128 prompts x 8
+samples, 512 prompt tokens, responses of mean 1536 and max 4096 tokens (`PAPER_WORKLOAD`). What carries
+the 405B baseline's 10x is mostly the cross-node tensor parallelism of its bf16 generator: with
+`network_latency` at 10 us per ring step (pessimistic next to NCCL's tree all-reduce, plausible for a
+training engine decoding without CUDA graphs) a two-node all-reduce costs 0.3 ms, 252 of them a token.
+
+This repo's implementation is modelled with `--this_repo` (`quantize="bf16", max_pp=1,
+streaming=False`, `Workload(packed=False)`): its trainer pads responses to `max_new_tokens`, its
+Sampler decodes each replica's whole share as one static batch (whose KV cache must fit), its meshes
+have no pipeline axis, and it quantises to int8 rather than fp8.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -49,7 +70,7 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class ModelShape:
-  """A Llama 3 architecture (untied embeddings, GQA)."""
+  """A Llama 3 architecture (untied embeddings, grouped-query attention)."""
 
   name: str
   layers: int
@@ -74,11 +95,11 @@ class ModelShape:
 
   @property
   def matmul_params(self) -> int:
-    """Parameters that take part in a matmul per token (all but the embedding table, a gather)."""
+    """Parameters a token multiplies with: all but the embedding table (a gather)."""
     return self.params - self.vocab * self.hidden
 
   def kv_bytes_per_token(self, nbytes: int = 2) -> int:
-    """K and V of every layer for one token, all kv heads."""
+    """K and V of one token, every layer and kv head."""
     return 2 * self.layers * self.kv_heads * self.head_dim * nbytes
 
   def attention_flops_per_token(self, context: float) -> float:
@@ -95,41 +116,49 @@ LLAMA3 = {
 
 @dataclass(frozen=True)
 class Hardware:
-  """An H100 SXM 80 GB cluster: 8 GPUs per node on NVLink 4, one 400 Gb/s NIC per GPU."""
+  """H100 SXM 80 GB nodes: 8 GPUs on NVLink 4 per node, one 400 Gb/s InfiniBand NIC per GPU."""
 
   peak_flops: float = 989e12  # dense bf16
-  fp8_speedup: float = 2.0  # dense fp8 / bf16 peak
+  fp8_speedup: float = 2.0  # dense fp8 peak / bf16 peak
   hbm_bandwidth: float = 3.35e12
   hbm_bytes: float = 80 * GB
-  nvlink_bandwidth: float = 450 * GB  # per GPU, one direction (900 GB/s bidirectional)
-  network_bandwidth: float = 50 * GB  # per GPU, one direction (400 Gb/s InfiniBand)
+  nvlink_bandwidth: float = 450 * GB  # per GPU, one direction (900 GB/s both ways)
+  network_bandwidth: float = 50 * GB  # per GPU, one direction
   gpus_per_node: int = 8
 
 
 @dataclass(frozen=True)
 class Efficiency:
-  """The calibration: achieved fractions of peak and fixed latencies, the same for every model size."""
+  """Achieved fractions of peak and fixed latencies: the calibration, one set for every model size.
 
-  mfu: float = 0.40  # training: model FLOPs / (GPUs x peak)
+  Chosen by a coarse grid search over plausible values against the paper's six step times (with
+  `PAPER_WORKLOAD`). `mfu` counts the remat recompute (without it, 0.5 is 0.375 of model FLOPs).
+  """
+
+  mfu: float = 0.50  # training (and FLOP-bound decode): FLOPs incl. the remat recompute / (GPUs x peak)
   hbm: float = 0.60  # decode: achieved / peak HBM bandwidth
-  link: float = 0.70  # achieved / peak NVLink or network bandwidth
-  nvlink_latency: float = 2e-6  # one ring step between GPUs of a node (s)
-  network_latency: float = 8e-6  # one ring step between nodes (s)
-  step_overhead: float = 1.0  # per RL step: scoring, orchestration, host work (s)
-  decode_overhead: float = 0.0  # per decode step: sampling, scheduling, launch (s)
-  usable_memory: float = 0.90  # of HBM, the rest is CUDA context, NCCL buffers, fragmentation
+  link: float = 0.75  # achieved / peak NVLink or network bandwidth
+  nvlink_latency: float = 1.5e-6  # one ring step between GPUs of a node (s)
+  network_latency: float = 10e-6  # one ring step between nodes (s)
+  step_overhead: float = 3.0  # per RL step: reward scoring, orchestration, host work (s)
+  decode_overhead: float = 1e-3  # per decode step: sampling, scheduling, launches (s)
+  usable_memory: float = 0.90  # of HBM; the rest is CUDA context, NCCL buffers, fragmentation
+
+
+CALIBRATED = Efficiency()
 
 
 @dataclass(frozen=True)
 class Workload:
-  """One RL step: `prompts x samples` sequences, `prompt_len` prompt tokens each."""
+  """One RL step: `prompts x samples` sequences of `prompt_len` prompt tokens and a response each."""
 
-  prompts: int = 256
+  prompts: int = 128
   samples: int = 8
   prompt_len: int = 512
-  response_mean: int = 1024
+  response_mean: int = 1536
   response_max: int = 4096
-  microbatch_tokens: int = 16384  # per trainer data-parallel rank and pipeline microbatch
+  microbatch_tokens: int = 16384  # per trainer data-parallel rank and microbatch
+  packed: bool = True  # the trainer packs rows; False: pads each to prompt_len + response_max (this repo)
 
   @property
   def sequences(self) -> int:
@@ -137,17 +166,24 @@ class Workload:
 
   @property
   def train_tokens(self) -> int:
-    """Packed tokens the trainer sees per step (prompt + response, no padding)."""
-    return self.sequences * (self.prompt_len + self.response_mean)
+    """Tokens the trainer processes per step: prompt + response per row, packed or padded to the max."""
+    return self.sequences * (self.prompt_len + (self.response_mean if self.packed else self.response_max))
 
   @property
   def max_len(self) -> int:
     return self.prompt_len + self.response_max
 
 
+PAPER_WORKLOAD = Workload()
+
+# (model, GPUs): (sync s, async s) published by LlamaRL (arXiv 2505.24034, Llama 3 post-training, H100).
+PAPER = {("8b", 256): (22.45, 8.90), ("70b", 256): (82.32, 20.67), ("405b", 1024): (635.8, 59.5)}
+PAPER_MAX_SYNC_SECONDS = 2.0  # "weight sync under 2 s" at 405B
+
+
 @dataclass(frozen=True)
 class TrainerLayout:
-  """fsdp x tp x pp (x dp replicas of that): tp innermost inside a node, pp across nodes."""
+  """dp x fsdp x tp x pp GPUs: tp innermost (inside a node), then pp, then fsdp (ZeRO-3 shards)."""
 
   fsdp: int = 1
   tp: int = 1
@@ -163,19 +199,22 @@ class TrainerLayout:
     return self.tp * self.pp
 
   def __str__(self) -> str:
-    parts = [f"fsdp{self.fsdp}", f"tp{self.tp}"] + ([f"pp{self.pp}"] if self.pp > 1 else []) + (
-        [f"dp{self.dp}"] if self.dp > 1 else [])
-    return "x".join(parts) + f" ({self.gpus} GPUs)"
+    axes = [f"fsdp{self.fsdp}", f"tp{self.tp}"] + [f"pp{self.pp}"] * (self.pp > 1) + [f"dp{self.dp}"] * (self.dp > 1)
+    return "x".join(axes) + f" ({self.gpus} GPUs)"
 
 
 @dataclass(frozen=True)
 class GeneratorLayout:
-  """`replicas` independent engines, each tp x pp GPUs, weights in `dtype` ('bf16' or 'fp8')."""
+  """`replicas` independent decoders of tp x pp GPUs each, weights in `dtype` ("bf16" or "fp8")."""
 
   tp: int = 1
   replicas: int = 1
   pp: int = 1
   dtype: str = "bf16"
+
+  def __post_init__(self):
+    if self.dtype not in ("bf16", "fp8"):
+      raise ValueError(f"generator dtype must be 'bf16' or 'fp8', got {self.dtype!r}")
 
   @property
   def gpus(self) -> int:
@@ -187,7 +226,7 @@ class GeneratorLayout:
 
   @property
   def weight_bytes(self) -> int:
-    return {"bf16": 2, "fp8": 1}[self.dtype]
+    return 2 if self.dtype == "bf16" else 1
 
   def __str__(self) -> str:
     mp = f"tp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")
@@ -200,17 +239,15 @@ class GeneratorLayout:
 
 def collective_seconds(nbytes: float, group: int, hw: Hardware, eff: Efficiency, *, across_nodes: bool,
                        volume: float = 2.0) -> float:
-  """Ring collective over `group` GPUs: volume * (g - 1) steps, each a hop latency plus 1/g of the bytes.
+  """A ring collective over `group` GPUs: volume x (g - 1) steps, each a hop latency plus 1/g of the bytes.
 
-  volume 2 is an all-reduce, 1 an all-gather or reduce-scatter, 0.5 a point-to-point send. A ring that
-  spans nodes steps at the pace of its network hops.
+  volume 2: all-reduce; 1: all-gather or reduce-scatter. A ring spanning nodes steps at its network pace.
   """
   if group <= 1:
     return 0.0
   bandwidth = (hw.network_bandwidth if across_nodes else hw.nvlink_bandwidth) * eff.link
   hop = eff.network_latency if across_nodes else eff.nvlink_latency
-  steps = volume * (group - 1)
-  return steps * (hop + nbytes / group / bandwidth)
+  return volume * (group - 1) * (hop + nbytes / group / bandwidth)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,10 +260,10 @@ class MemoryPlan:
 
   role: str
   budget: float
-  params: float = 0.0  # trainer master weights (and resident bf16 working copies)
+  params: float = 0.0  # trainer weights that live across steps
   grads: float = 0.0
-  optimizer: float = 0.0  # fp32 Adam first and second moments
-  activations: float = 0.0  # remat checkpoints + one layer recomputed + logits
+  optimizer: float = 0.0  # fp32 Adam (m, v), + fp32 master weights under ZeRO-1
+  activations: float = 0.0  # remat checkpoints, one recomputed layer, logits, FSDP-gathered layers
   gen_weights: float = 0.0  # the generator's bf16 / fp8 copy
   kv_cache: float = 0.0
 
@@ -238,26 +275,35 @@ class MemoryPlan:
   def fits(self) -> bool:
     return self.total <= self.budget
 
+  def parts(self) -> str:
+    kinds = ("params", "grads", "optimizer", "activations", "gen_weights", "kv_cache")
+    return " ".join(f"{k}={getattr(self, k) / GB:.1f}" for k in kinds if getattr(self, k))
+
+  def check(self) -> "MemoryPlan":
+    """Return self if it fits; otherwise raise ValueError saying by how much and what to change."""
+    if not self.fits:
+      raise ValueError(f"{self.role} needs {self.total / GB:.1f} GB per GPU but {self.budget / GB:.1f} GB are "
+                       f"usable ({self.parts()} GB): shard over more GPUs (fsdp / tp), keep remat on, or "
+                       "shorten microbatches / responses")
+    return self
+
   def __str__(self) -> str:
-    parts = [(k, getattr(self, k)) for k in ("params", "grads", "optimizer", "activations", "gen_weights",
-                                             "kv_cache")]
-    body = " ".join(f"{k}={v / GB:.1f}" for k, v in parts if v)
     verdict = "fits" if self.fits else "DOES NOT FIT"
-    return f"{self.role}: {body} total={self.total / GB:.1f}/{self.budget / GB:.0f} GB {verdict}"
+    return f"{self.role}: {self.parts()} -> {self.total / GB:.1f} / {self.budget / GB:.0f} GB, {verdict}"
 
 
 def trainer_state_bytes(model: ModelShape, layout: TrainerLayout) -> tuple[float, float, float]:
   """(params, grads, optimizer) bytes per GPU that live across steps.
 
-  pp == 1: ZeRO-3 / FSDP: fp32 master weights, fp32 grads and fp32 Adam (m, v) all sharded over
-  fsdp x tp. pp > 1: ZeRO-1 inside each stage (Megatron style): the stage's bf16 weights and fp32
-  grads resident, fp32 master + Adam sharded over fsdp.
+  pp == 1, ZeRO-3 / FSDP: fp32 weights, fp32 grads, fp32 Adam m and v, all sharded over fsdp x tp
+  (16 bytes / param / GPU). pp > 1, ZeRO-1 inside each stage (Megatron style): the stage's bf16 weights
+  and fp32 grads resident, fp32 master weights + Adam sharded over fsdp.
   """
   n, mp = model.params, layout.model_parallel
   shard = layout.fsdp * mp
   if layout.pp == 1:
     return 4 * n / shard, 4 * n / shard, 8 * n / shard
-  return 2 * n / mp + 4 * n / shard, 4 * n / mp, 8 * n / shard
+  return 2 * n / mp, 4 * n / mp, 12 * n / shard
 
 
 def microbatch_tokens(layout: TrainerLayout, work: Workload) -> int:
@@ -266,24 +312,23 @@ def microbatch_tokens(layout: TrainerLayout, work: Workload) -> int:
 
 
 def trainer_activation_bytes(model: ModelShape, layout: TrainerLayout, work: Workload, remat: bool = True) -> float:
-  """Activations per GPU for one microbatch (sequence parallel over tp).
+  """Transient training memory per GPU for one microbatch (sequence parallel over tp).
 
-  remat: only each layer's input is kept ([tokens, hidden] bf16), plus one layer's recomputed internals
-  (~10 hidden + 4 intermediate wide, flash attention) and fp32 logits and their gradient. Without remat
-  every layer keeps its internals. With pp, 1F1B keeps pp microbatches of L / pp layers in flight: the
-  same L layers' worth. FSDP adds the bf16 copies of the two layers being gathered (transient, like
-  the activations: freed before generation in colocated mode).
+  remat: each layer's input ([tokens, hidden] bf16) is kept, plus one layer's recomputed internals
+  (~10 hidden + 4 intermediate wide, flash attention) and fp32 logits and their gradient; without
+  remat every layer keeps its internals. With pp, 1F1B keeps pp microbatches of layers / pp layers in
+  flight: the same layers' worth. FSDP adds the bf16 copies of the two layers being gathered.
   """
   t, d, f = microbatch_tokens(layout, work), model.hidden, model.intermediate
-  per_layer_internal = t * (10 * d + 4 * f) * 2
-  kept = model.layers * t * d * 2 + per_layer_internal if remat else model.layers * per_layer_internal
+  internals = t * (10 * d + 4 * f) * 2
+  kept = model.layers * t * d * 2 + internals if remat else model.layers * internals
   logits = 2 * t * model.vocab * 4
-  gathered = 2 * 2 * model.layer_params if layout.fsdp > 1 and layout.pp == 1 else 0  # FSDP prefetch: 2 bf16 layers
+  gathered = 2 * 2 * model.layer_params if layout.fsdp > 1 and layout.pp == 1 else 0
   return (kept + logits + gathered) / layout.tp
 
 
-def trainer_memory(model: ModelShape, layout: TrainerLayout, work: Workload, hw: Hardware, eff: Efficiency,
-                   remat: bool = True) -> MemoryPlan:
+def trainer_memory(model: ModelShape, layout: TrainerLayout, work: Workload, hw: Hardware = Hardware(),
+                   eff: Efficiency = CALIBRATED, remat: bool = True) -> MemoryPlan:
   params, grads, opt = trainer_state_bytes(model, layout)
   return MemoryPlan(f"trainer {layout}", hw.hbm_bytes * eff.usable_memory, params=params, grads=grads,
                     optimizer=opt, activations=trainer_activation_bytes(model, layout, work, remat))
@@ -294,7 +339,7 @@ def gen_weight_bytes(model: ModelShape, gen: GeneratorLayout) -> float:
 
 
 def kv_bytes_per_sequence(model: ModelShape, gen: GeneratorLayout, work: Workload) -> float:
-  """bf16 KV of one full-length sequence per GPU: kv heads split over tp (replicated past kv_heads)."""
+  """bf16 KV cache of one full-length sequence per GPU: kv heads split over tp (replicated past kv_heads)."""
   return work.max_len * model.kv_bytes_per_token(2) / (min(gen.tp, model.kv_heads) * gen.pp)
 
 
@@ -304,19 +349,22 @@ def kv_slots(model: ModelShape, gen: GeneratorLayout, work: Workload, free_bytes
   return max(0, min(share, int(free_bytes // kv_bytes_per_sequence(model, gen, work))))
 
 
-def generator_memory(model: ModelShape, gen: GeneratorLayout, work: Workload, hw: Hardware, eff: Efficiency,
-                     resident: MemoryPlan | None = None) -> MemoryPlan:
-  """Generator weights + the KV cache of the sequences it decodes at once.
+def generator_memory(model: ModelShape, gen: GeneratorLayout, work: Workload, hw: Hardware = Hardware(),
+                     eff: Efficiency = CALIBRATED, resident: MemoryPlan | None = None,
+                     whole_share: bool = False) -> MemoryPlan:
+  """Generator weights + the KV cache of the sequences it decodes at once (at least one).
 
-  `resident`: trainer state that stays on the same GPUs while generating (colocated baseline).
+  `resident`: a colocated trainer's plan; its params, grads and optimizer state stay on the GPUs while
+  generating (its activations are freed), and the KV cache gets what is left. `whole_share`: the
+  replica decodes its whole share of the batch at once (this repo's Sampler), fitting or not.
   """
   budget = hw.hbm_bytes * eff.usable_memory
   kept = dict(params=resident.params, grads=resident.grads, optimizer=resident.optimizer) if resident else {}
   weights = gen_weight_bytes(model, gen)
-  free = budget - weights - sum(kept.values())
-  slots = kv_slots(model, gen, work, free)
+  slots = (math.ceil(work.sequences / gen.replicas) if whole_share else
+           kv_slots(model, gen, work, budget - weights - sum(kept.values())))
   kv = max(slots, 1) * kv_bytes_per_sequence(model, gen, work)
-  role = f"{'colocated ' if resident else ''}generator {gen}"
+  role = ("colocated " if resident else "") + f"generator {gen}"
   return MemoryPlan(role, budget, gen_weights=weights, kv_cache=kv, **kept)
 
 
@@ -324,49 +372,49 @@ def generator_memory(model: ModelShape, gen: GeneratorLayout, work: Workload, hw
 # time
 
 
-def train_seconds(model: ModelShape, layout: TrainerLayout, work: Workload, hw: Hardware, eff: Efficiency,
-                  remat: bool = True) -> float:
-  """One optimizer step over `work.train_tokens` packed tokens.
+def train_seconds(model: ModelShape, layout: TrainerLayout, work: Workload, hw: Hardware = Hardware(),
+                  eff: Efficiency = CALIBRATED, remat: bool = True) -> float:
+  """One optimizer step over `work.train_tokens` tokens.
 
-  compute at `eff.mfu`, divided by (1 - pipeline bubble); FSDP all-gathers / reduce-scatters overlap
-  compute (the max of the two is paid); tensor-parallel all-reduces are exposed.
+  max(compute / (1 - bubble), FSDP traffic) + tensor-parallel all-reduces + the gradient all-reduce over
+  dp replicas + the Adam update (HBM-bound). ZeRO-3 re-gathers the weights every microbatch; ZeRO-1
+  (pp > 1) once per step.
   """
   tokens = work.train_tokens
-  context = (work.prompt_len + work.response_mean) / 2  # mean causal context of a token
+  context = work.train_tokens / work.sequences / 2  # mean causal context of a token
   flops = ((6 + 2 * remat) * model.matmul_params + (3 + remat) * model.attention_flops_per_token(context)) * tokens
   compute = flops / (layout.gpus * hw.peak_flops * eff.mfu)
   mb = microbatch_tokens(layout, work)
   micro = math.ceil(tokens / (layout.dp * layout.fsdp) / mb)
   compute /= 1 - (layout.pp - 1) / (micro + layout.pp - 1)
-  mp_across = layout.tp > hw.gpus_per_node
   tp_comm = micro * (model.layers / layout.pp) * (4 + 2 * remat) * collective_seconds(
-      mb * model.hidden * 2, layout.tp, hw, eff, across_nodes=mp_across)
-  fsdp_rounds = micro if layout.pp == 1 else 1  # ZeRO-3 re-gathers per microbatch; ZeRO-1 once
-  shard_params = model.params / layout.model_parallel
-  fsdp_bytes = fsdp_rounds * (2 * (2 + remat) + 4) * shard_params
+      mb * model.hidden * 2, layout.tp, hw, eff, across_nodes=layout.tp > hw.gpus_per_node)
+  rounds = micro if layout.pp == 1 else 1
+  fsdp_bytes = rounds * (2 * (2 + remat) + 4) * model.params / layout.model_parallel
   fsdp_comm = collective_seconds(fsdp_bytes, layout.fsdp, hw, eff, volume=1.0,
-                                 across_nodes=layout.fsdp * layout.tp > hw.gpus_per_node)
-  optimizer = 28 * model.params / (layout.fsdp * layout.model_parallel) / (hw.hbm_bandwidth * eff.hbm)
-  return max(compute, fsdp_comm) + tp_comm + optimizer
+                                 across_nodes=layout.fsdp * layout.model_parallel > hw.gpus_per_node)
+  shard = layout.fsdp * layout.model_parallel
+  dp_comm = collective_seconds(4 * model.params / shard, layout.dp, hw, eff, across_nodes=True)  # fp32 grads
+  adam = 28 * model.params / shard / (hw.hbm_bandwidth * eff.hbm)
+  return max(compute, fsdp_comm) + tp_comm + dp_comm + adam
 
 
-def decode_step_seconds(model: ModelShape, gen: GeneratorLayout, batch: int, context: float, hw: Hardware,
-                        eff: Efficiency) -> float:
-  """One token for `batch` sequences of one replica whose mean context is `context` tokens.
+def decode_step_seconds(model: ModelShape, gen: GeneratorLayout, batch: int, context: float,
+                        hw: Hardware = Hardware(), eff: Efficiency = CALIBRATED) -> float:
+  """One token for each of `batch` sequences of one replica, whose mean context is `context` tokens.
 
-  HBM-bound (weights + KV read once per step) or FLOP-bound, whichever is slower, plus two all-reduces
-  of [batch, hidden] per layer over tp and one hop per pipeline stage. Pipeline stages of a replica
-  run one after the other, so the step costs the sum over stages: pp does not shorten it.
+  max(HBM: weights + KV read once, FLOPs) + two all-reduces of [batch, hidden] per layer over tp + a
+  send per pipeline stage + `eff.decode_overhead`. Stages of a replica run one after the other for a
+  token, so pp never shortens a step.
   """
   weights = model.matmul_params * gen.weight_bytes / gen.tp
   kv = batch * context * model.kv_bytes_per_token(2) / min(gen.tp, model.kv_heads)
   t_mem = (weights + kv) / (hw.hbm_bandwidth * eff.hbm)
   peak = hw.peak_flops * (hw.fp8_speedup if gen.dtype == "fp8" else 1.0)
-  flops = (2 * model.matmul_params + model.attention_flops_per_token(context)) * batch
-  t_flop = flops / (gen.tp * peak * eff.mfu)
+  t_flop = (2 * model.matmul_params + model.attention_flops_per_token(context)) * batch / (gen.tp * peak * eff.mfu)
   act = batch * model.hidden * 2
   t_comm = 2 * model.layers * collective_seconds(act, gen.tp, hw, eff, across_nodes=gen.tp > hw.gpus_per_node)
-  if gen.pp > 1:  # one send per stage boundary, across nodes when the replica spans nodes
+  if gen.pp > 1:
     across = gen.model_parallel > hw.gpus_per_node
     hop, bandwidth = ((eff.network_latency, hw.network_bandwidth) if across else
                       (eff.nvlink_latency, hw.nvlink_bandwidth))
@@ -374,13 +422,13 @@ def decode_step_seconds(model: ModelShape, gen: GeneratorLayout, batch: int, con
   return max(t_mem, t_flop) + t_comm + eff.decode_overhead
 
 
-def generate_seconds(model: ModelShape, gen: GeneratorLayout, work: Workload, hw: Hardware, eff: Efficiency,
-                     *, streaming: bool, slots: int) -> float:
+def generate_seconds(model: ModelShape, gen: GeneratorLayout, work: Workload, hw: Hardware = Hardware(),
+                     eff: Efficiency = CALIBRATED, *, streaming: bool, slots: int) -> float:
   """Time to produce one step's `work.sequences` responses with `slots` sequences in flight per replica.
 
-  streaming (async, continuous batching): a finished sequence's slot takes the next prompt at once, so
-  a replica pays its share x `response_mean` tokens / slots steps. Static (sync): every wave of `slots`
-  sequences runs `response_max` steps, bound by its longest response. Prefill is FLOP-bound.
+  streaming (continuous batching): a finished sequence's slot takes the next prompt, so a replica runs
+  share x `response_mean` / slots decode steps. Static: each wave of `slots` sequences runs
+  `response_max` steps (its longest response). Plus a FLOP-bound prefill. inf when no slot fits.
   """
   if slots < 1:
     return math.inf
@@ -390,24 +438,24 @@ def generate_seconds(model: ModelShape, gen: GeneratorLayout, work: Workload, hw
   else:
     steps, context = math.ceil(share / slots) * work.response_max, work.prompt_len + work.response_max / 2
   peak = hw.peak_flops * (hw.fp8_speedup if gen.dtype == "fp8" else 1.0)
-  prefill = 2 * model.matmul_params * work.sequences * work.prompt_len / (gen.gpus * peak * eff.mfu) * gen.pp
+  prefill = 2 * model.matmul_params * work.sequences * work.prompt_len * gen.pp / (gen.gpus * peak * eff.mfu)
   return prefill + steps * decode_step_seconds(model, gen, slots, context, hw, eff)
 
 
-def weight_sync_seconds(model: ModelShape, trainer: TrainerLayout, gen: GeneratorLayout, hw: Hardware,
-                        eff: Efficiency) -> float:
-  """Trainer -> generator copy (DDMA): every generator GPU receives its shard of the cast weights,
-  every trainer GPU sends its slice to each replica, all in parallel over the per-GPU network link."""
+def weight_sync_seconds(model: ModelShape, trainer: TrainerLayout, gen: GeneratorLayout,
+                        hw: Hardware = Hardware(), eff: Efficiency = CALIBRATED) -> float:
+  """Trainer -> generator (DDMA): each generator GPU receives its tp shard of the cast weights and each
+  trainer GPU sends its slice to every replica, all at once over the per-GPU network link."""
   nbytes = model.params * gen.weight_bytes
   per_gpu = max(nbytes / gen.model_parallel, nbytes * gen.replicas / trainer.gpus)
   return eff.network_latency + per_gpu / (hw.network_bandwidth * eff.link)
 
 
-def reshard_seconds(model: ModelShape, gen: GeneratorLayout, hw: Hardware, eff: Efficiency) -> float:
-  """Colocated: every GPU gathers its bf16 tp shard of the next weights from the FSDP shards, in place
-  (the hybrid engine's switch from training to generation), over the network."""
+def reshard_seconds(model: ModelShape, gen: GeneratorLayout, hw: Hardware = Hardware(),
+                    eff: Efficiency = CALIBRATED) -> float:
+  """Colocated: each GPU gathers its bf16 tp shard of the new weights from the ZeRO-3 shards (the
+  hybrid engine's switch from training to generation), over the network."""
   return eff.network_latency + model.params * 2 / gen.model_parallel / (hw.network_bandwidth * eff.link)
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -434,15 +482,11 @@ class StepPrediction:
 
 
 def sync_step(model: ModelShape, trainer: TrainerLayout, gen: GeneratorLayout, work: Workload,
-              hw: Hardware = Hardware(), eff: Efficiency | None = None) -> StepPrediction:
-  """The DeepSpeed-Chat-like baseline: both roles colocated on the same GPUs, in sequence.
-
-  Generate (static batches bound by the longest response; the trainer's params, grads and Adam state
-  stay resident, the KV cache gets what is left) -> train on all GPUs -> gather the next bf16 copy.
-  """
-  eff = eff or CALIBRATED
+              hw: Hardware = Hardware(), eff: Efficiency = CALIBRATED) -> StepPrediction:
+  """The colocated synchronous step: generate (static batches, trainer state resident) -> train on all
+  GPUs -> reshard the new weights into the generator's layout."""
   if trainer.gpus != gen.gpus:
-    raise ValueError(f"colocated roles share their GPUs: trainer {trainer} vs generator {gen}")
+    raise ValueError(f"colocated roles share their GPUs, but the trainer has {trainer} and the generator {gen}")
   train_mem = trainer_memory(model, trainer, work, hw, eff)
   gen_mem = generator_memory(model, gen, work, hw, eff, resident=train_mem)
   free = gen_mem.budget - gen_mem.gen_weights - gen_mem.params - gen_mem.grads - gen_mem.optimizer
@@ -454,16 +498,18 @@ def sync_step(model: ModelShape, trainer: TrainerLayout, gen: GeneratorLayout, w
 
 
 def async_step(model: ModelShape, trainer: TrainerLayout, gen: GeneratorLayout, work: Workload,
-               hw: Hardware = Hardware(), eff: Efficiency | None = None) -> StepPrediction:
-  """LlamaRL: generator and trainer on disjoint GPUs at the same time (policy lag 1).
+               hw: Hardware = Hardware(), eff: Efficiency = CALIBRATED, streaming: bool = True) -> StepPrediction:
+  """LlamaRL with policy lag 1: generator and trainer on disjoint GPUs at the same time; the step is
+  max(generate, train) + the weight sync (exposed: the generator waits for the new weights).
 
-  Step = max(generate, train) + the weight sync (exposed: the generator waits for the new weights).
+  streaming=False models this repo's Sampler instead: each replica decodes its whole share as one
+  static batch (bound by the longest response), so the whole share's KV cache must fit.
   """
-  eff = eff or CALIBRATED
   train_mem = trainer_memory(model, trainer, work, hw, eff)
-  gen_mem = generator_memory(model, gen, work, hw, eff)
+  gen_mem = generator_memory(model, gen, work, hw, eff, whole_share=not streaming)
   free = gen_mem.budget - gen_mem.gen_weights
-  t_gen = generate_seconds(model, gen, work, hw, eff, streaming=True, slots=kv_slots(model, gen, work, free))
+  slots = kv_slots(model, gen, work, free)
+  t_gen = generate_seconds(model, gen, work, hw, eff, streaming=streaming, slots=slots)
   t_train = train_seconds(model, trainer, work, hw, eff)
   t_sync = weight_sync_seconds(model, trainer, gen, hw, eff)
   total = eff.step_overhead + max(t_gen, t_train) + t_sync
@@ -474,67 +520,198 @@ def _powers_of_two(limit: int) -> list[int]:
   return [2**i for i in range(int(math.log2(limit)) + 1)]
 
 
-def trainer_layouts(model: ModelShape, gpus: int, hw: Hardware = Hardware(), *, max_tp: int | None = None,
-                    max_pp: int = 16) -> list[TrainerLayout]:
-  """Candidate fsdp x tp x pp layouts over exactly `gpus` GPUs (tp <= max_tp, default one node)."""
+def trainer_layouts(model: ModelShape, gpus: int, work: Workload, hw: Hardware = Hardware(), *,
+                    max_tp: int | None = None, max_pp: int = 16) -> list[TrainerLayout]:
+  """fsdp x tp x pp layouts over exactly `gpus` GPUs: tp <= max_tp (default: one node), pp <= max_pp,
+  and the step's sequences split evenly over the fsdp ranks."""
   out = []
   for tp in _powers_of_two(max_tp or hw.gpus_per_node):
     for pp in _powers_of_two(max_pp):
-      if gpus % (tp * pp) == 0 and pp <= model.layers:
-        out.append(TrainerLayout(fsdp=gpus // (tp * pp), tp=tp, pp=pp))
+      fsdp = gpus // (tp * pp)
+      if gpus % (tp * pp) == 0 and pp <= model.layers and work.sequences % fsdp == 0:
+        out.append(TrainerLayout(fsdp=fsdp, tp=tp, pp=pp))
   return out
 
 
-def _best(preds):
+def _fastest(preds) -> StepPrediction | None:
   preds = [p for p in preds if p.fits and math.isfinite(p.total)]
   return min(preds, key=lambda p: p.total) if preds else None
 
 
-def choose_sync_layout(model: ModelShape, gpus: int, work: Workload, hw: Hardware = Hardware(),
-                       eff: Efficiency | None = None, max_gen_tp: int = 32) -> StepPrediction:
-  """The DeepSpeed-Chat-like baseline's layout on all `gpus`: a ZeRO-3 (FSDP) trainer over every GPU,
-  and a bf16 hybrid-engine generator whose tp (<= max_gen_tp, may span nodes) is the fastest that fits
-  beside the resident trainer state. Raises ValueError when nothing fits."""
-  eff = eff or CALIBRATED
+def _no_fit(model: ModelShape, gpus: int, work: Workload, hw: Hardware, what: str) -> ValueError:
+  return ValueError(f"no {what} layout of {model.name} on {gpus} GPUs fits {hw.hbm_bytes / GB:.0f} GB per GPU "
+                    f"({work.sequences} sequences of up to {work.max_len} tokens); use more GPUs or a smaller "
+                    "batch / response_max")
+
+
+def choose_sync_layout(model: ModelShape, gpus: int, work: Workload = PAPER_WORKLOAD, hw: Hardware = Hardware(),
+                       eff: Efficiency = CALIBRATED, max_gen_tp: int = 32) -> StepPrediction:
+  """The DeepSpeed-Chat-like baseline on all `gpus`: a ZeRO-3 trainer over every GPU and the fastest
+  bf16 hybrid-engine generator (tp <= max_gen_tp, may span nodes) that fits beside its state."""
+  if work.sequences % gpus:
+    raise ValueError(f"the ZeRO-3 baseline splits the step's {work.sequences} sequences over {gpus} GPUs: "
+                     "make the batch a multiple of the GPU count")
   trainer = TrainerLayout(fsdp=gpus)
-  best = _best(sync_step(model, trainer, GeneratorLayout(tp=tp, replicas=gpus // tp), work, hw, eff)
-               for tp in _powers_of_two(max_gen_tp) if gpus % tp == 0)
+  best = _fastest(sync_step(model, trainer, GeneratorLayout(tp=tp, replicas=gpus // tp), work, hw, eff)
+                  for tp in _powers_of_two(max_gen_tp) if gpus % tp == 0)
   if best is None:
-    raise ValueError(f"no colocated layout of {model.name} on {gpus} GPUs fits {hw.hbm_bytes / GB:.0f} GB "
-                     "per GPU; use more GPUs or the asynchronous layout")
+    raise _no_fit(model, gpus, work, hw, "colocated")
   return best
 
 
-def choose_async_layout(model: ModelShape, gpus: int, work: Workload, hw: Hardware = Hardware(),
-                        eff: Efficiency | None = None, quantize: str = "auto") -> StepPrediction:
-  """Split `gpus` into generator and trainer (whole nodes each), and pick each side's layout, to
-  minimise the async step with both memory plans fitting. Raises ValueError when nothing fits.
+def choose_async_layout(model: ModelShape, gpus: int, work: Workload = PAPER_WORKLOAD, hw: Hardware = Hardware(),
+                        eff: Efficiency = CALIBRATED, quantize: str = "fp8", max_pp: int = 16,
+                        streaming: bool = True) -> StepPrediction:
+  """LlamaRL's split of `gpus`: the generator gets sixteenths of the cluster (any count under 16 GPUs)
+  as tp x replicas, tp inside a node (16 GPUs when bf16 weights need it); the trainer the rest, as its
+  fastest fitting fsdp x tp x pp. Returns the fastest async step whose memory plans fit.
 
-  quantize: "auto" decodes in fp8 only when the bf16 weights would take over 3/4 of a node's memory
-  (LlamaRL's 405B generator); "fp8" / "bf16" force the generator dtype.
+  quantize: the generator's weights, "fp8" (LlamaRL's quantised generator) or "bf16". streaming: see
+  `async_step` (False for this repo's static-batch Sampler).
   """
-  eff = eff or CALIBRATED
   node = hw.gpus_per_node
-  if quantize == "auto":
-    big = gen_weight_bytes(model, GeneratorLayout(tp=node)) > 0.75 * hw.hbm_bytes * eff.usable_memory
-    quantize = "fp8" if big else "bf16"
+  tps = _powers_of_two(node) + ([2 * node] if quantize == "bf16" else [])
   preds = []
-  step = max(node, gpus // 16)  # generator share in sixteenths of the cluster (whole nodes)
+  step = max(1, gpus // 16)
   for gen_gpus in range(step, gpus, step):
-    trainers = [t for t in trainer_layouts(model, gpus - gen_gpus, hw) if trainer_memory(model, t, work, hw, eff).fits]
+    trainers = [t for t in trainer_layouts(model, gpus - gen_gpus, work, hw, max_pp=max_pp)
+                if trainer_memory(model, t, work, hw, eff).fits]
     if not trainers:
       continue
     trainer = min(trainers, key=lambda t: train_seconds(model, t, work, hw, eff))
-    preds += [async_step(model, trainer, GeneratorLayout(tp=tp, replicas=gen_gpus // tp, dtype=quantize), work, hw, eff)
-              for tp in _powers_of_two(node) if gen_gpus % tp == 0]
-  best = _best(preds)
+    preds += [async_step(model, trainer, GeneratorLayout(tp=tp, replicas=gen_gpus // tp, dtype=quantize),
+                         work, hw, eff, streaming) for tp in tps if gen_gpus % tp == 0]
+  best = _fastest(preds)
   if best is None:
-    raise ValueError(f"no asynchronous layout of {model.name} on {gpus} GPUs fits {hw.hbm_bytes / GB:.0f} GB per GPU")
+    raise _no_fit(model, gpus, work, hw, "asynchronous")
   return best
 
 
-CALIBRATED = Efficiency()
-DEFAULT_WORKLOAD = Workload()
+def choose_layout(model: ModelShape | str, gpus: int, work: Workload = PAPER_WORKLOAD, *, mode: str = "async",
+                  hw: Hardware = Hardware(), eff: Efficiency = CALIBRATED, **kwargs) -> StepPrediction:
+  """The fastest layouts that fit for `model` (a ModelShape or "8b" / "70b" / "405b") on `gpus` GPUs.
 
-# (model, GPUs): (sync s, async s) from LlamaRL (arXiv 2505.24034), Llama 3 post-training on H100s.
-PAPER = {("8b", 256): (22.45, 8.90), ("70b", 256): (82.32, 20.67), ("405b", 1024): (635.8, 59.5)}
+  mode "async": LlamaRL's disjoint trainer / generator (`choose_async_layout`, kwargs quantize, max_pp);
+  "sync": the colocated baseline (`choose_sync_layout`). Raises ValueError when nothing fits.
+  """
+  model = LLAMA3[model.lower()] if isinstance(model, str) else model
+  if mode == "async":
+    return choose_async_layout(model, gpus, work, hw, eff, **kwargs)
+  if mode == "sync":
+    return choose_sync_layout(model, gpus, work, hw, eff, **kwargs)
+  raise ValueError(f"mode must be 'async' or 'sync', got {mode!r}")
+
+
+def controller_bindings(model: ModelShape, pred: StepPrediction, work: Workload, hw: Hardware = Hardware(),
+                        eff: Efficiency = CALIBRATED) -> dict:
+  """`llamarl_jax.controller.Controller` arguments realising an async prediction in this repo.
+
+  The repo's meshes are fsdp x tp (no pp), its Sampler holds a replica's whole share of the batch, and
+  its trainer pads every row to prompt + `response_max` tokens, so `microbatches` keeps a rank's
+  microbatch within `work.microbatch_tokens` padded tokens. Raises ValueError for layouts it cannot run.
+  """
+  if pred.trainer.pp > 1 or pred.trainer.dp > 1 or pred.generator.pp > 1:
+    raise ValueError(f"this repo's meshes are fsdp x tp only; got trainer {pred.trainer}, generator "
+                     f"{pred.generator} (choose with max_pp=1, or --this_repo)")
+  generator_memory(model, pred.generator, work, hw, eff, whole_share=True).check()
+  rows = work.sequences // pred.trainer.fsdp  # per trainer rank
+  per_micro = max([d for d in range(1, rows + 1) if rows % d == 0 and d * work.max_len <= work.microbatch_tokens]
+                  or [1])
+  return dict(trainer_fsdp=pred.trainer.fsdp, trainer_tp=pred.trainer.tp, generator_dp=pred.generator.replicas,
+              generator_tp=pred.generator.tp, microbatches=rows // per_micro, prompts_per_step=work.prompts,
+              samples_per_prompt=work.samples, max_new_tokens=work.response_max)
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+@dataclass(frozen=True)
+class PaperComparison:
+  size: str
+  gpus: int
+  sync: StepPrediction
+  async_: StepPrediction
+  paper_sync: float
+  paper_async: float
+
+  @property
+  def sync_error(self) -> float:
+    return self.sync.total / self.paper_sync - 1
+
+  @property
+  def async_error(self) -> float:
+    return self.async_.total / self.paper_async - 1
+
+
+def compare_with_paper(work: Workload = PAPER_WORKLOAD, hw: Hardware = Hardware(),
+                       eff: Efficiency = CALIBRATED) -> list[PaperComparison]:
+  """Predictions for the paper's three configurations, beside its published step times."""
+  return [PaperComparison(size, gpus, choose_sync_layout(LLAMA3[size], gpus, work, hw, eff),
+                          choose_async_layout(LLAMA3[size], gpus, work, hw, eff), *PAPER[(size, gpus)])
+          for size, gpus in PAPER]
+
+
+def paper_table(rows: list[PaperComparison]) -> str:
+  lines = ["| model | GPUs | sync s (paper) | err | async s (paper) | err | speed-up (paper) | weight sync s |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r.size} | {r.gpus} | {r.sync.total:.1f} ({r.paper_sync}) | {r.sync_error:+.0%} | "
+                 f"{r.async_.total:.1f} ({r.paper_async}) | {r.async_error:+.0%} | "
+                 f"{r.sync.total / r.async_.total:.1f}x ({r.paper_sync / r.paper_async:.1f}x) | "
+                 f"{r.async_.weight_sync:.2f} |")
+  return "\n".join(lines)
+
+
+def describe(pred: StepPrediction) -> str:
+  """Layouts, time breakdown and memory plans of one prediction, a few lines."""
+  head = (f"{pred.mode}: {pred.total:.1f} s = overhead {pred.overhead:.1f} + "
+          + (f"generate {pred.generate:.1f} + train {pred.train:.1f} + reshard {pred.weight_sync:.2f}"
+             if pred.mode == "sync" else
+             f"max(generate {pred.generate:.1f}, train {pred.train:.1f}) + weight sync {pred.weight_sync:.2f}"))
+  body = [f"  trainer {pred.trainer}, generator {pred.generator}"] + [f"  {m}" for m in pred.memory]
+  return "\n".join([head] + body)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description="LlamaRL step-time and memory model (see the module docstring).")
+  parser.add_argument("--size", choices=sorted(LLAMA3), help="plan one model instead of the paper table")
+  parser.add_argument("--gpus", type=int, help="GPU count for --size")
+  parser.add_argument("--quantize", default="fp8", choices=("fp8", "bf16"), help="async generator weights")
+  parser.add_argument("--this_repo", action="store_true",
+                      help="model this repo's implementation: bf16 generator, fsdp x tp meshes (no pp), "
+                           "static-batch generation of a replica's whole share, rows padded to the max")
+  for f in dataclasses.fields(Workload):
+    if f.type in ("int", int):
+      parser.add_argument(f"--{f.name}", type=int, default=f.default)
+  args = parser.parse_args(argv)
+  work = Workload(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Workload) if f.type in ("int", int)},
+                  packed=not args.this_repo)
+  print(f"workload: {work} ({work.sequences} sequences, {work.train_tokens / 1e6:.2f}M train tokens)")
+  print(f"hardware: {Hardware()}\ncalibration: {CALIBRATED}\n")
+  if args.size:
+    if not args.gpus:
+      parser.error("--size needs --gpus")
+    model = LLAMA3[args.size]
+    print(f"{model.name} ({model.params / 1e9:.1f}B params) on {args.gpus} GPUs")
+    repo = dict(quantize="bf16", max_pp=1, streaming=False) if args.this_repo else dict(quantize=args.quantize)
+    for mode, kw in (("async", repo), ("sync", {})):
+      try:
+        pred = choose_layout(model, args.gpus, work, mode=mode, **kw)
+      except ValueError as e:
+        print(f"{mode}: {e}")
+        continue
+      print(describe(pred))
+      if mode == "async" and args.this_repo:
+        print("  Controller bindings:", controller_bindings(model, pred, work))
+    return
+  rows = compare_with_paper(work)
+  print(paper_table(rows))
+  for r in rows:
+    print(f"\n{LLAMA3[r.size].name} on {r.gpus} GPUs")
+    print(describe(r.sync))
+    print(describe(r.async_))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,7 +1,9 @@
 """Synthetic tasks: deterministic streams, correct references, exact verifiers, difficulty knobs."""
 
+import random
 import re
 
+import numpy as np
 import pytest
 
 from llamarl_jax.rewards import get_reward_fn
@@ -102,3 +104,19 @@ def test_bad_knobs_and_names_are_rejected():
 def test_registered_by_name():
   assert get_reward_fn("arithmetic") is S.score_arithmetic
   assert get_reward_fn("countdown") is S.score_countdown
+
+
+def test_a_flawed_teacher_drops_minus_signs_in_demonstrations_only():
+  """demo_sign_error models a systematic teacher error: demonstrations of negative answers lose their
+  sign at that rate; ground truths stay exact, so the reward still wants the sign."""
+  task = S.make_task("arithmetic", ops="-", demo_sign_error=0.7)
+  rng = random.Random(0)
+  negatives = [inst for inst in (task.sample(rng) for _ in range(4000)) if inst.ground_truth.startswith("-")]
+  dropped = np.mean([inst.completion == inst.ground_truth[1:] for inst in negatives])
+  kept = np.mean([inst.completion == inst.ground_truth for inst in negatives])
+  assert len(negatives) > 1000 and dropped + kept == 1.0
+  assert abs(dropped - 0.7) < 0.05  # binomial sd ~0.014 at n > 1000: 3.5 sd
+  clean = S.make_task("arithmetic", ops="-")
+  assert all(i.completion == i.ground_truth for i in (clean.sample(rng) for _ in range(500)))
+  with pytest.raises(ValueError, match="demo_sign_error is a probability"):
+    S.make_task("arithmetic", demo_sign_error=1.5)

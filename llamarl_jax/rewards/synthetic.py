@@ -35,7 +35,8 @@ HELDOUT_MODULUS = 16  # 1 in 16 problems (by prompt hash) is held out for evalua
 class TaskInstance:
   prompt: str        # what the model is conditioned on, e.g. "23+58="
   ground_truth: str  # what the verifier compares against, e.g. "81"
-  completion: str    # a correct completion (the SFT target, without EOS), e.g. "81"
+  completion: str    # the demonstration (SFT target, without EOS), e.g. "81": correct unless the task
+                     # models a flawed teacher (ArithmeticTask.demo_sign_error)
 
 
 def _operand(rng: random.Random, digits: int) -> int:
@@ -47,16 +48,24 @@ class ArithmeticTask:
   """`a op b op c ...=` over non-negative integers; answer: the integer value (standard precedence).
 
   Knobs: operand digits drawn uniformly in [min_digits, max_digits]; num_operands; ops from "+-*".
+
+  demo_sign_error: probability that the *demonstration* of a negative answer drops its minus sign
+  ("12-40=" demonstrated as "28"), a systematic error like those of a weaker teacher model whose
+  outputs are used for the supervised warm start. The ground truth (and so the RL reward) stays exact:
+  RL with the verifier can then surpass the demonstrator, which is the point of RL post-training.
   """
   min_digits: int = 1
   max_digits: int = 2
   num_operands: int = 2
   ops: str = "+-"
+  demo_sign_error: float = 0.0
   name: ClassVar[str] = "arithmetic"
 
   def __post_init__(self):
     if not 1 <= self.min_digits <= self.max_digits <= 12:
       raise ValueError(f"need 1 <= min_digits <= max_digits <= 12, got {self.min_digits}, {self.max_digits}")
+    if not 0.0 <= self.demo_sign_error <= 1.0:
+      raise ValueError(f"demo_sign_error is a probability, got {self.demo_sign_error}")
     if self.num_operands < 2:
       raise ValueError(f"num_operands must be >= 2, got {self.num_operands}")
     if not self.ops or set(self.ops) - set("+-*"):
@@ -68,7 +77,10 @@ class ArithmeticTask:
     value = math_reward.evaluate(math_reward.parse(expr, allow_vars=False, implicit_mul=False,
                                                    allow_pow=False, allow_latex=False))
     answer = str(int(value))
-    return TaskInstance(prompt=expr + "=", ground_truth=answer, completion=answer)
+    demo = answer
+    if value < 0 and self.demo_sign_error and rng.random() < self.demo_sign_error:
+      demo = answer.lstrip("-")
+    return TaskInstance(prompt=expr + "=", ground_truth=answer, completion=demo)
 
   @staticmethod
   def score(response_text: str, ground_truth: str) -> float:

@@ -1,0 +1,156 @@
+"""WeightSync: trainer params (FSDP mesh) -> generator layout (TP mesh on other devices), exact in fp32,
+bounded error in bf16 and int8, with version / wait / close semantics for the executors' threads."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from llamarl_jax import parallel
+from llamarl_jax.executors.weight_sync import WeightSync, quantize_int8, tree_bytes
+from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+
+# vocab, hidden and mlp split 4 ways; the 2 kv heads do not, so wk / wv stay replicated over tp.
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     max_position_embeddings=32)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  """(trainer params on an fsdp=4 mesh, generator shardings on a disjoint tp=4 mesh, the two meshes)."""
+  trainer_mesh, gen_mesh = parallel.make_meshes(trainer_fsdp=4, generator_tp=4)
+  abstract = nnx.eval_shape(lambda: Llama(CONFIG, rngs=nnx.Rngs(0)))
+  _, shapes = split_params(abstract)
+  axes = parallel.logical_axes(abstract)
+  rng = np.random.default_rng(0)
+  host = jax.tree.map(lambda s: rng.standard_normal(s.shape, dtype=np.float32), shapes)
+  params = jax.device_put(host, parallel.param_shardings(shapes, axes, trainer_mesh))
+  return params, parallel.param_shardings(shapes, axes, gen_mesh), trainer_mesh, gen_mesh
+
+
+def _pairs(a, b):
+  return zip(jax.tree.leaves(a), jax.tree.leaves(b))
+
+
+def test_fp32_push_gives_the_generator_exactly_the_trainer_params(setup):
+  params, gen_shardings, _, _ = setup
+  sync = WeightSync(gen_shardings, dtype=jnp.float32)
+  sync.push(params, version=1)
+  gen_params, version = sync.latest()
+  assert version == 1
+  assert jax.tree.structure(gen_params) == jax.tree.structure(params)
+  for t, g in _pairs(params, gen_params):
+    assert g.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(t))
+
+
+@pytest.mark.parametrize("dtype,quantize", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, "int8")])
+def test_generator_arrays_live_on_generator_devices_only(setup, dtype, quantize):
+  params, gen_shardings, trainer_mesh, gen_mesh = setup
+  sync = WeightSync(gen_shardings, dtype=dtype, quantize=quantize)
+  sync.push(params, version=0)
+  gen_params, _ = sync.latest()
+  gen_devices, trainer_devices = set(gen_mesh.devices.flat), set(trainer_mesh.devices.flat)
+  assert not gen_devices & trainer_devices
+  for g, s in zip(jax.tree.leaves(gen_params), jax.tree.leaves(gen_shardings, is_leaf=lambda x: isinstance(
+      x, jax.sharding.Sharding))):
+    assert g.devices() == gen_devices  # every generator device holds a shard or replica, no trainer device
+    assert g.sharding.is_equivalent_to(s, g.ndim)
+    assert g.dtype == dtype
+
+
+def test_bf16_cast_error_within_unit_roundoff(setup):
+  """Round to nearest bf16 (8 significant bits): |x - bf16(x)| <= 2^-8 |x|, elementwise."""
+  params, gen_shardings, _, _ = setup
+  sync = WeightSync(gen_shardings, dtype=jnp.bfloat16)
+  sync.push(params, version=0)
+  for t, g in _pairs(params, sync.latest()[0]):
+    t, g = np.asarray(t), np.asarray(g, dtype=np.float32)
+    assert np.all(np.abs(g - t) <= 2.0**-8 * np.abs(t))
+
+
+def test_int8_error_within_half_a_step_per_channel(setup):
+  """Per output channel (last axis) the step is scale = max|w| / 127, so rounding errs by <= scale / 2;
+  1-D params (norm scales) are sent unquantised and arrive exact. Dequantised to fp32 to isolate it."""
+  params, gen_shardings, _, _ = setup
+  sync = WeightSync(gen_shardings, dtype=jnp.float32, quantize="int8")
+  metrics = sync.push(params, version=0)
+  for t, g in _pairs(params, sync.latest()[0]):
+    t, g = np.asarray(t), np.asarray(g)
+    if t.ndim == 1:
+      np.testing.assert_array_equal(g, t)
+      continue
+    scale = np.max(np.abs(t), axis=tuple(range(t.ndim - 1)), keepdims=True) / 127.0
+    err = np.max(np.abs(g - t), axis=tuple(range(t.ndim - 1)), keepdims=True)
+    assert np.all(err <= scale / 2 * (1 + 1e-5)), float(np.max(err / scale))
+  # int8 + one fp32 scale per channel cross the meshes: a bit over a quarter of the fp32 bytes
+  fp32 = tree_bytes(params)
+  assert 0.25 * fp32 < metrics["sync/bytes"] < 0.3 * fp32
+
+
+def test_quantize_int8_round_trip_on_a_known_matrix():
+  w = jnp.array([[1.0, -0.5], [-2.0, 0.25], [0.0, 0.0]])  # channel max: 2.0 and 0.5
+  q, scale = quantize_int8(w)
+  assert q.dtype == jnp.int8 and scale.shape == (1, 2)
+  np.testing.assert_allclose(np.asarray(scale), [[2.0 / 127, 0.5 / 127]], rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(q), [[64, -127], [-127, 64], [0, 0]])  # round(63.5) -> 64 (half to even)
+  assert np.max(np.abs(np.asarray(q * scale) - np.asarray(w))) <= float(np.max(scale)) / 2
+
+
+def test_push_reports_seconds_bytes_and_throughput(setup):
+  params, gen_shardings, _, _ = setup
+  sync = WeightSync(gen_shardings, dtype=jnp.bfloat16)
+  metrics = sync.push(params, version=7)
+  assert metrics["sync/bytes"] == tree_bytes(params) / 2  # fp32 -> bf16 halves the bytes that move
+  assert metrics["sync/seconds"] > 0 and metrics["sync/version"] == 7
+  assert metrics["sync/gbps"] == pytest.approx(metrics["sync/bytes"] / metrics["sync/seconds"] / 1e9)
+  assert sync.history == [metrics]
+
+
+def test_rejects_unknown_quantization(setup):
+  with pytest.raises(ValueError, match="quantize must be None or 'int8'"):
+    WeightSync(setup[1], quantize="int4")
+
+
+def _waiter(sync, version, timeout=None):
+  """Start a thread blocked in wait_for_version; returns (thread, result list)."""
+  out = []
+  thread = threading.Thread(target=lambda: out.append(sync.wait_for_version(version, timeout)), daemon=True)
+  thread.start()
+  return thread, out
+
+
+def test_versions_and_waiting(setup):
+  params, gen_shardings, _, _ = setup
+  sync = WeightSync(gen_shardings, dtype=jnp.bfloat16)
+  assert sync.version == -1 and sync.latest() == (None, -1)
+  assert sync.wait_for_version(0, timeout=0.01) is False  # nothing pushed yet: times out
+  thread, out = _waiter(sync, 2)
+  sync.push(params, version=1)
+  thread.join(0.2)
+  assert thread.is_alive() and not out  # version 1 < 2: still waiting
+  sync.push(params, version=2)
+  thread.join(5)
+  assert out == [True] and sync.version == 2
+  assert sync.wait_for_version(1, timeout=0) is True  # already past: returns at once
+
+
+def test_close_wakes_waiters_and_reopen_restores_blocking(setup):
+  params, gen_shardings, _, _ = setup
+  sync = WeightSync(gen_shardings, dtype=jnp.bfloat16)
+  sync.push(params, version=0)
+  thread, out = _waiter(sync, 10)
+  thread.join(0.1)
+  assert thread.is_alive()
+  sync.close()
+  thread.join(5)
+  assert out == [False]  # woken, version 10 never arrived
+  late, late_out = _waiter(sync, 10)  # after close a waiter returns at once, even without a timeout
+  late.join(5)
+  assert late_out == [False]
+  sync.reopen()
+  assert sync.wait_for_version(10, timeout=0.05) is False  # blocks again (until the timeout)
+  assert sync.latest()[1] == 0  # the weights survive close / reopen
