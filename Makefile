@@ -25,8 +25,10 @@ test: install
 
 bench: install
 	$(TEST_ENV) $(BIN)/python scripts/bench_generate.py
+	$(TEST_ENV) $(BIN)/python scripts/bench_train.py
 	$(TEST_ENV) $(BIN)/python scripts/bench_weight_sync.py
 	$(TEST_ENV) $(BIN)/python scripts/bench_async.py
+	$(BIN)/python -m llamarl_jax.perf_model
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

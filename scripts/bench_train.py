@@ -169,7 +169,7 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
   parser.add_argument("--peak_tflops", type=float, default=None,
                       help="device peak for MFU (e.g. 989 for H100 bf16 dense); default: a CPU estimate")
-  parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "BENCHMARKS_train.md"))
+  parser.add_argument("--out", default=None, help="also append the section to this markdown file")
   args = parser.parse_args(argv)
 
   import jax
@@ -210,13 +210,9 @@ def main(argv=None):
              f"- timed: median of {args.steps} steps after {args.warmup} warm-up steps (compile excluded)\n\n"
              f"{table}\n")
   print(section)
-  out = Path(args.out)
-  if not out.exists():
-    out.write_text("# Trainer benchmarks\n\nWritten by `scripts/bench_train.py`; see its docstring for the "
-                   "definitions (tokens/s counts every prompt + response position; MFU = 6 N tokens / "
-                   "time / peak).\n")
-  with out.open("a") as f:
-    f.write(section)
+  if args.out:
+    with Path(args.out).open("a") as f:
+      f.write(section)
   return rows
 
 

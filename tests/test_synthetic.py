@@ -120,3 +120,16 @@ def test_a_flawed_teacher_drops_minus_signs_in_demonstrations_only():
   assert all(i.completion == i.ground_truth for i in (clean.sample(rng) for _ in range(500)))
   with pytest.raises(ValueError, match="demo_sign_error is a probability"):
     S.make_task("arithmetic", demo_sign_error=1.5)
+
+
+def test_a_teacher_that_ignores_the_answer_format_is_rejected_by_the_verifier():
+  task = S.make_task("arithmetic", demo_prefix="ans ", demo_prefix_rate=0.7)
+  rng = random.Random(1)
+  insts = [task.sample(rng) for _ in range(2000)]
+  prefixed = [i for i in insts if i.completion.startswith("ans ")]
+  assert abs(len(prefixed) / len(insts) - 0.7) < 0.04  # binomial sd ~0.010: 4 sd
+  assert all(i.completion == "ans " + i.ground_truth for i in prefixed)
+  assert all(S.score_arithmetic(i.completion, i.ground_truth) == 0.0 for i in prefixed)
+  assert all(S.score_arithmetic(i.completion, i.ground_truth) == 1.0 for i in insts if i not in prefixed)
+  with pytest.raises(ValueError, match="demo_prefix_rate is a probability"):
+    S.make_task("arithmetic", demo_prefix_rate=-0.1)

@@ -53,12 +53,17 @@ class ArithmeticTask:
   ("12-40=" demonstrated as "28"), a systematic error like those of a weaker teacher model whose
   outputs are used for the supervised warm start. The ground truth (and so the RL reward) stays exact:
   RL with the verifier can then surpass the demonstrator, which is the point of RL post-training.
+  demo_prefix / demo_prefix_rate: with that probability the demonstration is written `demo_prefix +
+  answer` ("ans 81"), a format the exact verifier rejects (a teacher that does not follow the
+  answer format; RL learns the format from the reward).
   """
   min_digits: int = 1
   max_digits: int = 2
   num_operands: int = 2
   ops: str = "+-"
   demo_sign_error: float = 0.0
+  demo_prefix: str = ""
+  demo_prefix_rate: float = 0.0
   name: ClassVar[str] = "arithmetic"
 
   def __post_init__(self):
@@ -66,6 +71,8 @@ class ArithmeticTask:
       raise ValueError(f"need 1 <= min_digits <= max_digits <= 12, got {self.min_digits}, {self.max_digits}")
     if not 0.0 <= self.demo_sign_error <= 1.0:
       raise ValueError(f"demo_sign_error is a probability, got {self.demo_sign_error}")
+    if not 0.0 <= self.demo_prefix_rate <= 1.0:
+      raise ValueError(f"demo_prefix_rate is a probability, got {self.demo_prefix_rate}")
     if self.num_operands < 2:
       raise ValueError(f"num_operands must be >= 2, got {self.num_operands}")
     if not self.ops or set(self.ops) - set("+-*"):
@@ -80,6 +87,8 @@ class ArithmeticTask:
     demo = answer
     if value < 0 and self.demo_sign_error and rng.random() < self.demo_sign_error:
       demo = answer.lstrip("-")
+    if self.demo_prefix_rate and rng.random() < self.demo_prefix_rate:
+      demo = self.demo_prefix + demo
     return TaskInstance(prompt=expr + "=", ground_truth=answer, completion=demo)
 
   @staticmethod
