@@ -36,7 +36,7 @@ class TaskInstance:
   prompt: str        # what the model is conditioned on, e.g. "23+58="
   ground_truth: str  # what the verifier compares against, e.g. "81"
   completion: str    # the demonstration (SFT target, without EOS), e.g. "81": correct unless the task
-                     # models a flawed teacher (ArithmeticTask.demo_sign_error)
+                     # models a flawed teacher (ArithmeticTask.demo_sign_error / demo_prefix_rate)
 
 
 def _operand(rng: random.Random, digits: int) -> int:
