@@ -21,6 +21,7 @@ same time on their disjoint meshes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -146,7 +147,10 @@ class Controller:
     self.weight_sync = WeightSync(parallel.param_shardings(gen_shapes, axes, self.generator_mesh),
                                   dtype=generator_dtype, quantize=quantize,
                                   keep_pending=version_schedule == "fixed")
-    self.reward = reward_fn if isinstance(reward_fn, RewardExecutor) else RewardExecutor(
+    # A RewardExecutor passed in belongs to the caller (e.g. one worker pool shared by many runs of a
+    # study): `close` closes only the one built here.
+    self._owns_reward = not isinstance(reward_fn, RewardExecutor)
+    self.reward = reward_fn if not self._owns_reward else RewardExecutor(
         reward_fn, num_workers=reward_workers, timeout_s=reward_timeout_s)
     self.buffer = ReplayBuffer(buffer_capacity)
     self.checkpointer = Checkpointer(self.run_dir / "checkpoints", max_to_keep=keep_checkpoints)
@@ -251,8 +255,13 @@ class Controller:
       self.last_data_state = meta["data_state"]
     return self.step
 
-  def run(self, num_steps: int) -> list[dict]:
-    """Train `num_steps` more steps; returns each step's metrics. Shuts the executors down on return."""
+  def run(self, num_steps: int, *, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Train `num_steps` more steps; returns each step's metrics. Shuts the executors down on return.
+
+    on_step(step, metrics): called on the controller thread after each step (e.g. a periodic
+    held-out evaluation); the generator keeps generating meanwhile, within the lag bound. Its time
+    is not part of the next step's `time/step` but its `time/trainer_wait` can be shorter.
+    """
     self._stop.clear()
     start = self.step
     self.weight_sync.push(self.trainer.params, start)
@@ -269,6 +278,8 @@ class Controller:
     try:
       for _ in range(num_steps):
         steps.append(self._train_one())
+        if on_step is not None:
+          on_step(self.step, steps[-1])
         if bar is not None:
           m = steps[-1]
           bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['reward/accuracy']:.2f}",
@@ -353,23 +364,44 @@ class Controller:
 
   # ----------------------------------------------------------------------------------------------
 
-  def evaluate(self, examples: Sequence, *, params=None) -> dict:
-    """Greedy accuracy on `examples` with the generator (current trainer weights by default)."""
-    if params is None:
-      self.weight_sync.push(self.trainer.params, self.step)
-      params, _ = self.weight_sync.latest()
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens, n=1,
-                            stop_token_ids=self.sampling.stop_token_ids, seed=0)
-    rollout = self.sampler.generate(params, encode_prompts(self.tokenizer, examples), greedy).to_host()
+  def evaluate(self, examples: Sequence, *, params=None, samples: int = 0, seed: int = 0) -> dict:
+    """Held-out accuracy of the current trainer weights (or `params`, generator layout) on `examples`.
+
+    eval/accuracy: greedy exact-match accuracy (fraction of problems with reward >= 1).
+    eval/pass1_sampled (only with `samples` > 0): the pass@1 of the training sampling distribution
+    (temperature, top_p, top_k), estimated from `samples` draws per problem: the fraction of all draws
+    that are right. `seed` fixes its noise, so an evaluation is a pure function of (weights, seed).
+    Safe to call between steps while `run` is in progress: the weights are converted to the generator
+    layout without being registered in the WeightSync (the generator never sees them), and in
+    colocated mode the evaluation takes its turn on the shared mesh.
+    """
+    if samples < 0:
+      raise ValueError(f"samples (draws per problem for the sampled pass@1) must be >= 0, got {samples}")
+    prompts = encode_prompts(self.tokenizer, examples)
+    truths = [ex.ground_truth for ex in examples]
+    with self._device_turn:
+      if params is None:
+        params, _ = self.weight_sync.to_generator(self.trainer.params)
+      greedy = dataclasses.replace(self.sampling, temperature=0.0, n=1, seed=0)
+      rollout = self.sampler.generate(params, prompts, greedy).to_host()
+      sampled = None
+      if samples:
+        draws = dataclasses.replace(self.sampling, n=samples, seed=seed)
+        sampled = self.sampler.generate(params, prompts, draws).to_host()
     texts = decode_responses(self.tokenizer, rollout)
-    rewards, _ = self.reward.score(texts, [ex.ground_truth for ex in examples])
-    rewards = np.asarray(rewards)
-    return {"eval/accuracy": float(np.mean(rewards >= 1.0)), "eval/reward_mean": float(rewards.mean()),
-            "eval/samples": [(ex.prompt, t) for ex, t in zip(examples[:3], texts[:3])]}
+    rewards = np.asarray(self.reward.score(texts, truths)[0])
+    out = {"eval/accuracy": float(np.mean(rewards >= 1.0)), "eval/reward_mean": float(rewards.mean()),
+           "eval/samples": [(ex.prompt, t) for ex, t in zip(examples[:3], texts[:3])]}
+    if sampled is not None:
+      sampled_texts = decode_responses(self.tokenizer, sampled)
+      sampled_rewards = np.asarray(self.reward.score(sampled_texts, np.repeat(truths, samples).tolist())[0])
+      out["eval/pass1_sampled"] = float(np.mean(sampled_rewards >= 1.0))
+    return out
 
   def close(self) -> None:
     self._shutdown()
-    self.reward.close()
+    if self._owns_reward:
+      self.reward.close()
     self.checkpointer.close()
 
 

@@ -116,9 +116,23 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
 @gin.configurable
 def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source: PromptSource | None = None,
                    rl_source: PromptSource | None = None, eval_source: PromptSource | None = None,
-                   eval_size: int = 256, sft: bool = True, resume: bool = False, export: bool = True,
+                   eval_size: int = 256, eval_every: int = 0, eval_samples: int = 0, eval_window: int = 3,
+                   sft: bool = True, resume: bool = False, export: bool = True,
                    tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True) -> dict:
-  """SFT warm start (optional) -> eval -> async RL -> eval -> HF export. Returns the summary."""
+  """SFT warm start (optional) -> eval -> async RL (eval every `eval_every` steps) -> eval -> HF export.
+
+  Held-out evaluations (`evaluate_and_log`): greedy accuracy, plus a sampled pass@1 from `eval_samples`
+  draws per problem when > 0, logged at the step they were taken (JSONL/TensorBoard `eval/*`) and
+  listed in the summary's `evals`. `eval_every=0` evaluates only before and after RL. The summary's
+  `eval_accuracy_window` is the mean greedy accuracy of the last `eval_window` evaluations during
+  RL: a single final evaluation swings by several points between nearby steps, their mean less.
+  Returns the summary.
+  """
+  for name, value in (("eval_every", eval_every), ("eval_samples", eval_samples)):
+    if value < 0:
+      raise ValueError(f"run_experiment.{name} must be >= 0 (0 = off), got {value}")
+  if eval_window < 1:
+    raise ValueError(f"run_experiment.eval_window must be >= 1, got {eval_window}")
   run_dir = Path(run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
   (run_dir / "config.gin").write_text(gin.config_str())
@@ -136,6 +150,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   try:
     summary = _sft_rl_eval_export(controller, config, tokenizer, rl_source, sft_source, eval_examples,
                                   run_dir=run_dir, rl_steps=rl_steps, sft=sft, resume=resume, export=export,
+                                  eval_every=eval_every, eval_samples=eval_samples, eval_window=eval_window,
                                   logger=logger, progress=progress)
   finally:  # also on Ctrl-C / SIGTERM: Controller.run has checkpointed the last finished step
     controller.close()
@@ -145,9 +160,45 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   return summary
 
 
+def evaluate_and_log(controller: Controller, examples, *, samples: int = 0,
+                     logger: MetricsLogger | None = None) -> dict:
+  """One held-out evaluation of the controller's current weights, logged at its step.
+
+  Greedy accuracy and (samples > 0) the sampled pass@1 (`Controller.evaluate`); the sampled pass's seed
+  is the step, so every run and cell sees the same noise at the same step. Returns
+  {"step", "eval/accuracy", "eval/reward_mean", ["eval/pass1_sampled"], "time/eval"} and the sample
+  completions under "samples" (not logged).
+  """
+  t0 = time.perf_counter()
+  out = controller.evaluate(examples, samples=samples, seed=controller.step)
+  row = {"step": controller.step, **{k: v for k, v in out.items() if k != "eval/samples"}}
+  row["time/eval"] = time.perf_counter() - t0
+  if logger is not None:
+    logger.log(controller.step, {k: v for k, v in row.items() if k != "step"})
+  row["samples"] = out["eval/samples"]
+  return row
+
+
+def run_with_evals(controller: Controller, examples, num_steps: int, *, eval_every: int, samples: int = 0,
+                   logger: MetricsLogger | None = None, evals: list | None = None) -> list[dict]:
+  """`controller.run(num_steps)` with `evaluate_and_log` after every step divisible by `eval_every`.
+
+  The evaluations run on the controller thread between steps while the generator keeps working, so
+  they do not change what is trained (the schedule is fixed). They are appended to `evals` (also on
+  an interrupt). Returns the steps' metrics.
+  """
+  evals = [] if evals is None else evals
+
+  def on_step(step: int, _metrics: dict) -> None:
+    if eval_every and step % eval_every == 0:
+      evals.append(evaluate_and_log(controller, examples, samples=samples, logger=logger))
+
+  return controller.run(num_steps, on_step=on_step)
+
+
 def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sft_source, eval_examples, *,
-                        run_dir: Path, rl_steps: int, sft: bool, resume: bool, export: bool,
-                        logger: MetricsLogger, progress: bool) -> dict:
+                        run_dir: Path, rl_steps: int, sft: bool, resume: bool, export: bool, eval_every: int,
+                        eval_samples: int, eval_window: int, logger: MetricsLogger, progress: bool) -> dict:
   summary: dict = {"run_dir": str(run_dir), "model_params": config.num_params()}
   if not resume and controller.checkpointer.latest_step() is not None:
     raise FileExistsError(f"{run_dir} already holds checkpoints (latest step "
@@ -162,21 +213,31 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
     params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
                                   progress=progress)
     controller.trainer.load_params(params)
+  evals: list[dict] = []
   if resumed and before_file.exists():  # the baseline is the policy RL started from, not the resume point
     summary["eval_before_rl"] = json.loads(before_file.read_text())["eval/accuracy"]
   else:
-    summary["eval_before_rl"] = controller.evaluate(eval_examples)["eval/accuracy"]
+    evals.append(evaluate_and_log(controller, eval_examples, samples=eval_samples, logger=logger))
+    summary["eval_before_rl"] = evals[-1]["eval/accuracy"]
     before_file.write_text(json.dumps({"eval/accuracy": summary["eval_before_rl"]}))
   if progress:
     print(f"held-out accuracy before RL: {summary['eval_before_rl']:.3f} ({len(eval_examples)} problems)")
   remaining = max(rl_steps - controller.step, 0)
   t_rl = time.perf_counter()
-  history = controller.run(remaining) if remaining else []
+  history = (run_with_evals(controller, eval_examples, remaining, eval_every=eval_every, samples=eval_samples,
+                            logger=logger, evals=evals) if remaining else [])
   summary["rl_seconds"] = time.perf_counter() - t_rl
-  after = controller.evaluate(eval_examples)
+  if not evals or evals[-1]["step"] != controller.step:
+    evals.append(evaluate_and_log(controller, eval_examples, samples=eval_samples, logger=logger))
+  after = evals[-1]
   summary["eval_after_rl"] = after["eval/accuracy"]
   summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - summary["eval_before_rl"])
-  summary["samples_after"] = after["eval/samples"]
+  summary["samples_after"] = after["samples"]
+  during = [e for e in evals if e["step"] > 0][-eval_window:]
+  if during:
+    summary["eval_accuracy_window"] = float(np.mean([e["eval/accuracy"] for e in during]))
+    summary["eval_window_steps"] = [e["step"] for e in during]
+  summary["evals"] = [{k: v for k, v in e.items() if k != "samples"} for e in evals]
   if history:
     last = history[-min(10, len(history)):]
     summary["train_reward_last10"] = float(np.mean([m["reward/mean"] for m in last]))

@@ -44,9 +44,9 @@ def run_one(args, lag: int, delay: float) -> dict:
                        num_kv_heads=max(args.hidden // 64, 1), max_position_embeddings=128,
                        tie_word_embeddings=True)
   _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
-  with tempfile.TemporaryDirectory() as run_dir:
+  with tempfile.TemporaryDirectory() as run_dir, RewardExecutor("arithmetic", num_workers=1) as reward:
     c = Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir,
-                   reward_fn=RewardExecutor("arithmetic", num_workers=1), max_policy_lag=lag,
+                   reward_fn=reward, max_policy_lag=lag,
                    prompts_per_step=args.prompts, samples_per_prompt=args.samples,
                    max_new_tokens=args.max_new_tokens, trainer_fsdp=args.trainer_fsdp,
                    generator_dp=args.generator_dp, generator_tp=args.generator_tp,

@@ -66,21 +66,26 @@ class WeightSync:
                                q, is_leaf=lambda x: isinstance(x, tuple)),
         out_shardings=gen_shardings)
 
-  def push(self, params: Any, version: int) -> dict:
-    """Cast/quantise `params` (trainer mesh) and reshard to the generator; returns timing metrics."""
-    start = time.perf_counter()
+  def to_generator(self, params: Any) -> tuple[Any, int]:
+    """`params` (trainer mesh) cast/quantised and resharded to the generator layout, and the bytes moved.
+
+    Registers nothing: `push` does that; evaluation uses this directly so that it never disturbs the
+    versions the generator is waiting for.
+    """
     if self.quantize == "int8":
       q = self._quant(params)
       q_shardings = jax.tree.map(
           lambda s, qs: (s, None if qs[1] is None else NamedSharding(s.mesh, P())), self.gen_shardings, q,
           is_leaf=lambda x: isinstance(x, tuple))
       moved = jax.device_put(q, q_shardings)
-      nbytes = tree_bytes(moved)
-      gen_params = self._dequant(moved)
-    else:
-      cast = self._cast(params)
-      gen_params = jax.device_put(cast, self.gen_shardings)
-      nbytes = tree_bytes(gen_params)
+      return self._dequant(moved), tree_bytes(moved)
+    gen_params = jax.device_put(self._cast(params), self.gen_shardings)
+    return gen_params, tree_bytes(gen_params)
+
+  def push(self, params: Any, version: int) -> dict:
+    """Cast/quantise `params` (trainer mesh) and reshard to the generator; returns timing metrics."""
+    start = time.perf_counter()
+    gen_params, nbytes = self.to_generator(params)
     jax.block_until_ready(gen_params)
     seconds = time.perf_counter() - start
     metrics = {"sync/seconds": seconds, "sync/bytes": float(nbytes),

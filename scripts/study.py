@@ -1,0 +1,537 @@
+#!/usr/bin/env python
+"""Learning-quality study (issue 18): does asynchronous AIPO match synchronous RL? Seeds, intervals, plots.
+
+  make study ARGS='--out runs/study --seeds 5'
+  # = JAX_PLATFORMS=cpu XLA_FLAGS=... python scripts/study.py --gin_file=configs/study.gin --out runs/study
+
+1. One supervised warm start (SFT) for the whole study, saved as an HF checkpoint under OUT/sft and
+   reused by every cell and seed (and by a resumed study).
+2. The grid: every cell (`CELLS`: policy lag 0/1/2/4; at lag 4 AIPO detached / clamped / no
+   truncation / PPO-clip; colocated vs disjoint at lag 0) x seeds 0..S-1, run one after another in this
+   process (one reward worker pool, one XLA compilation cache). A run is a fresh Controller from the
+   SFT weights with held-out evaluations (greedy + sampled pass@1) every `eval_every` steps. Under the
+   'fixed' version schedule a run is a pure function of (cell, seed): the seed sets the prompt stream
+   and the sampling noise, and seed s of every cell gets the same ones.
+3. The report: per cell the mean and 95% Student-t interval over seeds of (a) held-out accuracy
+   averaged over the last `eval_window` evaluations, (b) the area under the training-reward curve,
+   (c) the steps to reach a training-reward threshold, plus KL(mu||pi), the truncated (AIPO) or clipped
+   (PPO) token fraction and the step time; paired per-seed differences for the questions of the
+   issue; tables as markdown/JSON/CSV and PNG plots (OUT/report/, `--docs` also copies the plots to
+   docs/).
+
+Resumable: each finished (cell, seed) writes OUT/runs/<cell>/seed<k>/result.json and is skipped next
+time; an unfinished one starts over. The settings are stored in OUT/study.json and a later call with
+different settings is refused (use a new --out). `--report_only` rebuilds the report from disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> (description, Controller keyword overrides). `buffer_capacity` is set to max(2, lag) for all.
+INF = float("inf")
+CELLS: dict[str, tuple[str, dict]] = {
+    "lag0": ("lag 0 (synchronous), disjoint meshes", {"max_policy_lag": 0}),
+    "lag1": ("lag 1, AIPO detached rho 2", {"max_policy_lag": 1}),
+    "lag2": ("lag 2, AIPO detached rho 2", {"max_policy_lag": 2}),
+    "lag4": ("lag 4, AIPO detached rho 2", {"max_policy_lag": 4}),
+    "lag4_clamped": ("lag 4, AIPO clamped rho 2",
+                     {"max_policy_lag": 4, "loss_kwargs": {"rho_max": 2.0, "form": "clamped"}}),
+    "lag4_no_trunc": ("lag 4, no truncation (rho inf)", {"max_policy_lag": 4, "loss_kwargs": {"rho_max": INF}}),
+    "lag4_ppo_clip": ("lag 4, PPO-clip eps 0.2", {"max_policy_lag": 4, "loss": "ppo_clip",
+                                                  "loss_kwargs": {"eps_low": 0.2, "eps_high": 0.2}}),
+    "lag0_colocated": ("lag 0, colocated (one mesh)", {"max_policy_lag": 0, "colocated": True}),
+}
+LAG_CELLS = ("lag0", "lag1", "lag2", "lag4")
+LAG4_CELLS = ("lag4", "lag4_clamped", "lag4_no_trunc", "lag4_ppo_clip")
+# Per-step metrics kept in result.json (the full set is in each run's metrics.jsonl).
+KEPT = ("reward/mean", "reward/accuracy", "policy/kl_behaviour", "policy/frac_truncated", "policy/frac_clipped",
+        "policy/ratio_max", "policy/lag_mean", "time/step", "time/train", "time/generate", "time/trainer_wait",
+        "generate/response_length_mean")
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--gin_file", action="append", default=None, help="default: configs/study.gin")
+  p.add_argument("--gin_param", action="append", default=[], help="extra gin binding (changes the study)")
+  p.add_argument("--out", default="runs/study", help="study directory (results, SFT checkpoint, report)")
+  p.add_argument("--seeds", type=int, default=5, help="seeds 0..S-1 per cell")
+  p.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated subset of {list(CELLS)}")
+  p.add_argument("--threshold", type=float, default=0.7,
+                 help="training-reward threshold for 'steps to threshold' (trailing mean, see --threshold_window)")
+  p.add_argument("--threshold_window", type=int, default=5, help="trailing window (steps) of that mean")
+  p.add_argument("--smooth", type=int, default=5, help="moving-average window of the plotted reward curves")
+  p.add_argument("--report_only", action="store_true", help="no training: rebuild the report from disk")
+  p.add_argument("--docs", action="store_true", help="also copy the plots to docs/study_*.png")
+  args = p.parse_args(argv)
+  args.gin_file = args.gin_file or [str(ROOT / "configs" / "study.gin")]
+  unknown = [c for c in args.cells.split(",") if c not in CELLS]
+  if unknown:
+    p.error(f"unknown cell(s) {unknown}; choose from {list(CELLS)}")
+  args.cells = args.cells.split(",")
+  if args.seeds < 2:
+    p.error("--seeds must be >= 2: an interval over seeds needs at least two")
+  return args
+
+
+# ------------------------------------------------------------------------------------------------
+# settings: what makes two results comparable
+
+
+def _settings(args) -> dict:
+  """Everything that determines a run's result besides (cell, seed): gin text + study knobs."""
+  gin_text = "\n".join(Path(f).read_text() for f in args.gin_file)
+  includes = [ROOT / "configs" / "base.gin", ROOT / "configs" / "tiny_cpu.gin"]
+  gin_text += "\n".join(p.read_text() for p in includes if p.exists())
+  return {"gin_files": args.gin_file, "gin_params": args.gin_param,
+          "gin_sha1": hashlib.sha1(gin_text.encode()).hexdigest(),
+          "cells": {name: CELLS[name][0] for name in CELLS}}
+
+
+def _check_settings(out: Path, settings: dict) -> None:
+  path = out / "study.json"
+  if path.exists():
+    old = json.loads(path.read_text())
+    if old != json.loads(json.dumps(settings)):
+      raise SystemExit(f"{out} holds a study with other settings ({path}: {old}); its results cannot be mixed "
+                       f"with these ({settings}). Choose a new --out, or delete {out} to start over.")
+  else:
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2))
+
+
+def _write_json(path: Path, obj) -> None:
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(obj, indent=1, default=str))
+  os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# running
+
+
+def _study_knobs() -> dict:
+  import gin
+
+  q = lambda name, default: gin.query_parameter(name) if _bound(name) else default
+  return {"rl_steps": q("run_experiment.rl_steps", 60), "eval_every": q("run_experiment.eval_every", 10),
+          "eval_samples": q("run_experiment.eval_samples", 0), "eval_size": q("run_experiment.eval_size", 256),
+          "eval_window": q("run_experiment.eval_window", 3)}
+
+
+def _bound(name: str) -> bool:
+  import gin
+
+  try:
+    gin.query_parameter(name)
+    return True
+  except ValueError:
+    return False
+
+
+def sft_checkpoint(out: Path) -> tuple:
+  """(config, params, tokenizer, sft_meta): the shared warm start, trained and saved on first use."""
+  import jax
+  from flax import nnx
+
+  from llamarl_jax import experiment
+  from llamarl_jax.data import PromptSource
+  from llamarl_jax.model import hf
+  from llamarl_jax.model.llama import Llama, merge_params, split_params
+
+  sft_dir, meta_path = out / "sft" / "hf", out / "sft" / "sft.json"
+  if not meta_path.exists():
+    t0 = time.perf_counter()
+    config, params, tokenizer = experiment.build_policy()
+    source = PromptSource().with_tokenizer(tokenizer)
+    params = experiment.supervised_warmstart(config, params, tokenizer, source.fork(seed_offset=1),
+                                             progress=False)
+    graphdef = split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0]
+    hf.save_hf_checkpoint(merge_params(graphdef, jax.device_get(params)), config, sft_dir, tokenizer=tokenizer)
+    _write_json(meta_path, {"sft_seconds": time.perf_counter() - t0, "model_params": config.num_params()})
+  config, model = hf.load_hf_checkpoint(sft_dir)
+  tokenizer = hf.load_tokenizer(sft_dir)
+  _, params = split_params(model)
+  return config, params, tokenizer, json.loads(meta_path.read_text())
+
+
+def run_one(cell: str, seed: int, *, out: Path, config, params, tokenizer, base_source, eval_examples, reward,
+            knobs: dict, before: dict) -> dict:
+  """One (cell, seed) run; returns (and writes) its result. Skipped if result.json exists."""
+  from llamarl_jax.controller import Controller
+  from llamarl_jax.experiment import run_with_evals
+  from llamarl_jax.metrics import MetricsLogger
+
+  run_dir = out / "runs" / cell / f"seed{seed}"
+  result_path = run_dir / "result.json"
+  if result_path.exists():
+    return json.loads(result_path.read_text())
+  shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run starts over
+  overrides = dict(CELLS[cell][1])
+  overrides.setdefault("buffer_capacity", max(2, overrides["max_policy_lag"]))
+  logger = MetricsLogger(run_dir, tensorboard=False)
+  # Seed s: its own prompt stream (the SFT used offset 1) and sampling noise, the same in every cell.
+  source = base_source.fork(seed_offset=1000 + seed)
+  t0 = time.perf_counter()
+  controller = Controller(config, params, tokenizer, source, run_dir=run_dir, logger=logger, progress=False,
+                          seed=seed, reward_fn=reward, checkpoint_every=0, **overrides)
+  evals = [dict(before)]  # step 0: the shared SFT policy, evaluated once for the whole study
+  try:
+    history = run_with_evals(controller, eval_examples, knobs["rl_steps"], eval_every=knobs["eval_every"],
+                             samples=knobs["eval_samples"], logger=logger, evals=evals)
+  finally:
+    controller.close()
+    logger.close()
+  result = {"cell": cell, "seed": seed, "wall_seconds": time.perf_counter() - t0,
+            "steps": {k: [m.get(k, math.nan) for m in history] for k in KEPT},
+            "evals": [{k: v for k, v in e.items() if k != "samples"} for e in evals]}
+  _write_json(result_path, result)
+  return result
+
+
+def run_grid(args, out: Path) -> None:
+  import gin
+  import jax
+
+  from llamarl_jax.controller import Controller
+  from llamarl_jax.data import PromptSource
+  from llamarl_jax.executors.reward import RewardExecutor
+  from llamarl_jax.experiment import evaluate_and_log
+  from llamarl_jax.metrics import MetricsLogger
+
+  # Compiled XLA executables are cached on disk: the same train / sample functions recompile for every
+  # run otherwise (each Controller jits its own), which on 2 cores is a large share of a short run.
+  jax.config.update("jax_compilation_cache_dir", str(out / "xla_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  knobs = _study_knobs()
+  t_sft = time.perf_counter()
+  config, params, tokenizer, sft_meta = sft_checkpoint(out)
+  base_source = PromptSource().with_tokenizer(tokenizer)
+  eval_examples = base_source.heldout().next_batch(knobs["eval_size"])
+  reward_name = gin.query_parameter("Controller.reward_fn") if _bound("Controller.reward_fn") else "arithmetic"
+  with RewardExecutor(reward_name, num_workers=1) as reward:
+    before_path = out / "sft" / "eval_before_rl.json"
+    if not before_path.exists():
+      c = Controller(config, params, tokenizer, base_source, run_dir=out / "sft" / "eval", progress=False,
+                     reward_fn=reward, checkpoint_every=0)
+      try:
+        logger = MetricsLogger(out / "sft" / "eval", tensorboard=False)
+        row = evaluate_and_log(c, eval_examples, samples=knobs["eval_samples"], logger=logger)
+        logger.close()
+      finally:
+        c.close()
+      _write_json(before_path, {k: v for k, v in row.items() if k != "samples"})
+    before = json.loads(before_path.read_text())
+    print(f"SFT checkpoint ready ({time.perf_counter() - t_sft:.0f} s; held-out greedy before RL "
+          f"{before['eval/accuracy']:.3f}, sampled pass@1 {before.get('eval/pass1_sampled', math.nan):.3f})",
+          flush=True)
+    for seed in range(args.seeds):  # seed-major: a cut-off study has every cell at equal depth
+      for cell in args.cells:
+        done = (out / "runs" / cell / f"seed{seed}" / "result.json").exists()
+        t0 = time.perf_counter()
+        r = run_one(cell, seed, out=out, config=config, params=params, tokenizer=tokenizer,
+                    base_source=base_source, eval_examples=eval_examples, reward=reward, knobs=knobs,
+                    before=before)
+        tail = r["evals"][-knobs["eval_window"]:]
+        print(f"{cell:>15} seed {seed}: {'(on disk) ' if done else ''}held-out "
+              f"{sum(e['eval/accuracy'] for e in tail) / len(tail):.3f}, reward AUC "
+              f"{sum(r['steps']['reward/mean']) / len(r['steps']['reward/mean']):.3f}, "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+def load_results(out: Path, cells) -> dict[str, list[dict]]:
+  found = {}
+  for cell in cells:
+    rs = [json.loads(p.read_text()) for p in sorted((out / "runs" / cell).glob("seed*/result.json"))]
+    if rs:
+      found[cell] = sorted(rs, key=lambda r: r["seed"])
+  return found
+
+
+def run_scalars(r: dict, *, eval_window: int, threshold: float, threshold_window: int) -> dict:
+  """The per-run numbers the cells are compared on."""
+  import numpy as np
+
+  from llamarl_jax import stats
+
+  s = r["steps"]
+  evals = [e for e in r["evals"] if e["step"] > 0]
+  reached = stats.steps_to_threshold(s["reward/mean"], threshold, threshold_window)
+  frac = s["policy/frac_clipped"] if not all(map(math.isnan, s["policy/frac_clipped"])) else s["policy/frac_truncated"]
+  return {
+      "heldout": 100 * stats.window_mean([e["eval/accuracy"] for e in evals], eval_window),
+      "pass1": 100 * stats.window_mean([e.get("eval/pass1_sampled", math.nan) for e in evals], eval_window),
+      "auc": stats.curve_area(s["reward/mean"]),
+      "steps_to_threshold": reached,
+      "kl_behaviour": float(np.mean(s["policy/kl_behaviour"])),
+      "frac_truncated": float(np.nanmean(frac)),
+      "step_seconds": float(np.median(s["time/step"][3:] or s["time/step"])),
+  }
+
+
+def summarise(results: dict[str, list[dict]], *, eval_window: int, threshold: float, threshold_window: int,
+              rl_steps: int) -> dict:
+  """Per cell: each metric's mean and 95% t-interval over seeds (steps to threshold: censored at the budget)."""
+  from llamarl_jax import stats
+
+  table = {}
+  for cell, rs in results.items():
+    per_run = [run_scalars(r, eval_window=eval_window, threshold=threshold, threshold_window=threshold_window)
+               for r in rs]
+    row = {"cell": cell, "description": CELLS[cell][0], "seeds": [r["seed"] for r in rs]}
+    for key in ("heldout", "pass1", "auc", "kl_behaviour", "frac_truncated", "step_seconds"):
+      row[key] = stats.t_interval([p[key] for p in per_run]).as_dict()
+      row[key]["values"] = [p[key] for p in per_run]
+    hits = [p["steps_to_threshold"] for p in per_run]
+    row["steps_to_threshold"] = stats.t_interval([h if h is not None else rl_steps for h in hits]).as_dict()
+    row["steps_to_threshold"].update(values=hits, reached=sum(h is not None for h in hits))
+    table[cell] = row
+  return table
+
+
+def compare(table: dict, a: str, b: str, key: str) -> dict | None:
+  """Paired (by seed) t-interval of a - b on `key`, over the seeds both cells have."""
+  from llamarl_jax import stats
+
+  if a not in table or b not in table:
+    return None
+  va = dict(zip(table[a]["seeds"], table[a][key]["values"]))
+  vb = dict(zip(table[b]["seeds"], table[b][key]["values"]))
+  common = sorted(set(va) & set(vb))
+  if len(common) < 2:
+    return None
+  return stats.paired_t_interval([va[s] for s in common], [vb[s] for s in common]).as_dict()
+
+
+def verdict(d: dict | None, *, margin: float = 0.0, unit: str = "points", better: str = "higher") -> str:
+  """Words for a difference interval: separable from 0 (or inside -+margin), or not at this budget."""
+  if d is None:
+    return "not enough seeds"
+  lo, hi = d["low"], d["high"]
+  if margin:
+    if -margin <= lo and hi <= margin:
+      return f"yes: the whole interval is within {margin:g} {unit}"
+    if hi < -margin or lo > margin:
+      return f"no: the whole interval is beyond {margin:g} {unit}"
+    return f"not separable at this budget (the interval reaches beyond -+{margin:g} {unit})"
+  if lo > 0:
+    return f"first is {better}" if better == "higher" else "first is lower"
+  if hi < 0:
+    return "first is lower" if better == "higher" else "first is higher"
+  return "not separable at this budget (interval contains 0)"
+
+
+QUESTIONS = (  # (a, b, key, margin, question)
+    ("lag1", "lag0", "heldout", 2.0, "Is lag 1 within 2 points of lag 0 (held-out)?"),
+    ("lag1", "lag0", "auc", 0.0, "Lag 1 vs lag 0, training-reward AUC"),
+    ("lag2", "lag0", "heldout", 0.0, "Lag 2 vs lag 0 (held-out)"),
+    ("lag4", "lag0", "heldout", 0.0, "Lag 4 vs lag 0 (held-out)"),
+    ("lag4", "lag0", "auc", 0.0, "Lag 4 vs lag 0, training-reward AUC"),
+    ("lag4", "lag4_no_trunc", "heldout", 0.0, "Lag 4: AIPO detached vs no truncation (held-out)"),
+    ("lag4", "lag4_no_trunc", "auc", 0.0, "Lag 4: AIPO detached vs no truncation (AUC)"),
+    ("lag4_clamped", "lag4_no_trunc", "heldout", 0.0, "Lag 4: AIPO clamped vs no truncation (held-out)"),
+    ("lag4_clamped", "lag4_no_trunc", "auc", 0.0, "Lag 4: AIPO clamped vs no truncation (AUC)"),
+    ("lag4_ppo_clip", "lag4_no_trunc", "heldout", 0.0, "Lag 4: PPO-clip vs no truncation (held-out)"),
+    ("lag4_ppo_clip", "lag4_no_trunc", "auc", 0.0, "Lag 4: PPO-clip vs no truncation (AUC)"),
+    ("lag4", "lag4_clamped", "heldout", 0.0, "Lag 4: AIPO detached vs clamped (held-out)"),
+    ("lag4", "lag4_ppo_clip", "heldout", 0.0, "Lag 4: AIPO detached vs PPO-clip (held-out)"),
+    ("lag0_colocated", "lag0", "heldout", 0.0, "Lag 0: colocated vs disjoint (held-out)"),
+    ("lag0_colocated", "lag0", "step_seconds", 0.0, "Lag 0: colocated vs disjoint (step seconds)"),
+)
+
+
+def _fmt(iv: dict, scale: float = 1.0, digits: int = 1) -> str:
+  if iv["n"] == 0:
+    return "-"
+  return f"{iv['mean'] * scale:.{digits}f} ± {iv['half_width'] * scale:.{digits}f}"
+
+
+def markdown(table: dict, comparisons: list[dict], *, knobs: dict, threshold: float, threshold_window: int,
+             before: dict) -> str:
+  n_eval = knobs["eval_window"]
+  lines = [
+      f"Mean ± 95% half-width over seeds (Student t, n-1 degrees of freedom). Held-out: greedy exact-match "
+      f"accuracy on {knobs['eval_size']} held-out problems, mean of the last {n_eval} evaluations (every "
+      f"{knobs['eval_every']} of {knobs['rl_steps']} steps); pass@1: sampled at the training temperature, "
+      f"{knobs['eval_samples']} draws per problem, same window. AUC: mean training reward over steps "
+      f"1..{knobs['rl_steps']}. Steps to {threshold:g}: first step whose trailing {threshold_window}-step mean "
+      f"training reward reaches {threshold:g} (runs that never do count as {knobs['rl_steps']}). Before RL "
+      f"(the shared SFT policy): held-out {100 * before['eval/accuracy']:.1f}%, pass@1 "
+      f"{100 * before.get('eval/pass1_sampled', math.nan):.1f}%.",
+      "",
+      f"| cell | seeds | held-out % (last {n_eval} evals) | sampled pass@1 % | reward AUC | steps to {threshold:g} "
+      f"(reached) | KL(mu‖pi) | trunc./clip frac | step s (median) |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for cell, row in table.items():
+    st = row["steps_to_threshold"]
+    lines.append(
+        f"| {row['description']} | {row['heldout']['n']} | {_fmt(row['heldout'])} | {_fmt(row['pass1'])} | "
+        f"{_fmt(row['auc'], digits=3)} | {_fmt(st, digits=0)} ({st['reached']}/{st['n']}) | "
+        f"{_fmt(row['kl_behaviour'], digits=4)} | {_fmt(row['frac_truncated'], digits=4)} | "
+        f"{_fmt(row['step_seconds'], digits=2)} |")
+  lines += ["", "Paired differences (first minus second, matched by seed; 95% t-interval of the per-seed "
+            "differences):", "", "| question | difference | 95% interval | verdict |", "|---|---|---|---|"]
+  for c in comparisons:
+    d = c["difference"]
+    unit = {"heldout": " pts", "auc": "", "step_seconds": " s"}.get(c["key"], "")
+    digits = 1 if c["key"] == "heldout" else 3
+    lines.append(f"| {c['question']} | {d['mean']:+.{digits}f}{unit} | [{d['low']:+.{digits}f}, "
+                 f"{d['high']:+.{digits}f}] | {c['verdict']} |")
+  return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, list[dict]], table: dict, report: Path, *, smooth: int, knobs: dict) -> list[Path]:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  from llamarl_jax import stats
+
+  paths = []
+
+  def band(ax, cell, color, label):
+    curves = np.array([stats.moving_average(r["steps"]["reward/mean"], smooth) for r in results[cell]])
+    x = np.arange(1, curves.shape[1] + 1)
+    mean = curves.mean(0)
+    if len(curves) > 1:
+      half = stats.t_quantile(0.975, len(curves) - 1) * curves.std(0, ddof=1) / np.sqrt(len(curves))
+      ax.fill_between(x, mean - half, mean + half, color=color, alpha=0.2, linewidth=0)
+    ax.plot(x, mean, color=color, label=f"{label} (n={len(curves)})")
+
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+  colors = plt.get_cmap("tab10").colors
+  for i, cell in enumerate(c for c in LAG_CELLS if c in results):
+    band(axes[0], cell, colors[i], CELLS[cell][0])
+  for i, cell in enumerate(c for c in ("lag0",) + LAG4_CELLS if c in results):
+    band(axes[1], cell, colors[i], CELLS[cell][0])
+  axes[0].set_title("training reward by policy lag")
+  axes[1].set_title("lag 4: correction forms (lag 0 for reference)")
+  for ax in axes:
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+  axes[0].set_ylabel(f"reward/mean, {smooth}-step moving average\n(band: 95% t-interval over seeds)")
+  fig.tight_layout()
+  paths.append(report / "study_reward_curves.png")
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(8, 0.5 * len(table) + 1.5))
+  names = list(table)
+  for y, cell in enumerate(names):
+    iv = table[cell]["heldout"]
+    ax.errorbar(iv["mean"], y, xerr=[[iv["mean"] - iv["low"]], [iv["high"] - iv["mean"]]], fmt="o",
+                color="k", capsize=4)
+    ax.scatter(iv["values"], [y] * len(iv["values"]), color=colors[y % 10], alpha=0.5, s=14, zorder=3)
+  ax.set_yticks(range(len(names)), [table[c]["description"] for c in names], fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlabel(f"held-out greedy accuracy %, mean of the last {knobs['eval_window']} evaluations\n"
+                "(black: mean and 95% t-interval over seeds; dots: seeds)")
+  ax.grid(axis="x", alpha=0.3)
+  fig.tight_layout()
+  paths.append(report / "study_heldout.png")
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(5.5, 4))
+  lags = [(int(c[3:]), table[c]["kl_behaviour"]) for c in LAG_CELLS if c in table]
+  if lags:
+    x = [lag for lag, _ in lags]
+    ax.errorbar(x, [iv["mean"] for _, iv in lags], yerr=[iv["half_width"] for _, iv in lags], fmt="o-",
+                capsize=4, color="k", label="AIPO detached, rho 2")
+    for lag, iv in lags:
+      ax.scatter([lag] * len(iv["values"]), iv["values"], alpha=0.4, s=12, color="tab:blue", zorder=3)
+  for i, cell in enumerate(c for c in LAG4_CELLS[1:] if c in table):
+    iv = table[cell]["kl_behaviour"]
+    ax.errorbar([4 + 0.15 * (i + 1)], [iv["mean"]], yerr=[iv["half_width"]], fmt="s", capsize=3,
+                color=colors[i + 1], label=CELLS[cell][0])
+  ax.set_xlabel("max_policy_lag")
+  ax.set_ylabel("KL(mu‖pi) per token, mean over steps\n(policy/kl_behaviour; 95% t-interval)")
+  ax.set_xticks([0, 1, 2, 4])
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  paths.append(report / "study_kl_vs_lag.png")
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+  return paths
+
+
+def report(args, out: Path) -> Path:
+  knobs = _study_knobs()
+  results = load_results(out, args.cells)
+  if not results:
+    raise SystemExit(f"no finished runs under {out / 'runs'}: run the study first (without --report_only)")
+  before = json.loads((out / "sft" / "eval_before_rl.json").read_text())
+  table = summarise(results, eval_window=knobs["eval_window"], threshold=args.threshold,
+                    threshold_window=args.threshold_window, rl_steps=knobs["rl_steps"])
+  comparisons = []
+  for a, b, key, margin, question in QUESTIONS:
+    d = compare(table, a, b, key)
+    if d is not None:
+      comparisons.append({"question": question, "a": a, "b": b, "key": key, "difference": d,
+                          "verdict": verdict(d, margin=margin,
+                                             better="lower" if key == "step_seconds" else "higher")})
+  report_dir = out / "report"
+  report_dir.mkdir(parents=True, exist_ok=True)
+  md = markdown(table, comparisons, knobs=knobs, threshold=args.threshold,
+                threshold_window=args.threshold_window, before=before)
+  (report_dir / "study.md").write_text(md)
+  _write_json(report_dir / "study.json", {"knobs": knobs, "threshold": args.threshold,
+                                          "threshold_window": args.threshold_window, "before_rl": before,
+                                          "cells": table, "comparisons": comparisons})
+  with open(report_dir / "study.csv", "w", newline="") as f:
+    w = csv.writer(f)
+    keys = ("heldout", "pass1", "auc", "steps_to_threshold", "kl_behaviour", "frac_truncated", "step_seconds")
+    w.writerow(["cell", "description", "n"] + [f"{k}_{s}" for k in keys for s in ("mean", "low", "high")])
+    for cell, row in table.items():
+      w.writerow([cell, row["description"], row["heldout"]["n"]]
+                 + [row[k][s] for k in keys for s in ("mean", "low", "high")])
+  paths = plots(results, table, report_dir, smooth=args.smooth, knobs=knobs)
+  if args.docs:
+    for p in paths:
+      shutil.copy(p, ROOT / "docs" / p.name)
+  print(md)
+  print(f"report: {report_dir} ({', '.join(p.name for p in paths)})")
+  return report_dir
+
+
+def main(argv=None) -> Path:
+  args = _parse(argv)
+  import gin
+
+  from llamarl_jax import experiment  # noqa: F401  (registers the configurables)
+
+  gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+  out = Path(args.out)
+  _check_settings(out, _settings(args))
+  if not args.report_only:
+    t0 = time.perf_counter()
+    run_grid(args, out)
+    print(f"grid finished in {time.perf_counter() - t0:.0f} s", flush=True)
+  return report(args, out)
+
+
+if __name__ == "__main__":
+  main()

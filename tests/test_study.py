@@ -1,0 +1,182 @@
+"""Periodic held-out evaluation during RL, and the statistics of the learning-quality study.
+
+The evaluation runs between steps on the controller thread while the generator keeps going; under the
+'fixed' version schedule it must not change a single trained number. The study's statistics are checked
+against values computed by hand (the t quantile against the printed table value), and its report code
+(table, comparisons, plots) on a few synthetic runs: no grid is run here (`scripts/study.py` does that).
+"""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamarl_jax import stats
+from llamarl_jax.controller import Controller, schedule_metrics
+from llamarl_jax.data import PromptSource
+from llamarl_jax.executors.reward import RewardExecutor
+from llamarl_jax.executors.trainer import OptimizerConfig
+from llamarl_jax.experiment import run_with_evals
+from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.tokenizer import make_char_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _study_module():
+  spec = importlib.util.spec_from_file_location("study_script", ROOT / "scripts" / "study.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+# ------------------------------------------------------------------------------------------------
+# periodic evaluation
+
+
+@pytest.fixture(scope="module")
+def setup():
+  from flax import nnx
+
+  tokenizer = make_char_tokenizer()
+  config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+  _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
+  examples = PromptSource(task="arithmetic", seed=0).heldout().next_batch(8)
+  return config, params, tokenizer, examples
+
+
+def _controller(setup, run_dir):
+  config, params, tokenizer, _ = setup
+  return Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir,
+                    reward_fn=RewardExecutor("arithmetic", inline=True), max_policy_lag=1, prompts_per_step=4,
+                    samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=1, generator_dp=1,
+                    optimizer=OptimizerConfig(lr=1e-2), progress=False, seed=3, step_timeout_s=120)
+
+
+def test_evaluation_between_steps_leaves_training_unchanged(setup, tmp_path):
+  examples = setup[3]
+  plain = _controller(setup, tmp_path / "plain")
+  try:
+    reference = plain.run(4)
+  finally:
+    plain.close()
+  c = _controller(setup, tmp_path / "evals")
+  evals = []
+  try:
+    steps = run_with_evals(c, examples, 4, eval_every=2, samples=3, evals=evals)
+    again = c.evaluate(examples, samples=3, seed=4)  # the weights after step 4, outside the run
+  finally:
+    c.close()
+  assert [schedule_metrics(m) for m in steps] == [schedule_metrics(m) for m in reference]
+  assert [e["step"] for e in evals] == [2, 4]
+  for e in evals:
+    assert 0.0 <= e["eval/accuracy"] <= 1.0 and 0.0 <= e["eval/pass1_sampled"] <= 1.0
+    # 8 problems x 3 draws: the sampled pass@1 is a multiple of 1/24, the greedy accuracy of 1/8
+    assert abs(e["eval/pass1_sampled"] * 24 - round(e["eval/pass1_sampled"] * 24)) < 1e-9
+  # An evaluation is a pure function of (weights, seed): the seed of the step-4 pass was 4.
+  assert again["eval/accuracy"] == evals[-1]["eval/accuracy"]
+  assert again["eval/pass1_sampled"] == evals[-1]["eval/pass1_sampled"]
+
+
+def test_evaluate_rejects_negative_samples(setup, tmp_path):
+  c = _controller(setup, tmp_path)
+  try:
+    with pytest.raises(ValueError, match="samples .* must be >= 0"):
+      c.evaluate(setup[3], samples=-1)
+  finally:
+    c.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# statistics
+
+
+def test_t_interval_matches_the_hand_computed_value():
+  # values 1..5: mean 3, sample sd sqrt(2.5); t(0.975, df=4) = 2.776 in every printed t table, so the
+  # half-width is 2.776 * sqrt(2.5) / sqrt(5) = 1.963. The table value has 4 digits: tolerance 1e-3.
+  iv = stats.t_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+  assert iv.mean == 3.0 and iv.n == 5
+  assert iv.sd == pytest.approx(math.sqrt(2.5), rel=1e-12)
+  assert iv.half_width == pytest.approx(2.776 * math.sqrt(2.5) / math.sqrt(5), abs=1e-3)
+  assert (iv.low, iv.high) == pytest.approx((3.0 - 1.963, 3.0 + 1.963), abs=1e-3)
+  # n = 2: t(0.975, 1) = 12.706; values 0 and 2: sd sqrt(2), half-width 12.706 * sqrt(2) / sqrt(2)
+  assert stats.t_interval([0.0, 2.0]).half_width == pytest.approx(12.706, abs=1e-3)
+  # 90%: t(0.95, 4) = 2.132
+  assert stats.t_interval([1, 2, 3, 4, 5], 0.90).half_width == pytest.approx(2.132 * math.sqrt(0.5), abs=1e-3)
+
+
+def test_t_interval_edge_cases():
+  assert math.isinf(stats.t_interval([0.7]).half_width) and stats.t_interval([0.7]).mean == 0.7
+  same = stats.t_interval([0.5, 0.5, 0.5])
+  assert same.half_width == 0.0 and same.low == same.high == 0.5
+  with pytest.raises(ValueError, match="NaN"):
+    stats.t_interval([1.0, float("nan")])
+  with pytest.raises(ValueError, match="confidence"):
+    stats.t_interval([1.0, 2.0], confidence=95)
+
+
+def test_paired_interval_is_the_interval_of_per_seed_differences():
+  a, b = [10.0, 12.0, 11.0, 15.0], [9.0, 10.0, 11.0, 12.0]  # differences 1, 2, 0, 3: mean 1.5
+  iv = stats.paired_t_interval(a, b)
+  sd = math.sqrt(((1 - 1.5) ** 2 + (2 - 1.5) ** 2 + (0 - 1.5) ** 2 + (3 - 1.5) ** 2) / 3)  # 1.291
+  assert iv.mean == 1.5 and iv.sd == pytest.approx(sd)
+  assert iv.half_width == pytest.approx(3.182 * sd / 2, abs=1e-3)  # t(0.975, 3) = 3.182
+  with pytest.raises(ValueError, match="same seeds"):
+    stats.paired_t_interval([1.0, 2.0], [1.0])
+
+
+def test_curve_summaries():
+  r = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+  assert stats.curve_area(r) == pytest.approx(0.5)
+  np.testing.assert_allclose(stats.moving_average(r, 3), [0.0, 0.1, 0.2, 0.4, 0.6, 0.8])
+  assert stats.steps_to_threshold(r, 0.6) == 4            # the first step with reward >= 0.6
+  assert stats.steps_to_threshold(r, 0.6, window=3) == 6  # trailing 3-step means: 0.2, 0.4, 0.6 (step 6)
+  assert stats.steps_to_threshold([0.9, 0.0, 0.0], 0.5, window=2) is None  # one early spike does not count
+  assert stats.steps_to_threshold(r, 1.1) is None
+  assert stats.window_mean([0.1, 0.5, 0.7, 0.9], 3) == pytest.approx(0.7)
+
+
+# ------------------------------------------------------------------------------------------------
+# the study's report (synthetic runs, no training)
+
+
+def _fake_result(cell, seed, level, steps=20):
+  rng = np.random.default_rng(seed)
+  reward = np.clip(np.linspace(0.2, level, steps) + rng.normal(0, 0.02, steps), 0, 1)
+  nan = [math.nan] * steps
+  return {"cell": cell, "seed": seed, "steps": {
+      "reward/mean": reward.tolist(), "policy/kl_behaviour": [0.01 * level] * steps,
+      "policy/frac_truncated": [0.001] * steps, "policy/frac_clipped": nan, "time/step": [0.3] * steps},
+      "evals": [{"step": 0, "eval/accuracy": 0.0, "eval/pass1_sampled": 0.0}]
+      + [{"step": s, "eval/accuracy": level + 0.01 * seed, "eval/pass1_sampled": level - 0.1} for s in (10, 15, 20)]}
+
+
+def test_study_report_tables_and_verdicts(tmp_path):
+  study = _study_module()
+  results = {"lag0": [_fake_result("lag0", s, 0.8) for s in range(4)],
+             "lag1": [_fake_result("lag1", s, 0.795) for s in range(4)]}
+  table = study.summarise(results, eval_window=3, threshold=0.7, threshold_window=2, rl_steps=20)
+  # held-out: the last 3 evaluations of seed s are all 0.8 + 0.01 s -> mean over seeds 81.5 points
+  assert table["lag0"]["heldout"]["mean"] == pytest.approx(81.5)
+  assert table["lag0"]["heldout"]["half_width"] == pytest.approx(
+      stats.t_interval([80.0, 81.0, 82.0, 83.0]).half_width)
+  d = study.compare(table, "lag1", "lag0", "heldout")  # per seed exactly -0.5 points
+  assert d["mean"] == pytest.approx(-0.5) and d["half_width"] == pytest.approx(0.0, abs=1e-9)
+  assert study.verdict(d, margin=2.0).startswith("yes")
+  assert study.verdict({"low": -3.0, "high": 1.0}, margin=2.0).startswith("not separable")
+  assert study.verdict({"low": -5.0, "high": -2.5}, margin=2.0).startswith("no")
+  assert study.verdict({"low": 0.1, "high": 2.0}) == "first is higher"
+  assert study.verdict({"low": -0.1, "high": 2.0}).startswith("not separable")
+  md = study.markdown(table, [], knobs={"eval_window": 3, "eval_size": 8, "eval_every": 5, "rl_steps": 20,
+                                       "eval_samples": 2}, threshold=0.7, threshold_window=2,
+                      before={"eval/accuracy": 0.0, "eval/pass1_sampled": 0.0})
+  assert "| lag 1, AIPO detached rho 2 | 4 | 79.5 ± " in md
+  pytest.importorskip("matplotlib")
+  paths = study.plots(results, table, tmp_path, smooth=3, knobs={"eval_window": 3})
+  assert [p.name for p in paths] == ["study_reward_curves.png", "study_heldout.png", "study_kl_vs_lag.png"]
+  assert all(p.stat().st_size > 10_000 for p in paths)
+  json.dumps(table)  # the JSON report holds plain numbers
