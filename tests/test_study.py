@@ -134,7 +134,7 @@ def test_curve_summaries():
   assert stats.curve_area(r) == pytest.approx(0.5)
   np.testing.assert_allclose(stats.moving_average(r, 3), [0.0, 0.1, 0.2, 0.4, 0.6, 0.8])
   assert stats.steps_to_threshold(r, 0.6) == 4            # the first step with reward >= 0.6
-  assert stats.steps_to_threshold(r, 0.6, window=3) == 6  # trailing 3-step means: 0.2, 0.4, 0.6 (step 6)
+  assert stats.steps_to_threshold(r, 0.5, window=3) == 5  # trailing 3-step means from step 3: 0.2, 0.4, 0.6
   assert stats.steps_to_threshold([0.9, 0.0, 0.0], 0.5, window=2) is None  # one early spike does not count
   assert stats.steps_to_threshold(r, 1.1) is None
   assert stats.window_mean([0.1, 0.5, 0.7, 0.9], 3) == pytest.approx(0.7)
@@ -174,7 +174,7 @@ def test_study_report_tables_and_verdicts(tmp_path):
   md = study.markdown(table, [], knobs={"eval_window": 3, "eval_size": 8, "eval_every": 5, "rl_steps": 20,
                                        "eval_samples": 2}, threshold=0.7, threshold_window=2,
                       before={"eval/accuracy": 0.0, "eval/pass1_sampled": 0.0})
-  assert "| lag 1, AIPO detached rho 2 | 4 | 79.5 ± " in md
+  assert "| lag 1, AIPO detached rho 2 | 4 | 81.0 ± 2.1 |" in md  # 79.5 + 1.5; t(0.975, 3) sd / 2 = 2.05
   pytest.importorskip("matplotlib")
   paths = study.plots(results, table, tmp_path, smooth=3, knobs={"eval_window": 3})
   assert [p.name for p in paths] == ["study_reward_curves.png", "study_heldout.png", "study_kl_vs_lag.png"]

@@ -19,6 +19,7 @@ SMALL = [
     "supervised_warmstart.steps = 10", "supervised_warmstart.batch_size = 16",
     "run_experiment.eval_size = 16", "Controller.prompts_per_step = 4", "Controller.samples_per_prompt = 4",
     "Controller.checkpoint_every = 2", "run_experiment.tensorboard = True",
+    "run_experiment.eval_every = 2", "run_experiment.eval_samples = 2",
 ]
 
 
@@ -58,6 +59,18 @@ def test_the_run_trains_checkpoints_logs_and_exports(finished_run):
   assert any("sft/nll" in r for r in rows)
   assert all(np.isfinite(r["loss/total"]) for r in rows if "loss/total" in r)
   assert list((run_dir / "tb").glob("events.out.tfevents.*")) or list(run_dir.rglob("events.out.tfevents.*"))
+
+
+def test_held_out_evaluations_are_logged_at_the_step_they_were_taken(finished_run):
+  """eval_every = 2: before RL (step 0), at steps 2 and 4, then 6 in the resumed run; greedy + pass@1."""
+  run_dir, first, second = finished_run
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  evals = [r for r in rows if "eval/accuracy" in r]
+  assert [r["step"] for r in evals] == [0, 2, 4, 6]  # the last step's evaluation is not repeated
+  assert all(0.0 <= r["eval/pass1_sampled"] <= 1.0 and r["time/eval"] > 0 for r in evals)
+  assert [e["step"] for e in first["evals"]] == [0, 2, 4] and [e["step"] for e in second["evals"]] == [6]
+  assert first["eval_after_rl"] == first["evals"][-1]["eval/accuracy"]
+  assert first["eval_accuracy_window"] == pytest.approx(np.mean([e["eval/accuracy"] for e in first["evals"][1:]]))
   assert (run_dir / "hf_export" / "config.json").exists() and (run_dir / "hf_export" / "tokenizer.json").exists()
 
 
