@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # The legacy CPU emitters compile about twice as fast as the fusion emitters; tests compile a lot.
 TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench study clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,12 @@ bench: install
 	$(TEST_ENV) $(BIN)/python scripts/bench_weight_sync.py
 	$(TEST_ENV) $(BIN)/python scripts/bench_async.py
 	$(BIN)/python -m llamarl_jax.perf_model
+
+# The learning-quality study (scripts/study.py, BENCHMARKS.md): 8 cells x 5 seeds from one shared SFT
+# checkpoint; resumable (finished runs under runs/study are skipped). Plots need the [study] extra.
+study: install
+	$(BIN)/python -m pip install -q -e '.[study]'
+	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study --seeds 5 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

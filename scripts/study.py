@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Learning-quality study (issue 18): does asynchronous AIPO match synchronous RL? Seeds, intervals, plots.
 
-  make study ARGS='--out runs/study --seeds 5'
-  # = JAX_PLATFORMS=cpu XLA_FLAGS=... python scripts/study.py --gin_file=configs/study.gin --out runs/study
+  make study      # = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 ... \
+                  #   python scripts/study.py --gin_file=configs/study.gin --out runs/study --seeds 5
 
 1. One supervised warm start (SFT) for the whole study, saved as an HF checkpoint under OUT/sft and
    reused by every cell and seed (and by a resumed study).
@@ -298,8 +298,9 @@ def summarise(results: dict[str, list[dict]], *, eval_window: int, threshold: fl
                for r in rs]
     row = {"cell": cell, "description": CELLS[cell][0], "seeds": [r["seed"] for r in rs]}
     for key in ("heldout", "pass1", "auc", "kl_behaviour", "frac_truncated", "step_seconds"):
-      row[key] = stats.t_interval([p[key] for p in per_run]).as_dict()
-      row[key]["values"] = [p[key] for p in per_run]
+      values = [p[key] for p in per_run]  # pass1 is NaN when the study ran without sampled evaluations
+      row[key] = stats.t_interval([v for v in values if not math.isnan(v)]).as_dict()
+      row[key]["values"] = values
     hits = [p["steps_to_threshold"] for p in per_run]
     row["steps_to_threshold"] = stats.t_interval([h if h is not None else rl_steps for h in hits]).as_dict()
     row["steps_to_threshold"].update(values=hits, reached=sum(h is not None for h in hits))
@@ -326,6 +327,8 @@ def verdict(d: dict | None, *, margin: float = 0.0, unit: str = "points", better
   if d is None:
     return "not enough seeds"
   lo, hi = d["low"], d["high"]
+  if lo == hi == 0:
+    return "identical in every seed"
   if margin:
     if -margin <= lo and hi <= margin:
       return f"yes: the whole interval is within {margin:g} {unit}"
@@ -451,6 +454,27 @@ def plots(results: dict[str, list[dict]], table: dict, report: Path, *, smooth: 
   ax.grid(axis="x", alpha=0.3)
   fig.tight_layout()
   paths.append(report / "study_heldout.png")
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+  for ax, group in zip(axes, (LAG_CELLS, ("lag0",) + LAG4_CELLS)):
+    for i, cell in enumerate(c for c in group if c in results):
+      steps = [e["step"] for e in results[cell][0]["evals"]]
+      acc = 100 * np.array([[e["eval/accuracy"] for e in r["evals"]] for r in results[cell]])
+      mean = acc.mean(0)
+      if len(acc) > 1:
+        half = stats.t_quantile(0.975, len(acc) - 1) * acc.std(0, ddof=1) / np.sqrt(len(acc))
+        ax.fill_between(steps, mean - half, mean + half, color=colors[i], alpha=0.2, linewidth=0)
+      ax.plot(steps, mean, "o-", ms=3, color=colors[i], label=f"{CELLS[cell][0]} (n={len(acc)})")
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+  axes[0].set_title("held-out greedy accuracy by policy lag")
+  axes[1].set_title("lag 4: correction forms (lag 0 for reference)")
+  axes[0].set_ylabel("held-out greedy accuracy %\n(band: 95% t-interval over seeds)")
+  fig.tight_layout()
+  paths.append(report / "study_heldout_curves.png")
   fig.savefig(paths[-1], dpi=110)
   plt.close(fig)
 
