@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import json
 import math
 import os
@@ -91,14 +90,17 @@ def _parse(argv):
 # settings: what makes two results comparable
 
 
-def _settings(args) -> dict:
-  """Everything that determines a run's result besides (cell, seed): gin text + study knobs."""
-  gin_text = "\n".join(Path(f).read_text() for f in args.gin_file)
-  includes = [ROOT / "configs" / "base.gin", ROOT / "configs" / "tiny_cpu.gin"]
-  gin_text += "\n".join(p.read_text() for p in includes if p.exists())
-  return {"gin_files": args.gin_file, "gin_params": args.gin_param,
-          "gin_sha1": hashlib.sha1(gin_text.encode()).hexdigest(),
-          "cells": {name: CELLS[name][0] for name in CELLS}}
+def _settings() -> dict:
+  """Everything that determines a run's result besides (cell, seed): the effective gin bindings of the
+  configurables a run uses (not the files' text, so comments or unrelated bindings may change) and
+  the cells' definitions."""
+  import gin
+
+  bound = {name: repr(sorted(gin.get_bindings(name).items()))
+           for name in ("Controller", "OptimizerConfig", "ModelConfig", "PromptSource", "supervised_warmstart",
+                        "build_policy")}
+  bound["study"] = repr(sorted(_study_knobs().items()))
+  return {"bindings": bound, "cells": {name: repr(CELLS[name]) for name in CELLS}}
 
 
 def _check_settings(out: Path, settings: dict) -> None:
@@ -549,7 +551,7 @@ def main(argv=None) -> Path:
 
   gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
   out = Path(args.out)
-  _check_settings(out, _settings(args))
+  _check_settings(out, _settings())
   if not args.report_only:
     t0 = time.perf_counter()
     run_grid(args, out)
