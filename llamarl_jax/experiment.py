@@ -32,6 +32,12 @@ gin.external_configurable(PromptSource, "PromptSource")
 gin.external_configurable(OptimizerConfig, "OptimizerConfig")
 
 
+def configured_prompt_source() -> PromptSource:
+  """`PromptSource()` with the `PromptSource.*` gin bindings (the registration above does not wrap the
+  class itself, so a plain `PromptSource()` ignores them)."""
+  return gin.get_configurable("PromptSource")()
+
+
 @gin.configurable
 def build_policy(*, model_path: str | None = None, tiny: ModelConfig | None = None, seed: int = 0,
                  tokenizer_extra_chars: str = "") -> tuple[ModelConfig, Any, Any]:
@@ -139,7 +145,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   t_start = time.perf_counter()
   config, params, tokenizer = build_policy()
   logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project)
-  rl_source = PromptSource() if rl_source is None else rl_source
+  rl_source = configured_prompt_source() if rl_source is None else rl_source
   if rl_source.tokenizer is None:  # format prompts with the model's chat template, when it has one
     rl_source = rl_source.with_tokenizer(tokenizer)
   if eval_source is not None and eval_source.tokenizer is None:

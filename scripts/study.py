@@ -150,7 +150,6 @@ def sft_checkpoint(out: Path) -> tuple:
   from flax import nnx
 
   from llamarl_jax import experiment
-  from llamarl_jax.data import PromptSource
   from llamarl_jax.model import hf
   from llamarl_jax.model.llama import Llama, merge_params, split_params
 
@@ -158,12 +157,13 @@ def sft_checkpoint(out: Path) -> tuple:
   if not meta_path.exists():
     t0 = time.perf_counter()
     config, params, tokenizer = experiment.build_policy()
-    source = PromptSource().with_tokenizer(tokenizer)
+    source = experiment.configured_prompt_source().with_tokenizer(tokenizer)
     params = experiment.supervised_warmstart(config, params, tokenizer, source.fork(seed_offset=1),
                                              progress=False)
     graphdef = split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0]
     hf.save_hf_checkpoint(merge_params(graphdef, jax.device_get(params)), config, sft_dir, tokenizer=tokenizer)
-    _write_json(meta_path, {"sft_seconds": time.perf_counter() - t0, "model_params": config.num_params()})
+    _write_json(meta_path, {"sft_seconds": time.perf_counter() - t0, "model_params": config.num_params(),
+                            "source": repr(source)})
   config, model = hf.load_hf_checkpoint(sft_dir)
   tokenizer = hf.load_tokenizer(sft_dir)
   _, params = split_params(model)
@@ -209,9 +209,8 @@ def run_grid(args, out: Path) -> None:
   import jax
 
   from llamarl_jax.controller import Controller
-  from llamarl_jax.data import PromptSource
   from llamarl_jax.executors.reward import RewardExecutor
-  from llamarl_jax.experiment import evaluate_and_log
+  from llamarl_jax.experiment import configured_prompt_source, evaluate_and_log
   from llamarl_jax.metrics import MetricsLogger
 
   # Compiled XLA executables are cached on disk: the same train / sample functions recompile for every
@@ -222,7 +221,7 @@ def run_grid(args, out: Path) -> None:
   knobs = _study_knobs()
   t_sft = time.perf_counter()
   config, params, tokenizer, sft_meta = sft_checkpoint(out)
-  base_source = PromptSource().with_tokenizer(tokenizer)
+  base_source = configured_prompt_source().with_tokenizer(tokenizer)
   eval_examples = base_source.heldout().next_batch(knobs["eval_size"])
   reward_name = gin.query_parameter("Controller.reward_fn") if _bound("Controller.reward_fn") else "arithmetic"
   with RewardExecutor(reward_name, num_workers=1) as reward:
