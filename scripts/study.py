@@ -69,7 +69,7 @@ def _parse(argv):
   p.add_argument("--out", default="runs/study", help="study directory (results, SFT checkpoint, report)")
   p.add_argument("--seeds", type=int, default=5, help="seeds 0..S-1 per cell")
   p.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated subset of {list(CELLS)}")
-  p.add_argument("--threshold", type=float, default=0.7,
+  p.add_argument("--threshold", type=float, default=0.5,
                  help="training-reward threshold for 'steps to threshold' (trailing mean, see --threshold_window)")
   p.add_argument("--threshold_window", type=int, default=5, help="trailing window (steps) of that mean")
   p.add_argument("--smooth", type=int, default=5, help="moving-average window of the plotted reward curves")
