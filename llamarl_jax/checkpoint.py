@@ -123,6 +123,46 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
   _fsync_dir(path.parent)
 
 
+def checkpoint_problems(directory: str | os.PathLike, step: int) -> list[str]:
+  """What is wrong with checkpoint `step` in `directory` ([] when its manifest and every listed file
+  are in place with the listed sizes)."""
+  root = Path(directory) / str(step)
+  manifest = root / MANIFEST
+  if not manifest.exists():
+    return [f"{manifest} is missing (the save of step {step} did not finish)"]
+  try:
+    files = json.loads(manifest.read_text())["files"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    return [f"{manifest} is unreadable ({type(e).__name__}: {e})"]
+  out = []
+  for rel, size in files.items():
+    path = root / rel
+    try:
+      found = path.stat().st_size
+    except OSError:
+      out.append(f"{path} is missing")
+      continue
+    if found != size:
+      out.append(f"{path} has {found} bytes, expected {size} (truncated or rewritten)")
+  return out
+
+
+def step_dirs(directory: str | os.PathLike) -> list[int]:
+  """Every `<step>/` directory in `directory`, complete or not, oldest first."""
+  directory = Path(directory)
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def latest_complete_step(directory: str | os.PathLike) -> int | None:
+  """The newest complete checkpoint in `directory` (None when there is none). Reads no array."""
+  for s in reversed(step_dirs(directory)):
+    if not checkpoint_problems(directory, s):
+      return s
+  return None
+
+
 class Checkpointer:
   """Saves and restores a run's checkpoints in `directory` (see the module docstring).
 
@@ -143,31 +183,11 @@ class Checkpointer:
 
   def step_dirs(self) -> list[int]:
     """Every `<step>/` directory, complete or not, oldest first."""
-    if not self.directory.is_dir():
-      return []
-    return sorted(int(p.name) for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit())
+    return step_dirs(self.directory)
 
   def problems(self, step: int) -> list[str]:
-    """What is wrong with checkpoint `step` ([] when its manifest and every listed file are in place)."""
-    root = self.directory / str(step)
-    manifest = root / MANIFEST
-    if not manifest.exists():
-      return [f"{manifest} is missing (the save of step {step} did not finish)"]
-    try:
-      files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      return [f"{manifest} is unreadable ({type(e).__name__}: {e})"]
-    out = []
-    for rel, size in files.items():
-      path = root / rel
-      try:
-        found = path.stat().st_size
-      except OSError:
-        out.append(f"{path} is missing")
-        continue
-      if found != size:
-        out.append(f"{path} has {found} bytes, expected {size} (truncated or rewritten)")
-    return out
+    """What is wrong with checkpoint `step` ([] when it is complete)."""
+    return checkpoint_problems(self.directory, step)
 
   def all_steps(self) -> list[int]:
     """Complete checkpoints, oldest first."""
@@ -175,10 +195,7 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint (manifest and file sizes checked; None when there is none)."""
-    for s in reversed(self.step_dirs()):
-      if not self.problems(s):
-        return s
-    return None
+    return latest_complete_step(self.directory)
 
   def manifest(self, step: int) -> dict:
     return json.loads((self.directory / str(step) / MANIFEST).read_text())
