@@ -200,7 +200,9 @@ def binding_problems() -> list[str]:
       label = f"{scope + '/' if scope else ''}{name}.{param} = {value!r}"
       hint = hints.get(param, Any)
       if not _matches(value, hint):
-        problems.append(f"{label}: expected {_describe(hint)}, found {type(value).__name__}")
+        found = ("a reference" if isinstance(value, gin.config.ConfigurableReference)
+                 else type(value).__name__)
+        problems.append(f"{label}: expected {_describe(hint)}, found {found}")
         continue
       rule = rules.get(param)
       if rule is not None and not isinstance(value, gin.config.ConfigurableReference):
