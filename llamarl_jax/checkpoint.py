@@ -248,16 +248,20 @@ class Checkpointer:
               allow_changes: Iterable[str] = ()) -> tuple[int, Any, dict]:
     """(step, state, meta) of checkpoint `step`, or of the newest one that restores completely.
 
-    target: pytree giving the structure, dtypes and shardings of the state. config: the current run
-    config; checked against the checkpoint's (`check_resume_config`) before any array is read.
+    target: pytree giving the structure, dtypes and shardings of the state, or a function of the
+    checkpoint's meta returning it (when the structure depends on what was saved). config: the current
+    run config; checked against the checkpoint's (`check_resume_config`) before any array is read.
     Damaged checkpoints newer than the one restored are logged, listed in `self.skipped`, and moved
     to `damaged/` (step=None only; an explicit step that is damaged raises).
     """
     candidates = [step] if step is not None else list(reversed(self.step_dirs()))
     if not candidates:
       raise FileNotFoundError(f"no checkpoint found in {self.directory}")
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), target)
+    def abstract(meta):
+      tree = target(meta) if callable(target) else target
+      return jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
     self.skipped = []
     checked_config = False
     for s in candidates:
@@ -270,8 +274,9 @@ class Checkpointer:
         checked_config = True
       if not problems:
         try:
+          meta = self.read_meta(s)
           out = self._ckpt.restore(self.directory / str(s), args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+              state=ocp.args.StandardRestore(abstract(meta)), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - damaged data: reported, then the next older one
           problems = [f"its data failed to restore: {type(e).__name__}: {str(e)[:500]}"]
       if problems:
