@@ -90,6 +90,7 @@ class GeneratorExecutor:
     self.device_turn = device_turn if device_turn is not None else contextlib.nullcontext()
     self.timer = Timer()
     self.timeline: list[tuple[str, float, float]] = []  # ("generate", start, end) of device work
+    self.status = ("not started", time.monotonic())  # what the loop is doing, since when (stall reports)
 
   def wait_for_weights(self, weights, index: int, first_version: int, stop: threading.Event):
     """(params, version) for batch `index` under the schedule; None if `stop` was set while waiting."""
@@ -117,10 +118,13 @@ class GeneratorExecutor:
       t2 = time.perf_counter()
     self.timer.busy += t2 - t1
     self.timeline.append(("generate", t_dev, t2))
+    if len(self.timeline) > 20_000:  # bounded over a long run
+      del self.timeline[:-10_000]
+    counters = getattr(self.prompt_source, "counters", dict)()  # data/truncated_prompts, data/skipped_rows
     return Generated(index, rollout, examples, data_state, {
         "throughput/gen_tokens_per_s": float(np.sum(rollout.lengths)) / max(t2 - t1, 1e-9),
         "generate/response_length_mean": float(np.mean(rollout.lengths)),
-        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH))})
+        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)), **counters})
 
   def run(self, weights, emit: Callable[[Generated], bool], stop: threading.Event, *, start_index: int,
           first_version: int) -> None:
@@ -128,11 +132,15 @@ class GeneratorExecutor:
     k = start_index
     while not stop.is_set():
       t0 = time.perf_counter()
+      self.status = (f"waiting for the weights of batch {k}", time.monotonic())
       got = self.wait_for_weights(weights, k, first_version, stop)
       if got is None:
         return
       self.timer.wait += time.perf_counter() - t0
       params, version = got
-      if not emit(self.generate(k, params, version)):
+      self.status = (f"generating batch {k} with policy version {version}", time.monotonic())
+      item = self.generate(k, params, version)
+      self.status = (f"handing batch {k} to the reward executor", time.monotonic())
+      if not emit(item):
         return
       k += 1

@@ -1,0 +1,217 @@
+"""Kill -9 at the worst moments, then --resume: nothing is lost that a checkpoint holds, nothing is
+logged twice, and a 'fixed'-schedule run ends exactly where an uninterrupted run ends.
+
+Each run is `scripts/train.py` in a fresh interpreter (tests/fault_child.py), under a hard timeout,
+SIGKILLing itself at a chosen point: tiny Llama, arithmetic task, lag 1, 'fixed' schedule, a
+checkpoint every 2 steps, 6 RL steps, rewards in a worker process. The interpreters share a JAX
+compilation cache, so only the first one compiles.
+
+  uninterrupted:  steps 1..6
+  interrupted:    steps 1..4, killed while saving checkpoint 4 (arrays written, manifest not yet)
+                  --resume: checkpoint 4 is incomplete -> reported, set aside; resumes from 2;
+                            steps 3, 4 (checkpoint 4 saved), killed in the middle of step 5
+                  --resume: resumes from 4; steps 5, 6
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gin
+import pytest
+
+from llamarl_jax.checkpoint import MANIFEST, IncompatibleCheckpoint, latest_complete_step
+from llamarl_jax.controller import schedule_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_ARGS = ["--gin_file", str(ROOT / "configs" / "tiny_cpu.gin")] + [f"--gin_param={b}" for b in (
+    "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
+    "run_experiment.sft = False", "run_experiment.eval_size = 4", "run_experiment.export = False",
+    "run_experiment.tensorboard = False", "run_experiment.progress = False", "run_experiment.rl_steps = 6",
+    "Controller.prompts_per_step = 4", "Controller.samples_per_prompt = 2", "Controller.max_new_tokens = 4",
+    "Controller.checkpoint_every = 2", "Controller.max_policy_lag = 1", "Controller.version_schedule = 'fixed'",
+    "Controller.step_timeout_s = 120.0")]
+KILLED = -9
+
+
+def _child(run_dir, cache, *extra, kill_in_save=None, kill_in_step=None):
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false",
+             JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  flags = ([f"--kill_in_save={kill_in_save}"] if kill_in_save else []) + (
+      [f"--kill_in_step={kill_in_step}"] if kill_in_step else [])
+  return subprocess.run([sys.executable, str(ROOT / "tests" / "fault_child.py"), *flags, "--", *TRAIN_ARGS,
+                         "--run_dir", str(run_dir), *extra], env=env, capture_output=True, text=True,
+                        timeout=400)
+
+
+def _rows(run_dir):
+  return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  base = tmp_path_factory.mktemp("fault")
+  cache = base / "jax_cache"
+  full, broken = base / "full", base / "broken"
+  out = {"full": _child(full, cache)}
+  assert out["full"].returncode == 0, out["full"].stderr[-3000:]
+  out["kill_in_save"] = _child(broken, cache, kill_in_save=4)
+  out["after_save_kill"] = {"complete": latest_complete_step(broken / "checkpoints"),
+                            "dirs": sorted(p.name for p in (broken / "checkpoints").iterdir()),
+                            "rows": [r["step"] for r in _rows(broken)]}
+  out["kill_in_step"] = _child(broken, cache, "--resume", kill_in_step=5)
+  out["after_step_kill"] = {"complete": latest_complete_step(broken / "checkpoints"),
+                            "rows": [r["step"] for r in _rows(broken)]}
+  out["resumed"] = _child(broken, cache, "--resume")
+  return full, broken, out
+
+
+@pytest.mark.timeout(1500)
+def test_kill_during_a_save_leaves_the_previous_checkpoint(runs):
+  _, broken, out = runs
+  assert out["kill_in_save"].returncode == KILLED
+  state = out["after_save_kill"]
+  assert state["complete"] == 2 and "4" in state["dirs"]  # checkpoint 4's arrays, without its manifest
+  assert not (broken / "checkpoints" / "4").exists()       # set aside by the resume, not deleted:
+  assert [p.name.split(".")[0] for p in (broken / "checkpoints" / "damaged").iterdir()] == ["4"]
+  stderr = out["kill_in_step"].stderr
+  assert "checkpoint step 4" in stderr and str(broken / "checkpoints" / "4" / MANIFEST) in stderr
+
+
+@pytest.mark.timeout(1500)
+def test_kill_during_a_step_resumes_from_the_last_complete_checkpoint(runs):
+  _, _, out = runs
+  assert out["kill_in_step"].returncode == KILLED
+  assert out["after_step_kill"]["complete"] == 4
+  assert out["after_step_kill"]["rows"] == [1, 2, 3, 4]  # 3, 4 of the first attempt were rewound
+  assert out["resumed"].returncode == 0, out["resumed"].stderr[-3000:]
+  assert '"resumed_from_step": 4' in out["resumed"].stdout
+
+
+@pytest.mark.timeout(1500)
+def test_resumed_fixed_schedule_run_equals_the_uninterrupted_run(runs):
+  """Every step logged once, and every non-timing metric of every step identical (bitwise: the same
+  programs on the same inputs; the schedule fixes versions, prompts and seeds whatever the timing)."""
+  full, broken, _ = runs
+  a, b = _rows(full), _rows(broken)
+  assert [r["step"] for r in b] == [r["step"] for r in a] == [1, 2, 3, 4, 5, 6, 6]  # 6 twice: + the eval row
+  for ra, rb in zip(a, b):
+    assert schedule_metrics(ra) == schedule_metrics(rb), ra["step"]
+  assert a[-1]["eval/accuracy_after"] == b[-1]["eval/accuracy_after"]
+  dropped = [json.loads(line)["step"] for line in (broken / "metrics.dropped.jsonl").read_text().splitlines()]
+  assert dropped == [3, 4]  # logged by the first attempt after its last complete checkpoint: kept aside
+
+
+@pytest.mark.timeout(1500)
+def test_changed_config_resume_names_every_difference_and_touches_nothing(runs):
+  """In this process (the check needs no compiled step): another model width, lag and learning rate."""
+  import importlib.util
+
+  _, broken, _ = runs
+  before = {p: p.stat().st_mtime_ns for p in broken.rglob("*") if p.is_file()}
+  spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  gin.clear_config()
+  try:
+    with pytest.raises(IncompatibleCheckpoint) as info:
+      module.main(TRAIN_ARGS + ["--run_dir", str(broken), "--resume", "--gin_param=ModelConfig.hidden_size = 64",
+                                "--gin_param=Controller.max_policy_lag = 2", "--gin_param=OptimizerConfig.lr = 1e-3",
+                                "--gin_param=OptimizerConfig.total_steps = 500"])
+  finally:
+    gin.clear_config()
+  msg = str(info.value)
+  assert "model.hidden_size: checkpoint 32, now 64" in msg and "max_policy_lag: checkpoint 1, now 2" in msg
+  assert "optimizer.lr: checkpoint 0.0003, now 0.001" in msg
+  assert "total_steps" not in msg  # a new lr schedule end may change on resume
+  assert {p: p.stat().st_mtime_ns for p in broken.rglob("*") if p.is_file()} == before
+
+
+# ---- in this process: the KL reference, the stall report ----
+
+def _controller(tmp_path, reward, **kw):
+  from flax import nnx
+
+  from llamarl_jax.controller import Controller
+  from llamarl_jax.data import PromptSource
+  from llamarl_jax.executors.trainer import OptimizerConfig
+  from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tok = make_char_tokenizer()
+  config = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+  _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
+  return Controller(config, params, tok, PromptSource(task="arithmetic", seed=0), run_dir=tmp_path, reward_fn=reward,
+                    prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2, generator_dp=2,
+                    optimizer=OptimizerConfig(lr=1e-2), progress=False, **kw)
+
+
+def test_kl_coef_from_the_config_uses_the_initial_policy_as_reference(tmp_path):
+  """loss_kwargs={'kl_coef': ...} alone (as a gin binding gives it) works: the reference is the initial
+  policy, so KL(pi || ref) is exactly 0 at the first step and > 0 once the policy moved; the reference
+  is checkpointed and restored (a resume must not re-anchor it to the resumed policy)."""
+  import numpy as np
+
+  from llamarl_jax.executors.reward import RewardExecutor
+
+  c = _controller(tmp_path, RewardExecutor("arithmetic", inline=True), max_policy_lag=0,
+                  loss_kwargs={"rho_max": 2.0, "kl_coef": 0.5}, checkpoint_every=2)
+  try:
+    steps = c.run(2)
+    ref = c.trainer.ref_params
+  finally:
+    c.close()
+  # step 1: pi == ref (same fp32 params; two forwards in one program may round differently by ~1 ulp)
+  assert abs(steps[0]["policy/kl_ref"]) < 1e-6 and steps[1]["policy/kl_ref"] > 1e-4
+  assert steps[1]["loss/kl"] == pytest.approx(0.5 * steps[1]["policy/kl_ref"], rel=1e-5)
+  again = _controller(tmp_path, RewardExecutor("arithmetic", inline=True), max_policy_lag=0,
+                      loss_kwargs={"rho_max": 2.0, "kl_coef": 0.5}, checkpoint_every=2)
+  try:
+    again.trainer.load_params(jax_tree_map_add(again.trainer.params, 1.0))  # a different starting policy...
+    assert again.restore_checkpoint() == 2
+    for a, b in zip(jax_leaves(again.trainer.ref_params), jax_leaves(ref)):  # ...the reference is the saved one
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  finally:
+    again.close()
+
+
+def jax_leaves(tree):
+  import jax
+  return jax.tree.leaves(tree)
+
+
+def jax_tree_map_add(tree, x):
+  import jax
+  return jax.tree.map(lambda a: a + x, tree)
+
+
+_BLOCK = {"on": False}
+
+
+def _blocking_reward(response_text, ground_truth):
+  import time
+  deadline = time.monotonic() + 4  # bounded: the run's shutdown joins this thread
+  while _BLOCK["on"] and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return 0.0
+
+
+def test_a_stalled_executor_is_named_when_the_step_times_out(tmp_path):
+  from llamarl_jax.executors.reward import RewardExecutor
+
+  c = _controller(tmp_path, RewardExecutor(_blocking_reward, inline=True), max_policy_lag=1)
+  try:
+    c.run(1)  # compiles; the stall below is then the reward function's alone
+    c.step_timeout_s = 1.5
+    _BLOCK["on"] = True
+    with pytest.raises(TimeoutError, match=r"step 1: no scored batch within step_timeout_s = 1.5 s\. Stalled: the "
+                                           r"reward executor.*reward executor: scoring batch 1 for \d+ s"):
+      c.run(1)
+  finally:
+    _BLOCK["on"] = False
+    c.close()
