@@ -230,10 +230,11 @@ class PromptSource:
     for path in _expand(files):
       located = read_located_rows(path)
       objects = [r for _, r in located if isinstance(r, dict)]
-      if not objects and not located:
-        continue
-      p_field, a_field, a_format = ((prompt_field, answer_field, "raw") if prompt_field
-                                    else _detect_fields(objects, path))  # one layout per file
+      if not objects and not prompt_field:  # empty, or no row is an object: each row reports itself
+        p_field = a_field = a_format = ""
+      else:
+        p_field, a_field, a_format = ((prompt_field, answer_field, "raw") if prompt_field
+                                      else _detect_fields(objects, path))  # one layout per file
       a_format = answer_format or a_format
       for where, row in located:
         index += 1

@@ -222,3 +222,11 @@ def test_synthetic_prompts_past_the_limit_fail_when_drawn():
   src.limit_prompts(3)
   with pytest.raises(ValueError, match=r"max_prompt_tokens = 3.*arithmetic example 0 \(7 tokens\)"):
     src.next_batch(1)
+
+
+def test_a_file_of_only_malformed_lines_is_reported_by_line(tmp_path):
+  f = _write_lines(tmp_path / "g.jsonl", ["[1, 2]", "oops"])
+  with pytest.raises(ValueError, match=r"g\.jsonl:1: expected a JSON object, found a JSON list"):
+    PromptSource(f, bad_rows="error")
+  with pytest.raises(ValueError, match=r"no usable 'train' rows.*2 bad.*g\.jsonl:2: not valid JSON"):
+    PromptSource(f)

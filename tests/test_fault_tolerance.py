@@ -76,8 +76,9 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(runs):
   assert out["kill_in_save"].returncode == KILLED
   state = out["after_save_kill"]
   assert state["complete"] == 2 and "4" in state["dirs"]  # checkpoint 4's arrays, without its manifest
-  assert not (broken / "checkpoints" / "4").exists()       # set aside by the resume, not deleted:
-  assert [p.name.split(".")[0] for p in (broken / "checkpoints" / "damaged").iterdir()] == ["4"]
+  damaged = list((broken / "checkpoints" / "damaged").iterdir())  # set aside by the resume, not deleted
+  assert [p.name.split(".")[0] for p in damaged] == ["4"] and not (damaged[0] / MANIFEST).exists()
+  assert (damaged[0] / "state").is_dir()
   stderr = out["kill_in_step"].stderr
   assert "checkpoint step 4" in stderr and str(broken / "checkpoints" / "4" / MANIFEST) in stderr
 
@@ -151,67 +152,58 @@ def _controller(tmp_path, reward, **kw):
                     optimizer=OptimizerConfig(lr=1e-2), progress=False, **kw)
 
 
-def test_kl_coef_from_the_config_uses_the_initial_policy_as_reference(tmp_path):
-  """loss_kwargs={'kl_coef': ...} alone (as a gin binding gives it) works: the reference is the initial
-  policy, so KL(pi || ref) is exactly 0 at the first step and > 0 once the policy moved; the reference
-  is checkpointed and restored (a resume must not re-anchor it to the resumed policy)."""
-  import numpy as np
+_BLOCK = {"until": 0.0}
 
+
+def _varied_reward(response_text, ground_truth):
+  """Rewards that differ between samples (so advantages and the update are non-zero); blocks until
+  the monotonic time _BLOCK["until"] (kept short: the run's shutdown joins the reward thread)."""
+  import time
+
+  while time.monotonic() < _BLOCK["until"]:
+    time.sleep(0.05)
+  return (sum(map(ord, response_text)) % 7) / 6.0  # varies with the sampled characters
+
+
+@pytest.fixture(scope="module")
+def kl_run(tmp_path_factory):
+  """A lag-0 run with only `loss_kwargs={'kl_coef': 0.5}` set (as a gin binding gives it): 2 steps, then
+  checkpointed."""
   from llamarl_jax.executors.reward import RewardExecutor
 
-  c = _controller(tmp_path, RewardExecutor("arithmetic", inline=True), max_policy_lag=0,
+  c = _controller(tmp_path_factory.mktemp("kl"), RewardExecutor(_varied_reward, inline=True), max_policy_lag=0,
                   loss_kwargs={"rho_max": 2.0, "kl_coef": 0.5}, checkpoint_every=2)
   try:
-    steps = c.run(2)
-    ref = c.trainer.ref_params
+    yield c, c.run(2)
   finally:
+    _BLOCK["until"] = 0.0
     c.close()
+
+
+def test_kl_coef_from_the_config_uses_the_initial_policy_as_reference(kl_run):
+  """The reference is the initial policy: KL(pi || ref) is 0 at the first step and > 0 once the policy
+  moved; it is checkpointed and restored (a resume must not re-anchor it to the resumed policy)."""
+  import jax
+  import numpy as np
+
+  c, steps = kl_run
   # step 1: pi == ref (same fp32 params; two forwards in one program may round differently by ~1 ulp)
-  assert abs(steps[0]["policy/kl_ref"]) < 1e-6 and steps[1]["policy/kl_ref"] > 1e-4
+  assert abs(steps[0]["policy/kl_ref"]) < 1e-6 and steps[1]["policy/kl_ref"] > 1e-6
   assert steps[1]["loss/kl"] == pytest.approx(0.5 * steps[1]["policy/kl_ref"], rel=1e-5)
-  again = _controller(tmp_path, RewardExecutor("arithmetic", inline=True), max_policy_lag=0,
-                      loss_kwargs={"rho_max": 2.0, "kl_coef": 0.5}, checkpoint_every=2)
-  try:
-    again.trainer.load_params(jax_tree_map_add(again.trainer.params, 1.0))  # a different starting policy...
-    assert again.restore_checkpoint() == 2
-    for a, b in zip(jax_leaves(again.trainer.ref_params), jax_leaves(ref)):  # ...the reference is the saved one
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  finally:
-    again.close()
+  saved = [np.asarray(x) for x in jax.tree.leaves(c.trainer.ref_params)]
+  c.trainer.load_params(jax.tree.map(lambda a: a + 1.0, c.trainer.params))  # a warm start re-anchors it...
+  assert not np.array_equal(np.asarray(jax.tree.leaves(c.trainer.ref_params)[0]), saved[0])
+  assert c.restore_checkpoint() == 2  # ...a restore brings the checkpointed reference back
+  for a, b in zip(jax.tree.leaves(c.trainer.ref_params), saved):
+    np.testing.assert_array_equal(np.asarray(a), b)
 
 
-def jax_leaves(tree):
-  import jax
-  return jax.tree.leaves(tree)
-
-
-def jax_tree_map_add(tree, x):
-  import jax
-  return jax.tree.map(lambda a: a + x, tree)
-
-
-_BLOCK = {"on": False}
-
-
-def _blocking_reward(response_text, ground_truth):
+def test_a_stalled_executor_is_named_when_the_step_times_out(kl_run):
+  c, _ = kl_run  # compiled already: the stall below is the reward function's alone
   import time
-  deadline = time.monotonic() + 4  # bounded: the run's shutdown joins this thread
-  while _BLOCK["on"] and time.monotonic() < deadline:
-    time.sleep(0.05)
-  return 0.0
 
-
-def test_a_stalled_executor_is_named_when_the_step_times_out(tmp_path):
-  from llamarl_jax.executors.reward import RewardExecutor
-
-  c = _controller(tmp_path, RewardExecutor(_blocking_reward, inline=True), max_policy_lag=1)
-  try:
-    c.run(1)  # compiles; the stall below is then the reward function's alone
-    c.step_timeout_s = 1.5
-    _BLOCK["on"] = True
-    with pytest.raises(TimeoutError, match=r"step 1: no scored batch within step_timeout_s = 1.5 s\. Stalled: the "
-                                           r"reward executor.*reward executor: scoring batch 1 for \d+ s"):
-      c.run(1)
-  finally:
-    _BLOCK["on"] = False
-    c.close()
+  c.step_timeout_s = 1.5
+  _BLOCK["until"] = time.monotonic() + 3.0
+  with pytest.raises(TimeoutError, match=r"step 2: no scored batch within step_timeout_s = 1.5 s\. Stalled: the "
+                                         r"reward executor.*reward executor: scoring batch 2 for \d+ s"):
+    c.run(1)
