@@ -138,11 +138,12 @@ _MATH_SEGMENT_RE = re.compile(r"\$\$([^$]{1,1000})\$\$|\$([^$]{1,1000})\$|\\\((.
 _QUALIFIER_RE = re.compile(
     r"\b(?:at\s+(?:least|most)|or\s+(?:more|less|fewer|greater|higher|lower|above|below|under|over)|"
     r"(?:more|less|fewer|greater|smaller|larger|higher|lower)\s+than|no\s+(?:more|less|fewer)|up\s+to|"
-    r"over|under|above|below|nearly|almost|minimum|maximum|exceed\w*)\b", re.IGNORECASE)
+    r"over|under|above|below|nearly|almost|minimum|maximum|exceed\w*|not|never|cannot|isn't)\b", re.IGNORECASE)
 _QUALIFIER_BEFORE_RE = re.compile(
     r"(?:\b(?:at\s+(?:least|most)|(?:more|less|fewer|greater|smaller|larger|higher|lower)\s+than|no\s+(?:more|less|"
-    r"fewer)|up\s+to|over|under|above|below|nearly|almost)|[<>≤≥]=?|\\[lg]e(?:q)?)\s*\$?\s*\Z", re.IGNORECASE)
-_QUALIFIER_AFTER_RE = re.compile(r"\A\s*(?:\+|or\s+(?:more|less|fewer|greater|higher|lower|above|below))", re.IGNORECASE)
+    r"fewer)|up\s+to|over|under|above|below|nearly|almost|not|never)|[<>≤≥]=?|\\[lg]e(?:q)?)\s*\$?\s*\Z",
+    re.IGNORECASE)
+_QUALIFIER_AFTER_RE = re.compile(r"\s*(?:\+|or\s+(?:more|less|fewer|greater|higher|lower|above|below))", re.IGNORECASE)
 
 
 def last_number(text: str) -> str | None:
@@ -153,21 +154,21 @@ def last_number(text: str) -> str | None:
   return last.group() if last is not None else None
 
 
-def _sentence(text: str) -> str:
-  """The answer sentence of the text after an answer marker (the next line when this one is empty)."""
+def _sentence(text: str) -> tuple[str, str]:
+  """(answer sentence, its whole line) of the text after an answer marker (the next line if this one is empty)."""
   text = text[:2 * MAX_ANSWER_CHARS].lstrip(" \t*:：")
   line, _, rest = text.partition("\n")
   if not line.strip(" *$"):
     line = next((ln for ln in rest.split("\n")[:4] if ln.strip()), "")
   line = line.strip().strip("*").strip()
   m = _SENTENCE_END_RE.search(line)
-  return (line[:m.start()] if m else line).strip().strip("*").strip()
+  return (line[:m.start()] if m else line).strip().strip("*").strip(), line
 
 
-def _single_number(sentence: str) -> str | None:
-  """The one number of a sentence of words ("Janet makes $18 every day"), unless qualified or hedged."""
-  numbers = _NUMBER_RE.findall(sentence)
-  if len(numbers) != 1 or _QUALIFIER_RE.search(sentence) or re.search(r"\b(?:or|and)\b", sentence):
+def _single_number(line: str) -> str | None:
+  """The one number of a line of words ("Janet makes $18 every day."), unless qualified or hedged."""
+  numbers = _NUMBER_RE.findall(line)
+  if len(numbers) != 1 or _QUALIFIER_RE.search(line) or re.search(r"\b(?:or|and|but|wait)\b", line):
     return None
   return numbers[0]
 
@@ -222,10 +223,10 @@ def _statements(response: str) -> tuple[_Statement | None, list[_Statement], lis
     said.append(m)
   answers = []
   for m in said:
-    sentence = _sentence(response[m.end():])
+    sentence, line = _sentence(response[m.end():])
     parsed = parse_answer(sentence)
     if parsed is not None and parsed.kind == "text":
-      sentence = _single_number(sentence) or sentence
+      sentence = _single_number(line) or sentence
     answers.append(_Statement(m.start(), m.end(), sentence))
   return run, list(hashes), answers
 
@@ -281,12 +282,20 @@ _RELATION_CMDS = [(re.compile(r"\\(?:leqslant|leq|le)(?![A-Za-z])"), "<="), (re.
 _LATEX_THOUSANDS_RE = re.compile(r"(\d),\\!\s*(?=\d{3}(?!\d))")
 _THOUSANDS_RE = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
 _SPACE_THOUSANDS_RE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?![\d.,])")
+_REPEATING_RE = re.compile(r"(\d*)\.(\d*)\\overline\{?(\d{1,12})\}?")
 # Unit words after a number: 3+ letters, or a 2-letter unit (never `xy`, which is algebra).
-_UNIT_WORD = r"(?:[A-Za-z]{3,}|cm|mm|km|nm|ft|in|yd|mi|kg|mg|lb|oz|ml|hr|ha|sq|cu|m|s|g|h)"
+_UNIT_WORD = r"(?:[A-Za-z]{3,}|cm|mm|km|nm|ft|in|yd|mi|kg|mg|lb|oz|ml|hr|ha|sq|cu|st|nd|rd|th|m|s|g|h)"
 _TRAILING_WORDS_RE = re.compile(rf"(?:\s+{_UNIT_WORD}(?:\s*\^\s*\{{?\d\}}?)?(?:/[A-Za-z]+)?\.?)+\s*$")
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 _NAME_RE = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?(?:\([A-Za-z]\))?")  # x, x_1, a_{n}, f(x)
 _OR_AND_RE = re.compile(r"\s(?:or|and)\s|\\(?:lor|vee|land|wedge)(?![A-Za-z])|;")
+
+
+def _repeating(m: re.Match) -> str:
+  """`0.1\\overline{6}` -> `(1/6)`: a repeating decimal as the exact fraction it is."""
+  whole, fixed, period = m.group(1) or "0", m.group(2), m.group(3)
+  value = int(whole) + (Fraction(int(fixed or "0")) + Fraction(int(period), 10 ** len(period) - 1)) / 10 ** len(fixed)
+  return f"({value.numerator}/{value.denominator})"
 
 
 def _clean(text: str) -> str:
@@ -298,6 +307,8 @@ def _clean(text: str) -> str:
   for _ in range(3):  # nested \text{\textbf{...}}; bounded
     s = _TEXT_CMD_RE.sub(lambda m: " " + m.group(1) + " ", s)
   s = _LATEX_THOUSANDS_RE.sub(r"\1", s)
+  if "\\overline" in s:
+    s = _REPEATING_RE.sub(_repeating, s)
   for token in _REMOVE:
     if token in s:
       s = s.replace(token, "")
