@@ -618,3 +618,23 @@ _SUITE: dict[str, list[tuple[int, str, str]]] = {
 CASES: list[Case] = [Case(category, response, truth, label)
                      for category, rows in _SUITE.items() for label, response, truth in rows]
 CATEGORIES: list[str] = list(_SUITE)
+
+
+def category_report(predictions: dict[str, list[int]], cases: list[Case] = CASES) -> str:
+  """A markdown table per category: for each verifier (name -> 0/1 per case), right answers accepted
+  (`acc/right`) and wrong answers rewarded (false positives, `fp/wrong`)."""
+  names = list(predictions)
+  head = "| category | right | wrong | " + " | ".join(f"{n} accepted | {n} FP" for n in names) + " |"
+  lines = [head, "|" + "---|" * (3 + 2 * len(names))]
+  for category in [*dict.fromkeys(c.category for c in cases), None]:
+    idx = [i for i, c in enumerate(cases) if category is None or c.category == category]
+    right = [i for i in idx if cases[i].label == 1]
+    wrong = [i for i in idx if cases[i].label == 0]
+    cells = []
+    for n in names:
+      accepted = sum(predictions[n][i] for i in right)
+      fp = sum(predictions[n][i] for i in wrong)
+      cells += [f"{accepted}/{len(right)}", f"{fp}/{len(wrong)}"]
+    label = f"**all ({len(idx)})**" if category is None else category
+    lines.append(f"| {label} | {len(right)} | {len(wrong)} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
