@@ -55,3 +55,46 @@ def test_math_verify_backend_scores_in_the_reward_pool():
     rewards, metrics = executor.score(responses, ["(1,2)", "42", "24"])
   assert rewards.tolist() == [1.0, 0.0, 1.0]
   assert metrics["reward/errors"] == 0 and metrics["reward/timeouts"] == 0
+
+
+def _render(value, style: int) -> str:
+  """A rational number written one of the ways models and datasets write it (LaTeX or plain)."""
+  sign = "-" if value < 0 else ""
+  p, q = abs(value.numerator), value.denominator
+  if q == 1:
+    return [f"{sign}{p}", f"{sign}{p:,}", f"\\frac{{{sign}{p}}}{{1}}", f"{sign}{p}.0"][style % 4]
+  forms = [f"{sign}\\frac{{{p}}}{{{q}}}", f"\\frac{{{sign}{p}}}{{{q}}}", f"{sign}{p}/{q}", f"{sign}\\dfrac{{{2 * p}}}{{{2 * q}}}"]
+  if p > q:
+    forms.append(f"{sign}{p // q}\\frac{{{p % q}}}{{{q}}}")  # a mixed number
+  if 10 ** 6 % q == 0:  # a terminating decimal, written exactly
+    micro = p * 10 ** 6 // q
+    forms.append(f"{sign}{micro // 10 ** 6}.{micro % 10 ** 6:06d}".rstrip("0"))
+  return forms[style % len(forms)]
+
+
+_RESPONSES = ["\\boxed{{{}}}", "#### {}", "The answer is ${}$.", "Final Answer: The final answer is ${}$. I hope it is correct.",
+              "**Answer:** ${}$", "So the total is ${}$"]
+_TRUTHS = ["{}", "\\text{{so}} = \\boxed{{{}}}", "x = {}"]
+
+
+@pytest.fixture(scope="module")
+def hypothesis_api():
+  return pytest.importorskip("hypothesis")
+
+
+def test_equal_values_in_any_format_match_and_different_values_never_do(hypothesis_api):
+  from fractions import Fraction
+  from hypothesis import given, settings, strategies as st
+
+  values = st.builds(Fraction, st.integers(-3000, 3000), st.sampled_from([1, 1, 2, 3, 4, 5, 7, 8, 12, 25]))
+
+  @settings(max_examples=250, deadline=None, derandomize=True)
+  @given(a=values, b=values, same=st.booleans(), styles=st.tuples(*[st.integers(0, 11)] * 4))
+  def check(a, b, same, styles):
+    if same:
+      b = a
+    response = _RESPONSES[styles[0] % len(_RESPONSES)].format(_render(a, styles[1]))
+    truth = _TRUTHS[styles[2] % len(_TRUTHS)].format(_render(b, styles[3]))
+    assert M.verify(response, truth) == float(a == b), (response, truth)
+
+  check()
