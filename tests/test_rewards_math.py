@@ -84,6 +84,8 @@ MATH_CASES = [
     (r"\boxed{7}", "x=7", 1.0),
     (r"\boxed{f(x) = 2x+1}", "1+2x", 1.0),
     (r"\boxed{x^2 + y^2 = 1}", "x^2+y^2=1", 1.0),
+    (r"\boxed{\text{Area} = 12}", "12", 1.0),  # a word names the answer
+    (r"\boxed{xy = 6}", "6", 0.0),  # two letters: an equation (a hyperbola), not 6
     (r"\boxed{1}", "x^2+y^2=1", 0.0),  # an equation is not its right-hand side
     (r"\boxed{1.5e3}", "1500", 1.0),
     (r"\boxed{2x+2}", "2(x+1)", 1.0),

@@ -63,7 +63,8 @@ def _render(value, style: int) -> str:
   p, q = abs(value.numerator), value.denominator
   if q == 1:
     return [f"{sign}{p}", f"{sign}{p:,}", f"\\frac{{{sign}{p}}}{{1}}", f"{sign}{p}.0"][style % 4]
-  forms = [f"{sign}\\frac{{{p}}}{{{q}}}", f"\\frac{{{sign}{p}}}{{{q}}}", f"{sign}{p}/{q}", f"{sign}\\dfrac{{{2 * p}}}{{{2 * q}}}"]
+  forms = [f"{sign}\\frac{{{p}}}{{{q}}}", f"\\frac{{{sign}{p}}}{{{q}}}", f"{sign}{p}/{q}",
+           f"{sign}\\dfrac{{{2 * p}}}{{{2 * q}}}"]
   if p > q:
     forms.append(f"{sign}{p // q}\\frac{{{p % q}}}{{{q}}}")  # a mixed number
   if 10 ** 6 % q == 0:  # a terminating decimal, written exactly
@@ -72,8 +73,8 @@ def _render(value, style: int) -> str:
   return forms[style % len(forms)]
 
 
-_RESPONSES = ["\\boxed{{{}}}", "#### {}", "The answer is ${}$.", "Final Answer: The final answer is ${}$. I hope it is correct.",
-              "**Answer:** ${}$", "So the total is ${}$"]
+_RESPONSES = ["\\boxed{{{}}}", "#### {}", "The answer is ${}$.", "**Answer:** ${}$", "So the total is ${}$",
+              "Final Answer: The final answer is ${}$. I hope it is correct."]
 _TRUTHS = ["{}", "\\text{{so}} = \\boxed{{{}}}", "x = {}"]
 
 

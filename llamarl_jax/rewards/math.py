@@ -276,7 +276,8 @@ _UNICODE = {"−": "-", "–": "-", "×": "*", "÷": "/", "·": "*", "≤": "\\l
             "∪": "\\cup ", "π": "\\pi ", "√": "\\sqrt", "±": "\\pm "}
 _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|mbox|mathrm|mathbf|mathit|mathsf|"
                           r"boldsymbol|bm|operatorname)\s*\{([^{}]*)\}")
-_RELATION_CMDS = [(re.compile(r"\\(?:leqslant|leq|le)(?![A-Za-z])"), "<="), (re.compile(r"\\(?:geqslant|geq|ge)(?![A-Za-z])"), ">="),
+_RELATION_CMDS = [(re.compile(r"\\(?:leqslant|leq|le)(?![A-Za-z])"), "<="),
+                  (re.compile(r"\\(?:geqslant|geq|ge)(?![A-Za-z])"), ">="),
                   (re.compile(r"\\lt(?![A-Za-z])"), "<"), (re.compile(r"\\gt(?![A-Za-z])"), ">"),
                   (re.compile(r"\\(?:neq|ne)(?![A-Za-z])"), "!=")]
 _LATEX_THOUSANDS_RE = re.compile(r"(\d),\\!\s*(?=\d{3}(?!\d))")
@@ -485,9 +486,12 @@ def _matrix(s: str) -> Answer | None:
 
 
 def _is_name(s: str) -> bool:
-  """A left-hand side that only names the answer: `x`, `f(x)`, `a_n`, `(p, q)`, or plain arithmetic."""
+  """A left-hand side that only names the answer: `x`, `f(x)`, `a_n`, `(p, q)`, `Area`, or plain arithmetic.
+
+  Words need 3+ letters: `xy = 6` is an equation, not a name for 6.
+  """
   s = s.strip()
-  if _NAME_RE.fullmatch(s):
+  if _NAME_RE.fullmatch(s) or re.fullmatch(r"[A-Za-z]{3,}(?:\s+[A-Za-z]{3,}){0,3}", s):
     return True
   if s[:1] == "(" and s[-1:] == ")":
     parts = _split_top(s[1:-1], ",")
