@@ -123,14 +123,14 @@ BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: each rounding is 
 def test_bf16_matches_transformers_bf16(make_hf_model, family):
   """Our bf16 forward (bf16 params and compute) against transformers' bf16 forward of the same weights.
 
-  Both round the same values with relative error <= u = 2^-8, but at slightly different points (fused
-  bias adds, accumulation order, when a product is rounded), so they differ by a sum of independent
-  rounding errors. Each of the 2L sublayers, the embedding and the final norm adds errors of ~u times
-  the values it writes to the residual stream, and they reach the logits scaled by at most the logit
-  scale: |ours - theirs| <= u (2L + 2) max|logit| (measured: 1-2 u max|logit| at L=2). A bf16 bug
-  (statistics or softmax in bf16, bf16 RoPE angles) or a family bug (a dropped bias or q/k norm) is
-  larger. And we must be no further from transformers-bf16 than it is from exact (its fp32 forward):
-  1.5x that distance (measured 0.85x), which an implementation rounding more often than transformers fails.
+  Both round the same values with relative error <= u = 2^-8, at slightly different points (fused bias
+  adds, accumulation order, when a product is rounded), so they differ by a sum of rounding errors.
+  Each of the 2L sublayers, the embedding and the final norm adds errors of ~u times the values it
+  writes to the residual stream, and they reach the logits scaled by at most the logit scale:
+  max |ours - theirs| <= u (2L + 2) max|logit|  (measured 0.9-2.0 u max|logit| at L = 2, 3 seeds).
+  And ours must be about as accurate as theirs against the exact (fp32) logits: mean |ours - exact|
+  <= 1.25 mean |theirs - exact| (measured 0.94-1.00), which an implementation that rounds more often
+  (or in lower precision) than transformers fails. Structural bugs are caught in fp32 above at 1e-4.
   """
   import torch
 
@@ -143,9 +143,8 @@ def test_bf16_matches_transformers_bf16(make_hf_model, family):
   with torch.no_grad():
     theirs = ref.to(torch.bfloat16)(torch.tensor(tokens)).logits.float().numpy()
   tol = BF16_UNIT_ROUNDOFF * (2 * config.num_layers + 2) * np.abs(exact).max()
-  err, their_err = np.abs(ours - theirs).max(), np.abs(theirs - exact).max()
-  assert err <= tol, (err, tol)
-  assert err <= 1.5 * their_err, (err, their_err)
+  assert np.abs(ours - theirs).max() <= tol, (np.abs(ours - theirs).max(), tol)
+  assert np.abs(ours - exact).mean() <= 1.25 * np.abs(theirs - exact).mean()
   assert np.abs(ours - exact).max() > 1e-4  # really computed in bf16
 
 

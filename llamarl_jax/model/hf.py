@@ -73,8 +73,9 @@ def _check_full_attention(hf: dict, source: str) -> None:
     raise CheckpointError(
         f"{source}: sliding-window attention (use_sliding_window={hf.get('use_sliding_window')}, "
         f"sliding_window={hf.get('sliding_window')}, {where}) is not supported: this model computes full "
-        "causal attention, which differs from the checkpoint's on sequences longer than the window. "
-        "Use a checkpoint with use_sliding_window=false (all released Qwen2.5 / Qwen3 dense models are)")
+        "causal attention, which differs from the checkpoint's on sequences longer than the window. If every "
+        "prompt + response is shorter than sliding_window the two agree: then set use_sliding_window=false "
+        "(and drop sliding layer_types) in config.json")
 
 
 def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
