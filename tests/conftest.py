@@ -58,3 +58,20 @@ def make_hf_model(tmp_path):
     return model, path
 
   return make
+
+
+CHATML_TEMPLATE = (  # Qwen's chat format (as Qwen3's template without tools / thinking): no BOS, ChatML turns
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def chatml_tokenizer():
+  """A Qwen-style tokenizer built locally: the char vocabulary (no BOS) plus <|endoftext|> (pad),
+  <|im_start|> and <|im_end|> (eos, ends an assistant turn), and a ChatML chat template."""
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tok = make_char_tokenizer(add_bos=False)
+  tok.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]})
+  tok.eos_token, tok.pad_token, tok.chat_template = "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE
+  tok.bos_token = None  # Qwen tokenizers have none
+  return tok
