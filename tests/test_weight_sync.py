@@ -91,6 +91,27 @@ def test_int8_error_within_half_a_step_per_channel(setup):
   assert 0.25 * fp32 < metrics["sync/bytes"] < 0.3 * fp32
 
 
+def test_int8_quantises_matrices_only_given_the_logical_axes():
+  """Qwen2's q/k/v biases are `[heads, head_dim]` but vectors: with the params' logical axes only the
+  matrices (an `embed` axis) are quantised; biases and norms arrive exact, heads sharded over tp."""
+  config = CONFIG.replace(model_type="qwen2")
+  trainer_mesh, gen_mesh = parallel.make_meshes(trainer_fsdp=2, generator_tp=2)
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  _, shapes = split_params(abstract)
+  axes = parallel.logical_axes(abstract)
+  rng = np.random.default_rng(1)
+  params = jax.device_put(jax.tree.map(lambda s: rng.standard_normal(s.shape, dtype=np.float32), shapes),
+                          parallel.param_shardings(shapes, axes, trainer_mesh))
+  sync = WeightSync(parallel.param_shardings(shapes, axes, gen_mesh), dtype=jnp.float32, quantize="int8", axes=axes)
+  sync.push(params, version=0)
+  got = sync.latest()[0]["layers"][0]["attn"]
+  sent = params["layers"][0]["attn"]
+  for name in ("bq", "bk", "bv"):
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(sent[name]))
+  assert got["bq"].sharding.spec == jax.sharding.PartitionSpec("tp", None)
+  assert not np.array_equal(np.asarray(got["wq"]), np.asarray(sent["wq"]))  # the matrices are quantised
+
+
 def test_quantize_int8_round_trip_on_a_known_matrix():
   w = jnp.array([[1.0, -0.5], [-2.0, 0.25], [0.0, 0.0]])  # channel max: 2.0 and 0.5
   q, scale = quantize_int8(w)
