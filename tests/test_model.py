@@ -171,6 +171,41 @@ def test_round_trip_through_transformers(make_hf_model, tmp_path, family, shard_
   np.testing.assert_array_equal(np.asarray(run(model2, jnp.asarray(tokens))), np.asarray(run(model, jnp.asarray(tokens))))
 
 
+# config.json as Qwen ships them (Qwen2.5-1.5B-Instruct, Qwen3-1.7B; fields that do not matter left out)
+QWEN_CONFIGS = {
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+              "hidden_size": 1536, "intermediate_size": 8960, "max_position_embeddings": 32768,
+              "max_window_layers": 21, "num_attention_heads": 12, "num_hidden_layers": 28, "num_key_value_heads": 2,
+              "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+              "use_sliding_window": False, "vocab_size": 151936},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
+              "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+              "max_window_layers": 28, "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+              "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+              "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936},
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_released_qwen_configs_translate(family):
+  """The released shapes load as the right family with the released parameter counts (the same count
+  as perf_model's), and Qwen's documented long-context switch (yarn, factor 4 over 32768) is applied."""
+  from llamarl_jax import perf_model
+  from llamarl_jax.model.hf import config_from_hf
+  from llamarl_jax.model.llama import rope_attention_factor
+
+  config = config_from_hf(QWEN_CONFIGS[family])
+  assert (config.model_type, config.qkv_bias, config.qk_norm) == (family, family == "qwen2", family == "qwen3")
+  assert config.tie_word_embeddings and config.rope_theta == 1e6 and config.rope_scaling is None
+  assert config.head_dim == 128
+  shape = perf_model.QWEN["qwen2.5-1.5b" if family == "qwen2" else "qwen3-1.7b"]
+  assert config.num_params() == shape.params
+  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+  long = config_from_hf({**QWEN_CONFIGS[family], "rope_scaling": yarn})
+  assert long.rope_scaling_dict == yarn
+  assert rope_attention_factor(long) == pytest.approx(0.1 * np.log(4.0) + 1)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_num_params_counts_every_family_parameter(family):
   config = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
