@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Any
 
 import flax.struct
@@ -48,11 +49,11 @@ class Family:
   qk_norm: bool      # RMSNorm over each q and k head before RoPE
 
 
-FAMILIES = {  # HF config.json `model_type` -> Family
+FAMILIES = types.MappingProxyType({  # HF config.json `model_type` -> Family (read-only)
     "llama": Family("LlamaForCausalLM", qkv_bias=False, qk_norm=False),
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
     "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
-}
+})
 
 
 @dataclasses.dataclass(frozen=True)
