@@ -165,7 +165,7 @@ class Controller:
     self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0)
     gen_shapes = jax.eval_shape(lambda p: p, self.trainer.params)
     self.weight_sync = WeightSync(parallel.param_shardings(gen_shapes, axes, self.generator_mesh),
-                                  dtype=generator_dtype, quantize=quantize,
+                                  dtype=generator_dtype, quantize=quantize, axes=axes,
                                   keep_pending=version_schedule == "fixed")
     self.reward = reward_fn if isinstance(reward_fn, RewardExecutor) else RewardExecutor(
         reward_fn, num_workers=reward_workers, timeout_s=reward_timeout_s)
