@@ -73,7 +73,7 @@ def our_runner(config, model, prompts):
   from llamarl_jax.generation import Sampler, SamplingParams
 
   sampler = Sampler(config)
-  params = sampler._place_params(model)  # the timed calls see resident weights, as the generator does
+  params = sampler.place_params(model)  # the timed calls see resident weights, as the generator does
   return lambda r: jax.block_until_ready(sampler.generate(params, prompts, SamplingParams(temperature=0, max_new_tokens=r)))
 
 
