@@ -346,6 +346,14 @@ class SlotEngine:
     width = self.sampler.prompt_bucket(max(len(p) for p in prompts))
     return rollout_from_groups(groups, pad_id=self.pad_id, prompt_width=width)
 
+  def reset(self) -> None:
+    """Drop every queued and running sequence and the weights (a fresh engine, compiled programs kept)."""
+    self.params, self.version = None, None
+    self._cache, self._state = self._empty()
+    self._owner = [None] * self.num_slots
+    self._queue.clear()
+    self.stats = collections.Counter()
+
   @property
   def wanted_version(self) -> int | None:
     """The version the queue head waits for when its admission is due now (free slots for it), else None."""
@@ -384,7 +392,8 @@ class SlotEngine:
         "generate/queue_depth_mean": s["queue_depth_sum"] / max(s["schedules"], 1),
         "generate/prefill_calls": float(s["inserts"]),
         "generate/swaps_in_flight": float(s["swaps_in_flight"]),
-        "generate/kv_recompute_s": float(s["recompute_s"]),
+        "generate/tokens": float(s["first_tokens"] + s["useful_slot_steps"]),
+        "time/kv_recompute": float(s["recompute_s"]),
     }
 
   # -- host scheduling -----------------------------------------------------------------------------
@@ -424,6 +433,7 @@ class SlotEngine:
     self._cache, self._state = self._insert_fn(self.params, self._cache, self._state, tokens, lens, dst, rows, keys,
                                                np.int32(self.version))
     self.stats["inserts"] += 1
+    self.stats["first_tokens"] += len(items) * self.n
 
   def _harvest(self) -> list[Completed]:
     done = np.asarray(jax.device_get(self._state.done))
