@@ -12,18 +12,20 @@ The version schedule decides which policy generates batch k:
 
 Two engines:
   static (`Sampler`): batch k is one `Sampler.generate` call under its version.
-  slots (`SlotEngine`, continuous batching): the prompts of batches k, k+1, ... queue in the engine and
-           stream through its KV slots; a batch is handed on as soon as its last group completes, while
-           the slots already decode the next batches. Swap points are a function of the schedule only:
-           before admitting the first prompt of batch k the engine swaps to v(k) (in-flight sequences
-           continue under the new weights, each token recording its version); while v(k) is not
-           available it keeps decoding without admitting as long as it still holds sequences of a batch
-           < v(k) (the trainer needs them to produce v(k)), and otherwise waits. So the engine's steps,
-           and each token's version, are the same whatever the timing. Batch k is trained at step k, so
-           the oldest token of every trained sequence has version v(k) >= k - max_policy_lag: the lag
-           bound is never violated (a group is never moved to a later step, which would either break
-           the bound or, if such groups were dropped, bias training against long responses). 'latest'
-           also swaps to any newer version between chunks (PipelineRL's in-flight updates).
+  slots (`SlotEngine`, continuous batching): prompts stream through the engine's KV slots. Batch k
+           is drawn when the queued prompts can no longer fill the free slots; a batch is handed on as
+           soon as its last group completes, while the slots already decode the next batches. Swap
+           points are a function of the schedule only: before drawing (and admitting) batch k the
+           engine swaps to v(k); in-flight sequences continue under the new weights, each token
+           recording its version. While v(k) is not available the engine keeps decoding what it holds
+           as long as some batch < v(k) is unfinished (the trainer needs it to make v(k)), and
+           otherwise waits, in-flight sequences included (the price of reproducibility when the
+           trainer is the slower side). So the engine's steps, and each token's version, are the same
+           whatever the timing. Batch k trains at step k, so the oldest token of every trained sequence
+           has version v(k) >= k - max_policy_lag: the lag bound is never violated, and no group is
+           moved to a later step (that would break the bound or, if such groups were dropped, bias
+           training against long responses). 'latest' swaps to any newer version between chunks
+           (PipelineRL's in-flight updates) and never pauses running sequences to wait for one.
 """
 
 from __future__ import annotations
@@ -178,32 +180,35 @@ class GeneratorExecutor:
       self.timer.wait += time.perf_counter() - t0
 
   def _run_slots(self, weights, emit, stop, *, start_index: int, first_version: int) -> None:
-    """The streaming loop (see the module docstring): feed the queue, swap on schedule, step, hand on."""
-    eng, pps = self.engine, self.prompts_per_step
+    """The streaming loop (see the module docstring): draw when slots free up, swap on schedule, step, hand on."""
+    eng, pps, fixed = self.engine, self.prompts_per_step, self.version_schedule == "fixed"
     eng.reset()
-    need = lambda k: scheduled_version(k, self.max_policy_lag, first_version)
     draws: dict[int, dict] = {}  # batch index -> its prompts, data state and completed groups
     next_draw = next_emit = start_index
     self._busy = 0.0  # seconds of work since the last batch was handed on
     while not stop.is_set():
       t_busy = time.perf_counter()
-      while eng.queue_depth < max(1, eng.num_slots // eng.n):  # keep enough queued to fill every slot
+      while eng.queue_depth * eng.n < eng.num_free:  # queued prompts cannot fill the free slots: draw batch k
+        version = scheduled_version(next_draw, self.max_policy_lag, first_version)
+        if eng.version is None or eng.version < version:
+          # Swap only once the queued prompts (of older versions) are admitted, and wait for the version
+          # only once nothing it depends on is still running here: under 'fixed' every batch < version
+          # was handed on (the trainer needs them to make it); under 'latest' the slots are idle.
+          if eng.version is not None and (eng.queue_depth or (next_emit < version if fixed else eng.num_busy)):
+            break
+          self._busy += time.perf_counter() - t_busy
+          got = self._wait(weights, version, stop)
+          if got is None:
+            return
+          t_busy = time.perf_counter()
+          with self.device_turn:
+            eng.swap(*got)
         examples = self.prompt_source.next_batch(pps)
         draws[next_draw] = {"examples": examples, "data_state": self.prompt_source.state_dict(), "groups": {}}
         eng.submit(encode_prompts(self.tokenizer, examples), seed=batch_seed(self.seed, next_draw),
-                   version=need(next_draw), tags=[(next_draw, i) for i in range(len(examples))])
+                   version=version, tags=[(next_draw, i) for i in range(len(examples))])
         next_draw += 1
-      want = need(start_index) if eng.version is None else eng.wanted_version
-      # Block for `want` only once every batch it depends on (< want) was handed on; else decode on.
-      if want is not None and (eng.version is None or next_emit >= want):
-        self._busy += time.perf_counter() - t_busy
-        got = self._wait(weights, want, stop)
-        if got is None:
-          return
-        t_busy = time.perf_counter()
-        with self.device_turn:
-          eng.swap(*got)
-      elif self.version_schedule == "latest" and weights.version > eng.version:
+      if not fixed and weights.version > eng.version:
         with self.device_turn:
           eng.swap(*weights.latest())  # an in-flight update: the newest weights, between chunks
       with self.device_turn:
