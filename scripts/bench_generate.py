@@ -127,7 +127,7 @@ def main(argv=None):
   parser.add_argument("--engine_workloads", default="longtail,equal",
                       help="slot engine vs static sampler workloads: longtail, equal (or none)")
   parser.add_argument("--slots", type=int, default=16, help="engine slots = static batch rows")
-  parser.add_argument("--engine_prompts", type=int, default=64)
+  parser.add_argument("--engine_prompts", type=int, default=128)
   parser.add_argument("--engine_max_new_tokens", type=int, default=256)
   parser.add_argument("--stop_fraction", type=float, default=1 / 32)
   parser.add_argument("--chunk_steps", type=int, default=16)
