@@ -23,10 +23,10 @@ Random numbers: the key of row r at step t is fold_in(fold_in(seed_key, t), r), 
 do not depend on how the batch is sharded. Callers that generate many batches must vary `seed` (or
 pass `rng`), otherwise row r of every batch sees the same noise.
 
-Continuous batching (refilling a finished row while others decode) is not implemented: the
-`KVCache` has one write slot shared by all rows. The pieces are separated so that it can be added
-by giving the cache a per-row write index and prefilling new prompts into freed rows between decode
-segments (the decode loop already carries per-row `done`/`lengths`).
+Continuous batching (refilling a finished row while others decode, weights swapped mid-generation)
+is `engine.SlotEngine`: it shares the model, `sample_logits` and the per-token keys with this
+sampler (and samples the same tokens for the same seed); this static sampler stays for evaluation,
+tests and `scripts/generate.py`.
 """
 
 from __future__ import annotations
