@@ -4,7 +4,9 @@ Data flow (one Python process):
 
   generator thread:  GeneratorExecutor.run: wait for the scheduled policy version of batch k (exactly
                      max(v0, k - max_policy_lag) by default, see executors/generator.py); draw prompts;
-                     Sampler.generate on the generator mesh -> RolloutBatch (host)
+                     stream them through the SlotEngine's KV slots (continuous batching, weights swapped
+                     between decode chunks; `generator_engine='static'`: one Sampler.generate per batch)
+                     on the generator mesh -> RolloutBatch (host) with per-token policy versions
   reward thread:     decode, score in the RewardExecutor's process pool, advantages -> ScoredBatch
                      -> ReplayBuffer.put (blocks when full: backpressure)
   controller thread: ReplayBuffer.get (drops data older than the lag bound) -> TrainerExecutor.step
@@ -48,6 +50,7 @@ from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.executors.scoring import decode_responses, score_generated
 from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
 from llamarl_jax.executors.weight_sync import WeightSync
+from llamarl_jax.generation.engine import SlotEngine, version_metrics
 from llamarl_jax.generation.rollout import ScoredBatch
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.metrics import MetricsLogger
@@ -57,6 +60,7 @@ from llamarl_jax.replay import BufferClosed, ReplayBuffer
 
 log = logging.getLogger(__name__)
 _KEEP = 10_000  # entries kept in the per-step histories (a long run must not grow without bound)
+GENERATOR_ENGINES = ("slots", "static")
 
 
 class ExecutorFailed(RuntimeError):
@@ -74,6 +78,10 @@ class Controller:
   `reference_path`: the KL reference policy (an HF checkpoint directory) when `loss_kwargs` has
   `kl_coef`; None means the policy RL starts from (after any warm start), kept in checkpoints.
   `step_timeout_s`: the longest the trainer waits for a scored batch; the error names the stalled executor.
+  `generator_engine`: 'slots' (a `SlotEngine`: continuous batching over `engine_slots` KV slots, default
+  prompts_per_step * samples_per_prompt, decode chunks of `engine_chunk_steps`, prompts up to
+  `engine_max_prompt_len` tokens (default min(512, max_position_embeddings - max_new_tokens)), KV cache
+  kept across weight swaps unless `engine_recompute_kv`) or 'static' (`Sampler.generate` per batch).
   """
 
   def __init__(self, model_config: ModelConfig, params: Any, tokenizer, prompt_source, *,
@@ -108,6 +116,11 @@ class Controller:
                checkpoint_every: int = 0,
                keep_checkpoints: int = 2,
                generator_delay_s: float = 0.0,
+               generator_engine: str = "slots",
+               engine_slots: int = 0,
+               engine_chunk_steps: int = 16,
+               engine_max_prompt_len: int | None = None,
+               engine_recompute_kv: bool = False,
                step_timeout_s: float = 600.0,
                logger: MetricsLogger | None = None,
                progress: bool = True):
@@ -116,6 +129,8 @@ class Controller:
     if version_schedule not in VERSION_SCHEDULES:
       raise ValueError(f"Controller.version_schedule must be one of {VERSION_SCHEDULES}, got "
                        f"{version_schedule!r}")
+    if generator_engine not in GENERATOR_ENGINES:
+      raise ValueError(f"Controller.generator_engine must be one of {GENERATOR_ENGINES}, got {generator_engine!r}")
     if prompts_per_step < 1 or samples_per_prompt < 1:
       raise ValueError(f"prompts_per_step and samples_per_prompt must be >= 1, got {prompts_per_step}, "
                        f"{samples_per_prompt}")
@@ -182,11 +197,17 @@ class Controller:
     # Colocated: one mesh, so the generator and the trainer (step + weight sync) take turns on it. The
     # sampler's KV cache only lives inside its jitted calls, so it is freed before the trainer runs.
     self._device_turn = threading.Lock() if colocated else contextlib.nullcontext()
+    self.engine = None
+    if generator_engine == "slots":
+      max_prompt = engine_max_prompt_len or max(1, min(512, model_config.max_position_embeddings - max_new_tokens))
+      self.engine = SlotEngine(gen_config, self.generator_mesh, num_slots=engine_slots or _round_up(rows, parallel.batch_divisor(self.generator_mesh)),
+                               sampling=self.sampling, max_prompt_len=max_prompt, chunk_steps=engine_chunk_steps,
+                               pad_id=tokenizer.pad_token_id or 0, recompute_kv=engine_recompute_kv)
     self.generator = GeneratorExecutor(self.sampler, tokenizer, prompt_source, self.sampling,
                                        prompts_per_step=prompts_per_step, max_policy_lag=max_policy_lag,
                                        version_schedule=version_schedule, seed=seed,
                                        delay_s=generator_delay_s,
-                                       device_turn=self._device_turn if colocated else None)
+                                       device_turn=self._device_turn if colocated else None, engine=self.engine)
     self.history: list[dict] = []
     # (executor, start, end) perf_counter intervals of real work: "reward", "train" (train includes the
     # weight sync); `timeline` adds the generator's "generate" intervals. Tests and
@@ -251,7 +272,7 @@ class Controller:
           self._reward_timer.wait += t1 - t0
           self._reward_timer.busy += t2 - t1
           self._timeline.append(("reward", t1, t2))
-        version = int(np.max(item.rollout.policy_version))
+        version = int(np.min(item.rollout.policy_version))  # the oldest token: what the lag bound limits
         self._reward_status = (f"putting batch {item.index} into the replay buffer", time.monotonic())
         self.buffer.put(scored, version, meta={"index": item.index, "data_state": item.data_state,
                                                "metrics": metrics, "texts": texts[:2]})
@@ -434,9 +455,10 @@ class Controller:
       raise
     t1 = time.perf_counter()
     scored: ScoredBatch = entry.item
-    lags = s - np.asarray(scored.rollout.policy_version)
-    if lags.max() > self.max_policy_lag or lags.min() < 0:
-      raise AssertionError(f"policy lag {lags.max()} outside [0, {self.max_policy_lag}] at step {s}")
+    lag_metrics = version_metrics(scored.rollout.token_versions, scored.rollout.response_mask, s)
+    if lag_metrics["policy/lag_max"] > self.max_policy_lag or lag_metrics["policy/lag_min"] < 0:
+      raise AssertionError(f"policy lag {lag_metrics['policy/lag_max']} outside [0, {self.max_policy_lag}] at "
+                           f"step {s}")
     with self._device_turn:
       t_dev = time.perf_counter()
       train_metrics = self.trainer.step(scored)
@@ -456,8 +478,8 @@ class Controller:
     metrics.update(train_metrics)
     metrics.update(sync_metrics)
     n_train_tokens = float(np.sum(scored.rollout.response_mask))
+    metrics.update(lag_metrics)
     metrics.update({
-        "policy/lag_mean": float(lags.mean()), "policy/lag_max": float(lags.max()),
         "buffer/dropped_stale": float(self.buffer.dropped_stale), "buffer/occupancy": float(len(self.buffer)),
         "time/step": t3 - t0, "time/trainer_wait": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
         "time/generate": gen_busy, "time/generator_wait": gen_wait,
@@ -528,6 +550,8 @@ def _reference_params(path: str, config: ModelConfig) -> Any:
                      "give a checkpoint of the same model, or leave Controller.reference_path unset to use "
                      "the initial policy")
   return split_params(model)[1]
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
 
 
 def _axes_for(config: ModelConfig):
