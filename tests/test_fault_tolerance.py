@@ -207,3 +207,18 @@ def test_a_stalled_executor_is_named_when_the_step_times_out(kl_run):
   with pytest.raises(TimeoutError, match=r"step 2: no scored batch within step_timeout_s = 1.5 s\. Stalled: the "
                                          r"reward executor.*reward executor: scoring batch 2 for \d+ s"):
     c.run(1)
+
+
+def test_a_reference_of_another_architecture_is_refused(tmp_path):
+  from flax import nnx
+
+  from llamarl_jax.executors.reward import RewardExecutor
+  from llamarl_jax.model import hf
+  from llamarl_jax.model.llama import Llama, ModelConfig
+
+  other = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+  hf.save_hf_checkpoint(Llama(other, rngs=nnx.Rngs(params=0)), other, tmp_path / "ref")
+  with pytest.raises(ValueError, match=r"KL reference .*ref does not have the policy's architecture \(vocab_size"):
+    _controller(tmp_path / "run", RewardExecutor("arithmetic", inline=True), loss_kwargs={"kl_coef": 0.1},
+                reference_path=str(tmp_path / "ref"))
