@@ -222,3 +222,27 @@ def test_a_reference_of_another_architecture_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"KL reference .*ref does not have the policy's architecture \(vocab_size"):
     _controller(tmp_path / "run", RewardExecutor("arithmetic", inline=True), loss_kwargs={"kl_coef": 0.1},
                 reference_path=str(tmp_path / "ref"))
+
+
+def test_ctrl_c_during_the_warm_start_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
+  import importlib.util
+
+  from llamarl_jax import experiment
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(experiment, "supervised_warmstart", interrupted)
+  spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  gin.clear_config()
+  try:
+    with pytest.raises(SystemExit) as info:
+      module.main(TRAIN_ARGS + ["--run_dir", str(tmp_path / "run"), "--gin_param=run_experiment.sft = True"])
+  finally:
+    gin.clear_config()
+  err = capsys.readouterr().err
+  assert info.value.code == 130
+  assert "nothing was saved" in err and "checkpointed" not in err and "newest complete checkpoint" not in err
+  assert latest_complete_step(tmp_path / "run" / "checkpoints") is None
