@@ -541,8 +541,7 @@ def _reference_params(path: str, config: ModelConfig) -> Any:
   from llamarl_jax.model.llama import split_params
 
   ref_config, model = hf.load_hf_checkpoint(path)
-  fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-            "head_dim", "tie_word_embeddings")
+  fields = [f.name for f in dataclasses.fields(config) if f.name not in ("param_dtype", "dtype")]
   diff = [f"{f}: policy {getattr(config, f)}, reference {getattr(ref_config, f)}" for f in fields
           if getattr(config, f) != getattr(ref_config, f)]
   if diff:

@@ -207,3 +207,51 @@ def test_a_stalled_executor_is_named_when_the_step_times_out(kl_run):
   with pytest.raises(TimeoutError, match=r"step 2: no scored batch within step_timeout_s = 1.5 s\. Stalled: the "
                                          r"reward executor.*reward executor: scoring batch 2 for \d+ s"):
     c.run(1)
+
+
+def test_a_reference_of_another_architecture_is_refused(tmp_path):
+  """Controller(reference_path=...) loads the KL reference with this check before building the trainer."""
+  from flax import nnx
+
+  from llamarl_jax.controller import _reference_params
+  from llamarl_jax.model import hf
+  from llamarl_jax.model.llama import Llama, ModelConfig
+
+  other = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+  hf.save_hf_checkpoint(Llama(other, rngs=nnx.Rngs(params=0)), other, tmp_path / "ref")
+  with pytest.raises(ValueError, match=r"KL reference .*ref does not have the policy's architecture \(vocab_size: "
+                                       r"policy 67, reference 16; hidden_size: policy 32, reference 16"):
+    _reference_params(str(tmp_path / "ref"), other.replace(vocab_size=67, hidden_size=32, intermediate_size=32))
+  import jax
+
+  from llamarl_jax.model.llama import split_params
+
+  model = Llama(other, rngs=nnx.Rngs(params=0))
+  same = _reference_params(str(tmp_path / "ref"), other)  # the same architecture loads: the saved weights
+  for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(split_params(model)[1])):
+    assert a.shape == b.shape and float(abs(a - b).max()) == 0.0
+
+
+def test_ctrl_c_during_the_warm_start_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
+  import importlib.util
+
+  from llamarl_jax import experiment
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(experiment, "supervised_warmstart", interrupted)
+  spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  gin.clear_config()
+  try:
+    with pytest.raises(SystemExit) as info:
+      module.main(TRAIN_ARGS + ["--run_dir", str(tmp_path / "run"), "--gin_param=run_experiment.sft = True"])
+  finally:
+    gin.clear_config()
+  err = capsys.readouterr().err
+  assert info.value.code == 130
+  assert "nothing was saved" in err and "checkpointed" not in err and "newest complete checkpoint" not in err
+  assert latest_complete_step(tmp_path / "run" / "checkpoints") is None
