@@ -205,6 +205,7 @@ class GeneratorExecutor:
           if eng.version is not None and (eng.queue_depth or (next_emit < version if fixed else eng.num_busy)):
             break
           self._busy += time.perf_counter() - t_busy
+          self.status = (f"waiting for policy version {version} to admit batch {next_draw}", time.monotonic())
           got = self._wait(weights, version, stop)
           if got is None:
             return
@@ -212,22 +213,28 @@ class GeneratorExecutor:
           with self.device_turn:
             eng.swap(*got)
         examples = self.prompt_source.next_batch(pps)
-        draws[next_draw] = {"examples": examples, "data_state": self.prompt_source.state_dict(), "groups": {}}
+        draws[next_draw] = {"examples": examples, "data_state": self.prompt_source.state_dict(), "groups": {},
+                            "counters": getattr(self.prompt_source, "counters", dict)()}
         eng.submit(encode_prompts(self.tokenizer, examples), seed=batch_seed(self.seed, next_draw),
                    version=version, tags=[(next_draw, i) for i in range(len(examples))])
         next_draw += 1
       if not fixed and weights.version > eng.version:
         with self.device_turn:
           eng.swap(*weights.latest())  # an in-flight update: the newest weights, between chunks
+      self.status = (f"decoding (batches {next_emit}..{next_draw - 1} drawn, policy version {eng.version})",
+                     time.monotonic())
       with self.device_turn:
         t_dev = time.perf_counter()
         completed = eng.step()
         t_end = time.perf_counter()
       self.timeline.append(("generate", t_dev, t_end))
+      if len(self.timeline) > 20_000:  # bounded over a long run
+        del self.timeline[:-10_000]
       for g in completed:
         draws[g.tag[0]]["groups"][g.tag[1]] = g
       self._busy += time.perf_counter() - t_busy
       while next_emit in draws and len(draws[next_emit]["groups"]) == pps:
+        self.status = (f"handing batch {next_emit} to the reward executor", time.monotonic())
         if not emit(self._generated(next_emit, draws.pop(next_emit))):
           return
         next_emit += 1
@@ -249,6 +256,7 @@ class GeneratorExecutor:
     metrics.update({
         "throughput/gen_tokens_per_s": tokens / max(self._busy, 1e-9),
         "generate/response_length_mean": float(np.mean(rollout.lengths)),
-        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH))})
+        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)),
+        **draw["counters"]})  # data/truncated_prompts, data/skipped_rows as of this batch's draw
     self._busy = 0.0
     return Generated(index, rollout, draw["examples"], draw["data_state"], metrics)
