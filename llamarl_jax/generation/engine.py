@@ -274,8 +274,9 @@ class SlotEngine:
              tags: Sequence[Any] | None = None) -> None:
     """Queue prompts (FIFO); each becomes a group of n samples. Prompt i samples as rows i*n..i*n+n-1
     with `seed` (as `Sampler.generate` would); `version`: admit them only once `swap` installed this
-    version (or a newer one) — the engine never decodes past that admission point without it
-    (see `wanted_version`). tags: one per prompt, returned in `Completed.tag` (default: the index).
+    version (or a newer one); until then `step` decodes what is running and admits nothing after
+    them, and `wanted_version` says when their admission is due. tags: one per prompt, returned in
+    `Completed.tag` (default: the index).
     """
     prompts = validate_prompts(prompts, self.config.vocab_size)
     too_long = [i for i, p in enumerate(prompts) if len(p) > self.max_prompt_len]
@@ -300,14 +301,15 @@ class SlotEngine:
     head = self._queue[0] if self._queue else None
     blocked = head is not None and self._needs(head)
     refill_at = self.num_slots + 1 if head is None or blocked else head.n
+    steps = useful = 0
     if self.num_busy:
       self._cache, self._state, steps, useful = self._decode_fn(
           self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at))
       self.stats["chunks"] += 1
-      steps, useful = jax.device_get((steps, useful))
-      self.stats["decode_steps"] += int(steps)
-      self.stats["useful_slot_steps"] += int(useful)
-    return self._harvest()
+    steps, useful, done = jax.device_get((steps, useful, self._state.done))  # the one sync per chunk
+    self.stats["decode_steps"] += int(steps)
+    self.stats["useful_slot_steps"] += int(useful)
+    return self._harvest(np.asarray(done))
 
   def run(self, on_wait: Callable[[int], None] | None = None) -> list[Completed]:
     """Step until every queued and running sequence is done; returns the completed groups in order.
@@ -404,7 +406,7 @@ class SlotEngine:
   def _admit(self) -> None:
     """Prefill queued groups (FIFO) into free slots while the head fits and needs no newer weights."""
     free = [s for s, o in enumerate(self._owner) if o is None]
-    take: list[_Group] = []
+    take: list[tuple[_Group, list[int]]] = []
     while self._queue and len(free) >= self._queue[0].n and not self._needs(self._queue[0]):
       g = self._queue.popleft()
       slots, free = free[:g.n], free[g.n:]
@@ -435,8 +437,8 @@ class SlotEngine:
     self.stats["inserts"] += 1
     self.stats["first_tokens"] += len(items) * self.n
 
-  def _harvest(self) -> list[Completed]:
-    done = np.asarray(jax.device_get(self._state.done))
+  def _harvest(self, done: np.ndarray) -> list[Completed]:
+    """Free the slots whose sequences finished (`done [S]`); return the groups that are now complete."""
     finished = [s for s, o in enumerate(self._owner) if o is not None and done[s]]
     if not finished:
       return []
