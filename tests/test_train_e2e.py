@@ -124,7 +124,9 @@ def test_rl_from_a_saved_qwen3_checkpoint(tmp_path):
       checkpoint)
   chatml_tokenizer().save_pretrained(checkpoint)
   small = ["run_experiment.eval_size = 4", "Controller.prompts_per_step = 2", "Controller.samples_per_prompt = 4",
-           "Controller.checkpoint_every = 2", "run_experiment.tensorboard = False", "run_experiment.sft = False"]
+           "Controller.checkpoint_every = 2", "run_experiment.tensorboard = False", "run_experiment.sft = False",
+           # ChatML-wrapped prompts are ~25 tokens: more than tiny_cpu.gin's 16-token slot-engine prompt bound
+           "Controller.engine_max_prompt_len = 64"]
   run_dir = tmp_path / "run"
   summary = _run(run_dir, f"--gin_param=build_policy.model_path = '{checkpoint}'", steps=2, small=small)
   assert summary["samples_after"][0][0].startswith("<|im_start|>user\n")  # the checkpoint's chat template
