@@ -37,21 +37,25 @@ def quantize_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 class WeightSync:
-  """Holds the generator's newest weights and their policy version; thread-safe.
+  """Holds the generator's weights by policy version; thread-safe.
 
   gen_shardings: pytree of `NamedSharding` on the generator mesh (same structure as params).
   dtype: the generator's parameter dtype (e.g. bfloat16).
+  keep_pending: keep every pushed version until the generator `take`s it or a newer one (the 'fixed'
+    schedule asks for exact versions; at most max_policy_lag + 1 copies wait on the generator mesh).
+    False keeps only the newest (the 'latest' schedule).
   """
 
-  def __init__(self, gen_shardings: Any, dtype=jnp.bfloat16, quantize: str | None = None):
+  def __init__(self, gen_shardings: Any, dtype=jnp.bfloat16, quantize: str | None = None,
+               keep_pending: bool = False):
     if quantize not in (None, "int8"):
       raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     self.gen_shardings = gen_shardings
     self.dtype = jnp.dtype(dtype)
     self.quantize = quantize
+    self.keep_pending = keep_pending
     self._cond = threading.Condition()
-    self._params = None
-    self._version = -1
+    self._versions: dict[int, Any] = {}  # policy version -> generator params
     self._closed = False
     self.history: list[dict] = []  # per push: seconds, bytes, gbps
     self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p))
@@ -82,31 +86,70 @@ class WeightSync:
     metrics = {"sync/seconds": seconds, "sync/bytes": float(nbytes),
                "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9, "sync/version": float(version)}
     with self._cond:
-      self._params, self._version = gen_params, int(version)
+      self._versions[int(version)] = gen_params
+      if not self.keep_pending:
+        self._drop_below(int(version))
       self.history.append(metrics)
       self._cond.notify_all()
     return metrics
 
+  def _drop_below(self, version: int) -> None:
+    for v in [v for v in self._versions if v < version]:
+      del self._versions[v]
+
   def latest(self) -> tuple[Any, int]:
+    """(params, version) of the newest push; (None, -1) before the first."""
     with self._cond:
-      return self._params, self._version
+      v = self._newest()
+      return self._versions.get(v), v
+
+  def take(self, version: int, timeout: float | None = None) -> tuple[Any, int] | None:
+    """Block until exactly `version` was pushed; return (params, version) and drop older versions.
+
+    None on close()/timeout. Raises if a newer version exists but `version` is gone (it was dropped:
+    the caller asked out of order, which the 'fixed' schedule never does).
+    """
+    with self._cond:
+      self._cond.wait_for(lambda: self._closed or version in self._versions
+                          or self._newest() > version, timeout)
+      if version not in self._versions:
+        if self._newest() > version:
+          raise ValueError(f"policy version {version} was asked for but is no longer held (held: "
+                           f"{sorted(self._versions)}); versions must be taken in increasing order")
+        return None
+      self._drop_below(version)
+      return self._versions[version], version
 
   def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
     """Block until a push with version >= `version` (True) or close()/timeout (False)."""
     with self._cond:
-      self._cond.wait_for(lambda: self._closed or self._version >= version, timeout)
-      return self._version >= version
+      self._cond.wait_for(lambda: self._closed or self._newest() >= version, timeout)
+      return self._newest() >= version
+
+  def _newest(self) -> int:
+    return max(self._versions, default=-1)
 
   @property
   def version(self) -> int:
+    """The newest pushed policy version (-1 before the first push)."""
     with self._cond:
-      return self._version
+      return self._newest()
+
+  @property
+  def held_versions(self) -> list[int]:
+    with self._cond:
+      return sorted(self._versions)
 
   def close(self) -> None:
     """Wake every `wait_for_version` waiter (they return False) and keep them from blocking again."""
     with self._cond:
       self._closed = True
       self._cond.notify_all()
+
+  def drop_pending(self) -> None:
+    """Keep only the newest version (between runs: versions nobody will take free their memory)."""
+    with self._cond:
+      self._drop_below(self._newest())
 
   def reopen(self) -> None:
     """Undo `close` (the controller reopens between `run` calls); the weights are kept."""
