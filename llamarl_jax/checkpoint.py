@@ -12,21 +12,43 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
-class Checkpointer:
+def _host_local(x) -> bool:
+  """An array whose devices all belong to this process, in a job of several processes (a trainer
+  mesh inside one process). Orbax only writes global arrays there, so such arrays go as numpy."""
+  return jax.process_count() > 1 and isinstance(x, jax.Array) and x.is_fully_addressable
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
+
+def _savable(x):
+  return np.asarray(x) if _host_local(x) else x
+
+
+class Checkpointer:
+  """processes: the process ids that save and restore together (the trainer processes of a
+  multi-process run; the first writes the metadata); None = every process (one process)."""
+
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, processes=None):
     self.directory = Path(directory).absolute()
+    multiprocessing = ocp.options.MultiprocessingOptions()
+    if processes is not None:
+      processes = sorted(processes)
+      self.directory.mkdir(parents=True, exist_ok=True)  # Orbax leaves it to us with a process subset
+      multiprocessing = ocp.options.MultiprocessingOptions(primary_host=processes[0],
+                                                           active_processes=set(processes),
+                                                           barrier_sync_key_prefix="trainer")
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                             enable_async_checkpointing=False),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=processes is None,
+                                             enable_async_checkpointing=False,
+                                             multiprocessing_options=multiprocessing),
         item_names=("state", "meta"))
 
   def save(self, step: int, state: Any, meta: dict) -> None:
     """state: pytree of arrays (params, opt_state, ...); meta: JSON-able dict (versions, data position, rng)."""
+    state = jax.tree.map(_savable, state)
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                      meta=ocp.args.JsonSave(meta)), force=True)
     self._manager.wait_until_finished()
@@ -43,7 +65,8 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f"no checkpoint found in {self.directory}")
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), target)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if _host_local(x) else getattr(x, "sharding", None)),
+        target)
     out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                               meta=ocp.args.JsonRestore()))
     return step, out["state"], dict(out["meta"])

@@ -31,7 +31,7 @@ import gin
 import jax
 import numpy as np
 
-from llamarl_jax import parallel
+from llamarl_jax import distributed, parallel
 from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
 from llamarl_jax.checkpoint import Checkpointer
 from llamarl_jax.executors.generator import (VERSION_SCHEDULES, Generated, GeneratorExecutor, Timer,
@@ -135,22 +135,49 @@ class Controller:
     if rows % multiple:
       raise ValueError(f"prompts_per_step * samples_per_prompt = {rows} rows per step must be a multiple of "
                        f"microbatches ({microbatches}) x trainer data*fsdp ({multiple // microbatches})")
+    # Roles: in one process both; across processes each process builds only its role's executors.
+    self.roles = distributed.derive_roles(self.trainer_mesh, self.generator_mesh)
+    self.is_trainer = jax.process_index() in self.roles.trainer
+    self.is_generator = jax.process_index() in self.roles.generator
+    self.is_main = jax.process_index() == self.roles.trainer_leader  # logs, checkpoints' metadata, summary
+    multi = jax.process_count() > 1
+    if multi and version_schedule != "fixed":
+      raise ValueError(f"version_schedule={version_schedule!r} needs one process: across processes the "
+                       "order of weight transfers must be a pure function of the step ('fixed')")
+    if multi and quantize:
+      raise ValueError(f"quantize={quantize!r} is single-process only; across processes use quantize=None")
     axes = _axes_for(model_config)
-    self.trainer = TrainerExecutor(model_config, self.trainer_mesh, params,
-                                   optimizer=optimizer or OptimizerConfig(), loss=loss,
-                                   loss_kwargs=loss_kwargs or {}, microbatches=microbatches, remat=remat,
-                                   temperature=max(temperature, 1e-6) if temperature > 0 else 1.0)
     gen_config = model_config.replace(param_dtype=generator_dtype, dtype=generator_dtype)
-    self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0)
-    gen_shapes = jax.eval_shape(lambda p: p, self.trainer.params)
-    self.weight_sync = WeightSync(parallel.param_shardings(gen_shapes, axes, self.generator_mesh),
-                                  dtype=generator_dtype, quantize=quantize,
-                                  keep_pending=version_schedule == "fixed")
-    self.reward = reward_fn if isinstance(reward_fn, RewardExecutor) else RewardExecutor(
-        reward_fn, num_workers=reward_workers, timeout_s=reward_timeout_s)
+    shapes = _param_shapes(model_config)
+    gen_shardings = parallel.param_shardings(shapes, axes, self.generator_mesh)
+    self.trainer = self.checkpointer = None
+    if self.is_trainer:
+      self.trainer = TrainerExecutor(model_config, self.trainer_mesh, params,
+                                     optimizer=optimizer or OptimizerConfig(), loss=loss,
+                                     loss_kwargs=loss_kwargs or {}, microbatches=microbatches, remat=remat,
+                                     temperature=max(temperature, 1e-6) if temperature > 0 else 1.0)
+      self.checkpointer = Checkpointer(self.run_dir / "checkpoints", max_to_keep=keep_checkpoints,
+                                       processes=self.roles.trainer if multi else None)
+    self.sampler = self.reward = self.generator = None
+    if self.is_generator:
+      self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0)
+      self.reward = reward_fn if isinstance(reward_fn, RewardExecutor) else RewardExecutor(
+          reward_fn, num_workers=reward_workers, timeout_s=reward_timeout_s)
+    self.weight_sync = self.mp = None
+    if multi:
+      from llamarl_jax.multiprocess.protocol import Context
+      from llamarl_jax.transfer import WeightPlan
+
+      dtype = jax.numpy.dtype(generator_dtype)
+      plan = WeightPlan(gen_shardings, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes),
+                        self.trainer_mesh, transform=lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
+      self.mp = Context(self.roles, plan, self.trainer_mesh, self.generator_mesh)
+    else:
+      self.weight_sync = WeightSync(gen_shardings, dtype=generator_dtype, quantize=quantize,
+                                    keep_pending=version_schedule == "fixed")
+    self.buffer_capacity = buffer_capacity
     self.buffer = ReplayBuffer(buffer_capacity)
-    self.checkpointer = Checkpointer(self.run_dir / "checkpoints", max_to_keep=keep_checkpoints)
-    self.logger = logger
+    self.logger = logger if self.is_main else None
     self.step = 0
     self.last_data_state: dict | None = None
     self._errors: list[tuple[str, BaseException]] = []
@@ -161,11 +188,12 @@ class Controller:
     # Colocated: one mesh, so the generator and the trainer (step + weight sync) take turns on it. The
     # sampler's KV cache only lives inside its jitted calls, so it is freed before the trainer runs.
     self._device_turn = threading.Lock() if colocated else contextlib.nullcontext()
-    self.generator = GeneratorExecutor(self.sampler, tokenizer, prompt_source, self.sampling,
-                                       prompts_per_step=prompts_per_step, max_policy_lag=max_policy_lag,
-                                       version_schedule=version_schedule, seed=seed,
-                                       delay_s=generator_delay_s,
-                                       device_turn=self._device_turn if colocated else None)
+    if self.is_generator:
+      self.generator = GeneratorExecutor(self.sampler, tokenizer, prompt_source, self.sampling,
+                                         prompts_per_step=prompts_per_step, max_policy_lag=max_policy_lag,
+                                         version_schedule=version_schedule, seed=seed,
+                                         delay_s=generator_delay_s,
+                                         device_turn=self._device_turn if colocated else None)
     self.history: list[dict] = []
     # (executor, start, end) perf_counter intervals of real work: "reward", "train" (train includes the
     # weight sync); `timeline` adds the generator's "generate" intervals. Tests and
@@ -183,11 +211,13 @@ class Controller:
   def _shutdown(self) -> None:
     self._stop.set()
     self.buffer.close()
-    self.weight_sync.close()
+    if self.weight_sync is not None:
+      self.weight_sync.close()
 
   @property
   def timeline(self) -> list[tuple[str, float, float]]:
-    return sorted(self.generator.timeline + self._timeline, key=lambda t: t[1])
+    generated = self.generator.timeline if self.generator is not None else []
+    return sorted(generated + self._timeline, key=lambda t: t[1])
 
   def _generator_loop(self, start_index: int, first_version: int) -> None:
     def emit(item: Generated) -> bool:
@@ -237,22 +267,45 @@ class Controller:
     return self.trainer.state_dict()
 
   def save_checkpoint(self) -> None:
+    """Trainer processes (all of them: Orbax writes each process's shards)."""
     meta = {"step": self.step, "policy_version": self.step, "seed": self.seed,
             "data_state": self.last_data_state, "max_policy_lag": self.max_policy_lag}
     self.checkpointer.save(self.step, self._checkpoint_state(), meta)
 
+  def latest_checkpoint_step(self) -> int | None:
+    """The run directory's latest checkpoint step (every process calls it: the trainer knows it)."""
+    step = self.checkpointer.latest_step() if self.is_trainer else None
+    if self.mp is None:
+      return step
+    return self.mp.facts.share("latest_checkpoint", step, source=self.roles.trainer_leader)
+
   def restore_checkpoint(self, step: int | None = None) -> int:
-    """Load the latest (or given) checkpoint into the trainer; returns the restored step."""
-    step, state, meta = self.checkpointer.restore(self._checkpoint_state(), step)
-    self.trainer.load_state_dict(state)
-    self.step = int(meta["step"])
-    if meta.get("data_state") is not None:
-      self.prompt_source.load_state_dict(meta["data_state"])
-      self.last_data_state = meta["data_state"]
+    """Load the latest (or given) checkpoint into the trainer; returns the restored step. Across
+    processes every process calls it: the generator processes take the step and data position."""
+    restored = None
+    if self.is_trainer:
+      step, state, meta = self.checkpointer.restore(self._checkpoint_state(), step)
+      self.trainer.load_state_dict(state)
+      restored = {"step": int(meta["step"]), "data_state": meta.get("data_state")}
+    if self.mp is not None:
+      restored = self.mp.facts.share("restored", restored, source=self.roles.trainer_leader)
+    self.step = restored["step"]
+    if restored["data_state"] is not None:
+      self.prompt_source.load_state_dict(restored["data_state"])
+      self.last_data_state = restored["data_state"]
     return self.step
 
   def run(self, num_steps: int) -> list[dict]:
-    """Train `num_steps` more steps; returns each step's metrics. Shuts the executors down on return."""
+    """Train `num_steps` more steps; returns each step's metrics. Shuts the executors down on return.
+
+    Across processes every process calls it: trainer processes return the metrics, generator
+    processes an empty list (see llamarl_jax/multiprocess/).
+    """
+    if self.mp is not None:
+      from llamarl_jax.multiprocess import generator_process, trainer_process
+
+      module = trainer_process if self.is_trainer else generator_process
+      return module.run(self, num_steps)
     self._stop.clear()
     start = self.step
     self.weight_sync.push(self.trainer.params, start)
@@ -330,18 +383,26 @@ class Controller:
       t3 = time.perf_counter()
     with self._lock:
       self._timeline.append(("train", t_dev, t3))
-      gen_busy, gen_wait = self.generator.timer.take()
-      rew_busy, rew_wait = self._reward_timer.take()
-    metrics = dict(entry.meta["metrics"])
+      gen_times = self.generator.timer.take()
+      reward_times = self._reward_timer.take()
+    return self._finish_step(entry.meta["metrics"], train_metrics, sync_metrics, lags,
+                             float(np.sum(scored.rollout.response_mask)), (t0, t1, t2, t3), gen_times,
+                             reward_times, dropped=self.buffer.dropped_stale, occupancy=len(self.buffer))
+
+  def _finish_step(self, batch_metrics: dict, train_metrics: dict, sync_metrics: dict, lags, n_train_tokens: float,
+                   times: tuple, gen_times: tuple, reward_times: tuple, *, dropped: int, occupancy: int) -> dict:
+    """One step's metrics (the same keys in one process and many); logs and checkpoints."""
+    t0, t1, t2, t3 = times
+    lags = np.asarray(lags)
+    metrics = dict(batch_metrics)
     metrics.update(train_metrics)
     metrics.update(sync_metrics)
-    n_train_tokens = float(np.sum(scored.rollout.response_mask))
     metrics.update({
         "policy/lag_mean": float(lags.mean()), "policy/lag_max": float(lags.max()),
-        "buffer/dropped_stale": float(self.buffer.dropped_stale), "buffer/occupancy": float(len(self.buffer)),
+        "buffer/dropped_stale": float(dropped), "buffer/occupancy": float(occupancy),
         "time/step": t3 - t0, "time/trainer_wait": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
-        "time/generate": gen_busy, "time/generator_wait": gen_wait,
-        "time/reward": rew_busy, "time/reward_wait": rew_wait,
+        "time/generate": gen_times[0], "time/generator_wait": gen_times[1],
+        "time/reward": reward_times[0], "time/reward_wait": reward_times[1],
         "throughput/train_tokens_per_s": n_train_tokens / max(t2 - t1, 1e-9),
     })
     self.history.append(metrics)
@@ -354,23 +415,48 @@ class Controller:
   # ----------------------------------------------------------------------------------------------
 
   def evaluate(self, examples: Sequence, *, params=None) -> dict:
-    """Greedy accuracy on `examples` with the generator (current trainer weights by default)."""
-    if params is None:
+    """Greedy accuracy on `examples` with the generator (current trainer weights by default).
+
+    Across processes every process calls it: the trainer pushes its weights, the generator
+    processes sample, the generator leader scores, and every process gets the result.
+    """
+    if self.mp is not None:
+      params = self.mp.push_weights(self.trainer.params if self.is_trainer else None)
+    elif params is None:
       self.weight_sync.push(self.trainer.params, self.step)
       params, _ = self.weight_sync.latest()
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens, n=1,
-                            stop_token_ids=self.sampling.stop_token_ids, seed=0)
-    rollout = self.sampler.generate(params, encode_prompts(self.tokenizer, examples), greedy).to_host()
-    texts = decode_responses(self.tokenizer, rollout)
-    rewards, _ = self.reward.score(texts, [ex.ground_truth for ex in examples])
-    rewards = np.asarray(rewards)
-    return {"eval/accuracy": float(np.mean(rewards >= 1.0)), "eval/reward_mean": float(rewards.mean()),
-            "eval/samples": [(ex.prompt, t) for ex, t in zip(examples[:3], texts[:3])]}
+    result = None
+    if self.is_generator:
+      greedy = SamplingParams(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens, n=1,
+                              stop_token_ids=self.sampling.stop_token_ids, seed=0)
+      rollout = self.sampler.generate(params, encode_prompts(self.tokenizer, examples), greedy).to_host()
+      if self.mp is None or jax.process_index() == self.roles.generator_leader:
+        texts = decode_responses(self.tokenizer, rollout)
+        rewards, _ = self.reward.score(texts, [ex.ground_truth for ex in examples])
+        rewards = np.asarray(rewards)
+        result = {"eval/accuracy": float(np.mean(rewards >= 1.0)), "eval/reward_mean": float(rewards.mean()),
+                  "eval/samples": [(ex.prompt, t) for ex, t in zip(examples[:3], texts[:3])]}
+    if self.mp is not None:
+      result = self.mp.facts.share("evaluate", result, source=self.roles.generator_leader)
+      result["eval/samples"] = [tuple(x) for x in result["eval/samples"]]
+    return result
 
   def close(self) -> None:
     self._shutdown()
-    self.reward.close()
-    self.checkpointer.close()
+    if self.reward is not None:
+      self.reward.close()
+    if self.checkpointer is not None:
+      self.checkpointer.close()
+
+
+def _param_shapes(config: ModelConfig):
+  """fp32 ShapeDtypeStructs of the policy's params (nested dict as from `split_params`)."""
+  from flax import nnx
+
+  from llamarl_jax.model.llama import Llama, split_params
+
+  _, shapes = split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jax.numpy.float32), shapes)
 
 
 def _axes_for(config: ModelConfig):

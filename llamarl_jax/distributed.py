@@ -91,7 +91,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     transfer_address = f"{host}:{free_port(host)}"
   if transfer_address:
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+    # A receiver looks up the sender's socket when it first pulls; the protocol only starts a receive
+    # after the sender has sent (a store key says so), so this is a backstop, not a wait we rely on.
+    jax.config.update("jax_cross_host_transfer_timeout_seconds", 600)
   jax.config.update("jax_enable_recoverability", True)  # dead peers are reported, FaultWatch exits
+  jax.config.update("jax_enable_preemption_service", False)  # else JAX takes SIGTERM as a preemption notice
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
                              local_device_ids=list(local_device_ids) if local_device_ids else None,
                              initialization_timeout=initialization_timeout_s,
@@ -287,10 +291,25 @@ class FaultWatch:
 
 
 def finish(watch: FaultWatch | None, *, timeout_s: float = 24 * 3600.0) -> None:
-  """Clean end of a multi-process run: wait for every process, stop the watch, leave the job."""
-  KVStore().barrier("finished", timeout_s)
+  """Clean end of a multi-process run: wait for every process, stop the watch, leave the job.
+
+  Process 0 hosts the coordination service, so it leaves last (a client whose service vanished
+  while it was leaving aborts).
+  """
+  kv = KVStore()
+  kv.barrier("finished", timeout_s)
   if watch is not None:
     watch.stop()
+  if jax.process_index() == 0:
+    others = list(range(1, jax.process_count()))
+    deadline = time.monotonic() + 10.0
+    while others and time.monotonic() < deadline:
+      try:
+        if not set(kv._client.get_live_nodes(others)):
+          break
+      except Exception:  # noqa: BLE001
+        break
+      time.sleep(0.05)
   jax.distributed.shutdown()
 
 
@@ -299,10 +318,3 @@ def describe_process(roles: Roles) -> str:
   local = [d.id for d in jax.local_devices()]
   return (f"[llamarl] process {me}/{jax.process_count()} role={roles.of(me)} local devices {local}; "
           f"roles: {roles.describe()}")
-
-
-def wait_for_peers(timeout_s: float = 60.0) -> None:
-  """A start-up barrier (everyone initialised JAX); also checks the store works."""
-  start = time.monotonic()
-  KVStore().barrier("started", timeout_s)
-  del start

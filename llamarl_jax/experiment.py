@@ -100,12 +100,19 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
   if progress:
     from tqdm.auto import tqdm
     it = tqdm(it, desc="SFT warm start", dynamic_ncols=True)
+  # The batch goes to the params' devices, replicated (as jit would place host arrays in one process;
+  # explicit so that a trainer spread over processes runs the same program).
+  leaf = jax.tree.leaves(params)[0]
+  batch_sharding = (jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+                    if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) else None)
   for i in it:
     examples = source.next_batch(batch_size)
     batch = _sft_batch(tokenizer, examples, [source.reference(ex) for ex in examples], prompt_len, resp_len)
+    if batch_sharding is not None:
+      batch = jax.device_put(batch, batch_sharding)
     params, opt_state, loss = step(params, opt_state, *batch)
     if (i + 1) % log_every == 0 or i + 1 == steps:
-      loss = float(loss)
+      loss = float(np.asarray(loss.addressable_data(0)))  # replicated; works when the mesh spans processes
       if progress:
         it.set_postfix(nll=f"{loss:.3f}")
       if logger is not None:
@@ -118,13 +125,21 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                    rl_source: PromptSource | None = None, eval_source: PromptSource | None = None,
                    eval_size: int = 256, sft: bool = True, resume: bool = False, export: bool = True,
                    tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True) -> dict:
-  """SFT warm start (optional) -> eval -> async RL -> eval -> HF export. Returns the summary."""
+  """SFT warm start (optional) -> eval -> async RL -> eval -> HF export. Returns the summary.
+
+  Across processes every process runs this: the trainer processes do the SFT, training, checkpoints
+  and export, the generator processes generation and rewards; process 0 (the trainer leader) writes
+  the logs, the summary and the export.
+  """
   run_dir = Path(run_dir)
-  run_dir.mkdir(parents=True, exist_ok=True)
-  (run_dir / "config.gin").write_text(gin.config_str())
+  main = jax.process_index() == 0
+  if main:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.gin").write_text(gin.config_str())
   t_start = time.perf_counter()
   config, params, tokenizer = build_policy()
-  logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project)
+  logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project) if main else None
+  progress = progress and main
   rl_source = PromptSource() if rl_source is None else rl_source
   if rl_source.tokenizer is None:  # format prompts with the model's chat template, when it has one
     rl_source = rl_source.with_tokenizer(tokenizer)
@@ -139,9 +154,11 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                                   logger=logger, progress=progress)
   finally:  # also on Ctrl-C / SIGTERM: Controller.run has checkpointed the last finished step
     controller.close()
-    logger.close()
+    if logger is not None:
+      logger.close()
   summary["total_seconds"] = time.perf_counter() - t_start
-  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  if main:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
   return summary
 
 
@@ -149,15 +166,15 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
                         run_dir: Path, rl_steps: int, sft: bool, resume: bool, export: bool,
                         logger: MetricsLogger, progress: bool) -> dict:
   summary: dict = {"run_dir": str(run_dir), "model_params": config.num_params()}
-  if not resume and controller.checkpointer.latest_step() is not None:
-    raise FileExistsError(f"{run_dir} already holds checkpoints (latest step "
-                          f"{controller.checkpointer.latest_step()}): pass --resume to continue that run, or "
-                          f"choose a new --run_dir; nothing was overwritten")
+  latest = controller.latest_checkpoint_step()
+  if not resume and latest is not None:
+    raise FileExistsError(f"{run_dir} already holds checkpoints (latest step {latest}): pass --resume to continue "
+                          f"that run, or choose a new --run_dir; nothing was overwritten")
   before_file = run_dir / "eval_before_rl.json"
-  resumed = resume and controller.checkpointer.latest_step() is not None
+  resumed = resume and latest is not None
   if resumed:
     summary["resumed_from_step"] = controller.restore_checkpoint()
-  elif sft:
+  elif sft and controller.is_trainer:
     source = sft_source or rl_source.fork(seed_offset=1)
     params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
                                   progress=progress)
@@ -166,7 +183,8 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
     summary["eval_before_rl"] = json.loads(before_file.read_text())["eval/accuracy"]
   else:
     summary["eval_before_rl"] = controller.evaluate(eval_examples)["eval/accuracy"]
-    before_file.write_text(json.dumps({"eval/accuracy": summary["eval_before_rl"]}))
+    if controller.is_main:
+      before_file.write_text(json.dumps({"eval/accuracy": summary["eval_before_rl"]}))
   if progress:
     print(f"held-out accuracy before RL: {summary['eval_before_rl']:.3f} ({len(eval_examples)} problems)")
   remaining = max(rl_steps - controller.step, 0)
@@ -182,11 +200,15 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
     summary["train_reward_last10"] = float(np.mean([m["reward/mean"] for m in last]))
     summary["mean_step_seconds"] = float(np.mean([m["time/step"] for m in history]))
     summary["policy_lag_max"] = float(max(m["policy/lag_max"] for m in history))
-  logger.log(controller.step, {"eval/accuracy_before": summary["eval_before_rl"],
-                               "eval/accuracy_after": after["eval/accuracy"]})
-  if export:
+  if logger is not None:
+    logger.log(controller.step, {"eval/accuracy_before": summary["eval_before_rl"],
+                                 "eval/accuracy_after": after["eval/accuracy"]})
+  if export and controller.is_trainer:
     from llamarl_jax.model.llama import merge_params
-    model = merge_params(split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0],
-                         jax.device_get(controller.trainer.params))
-    summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
+    from llamarl_jax.transfer import to_host
+
+    host = to_host(controller.trainer.params)  # every trainer process: the params may span them
+    if controller.is_main:
+      model = merge_params(split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0], host)
+      summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
   return summary

@@ -76,6 +76,7 @@ class WeightPlan:
   gen_shardings: Any
   shapes: Any
   trainer_mesh: Mesh
+  transform: Any = None
 
   def __post_init__(self):
     leaves = jax.tree.leaves(self.gen_shardings)
@@ -101,7 +102,8 @@ class WeightPlan:
     self.fan_mesh = Mesh(gen.devices.reshape(dp // r, r, *rest), axes)
     on = lambda mesh: jax.tree.map(lambda s: NamedSharding(mesh, s.spec), self.gen_shardings)
     self.stage_shardings, self.wire_src, self.wire_dst = on(self.stage_mesh), on(wire_src), on(self.landing_mesh)
-    self._stage = None
+    self.nbytes = int(sum(np.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(self.shapes)))
+    self._stage = jax.jit(self.transform or (lambda p: p), out_shardings=self.stage_shardings)
     self._fan = jax.jit(lambda t: jax.tree.map(lambda x: x[0], t), out_shardings=self.gen_shardings)
 
   @property
@@ -112,24 +114,32 @@ class WeightPlan:
   def is_generator(self) -> bool:
     return _owned(self.gen_mesh)
 
-  def push(self, params: Any = None, transform=None) -> Any:
-    """Every process calls this, in the same order. The trainer processes pass their params (and
-    `transform`, e.g. the cast to the generator dtype, applied while staging); the generator
-    processes get the params in `gen_shardings` back; everyone else gets None."""
-    if self.is_trainer:
-      if self._stage is None:
-        fn = transform or (lambda p: p)
-        self._stage = jax.jit(fn, out_shardings=self.stage_shardings)
-      staged = self._stage(params)
-      wire = jax.tree.map(self._replica0, staged, self.wire_src)
-    else:
+  def stage(self, params: Any) -> Any:
+    """Trainer processes (all of them, in step order): transform + reshard into the generator layout
+    on the trainer's devices; returns the wire arrays (replica block 0). Dispatched at once, so it
+    reads `params` before a later train step donates them."""
+    staged = self._stage(params)
+    return jax.tree.map(self._replica0, staged, self.wire_src)
+
+  def send(self, wire: Any = None) -> Any:
+    """The cross-process `device_put`: every process calls it, in the same order; the trainer
+    processes pass `stage`'s result. Returns the landed arrays on generator processes, else None."""
+    if wire is None:
       wire = jax.tree.map(lambda s, sh: _placeholder(s.shape, sh, s.dtype), self.shapes, self.wire_src)
     landed = jax.device_put(wire, self.wire_dst)
-    if not self.is_generator:
-      return None
+    return landed if self.is_generator else None
+
+  def finish(self, landed: Any) -> Any:
+    """Generator processes (all of them, in the same order): fan the landed replicas out to every
+    replica of the generator mesh; returns params in `gen_shardings`."""
     if self.replica_copies == 1:
       return jax.tree.map(lambda x, s: jax.device_put(x, s), landed, self.gen_shardings)
     return self._fan(jax.tree.map(self._stacked, landed, self.gen_shardings))
+
+  def push(self, params: Any = None) -> Any:
+    """stage + send + finish in one call (every process; trainer processes pass params)."""
+    landed = self.send(self.stage(params) if self.is_trainer else None)
+    return self.finish(landed) if self.is_generator else None
 
   def _replica0(self, x: jax.Array, wire: NamedSharding) -> jax.Array:
     mine = _shards_by_device(x)

@@ -98,7 +98,8 @@ def launch(num_processes: int, args: list[str], *, script: str | os.PathLike = R
     while any(p.poll() is None for p in procs):
       failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
       if failed:
-        rank, code = failed[0]
+        time.sleep(0.3)  # the failed process's peers follow it within a poll: name the one that failed first
+        rank, code = _first_failure(procs)
         what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
         with lock:
           out.write(f"[launch_local] rank {rank} ({roles.get(rank, 'role unknown')}) failed with {what}; "
@@ -113,9 +114,8 @@ def launch(num_processes: int, args: list[str], *, script: str | os.PathLike = R
       time.sleep(0.1)
     else:
       codes = [p.returncode for p in procs]
-      bad = [(r, c) for r, c in enumerate(codes) if c != 0]
-      if bad:
-        rank, code = bad[0]
+      if any(c != 0 for c in codes):
+        rank, code = _first_failure(procs)
         with lock:
           out.write(f"[launch_local] rank {rank} ({roles.get(rank, 'role unknown')}) exited with {code}\n")
         status = code if code > 0 else 128 - code
@@ -126,6 +126,14 @@ def launch(num_processes: int, args: list[str], *, script: str | os.PathLike = R
     for t in pumps:
       t.join(timeout=5)
   return status
+
+
+def _first_failure(procs: list[subprocess.Popen]) -> tuple[int, int]:
+  """(rank, status) of the process that failed on its own: not one that stopped because a peer
+  failed (exit status EXIT_PEER_FAILED, 75); the lowest such rank, else the lowest failed rank."""
+  failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+  own = [f for f in failed if f[1] != 75]
+  return (own or failed)[0]
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
