@@ -224,8 +224,10 @@ def derive_roles(trainer_mesh, generator_mesh, num_processes: int | None = None)
 class FaultWatch:
   """Ends this process (exit EXIT_PEER_FAILED) soon after any other process raised or died.
 
-  `report(exc)` publishes this process's own failure first, so the others name it and its error.
-  `stop()` before a clean shutdown (then a peer leaving is not a failure).
+  Two daemon threads: one reads the failures other processes published (`report`), one asks the
+  coordination service which processes are alive (a barrier-like call among the live processes:
+  a dead one drops out after the heartbeat timeout). `report(exc)` publishes this process's own
+  failure first, so the others name it and its error. `stop()` before a clean shutdown.
   """
 
   def __init__(self, roles: Roles, *, poll_s: float = 0.25):
@@ -235,10 +237,12 @@ class FaultWatch:
     self.kv = KVStore("")
     self._stop = threading.Event()
     self._poll_s = poll_s
-    self._thread = threading.Thread(target=self._run, name="fault-watch", daemon=True)
+    self._threads = [threading.Thread(target=self._guard(self._watch_reports), name="fault-reports", daemon=True),
+                     threading.Thread(target=self._guard(self._watch_alive), name="fault-alive", daemon=True)]
 
   def start(self) -> "FaultWatch":
-    self._thread.start()
+    for t in self._threads:
+      t.start()
     return self
 
   def name(self, process_id: int) -> str:
@@ -254,9 +258,8 @@ class FaultWatch:
       pass
 
   def stop(self) -> None:
+    """From now on nothing ends this process (its threads may stay blocked in a call: daemons)."""
     self._stop.set()
-    if self._thread.is_alive() and threading.current_thread() is not self._thread:
-      self._thread.join(timeout=5)
 
   def _exit(self, message: str) -> None:
     if self._stop.is_set():  # a clean shutdown (or our own failure) is under way
@@ -265,51 +268,52 @@ class FaultWatch:
     sys.stdout.flush()
     os._exit(EXIT_PEER_FAILED)
 
-  def _run(self) -> None:
-    everyone = list(range(self.n))
-    while not self._stop.wait(self._poll_s):
+  def _guard(self, loop):
+    def run():
       try:
-        failed = self.kv.dir(_FAILED)
-        live = self._live(everyone)
+        loop()
       except Exception as e:  # noqa: BLE001 - the coordination service (process 0) is unreachable
-        if not self._stop.is_set():
-          self._exit(f"lost the coordination service on {self.name(0)}: it died or exited "
-                     f"({str(e).splitlines()[0][:200]})")
-        return
-      others = [(int(k.rsplit("/", 1)[1]), v) for k, v in failed if int(k.rsplit("/", 1)[1]) != self.me]
+        self._exit(f"lost the coordination service on {self.name(0)}: it died or exited "
+                   f"({str(e).splitlines()[0][:200]})")
+    return run
+
+  def _watch_reports(self) -> None:
+    while not self._stop.wait(self._poll_s):
+      failed = [(int(k.rsplit("/", 1)[1]), v) for k, v in self.kv.dir(_FAILED)]
+      others = [f for f in failed if f[0] != self.me]
       if others:
         pid, why = min(others)
-        self._exit(f"{self.name(pid)} failed: {why}")
-        return
-      dead = sorted(set(everyone) - set(live))
-      if dead:
-        self._exit(f"{', '.join(self.name(p) for p in dead)} died (no heartbeat: killed, crashed or hung)")
-        return
+        return self._exit(f"{self.name(pid)} failed: {why}")
 
-  def _live(self, ids: list[int]) -> list[int]:
-    return list(self.kv._client.get_live_nodes(ids))
+  def _watch_alive(self) -> None:
+    everyone = list(range(self.n))
+    while not self._stop.wait(self._poll_s):
+      dead = sorted(set(everyone) - set(self.kv._client.get_live_nodes(everyone)))
+      if dead:
+        time.sleep(2 * self._poll_s)  # a process that failed on its own has published why: name that
+        return self._exit(f"{', '.join(self.name(p) for p in dead)} died (no heartbeat: killed, crashed or hung)")
 
 
 def finish(watch: FaultWatch | None, *, timeout_s: float = 24 * 3600.0) -> None:
-  """Clean end of a multi-process run: wait for every process, stop the watch, leave the job.
+  """Clean end of a multi-process run. Does not return on processes other than 0: they exit(0).
 
-  Process 0 hosts the coordination service, so it leaves last (a client whose service vanished
-  while it was leaving aborts).
+  Every process stops its watch (a peer leaving is no longer a failure) and meets the others at a
+  barrier. Process 0 hosts the coordination service, so it leaves last: the others say they are
+  leaving and exit at once; process 0 waits for all of them, then shuts the service down.
   """
-  kv = KVStore()
-  kv.barrier("finished", timeout_s)
   if watch is not None:
     watch.stop()
-  if jax.process_index() == 0:
-    others = list(range(1, jax.process_count()))
-    deadline = time.monotonic() + 10.0
-    while others and time.monotonic() < deadline:
-      try:
-        if not set(kv._client.get_live_nodes(others)):
-          break
-      except Exception:  # noqa: BLE001
-        break
-      time.sleep(0.05)
+  kv = KVStore()
+  kv.barrier("finished", timeout_s)
+  me = jax.process_index()
+  if me != 0:
+    kv.set(f"left/{me}", "1")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+  for p in range(1, jax.process_count()):
+    kv.get(f"left/{p}", 60.0)
+  time.sleep(0.5)  # their last store call has returned before the service goes
   jax.distributed.shutdown()
 
 
