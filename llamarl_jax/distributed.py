@@ -317,6 +317,30 @@ def finish(watch: FaultWatch | None, *, timeout_s: float = 24 * 3600.0) -> None:
   jax.distributed.shutdown()
 
 
+def run_process(fn, roles: Roles):
+  """Run `fn()` as this process's part of the job, sharing fate with the others.
+
+  Prints this process's role line, watches the others (`FaultWatch`). If `fn` raises, the error is
+  published (every other process exits within a poll, naming this one), its traceback printed, and
+  this process exits 1. Otherwise `finish` (the clean end): returns fn's result on process 0 only.
+  """
+  import traceback
+
+  print(describe_process(roles), flush=True)
+  watch = FaultWatch(roles).start()
+  try:
+    result = fn()
+  except BaseException as e:  # noqa: BLE001 - reported to the other processes, then an exit
+    watch.report(e)
+    traceback.print_exc()
+    sys.stderr.flush()
+    if jax.process_index() == 0:  # it hosts the store: the others read the report before it goes
+      time.sleep(1.0)
+    os._exit(1)
+  finish(watch)
+  return result
+
+
 def describe_process(roles: Roles) -> str:
   me = jax.process_index()
   local = [d.id for d in jax.local_devices()]

@@ -126,6 +126,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                    eval_size: int = 256, sft: bool = True, resume: bool = False, export: bool = True,
                    tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True) -> dict:
   """SFT warm start (optional) -> eval -> async RL -> eval -> HF export. Returns the summary.
+  `eval_size = 0` skips both evaluations.
 
   Across processes every process runs this: the trainer processes do the SFT, training, checkpoints
   and export, the generator processes generation and rewards; process 0 (the trainer leader) writes
@@ -179,28 +180,32 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
     params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
                                   progress=progress)
     controller.trainer.load_params(params)
-  if resumed and before_file.exists():  # the baseline is the policy RL started from, not the resume point
+  evaluating = len(eval_examples) > 0  # eval_size = 0 skips the held-out evaluation
+  if not evaluating:
+    summary["eval_before_rl"] = None
+  elif resumed and before_file.exists():  # the baseline is the policy RL started from, not the resume point
     summary["eval_before_rl"] = json.loads(before_file.read_text())["eval/accuracy"]
   else:
     summary["eval_before_rl"] = controller.evaluate(eval_examples)["eval/accuracy"]
     if controller.is_main:
       before_file.write_text(json.dumps({"eval/accuracy": summary["eval_before_rl"]}))
-  if progress:
+  if progress and evaluating:
     print(f"held-out accuracy before RL: {summary['eval_before_rl']:.3f} ({len(eval_examples)} problems)")
   remaining = max(rl_steps - controller.step, 0)
   t_rl = time.perf_counter()
   history = controller.run(remaining) if remaining else []
   summary["rl_seconds"] = time.perf_counter() - t_rl
-  after = controller.evaluate(eval_examples)
-  summary["eval_after_rl"] = after["eval/accuracy"]
-  summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - summary["eval_before_rl"])
-  summary["samples_after"] = after["eval/samples"]
+  if evaluating:
+    after = controller.evaluate(eval_examples)
+    summary["eval_after_rl"] = after["eval/accuracy"]
+    summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - summary["eval_before_rl"])
+    summary["samples_after"] = after["eval/samples"]
   if history:
     last = history[-min(10, len(history)):]
     summary["train_reward_last10"] = float(np.mean([m["reward/mean"] for m in last]))
     summary["mean_step_seconds"] = float(np.mean([m["time/step"] for m in history]))
     summary["policy_lag_max"] = float(max(m["policy/lag_max"] for m in history))
-  if logger is not None:
+  if logger is not None and evaluating:
     logger.log(controller.step, {"eval/accuracy_before": summary["eval_before_rl"],
                                  "eval/accuracy_after": after["eval/accuracy"]})
   if export and controller.is_trainer:

@@ -57,8 +57,13 @@ def _child_env(cpu: bool) -> dict:
 
 def launch(num_processes: int, args: list[str], *, script: str | os.PathLike = ROOT / "scripts" / "train.py",
            cpu_devices: int | None = None, timeout_s: float | None = None, heartbeat_timeout_s: int | None = None,
-           out=None, python: str = sys.executable) -> int:
-  """Run the job; returns 0 when every process exited 0, else the first failure's exit status."""
+           out=None, python: str = sys.executable, on_start=None, fail_fast: bool = True) -> int:
+  """Run the job; returns 0 when every process exited 0, else the first failure's exit status.
+
+  out: where the prefixed output goes (default stdout). on_start: called with the list of Popen
+  objects once every process started (tests use it to kill one). fail_fast=False: after a failure,
+  let the other processes end on their own (as they must under SLURM; tests check that they do).
+  """
   out = out or sys.stdout
   cpu = (os.environ.get("JAX_PLATFORMS") or "cpu").split(",")[0] == "cpu"
   ports = free_ports(1 + (num_processes if cpu else 0))
@@ -92,13 +97,16 @@ def launch(num_processes: int, args: list[str], *, script: str | os.PathLike = R
   pumps = [threading.Thread(target=pump, args=(r, p), daemon=True) for r, p in enumerate(procs)]
   for t in pumps:
     t.start()
+  if on_start is not None:
+    on_start(procs)
   deadline = None if timeout_s is None else time.monotonic() + timeout_s
   status = 0
   try:
-    while any(p.poll() is None for p in procs):
-      failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-      if failed:
-        time.sleep(0.3)  # the failed process's peers follow it within a poll: name the one that failed first
+    while True:
+      codes = [p.poll() for p in procs]
+      failed = any(c not in (None, 0) for c in codes)
+      if failed and (fail_fast or all(c is not None for c in codes)):  # name the process that caused it
+        _await_cause(procs)
         rank, code = _first_failure(procs)
         what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
         with lock:
@@ -106,19 +114,14 @@ def launch(num_processes: int, args: list[str], *, script: str | os.PathLike = R
                     f"stopping the other processes\n")
         status = code if code > 0 else 128 - code
         break
+      if all(c == 0 for c in codes):
+        break
       if deadline is not None and time.monotonic() > deadline:
         with lock:
           out.write(f"[launch_local] the job ran past --timeout_s={timeout_s}; stopping every process\n")
         status = 124
         break
       time.sleep(0.1)
-    else:
-      codes = [p.returncode for p in procs]
-      if any(c != 0 for c in codes):
-        rank, code = _first_failure(procs)
-        with lock:
-          out.write(f"[launch_local] rank {rank} ({roles.get(rank, 'role unknown')}) exited with {code}\n")
-        status = code if code > 0 else 128 - code
   except KeyboardInterrupt:
     status = 130
   finally:
@@ -126,6 +129,17 @@ def launch(num_processes: int, args: list[str], *, script: str | os.PathLike = R
     for t in pumps:
       t.join(timeout=5)
   return status
+
+
+def _await_cause(procs: list[subprocess.Popen], wait_s: float = 5.0) -> None:
+  """Processes that stop because a peer failed (exit status 75) often exit before the peer itself
+  has finished exiting: give the one that failed on its own a moment to report its status."""
+  deadline = time.monotonic() + wait_s
+  while time.monotonic() < deadline:
+    codes = [p.poll() for p in procs]
+    if any(c not in (None, 0, 75) for c in codes) or all(c is not None for c in codes):
+      return
+    time.sleep(0.1)
 
 
 def _first_failure(procs: list[subprocess.Popen]) -> tuple[int, int]:

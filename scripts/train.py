@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -109,27 +108,15 @@ def _join_job(args) -> bool:
 
 
 def _run_one_of_many(experiment) -> dict:
-  """This process's part of a multi-process job. A failure here is published first, so every other
-  process exits within seconds naming this one; a failure elsewhere ends this one the same way."""
-  import traceback
-
+  """This process's part of a multi-process job (`distributed.run_process`: a failure here ends
+  every other process within seconds, naming this one; a failure elsewhere ends this one)."""
   import jax
 
   from llamarl_jax import distributed, parallel
 
   roles = distributed.derive_roles(*parallel.make_meshes(**_mesh_layout()))
-  print(distributed.describe_process(roles), flush=True)
-  watch = distributed.FaultWatch(roles).start()
   signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))  # stopped by the launcher
-  try:
-    summary = experiment.run_experiment()
-  except BaseException as e:  # noqa: BLE001 - reported to the other processes, then re-raised as an exit
-    watch.report(e)
-    traceback.print_exc()
-    sys.stderr.flush()
-    time.sleep(1.0)  # the others read the report before this process (maybe the coordinator) is gone
-    os._exit(1)
-  distributed.finish(watch)
+  summary = distributed.run_process(experiment.run_experiment, roles)
   if jax.process_index() == 0:
     print("\n=== summary ===")
     print(json.dumps({k: v for k, v in summary.items() if k != "samples_after"}, indent=2, default=str))
