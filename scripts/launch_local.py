@@ -57,13 +57,17 @@ def _child_env(cpu: bool) -> dict:
 
 def launch(num_processes: int, args: list[str], *, script: str | os.PathLike = ROOT / "scripts" / "train.py",
            cpu_devices: int | None = None, timeout_s: float | None = None, heartbeat_timeout_s: int | None = None,
-           out=None, python: str = sys.executable, on_start=None, fail_fast: bool = True) -> int:
+           out=None, python: str = sys.executable, on_start=None, fail_fast: bool = True,
+           cpu_affinity: list[list[int]] | None = None) -> int:
   """Run the job; returns 0 when every process exited 0, else the first failure's exit status.
 
   out: where the prefixed output goes (default stdout). on_start: called with the list of Popen
   objects once every process started (tests use it to kill one). fail_fast=False: after a failure,
   let the other processes end on their own (as they must under SLURM; tests check that they do).
+  cpu_affinity: one core list per rank; each process (and its children) runs pinned there (taskset).
   """
+  if cpu_affinity is not None and len(cpu_affinity) != num_processes:
+    raise ValueError(f"cpu_affinity needs one core list per process ({num_processes}), got {len(cpu_affinity)}")
   out = out or sys.stdout
   cpu = (os.environ.get("JAX_PLATFORMS") or "cpu").split(",")[0] == "cpu"
   ports = free_ports(1 + (num_processes if cpu else 0))
@@ -75,7 +79,8 @@ def launch(num_processes: int, args: list[str], *, script: str | os.PathLike = R
   lock = threading.Lock()
   procs: list[subprocess.Popen] = []
   for rank in range(num_processes):
-    cmd = [python, str(script), *args, f"--coordinator_address={coordinator}",
+    pin = ["taskset", "-c", ",".join(map(str, cpu_affinity[rank]))] if cpu_affinity else []
+    cmd = [*pin, python, str(script), *args, f"--coordinator_address={coordinator}",
            f"--num_processes={num_processes}", f"--process_id={rank}"]
     if cpu:
       cmd.append(f"--transfer_address=127.0.0.1:{ports[1 + rank]}")
@@ -186,11 +191,14 @@ def main(argv=None) -> int:
   parser.add_argument("--heartbeat_timeout_s", type=int, default=None,
                       help="a process silent this long counts as dead (default: scripts/train.py's)")
   parser.add_argument("--script", default=str(ROOT / "scripts" / "train.py"), help="entry point to run")
+  parser.add_argument("--cpu_affinity", nargs="+", default=None, metavar="CORES",
+                      help="pin each rank to cores with taskset: one list per rank, e.g. --cpu_affinity 0 1 or 0,1 2,3")
   args = parser.parse_args(argv)
   if args.num_processes < 1:
     parser.error(f"--num_processes must be >= 1, got {args.num_processes}")
+  affinity = [[int(c) for c in cores.split(",")] for cores in args.cpu_affinity] if args.cpu_affinity else None
   return launch(args.num_processes, rest, script=args.script, cpu_devices=args.cpu_devices,
-                timeout_s=args.timeout_s, heartbeat_timeout_s=args.heartbeat_timeout_s)
+                timeout_s=args.timeout_s, heartbeat_timeout_s=args.heartbeat_timeout_s, cpu_affinity=affinity)
 
 
 if __name__ == "__main__":
