@@ -173,7 +173,7 @@ class Controller:
                         self.trainer_mesh, transform=lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
       self.mp = Context(self.roles, plan, self.trainer_mesh, self.generator_mesh)
     else:
-      self.weight_sync = WeightSync(gen_shardings, dtype=generator_dtype, quantize=quantize,
+      self.weight_sync = WeightSync(gen_shardings, dtype=generator_dtype, quantize=quantize, axes=axes,
                                     keep_pending=version_schedule == "fixed")
     self.buffer_capacity = buffer_capacity
     self.buffer = ReplayBuffer(buffer_capacity)

@@ -149,6 +149,27 @@ def test_chat_template_when_the_tokenizer_has_one():
   assert not plain.chat and plain.prompt == plain.question
 
 
+def test_qwen_chatml_template_from_the_checkpoint_tokenizer(make_hf_model):
+  """A Qwen checkpoint's own tokenizer (ChatML, no BOS), loaded as the job loads it, formats and encodes
+  prompts the Qwen way; the stop token the Controller uses (eos) is <|im_end|>, the end of a turn."""
+  from conftest import chatml_tokenizer
+  from llamarl_jax.experiment import build_policy
+
+  _, path = make_hf_model(family="qwen3", vocab_size=128)
+  chatml_tokenizer().save_pretrained(path)
+  config, _, tok = build_policy(model_path=str(path))
+  assert config.model_type == "qwen3"
+  src = PromptSource(GSM8K, shuffle=False, system_prompt="Be brief.", template="{prompt} Answer after ####.")
+  ex = src.with_tokenizer(tok).next_batch(1)[0]
+  assert ex.chat
+  assert ex.prompt == (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{ex.question} Answer after "
+                       "####.<|im_end|>\n<|im_start|>assistant\n")
+  ids = ex.encode(tok)
+  start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+  assert ids[0] == start and ids.count(start) == 3 and ids.count(end) == 2  # one id each, no BOS before
+  assert tok.decode(ids) == ex.prompt and tok.eos_token_id == end
+
+
 def test_with_tokenizer_keeps_the_position():
   src = PromptSource(GSM8K, seed=2)
   src.next_batch(5)
