@@ -16,6 +16,13 @@ with version >= k - max_policy_lag and trained at step k, so every trained rollo
 s - v <= max_policy_lag. `max_policy_lag=0` is the synchronous on-policy baseline (generate, score,
 train, sync in sequence). JAX dispatch releases the GIL, so generation and training compute at the
 same time on their disjoint meshes.
+
+Many processes (one jax.distributed job, `llamarl_jax/multiprocess/`): the same Controller, built in
+every process; each process builds only its role's executors (`distributed.derive_roles`: trainer
+processes the TrainerExecutor and the Checkpointer, generator processes the GeneratorExecutor and
+the reward pool) and `run` runs that role's loop; weights and batches cross processes in one fixed
+order (`multiprocess/protocol.py`). `evaluate`, `restore_checkpoint` and `latest_checkpoint_step`
+are then called by every process, like collectives.
 """
 
 from __future__ import annotations

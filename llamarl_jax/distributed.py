@@ -86,7 +86,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   if cpu_devices is not None:
     jax.config.update("jax_num_cpu_devices", int(cpu_devices))
   if transfer_address is None and _on_cpu():
-    local = coordinator_address is None or coordinator_address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+    local = coordinator_address is not None and coordinator_address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
     host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
     transfer_address = f"{host}:{free_port(host)}"
   if transfer_address:

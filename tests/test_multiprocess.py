@@ -17,6 +17,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -140,10 +142,12 @@ def one_process_run(tmp_path_factory):
 
 
 def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
-  """1 trainer process (fsdp2 x tp2) + 1 generator process (dp2 x tp2), as a user types it."""
-  status, out = _launch(2, _args(tmp_path / "run", 3), timeout_s=240)
-  assert status == 0, out
-  assert "[rank 0] [llamarl] process 0/2 role=trainer" in out and "process 1/2 role=generator" in out
+  """1 trainer process (fsdp2 x tp2) + 1 generator process (dp2 x tp2), launched as a user types it."""
+  cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--num_processes", "2", "--timeout_s", "240",
+         "--heartbeat_timeout_s", "5", "--", *_args(tmp_path / "run", 3)]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "[rank 0] [llamarl] process 0/2 role=trainer" in done.stdout and "process 1/2 role=generator" in done.stdout
   steps = _steps(tmp_path / "run")
   assert [m["step"] for m in steps] == [1, 2, 3] and [m["policy/lag_max"] for m in steps] == [0, 1, 1]
   for one, two in zip(one_process_run, steps):

@@ -58,7 +58,7 @@ def run(c, num_steps: int) -> list[dict]:
       t0 = time.perf_counter()
       item = _get(scoring, stop)
       t1 = time.perf_counter()
-      scored, metrics, texts = _score_share(c, mp, run_id, item, stop)
+      scored, metrics, texts = _score_share(c, mp, run_id, item)
       t2 = time.perf_counter()
       reward_timer.wait += t1 - t0
       reward_timer.busy += t2 - t1
@@ -110,7 +110,7 @@ def _get(q: queue.Queue, stop: threading.Event):
         raise Stopped() from None
 
 
-def _score_share(c, mp, run_id: int, item: Generated, stop: threading.Event):
+def _score_share(c, mp, run_id: int, item: Generated):
   """Score this process's share of `item`'s prompts, exchange shares: (ScoredBatch, metrics, texts)."""
   n, num_prompts = c.samples_per_prompt, len(item.examples)
   gens = mp.roles.generator
@@ -130,7 +130,6 @@ def _score_share(c, mp, run_id: int, item: Generated, stop: threading.Event):
     all_rewards += share["rewards"]
     for k, v in share["counts"].items():
       total[k] = total.get(k, 0.0) + v
-  del stop
   scored, metrics = scored_from_rewards(item, np.asarray(all_rewards, np.float32), total,
                                         advantage_estimator=c.advantage_estimator)
   return scored, metrics, texts

@@ -155,6 +155,10 @@ class Slots:
       self._items[key] = value
       self._cond.notify_all()
 
+  def __len__(self) -> int:
+    with self._cond:
+      return len(self._items)
+
   def pop(self, key: int, stop: threading.Event, timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     with self._cond:

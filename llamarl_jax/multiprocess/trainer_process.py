@@ -72,7 +72,7 @@ def run(c, num_steps: int) -> list[dict]:
               "sync/gbps": received.get("gbps", 0.0), "sync/version": float(c.step)}
       metrics = c._finish_step(meta["metrics"], train_metrics, sync, [s - meta["version"]], meta["tokens"],
                                (t0, t1, t2, t3), meta["generator_times"], meta["reward_times"], dropped=0,
-                               occupancy=len(batches._items))
+                               occupancy=len(batches))
       steps.append(metrics)
       if leader and s - 2 >= start:  # every trainer process has read batch s - 2's facts by now
         mp.kv.delete(run_key(run_id, "batch", s - 2))
