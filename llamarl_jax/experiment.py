@@ -34,23 +34,50 @@ gin.external_configurable(OptimizerConfig, "OptimizerConfig")
 
 @gin.configurable
 def build_policy(*, model_path: str | None = None, tiny: ModelConfig | None = None, seed: int = 0,
-                 tokenizer_extra_chars: str = "") -> tuple[ModelConfig, Any, Any]:
-  """(config, params, tokenizer): from an HF directory, or a tiny random model + char tokenizer."""
+                 tokenizer_extra_chars: str = "", weights: bool = True) -> tuple[ModelConfig, Any, Any]:
+  """(config, params, tokenizer): from an HF directory, or a tiny random model + char tokenizer.
+
+  weights=False: params is None (a generator process of a multi-process run: it receives the
+  trainer's weights, so it neither reads the checkpoint's tensors nor initialises any).
+  """
   if model_path:
-    config, model = hf.load_hf_checkpoint(model_path)
+    if weights:
+      config, model = hf.load_hf_checkpoint(model_path)
+    else:
+      config = hf.config_from_hf(json.loads((Path(model_path) / "config.json").read_text()),
+                                 source=str(Path(model_path) / "config.json"))
     tokenizer = hf.load_tokenizer(model_path)
     hf.check_tokenizer_matches(tokenizer, config)
-    _, params = split_params(model)
-    return config, params, tokenizer
+    return config, split_params(model)[1] if weights else None, tokenizer
   from llamarl_jax.tokenizer import make_char_tokenizer
 
   tokenizer = make_char_tokenizer(tokenizer_extra_chars)
   config = (tiny or ModelConfig(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
                                 num_kv_heads=2, max_position_embeddings=256, rope_theta=10000.0,
                                 tie_word_embeddings=True)).replace(vocab_size=len(tokenizer))
-  model = Llama(config, rngs=nnx.Rngs(params=seed))
-  _, params = split_params(model)
+  if not weights:
+    return config, None, tokenizer
+  _, params = split_params(Llama(config, rngs=nnx.Rngs(params=seed)))
   return config, params, tokenizer
+
+
+def mesh_layout() -> dict:
+  """The bound Controller mesh arguments (its defaults where unbound): where the roles come from."""
+  def get(name, default):
+    try:
+      return gin.query_parameter(f"Controller.{name}")
+    except ValueError:
+      return default
+  return {"trainer_fsdp": get("trainer_fsdp", 1), "trainer_tp": get("trainer_tp", 1),
+          "generator_dp": get("generator_dp", 1), "generator_tp": get("generator_tp", 1),
+          "colocated": get("colocated", False)}
+
+
+def process_roles():
+  """`distributed.Roles` of this job under the bound config (call after jax.distributed starts)."""
+  from llamarl_jax import distributed
+
+  return distributed.derive_roles(*parallel.make_meshes(**mesh_layout()))
 
 
 def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int):
@@ -138,7 +165,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.gin").write_text(gin.config_str())
   t_start = time.perf_counter()
-  config, params, tokenizer = build_policy()
+  config, params, tokenizer = build_policy(weights=jax.process_index() in process_roles().trainer)
   logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project) if main else None
   progress = progress and main
   rl_source = PromptSource() if rl_source is None else rl_source

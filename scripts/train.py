@@ -69,23 +69,11 @@ def main(argv=None) -> dict:
   return summary
 
 
-def _mesh_layout() -> dict:
-  """The config's mesh arguments (Controller.trainer_fsdp, ...; the Controller's defaults when unbound)."""
-  import gin
-
-  def get(name, default):
-    try:
-      return gin.query_parameter(f"Controller.{name}")
-    except ValueError:
-      return default
-  return {"trainer_fsdp": get("trainer_fsdp", 1), "trainer_tp": get("trainer_tp", 1),
-          "generator_dp": get("generator_dp", 1), "generator_tp": get("generator_tp", 1),
-          "colocated": get("colocated", False)}
-
-
 def _config_devices() -> int:
   """Devices the config's meshes use (trainer + generator; colocated: shared)."""
-  m = _mesh_layout()
+  from llamarl_jax.experiment import mesh_layout
+
+  m = mesh_layout()
   n_train, n_gen = m["trainer_fsdp"] * m["trainer_tp"], m["generator_dp"] * m["generator_tp"]
   return n_train if m["colocated"] else n_train + n_gen
 
@@ -112,9 +100,9 @@ def _run_one_of_many(experiment) -> dict:
   every other process within seconds, naming this one; a failure elsewhere ends this one)."""
   import jax
 
-  from llamarl_jax import distributed, parallel
+  from llamarl_jax import distributed
 
-  roles = distributed.derive_roles(*parallel.make_meshes(**_mesh_layout()))
+  roles = experiment.process_roles()
   signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))  # stopped by the launcher
   summary = distributed.run_process(experiment.run_experiment, roles)
   if jax.process_index() == 0:
