@@ -266,6 +266,8 @@ class FaultWatch:
       return
     print(f"\n[llamarl] {self.name(self.me)} stops: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    if self.me == 0:  # it hosts the store: let the others read the report before it goes
+      time.sleep(8 * self._poll_s)
     os._exit(EXIT_PEER_FAILED)
 
   def _guard(self, loop):

@@ -254,14 +254,15 @@ class Context:
 
   def push_weights(self, params: Any = None, timeout_s: float = 3600.0) -> Any:
     """A weight push outside a run (evaluation): every process calls it; trainer processes pass
-    their params, generator processes get the generator params back. The receivers start only after
-    the trainer leader has sent (a store key), so no receive waits inside the transfer."""
+    their params, generator processes get the generator params back. The receivers start only once
+    the trainer has staged the weights (a store key), so no receive waits long inside the transfer."""
     key = f"pushes/{self.pushes}"
     self.pushes += 1
     if self.is_trainer:
-      self.weights.send(self.weights.stage(params))
-      if self.me == self.roles.trainer_leader:
+      wire = self.weights.stage(params)
+      if self.me == self.roles.trainer_leader:  # before the send, which may wait for its receive
         self.kv.set(key, "1")
+      self.weights.send(wire)
       return None
     self.kv.get(key, timeout_s)
     return self.weights.finish(self.weights.send(None))

@@ -33,9 +33,9 @@ def run(c, num_steps: int) -> list[dict]:
     for op, i in ops:
       if op == "W":
         wire = staged.pop(i, stop, timeout, "staged policy version")
-        mp.weights.send(wire)
-        if leader:
+        if leader:  # before the send: a send may block until its receive is issued (as NCCL's does)
           mp.kv.set(run_key(run_id, "staged", i), "1")
+        mp.weights.send(wire)
       else:
         meta = json.loads(wait_key(mp.kv, run_key(run_id, "batch", i), stop, timeout))
         arrays = mp.rows(meta["shapes"]).send(None)
