@@ -20,10 +20,12 @@ import optax
 from flax import nnx
 
 from llamarl_jax import parallel
+from llamarl_jax.checkpoint import latest_complete_step
+from llamarl_jax.config_check import check_bindings
 from llamarl_jax.controller import Controller
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.trainer import OptimizerConfig, token_logprobs
-from llamarl_jax.metrics import MetricsLogger
+from llamarl_jax.metrics import START, MetricsLogger
 from llamarl_jax.model import hf
 from llamarl_jax.model.llama import Llama, ModelConfig, split_params
 
@@ -147,40 +149,69 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
   return params
 
 
+class RunInterrupted(KeyboardInterrupt):
+  """Ctrl-C / SIGTERM stopped `run_experiment`; the message says what is on disk to resume from."""
+
+
+def _interrupted_message(checkpoint_dir: Path) -> str:
+  step = latest_complete_step(checkpoint_dir)
+  if step is None:
+    return ("interrupted before any checkpoint was written (set-up, SFT warm start or the first RL step): "
+            "nothing was saved; run the same command again to start over")
+  return f"interrupted: the newest complete checkpoint is step {step} in {checkpoint_dir}; continue with --resume"
+
+
 @gin.configurable
 def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source: PromptSource | None = None,
                    rl_source: PromptSource | None = None, eval_source: PromptSource | None = None,
                    eval_size: int = 256, sft: bool = True, resume: bool = False, export: bool = True,
-                   tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True) -> dict:
+                   tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True,
+                   resume_allow_changes: list[str] | tuple[str, ...] = ()) -> dict:
   """SFT warm start (optional) -> eval -> async RL -> eval -> HF export. Returns the summary.
-  `eval_size = 0` skips both evaluations.
+
+  Start-up order: gin bindings checked (`config_check`), policy and controller built, prompts checked
+  against the model's context, then (with `resume`) the newest complete checkpoint compared with this
+  config and restored; only then is anything in `run_dir` written (config, logs rewound to the
+  restored step). `resume_allow_changes`: settings allowed to differ from the checkpoint's beyond
+  `checkpoint.RESUMABLE_CHANGES` (e.g. ['optimizer.lr']). `eval_size = 0` skips both evaluations.
 
   Across processes every process runs this: the trainer processes do the SFT, training, checkpoints
   and export, the generator processes generation and rewards; process 0 (the trainer leader) writes
-  the logs, the summary and the export.
+  the config, the logs, the summary and the export.
   """
+  check_bindings()
   run_dir = Path(run_dir)
   main = jax.process_index() == 0
-  if main:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.gin").write_text(gin.config_str())
+  progress = progress and main
   t_start = time.perf_counter()
   config, params, tokenizer = build_policy(weights=jax.process_index() in process_roles().trainer)
-  logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project) if main else None
-  progress = progress and main
   rl_source = PromptSource() if rl_source is None else rl_source
   if rl_source.tokenizer is None:  # format prompts with the model's chat template, when it has one
     rl_source = rl_source.with_tokenizer(tokenizer)
   if eval_source is not None and eval_source.tokenizer is None:
     eval_source = eval_source.with_tokenizer(tokenizer)
-  eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size)
-  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, logger=logger,
-                          progress=progress)
+  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, progress=progress)
+  logger = None
   try:
+    max_prompt_tokens = config.max_position_embeddings - controller.sampling.max_new_tokens
+    for source in (rl_source, eval_source):
+      if source is not None:
+        source.limit_prompts(max_prompt_tokens)
+    eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size)
+    restored = _resume_or_refuse(controller, run_dir, resume=resume, allow_changes=resume_allow_changes,
+                                 progress=progress)
+    if main:
+      run_dir.mkdir(parents=True, exist_ok=True)
+      (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
+      logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project,
+                             rewind_to=START if restored is None else restored)
+      controller.logger = logger
     summary = _sft_rl_eval_export(controller, config, tokenizer, rl_source, sft_source, eval_examples,
-                                  run_dir=run_dir, rl_steps=rl_steps, sft=sft, resume=resume, export=export,
+                                  run_dir=run_dir, rl_steps=rl_steps, sft=sft, restored=restored, export=export,
                                   logger=logger, progress=progress)
-  finally:  # also on Ctrl-C / SIGTERM: Controller.run has checkpointed the last finished step
+  except KeyboardInterrupt as e:  # Controller.run has already checkpointed the last finished RL step
+    raise RunInterrupted(_interrupted_message(controller.run_dir / "checkpoints")) from e
+  finally:
     controller.close()
     if logger is not None:
       logger.close()
@@ -190,18 +221,35 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   return summary
 
 
+def _resume_or_refuse(controller: Controller, run_dir: Path, *, resume: bool, allow_changes, progress: bool):
+  """The restored step (resume), None (a fresh start); raises before writing anything when run_dir holds
+  checkpoints and resume is off, or when the checkpoint's config is incompatible / none restores."""
+  directory = controller.run_dir / "checkpoints"
+  existing = controller.checkpoint_dirs()  # every process calls it: the trainer leader looks
+  if existing and not resume:
+    raise FileExistsError(f"{run_dir} already holds checkpoints (steps {existing}): pass --resume to continue "
+                          "that run, or choose a new --run_dir; nothing was overwritten")
+  if not existing:
+    if resume and progress:
+      print(f"--resume: no checkpoint in {directory}; starting from scratch")
+    return None
+  step = controller.restore_checkpoint(allow_changes=allow_changes)
+  if progress:
+    skipped = "".join(f"\n  skipped damaged step {s}: {why}" for s, why in controller.checkpointer.skipped)
+    print(f"resumed from step {step} ({directory / str(step)}){skipped}")
+  return step
+
+
 def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sft_source, eval_examples, *,
-                        run_dir: Path, rl_steps: int, sft: bool, resume: bool, export: bool,
+                        run_dir: Path, rl_steps: int, sft: bool, restored: int | None, export: bool,
                         logger: MetricsLogger, progress: bool) -> dict:
   summary: dict = {"run_dir": str(run_dir), "model_params": config.num_params()}
-  latest = controller.latest_checkpoint_step()
-  if not resume and latest is not None:
-    raise FileExistsError(f"{run_dir} already holds checkpoints (latest step {latest}): pass --resume to continue "
-                          f"that run, or choose a new --run_dir; nothing was overwritten")
   before_file = run_dir / "eval_before_rl.json"
-  resumed = resume and latest is not None
+  resumed = restored is not None
   if resumed:
-    summary["resumed_from_step"] = controller.restore_checkpoint()
+    summary["resumed_from_step"] = restored
+    summary["skipped_checkpoints"] = [f"step {s}: {why}" for s, why in
+                                      (controller.checkpointer.skipped if controller.is_trainer else [])]
   elif sft and controller.is_trainer:
     source = sft_source or rl_source.fork(seed_offset=1)
     params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,

@@ -58,8 +58,9 @@ def main(argv=None) -> dict:
   signal.signal(signal.SIGTERM, on_sigterm)
   try:
     summary = experiment.run_experiment()
-  except KeyboardInterrupt:
-    print("\ninterrupted: the last finished step is checkpointed; continue with --resume", file=sys.stderr)
+  except KeyboardInterrupt as e:  # experiment.RunInterrupted says what was saved
+    print(f"\n{e}" if isinstance(e, experiment.RunInterrupted) else "\ninterrupted during set-up: nothing was saved",
+          file=sys.stderr)
     sys.exit(130)
   print("\n=== summary ===")
   print(json.dumps({k: v for k, v in summary.items() if k != "samples_after"}, indent=2, default=str))

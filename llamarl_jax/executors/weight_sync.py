@@ -97,8 +97,17 @@ class WeightSync:
       if not self.keep_pending:
         self._drop_below(int(version))
       self.history.append(metrics)
+      if len(self.history) > 20_000:  # bounded over a long run
+        del self.history[:-10_000]
       self._cond.notify_all()
     return metrics
+
+  def insert(self, gen_params: Any, version: int) -> None:
+    """Hold `gen_params` as policy `version` as they are: already in the generator's layout and dtype
+    (e.g. restored from a checkpoint, for an exact resume of the 'fixed' schedule). Nothing is cast."""
+    with self._cond:
+      self._versions[int(version)] = gen_params
+      self._cond.notify_all()
 
   def _drop_below(self, version: int) -> None:
     for v in [v for v in self._versions if v < version]:

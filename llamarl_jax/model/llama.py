@@ -19,10 +19,12 @@ Weight layouts (ours, einsum-friendly; `hf.py` converts from/to the HF `[out, in
   lm_head    [embed, vocab]  (absent when embeddings are tied)
 
 KV cache layout (`KVCache`): per layer `k`, `v` of shape `[batch, max_len, kv_heads, head_dim]`
-in the compute dtype, and one scalar `index`: the cache slot the next token is written to.
-All rows share the write slot; rows whose prompts are shorter are left-padded and the caller's
-`attention_mask` marks the padded slots invalid. RoPE uses each token's own `positions`, so a
-left-padded prompt produces the same continuation as the same prompt alone.
+in the compute dtype, and `index`: the cache slot the next token is written to. A scalar `index`
+is shared by all rows (the static sampler: shorter prompts are left-padded and the caller's
+`attention_mask` marks the padded slots invalid). An `index` of shape `[batch]` gives every row its
+own write slot (the slot engine: each row is an independent sequence at its own length; the causal
+mask then follows each row's index). RoPE uses each token's own `positions`, so a left-padded prompt
+produces the same continuation as the same prompt alone.
 """
 
 from __future__ import annotations
@@ -120,11 +122,14 @@ class ModelConfig:
 
 @flax.struct.dataclass
 class KVCache:
-  """Preallocated KV cache: per-layer `[batch, max_len, kv_heads, head_dim]` and the write slot."""
+  """Preallocated KV cache: per-layer `[batch, max_len, kv_heads, head_dim]` and the write slot.
+
+  `index`: int32 scalar (one write slot for all rows) or int32 `[batch]` (a write slot per row).
+  """
 
   k: tuple[Array, ...]
   v: tuple[Array, ...]
-  index: Array  # int32 scalar
+  index: Array  # int32 [] or [batch]
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
@@ -279,8 +284,12 @@ class Attention(nnx.Module):
     new_cache = None
     if layer_cache is not None:
       ck, cv, index = layer_cache
-      k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-      v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+      if index.ndim == 0:  # one write slot shared by every row
+        k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
+        v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+      else:  # each row writes at its own slot (a scatter)
+        write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (i, 0, 0)))
+        k, v = write(ck, k.astype(ck.dtype), index), write(cv, v.astype(cv.dtype), index)
       new_cache = (k, v)
     if q.shape[1] == 1 and layer_cache is not None:  # one new token per row: the decode step
       out = decode_attention(q, k, v, mask[:, 0])
@@ -342,11 +351,13 @@ class Llama(nnx.Module):
     dt = jnp.dtype(c.dtype)
     B, T = tokens.shape
     offset = 0 if cache is None else cache.index
+    if cache is not None and cache.index.ndim == 1:  # a write slot per row: offsets [B, 1]
+      offset = cache.index[:, None]
+    q_slot = offset + jnp.arange(T, dtype=jnp.int32)  # cache slot of each query: [T] or [B, T]
     if positions is None:
-      positions = jnp.broadcast_to(offset + jnp.arange(T, dtype=jnp.int32), (B, T))
+      positions = jnp.broadcast_to(q_slot, (B, T))
     S = T if cache is None else cache.max_len
-    q_slot = offset + jnp.arange(T)
-    mask = jnp.arange(S)[None, :] <= q_slot[:, None]  # causal over cache slots [T, S]
+    mask = jnp.arange(S) <= q_slot[..., None]  # causal over cache slots: [T, S] or [B, T, S]
     mask = jnp.broadcast_to(mask, (B, T, S))
     if attention_mask is not None:
       if attention_mask.shape != (B, S):

@@ -22,6 +22,7 @@ import numpy as np
 
 from llamarl_jax.executors.generator import Generated, Timer
 from llamarl_jax.executors.scoring import decode_responses, scored_from_rewards
+from llamarl_jax.generation.engine import version_metrics
 from llamarl_jax.multiprocess.protocol import (RemoteWeights, Slots, Stopped, Worker, batch_arrays, join_all,
                                                run_key, share_rows, transfer_schedule, wait_key)
 
@@ -29,8 +30,11 @@ from llamarl_jax.multiprocess.protocol import (RemoteWeights, Slots, Stopped, Wo
 def run(c, num_steps: int) -> list[dict]:
   """`Controller.run` in a generator process: generate and score batches step .. step + num_steps - 1."""
   mp = c.mp
-  start, run_id = c.step, mp.new_run()
-  ops = transfer_schedule(start, num_steps, c.max_policy_lag)
+  start, run_id, first = c.step, mp.new_run(), c._first_version
+  ops = transfer_schedule(start, num_steps, c.max_policy_lag, first)
+  if c.last_data_state is not None:  # as in one process: the prompts after the last trained batch
+    c.prompt_source.load_state_dict(c.last_data_state)
+  last_state = {}
   last = start + num_steps - 1
   leader = mp.me == mp.roles.generator_leader
   stop = threading.Event()
@@ -51,7 +55,7 @@ def run(c, num_steps: int) -> list[dict]:
 
   def generate() -> None:
     if num_steps > 0:
-      c.generator.run(weights, emit, stop, start_index=start, first_version=start)
+      c.generator.run(weights, emit, stop, start_index=start, first_version=first)
 
   def score() -> None:
     for _ in range(num_steps):
@@ -63,8 +67,9 @@ def run(c, num_steps: int) -> list[dict]:
       reward_timer.wait += t1 - t0
       reward_timer.busy += t2 - t1
       c._timeline.append(("reward", t1, t2))
-      version = int(np.max(item.rollout.policy_version))
-      meta = {"metrics": metrics, "data_state": item.data_state, "version": version,
+      lag = version_metrics(item.rollout.token_versions, item.rollout.response_mask, item.index)
+      last_state["data"] = item.data_state
+      meta = {"metrics": metrics, "data_state": item.data_state, "lag": lag,
               "tokens": float(np.sum(item.rollout.response_mask)), "texts": texts[:2],
               "generator_times": list(c.generator.timer.take()), "reward_times": list(reward_timer.take())}
       arrays = batch_arrays(scored)
@@ -98,6 +103,7 @@ def run(c, num_steps: int) -> list[dict]:
     stop.set()
     weights.close()
   c.step = start + num_steps
+  c.last_data_state = last_state.get("data", c.last_data_state)
   return []
 
 

@@ -42,15 +42,22 @@ BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mas
                 "advantages")
 
 
-def transfer_schedule(start: int, num_steps: int, max_policy_lag: int) -> list[tuple[str, int]]:
+def transfer_schedule(start: int, num_steps: int, max_policy_lag: int,
+                      first_version: int | None = None) -> list[tuple[str, int]]:
   """The order of every cross-process transfer of a run of `num_steps` steps from step `start`:
-  [("W", version) | ("R", batch index)], every version the 'fixed' schedule uses, each once."""
+  [("W", version) | ("R", batch index)], every version the 'fixed' schedule uses, each once.
+
+  first_version: the schedule's v0 (default `start`). After an exact resume it is older than `start`:
+  versions v(start) .. start - 1 then come from the checkpoint and go first, with `start`'s.
+  """
   if num_steps <= 0:
     return []
-  last = scheduled_version(start + num_steps - 1, max_policy_lag, start)
-  keyed = [((start - 1, 0), ("W", start))]
-  keyed += [((v + max(max_policy_lag - 1, 0), 0), ("W", v)) for v in range(start + 1, last + 1)]
-  keyed += [((k, 1), ("R", k)) for k in range(start, start + num_steps)]
+  first = start if first_version is None else first_version
+  lo = scheduled_version(start, max_policy_lag, first)
+  hi = scheduled_version(start + num_steps - 1, max_policy_lag, first)
+  keyed = [((start - 1, 0, v), ("W", v)) for v in range(lo, min(start, hi) + 1)]
+  keyed += [((v + max(max_policy_lag - 1, 0), 0, v), ("W", v)) for v in range(max(start + 1, lo), hi + 1)]
+  keyed += [((k, 1, 0), ("R", k)) for k in range(start, start + num_steps)]
   return [op for _, op in sorted(keyed)]
 
 
