@@ -195,7 +195,12 @@ class Checkpointer:
       primary = processes[0]
       options = ocp.options.MultiprocessingOptions(primary_host=primary, active_processes=set(processes),
                                                    barrier_sync_key_prefix="trainer")
-    self._ckpt = ocp.Checkpointer(ocp.CompositeCheckpointHandler(), multiprocessing_options=options)
+    # Every handler gets the process subset, else its barriers would wait for processes that never save.
+    handler = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(multiprocessing_options=options),
+        state=ocp.StandardCheckpointHandler(multiprocessing_options=options),
+        meta=ocp.JsonCheckpointHandler(multiprocessing_options=options))
+    self._ckpt = ocp.Checkpointer(handler, multiprocessing_options=options)
     self._primary = jax.process_index() == primary
     self.skipped: list[tuple[int, str]] = []  # (step, problem) of damaged checkpoints the last restore passed
 

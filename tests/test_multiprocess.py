@@ -75,20 +75,20 @@ def _steps(run_dir):
 
 
 @pytest.mark.parametrize("lag", [0, 1, 2, 3])
-@pytest.mark.parametrize("start", [0, 5])
-def test_transfer_schedule_sends_each_used_version_once_in_a_deadlock_free_order(lag, start):
+@pytest.mark.parametrize("start,first", [(0, 0), (5, 5), (5, 3)])  # (5, 3): an exact resume at step 5 of a run from 3
+def test_transfer_schedule_sends_each_used_version_once_in_a_deadlock_free_order(lag, start, first):
   n = 7
-  ops = transfer_schedule(start, n, lag)
+  ops = transfer_schedule(start, n, lag, first)
   pos = {op: i for i, op in enumerate(ops)}
-  used = sorted({max(start, k - lag) for k in range(start, start + n)})
+  used = sorted({max(first, k - lag) for k in range(start, start + n)})
   assert sorted(v for o, v in ops if o == "W") == used  # every version the generator uses, once
   assert [k for o, k in ops if o == "R"] == list(range(start, start + n))
   for v in used:
     if v > start:  # the trainer can send W(v) only after training step v - 1, i.e. after R(v - 1)
       assert pos[("W", v)] > pos[("R", v - 1)]
   for k in range(start, start + n):  # batch k is generated with v(k): it arrives before R(k)
-    assert pos[("W", max(start, k - lag))] < pos[("R", k)]
-  assert ops[0] == ("W", start) and transfer_schedule(start, 0, lag) == []
+    assert pos[("W", max(first, k - lag))] < pos[("R", k)]
+  assert ops[0] == ("W", used[0]) and transfer_schedule(start, 0, lag, first) == []
 
 
 def test_reward_shares_cover_every_prompt_once():
@@ -131,11 +131,11 @@ def test_a_failed_process_stops_every_other_naming_it(kill):
 
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
-  """The reference: scripts/train.py in this (8-device) process."""
+  """The reference: scripts/train.py in this (8-device) process, 5 steps."""
   run_dir = tmp_path_factory.mktemp("one") / "run"
   gin.clear_config()
   try:
-    _script("train").main(_args(run_dir, 3))
+    _script("train").main(_args(run_dir, 5))
   finally:
     gin.clear_config()
   return _steps(run_dir)
@@ -165,23 +165,22 @@ def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):
     assert schedule_metrics(one) == schedule_metrics(four)
 
 
-def test_killed_generator_stops_the_run_and_resume_continues(tmp_path, monkeypatch):
+def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process_run, tmp_path, monkeypatch):
   """Kill the generator process after the step-2 checkpoint: the trainer exits non-zero within
-  seconds naming it; the last checkpoint is intact and --resume finishes the run from it."""
+  seconds naming it; the last checkpoint is intact, and --resume finishes the run from it with the
+  uninterrupted run's metrics (data position, version schedule and the generator weights of the
+  versions before the checkpoint all restored)."""
   run_dir = tmp_path / "run"
-  # Smaller meshes (trainer fsdp2, generator dp2) and a compilation cache shared by the two jobs:
-  # this test is about the fault and the resume, not the layout.
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))  # shared by the two jobs
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  args = _args(run_dir, 6, "--gin_param=Controller.checkpoint_every = 1", "--gin_param=Controller.trainer_tp = 1",
-               "--gin_param=Controller.generator_tp = 1",
+  args = _args(run_dir, 5, "--gin_param=Controller.checkpoint_every = 1",
                "--gin_param=Controller.generator_delay_s = 0.5")  # steps slow enough to kill mid-run
   killed = {}
 
   def kill_after_checkpoint(procs):
     def watch():
       deadline = time.monotonic() + 200
-      while time.monotonic() < deadline and not (run_dir / "checkpoints" / "2").exists():
+      while time.monotonic() < deadline and not (run_dir / "checkpoints" / "2" / "MANIFEST.json").exists():
         time.sleep(0.1)
       killed["at"] = time.monotonic()
       os.kill(procs[1].pid, signal.SIGKILL)
@@ -193,11 +192,12 @@ def test_killed_generator_stops_the_run_and_resume_continues(tmp_path, monkeypat
   assert "[launch_local] rank 1 (generator) failed with signal SIGKILL" in out
   assert "process 0 (trainer) stops: process 1 (generator) died" in out
   done = [m["step"] for m in _steps(run_dir)]
-  assert done[:2] == [1, 2] and done[-1] < 6, done  # killed mid-run
-  latest = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+  assert done[:2] == [1, 2] and done[-1] < 5, done  # killed mid-run
 
   status, out = _launch(2, args + ["--resume"], timeout_s=240)
   assert status == 0, out
-  steps = [m["step"] for m in _steps(run_dir)]
-  assert steps[len(done):] == list(range(latest + 1, 7))  # continued from the last checkpoint to the end
+  steps = _steps(run_dir)  # the log was rewound to the restored checkpoint, then continued
+  assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+  for one, resumed in zip(one_process_run, steps):
+    assert schedule_metrics(one) == schedule_metrics(resumed)
   shutil.rmtree(run_dir)
