@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
@@ -163,19 +164,44 @@ def latest_complete_step(directory: str | os.PathLike) -> int | None:
   return None
 
 
+def _host_local(x) -> bool:
+  """An array whose devices all belong to this process, in a job of several processes (a trainer
+  mesh inside one process). Orbax writes only global arrays there, so such arrays go as numpy."""
+  sharding = getattr(x, "sharding", None)
+  return jax.process_count() > 1 and sharding is not None and sharding.is_fully_addressable
+
+
+def _savable(x):
+  return np.asarray(x) if _host_local(x) else x
+
+
 class Checkpointer:
   """Saves and restores a run's checkpoints in `directory` (see the module docstring).
 
   max_to_keep: complete checkpoints kept (the oldest are deleted after a newer one is complete).
+  processes: the process ids that save and restore together (the trainer processes of a
+  multi-process run; the first one writes the metadata and the manifest); None = every process.
   """
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, processes: Iterable[int] | None = None):
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
     self.directory = Path(directory).absolute()
     self.max_to_keep = max_to_keep
-    self._ckpt = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    self._primary = jax.process_index() == 0
+    options = ocp.options.MultiprocessingOptions()
+    primary = 0
+    if processes is not None:
+      processes = sorted(processes)
+      primary = processes[0]
+      options = ocp.options.MultiprocessingOptions(primary_host=primary, active_processes=set(processes),
+                                                   barrier_sync_key_prefix="trainer")
+    # Every handler gets the process subset, else its barriers would wait for processes that never save.
+    handler = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(multiprocessing_options=options),
+        state=ocp.StandardCheckpointHandler(multiprocessing_options=options),
+        meta=ocp.JsonCheckpointHandler(multiprocessing_options=options))
+    self._ckpt = ocp.Checkpointer(handler, multiprocessing_options=options)
+    self._primary = jax.process_index() == primary
     self.skipped: list[tuple[int, str]] = []  # (step, problem) of damaged checkpoints the last restore passed
 
   # ----------------------------------------------------------------------------------------------
@@ -213,6 +239,7 @@ class Checkpointer:
       self._remove_unfinished_saves()
       if final.exists():  # a damaged or unfinished checkpoint of this step: keep it, out of the way
         self._set_aside(step, "a new checkpoint of the same step is being written")
+    state = jax.tree.map(_savable, state)
     self._ckpt.save(final, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)))
     if not self._primary:
@@ -259,8 +286,8 @@ class Checkpointer:
       raise FileNotFoundError(f"no checkpoint found in {self.directory}")
     def abstract(meta):
       tree = target(meta) if callable(target) else target
-      return jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=None if _host_local(x) else getattr(x, "sharding", None)), tree)
 
     self.skipped = []
     checked_config = False

@@ -36,23 +36,50 @@ gin.external_configurable(OptimizerConfig, "OptimizerConfig")
 
 @gin.configurable
 def build_policy(*, model_path: str | None = None, tiny: ModelConfig | None = None, seed: int = 0,
-                 tokenizer_extra_chars: str = "") -> tuple[ModelConfig, Any, Any]:
-  """(config, params, tokenizer): from an HF directory, or a tiny random model + char tokenizer."""
+                 tokenizer_extra_chars: str = "", weights: bool = True) -> tuple[ModelConfig, Any, Any]:
+  """(config, params, tokenizer): from an HF directory, or a tiny random model + char tokenizer.
+
+  weights=False: params is None (a generator process of a multi-process run: it receives the
+  trainer's weights, so it neither reads the checkpoint's tensors nor initialises any).
+  """
   if model_path:
-    config, model = hf.load_hf_checkpoint(model_path)
+    if weights:
+      config, model = hf.load_hf_checkpoint(model_path)
+    else:
+      config = hf.config_from_hf(json.loads((Path(model_path) / "config.json").read_text()),
+                                 source=str(Path(model_path) / "config.json"))
     tokenizer = hf.load_tokenizer(model_path)
     hf.check_tokenizer_matches(tokenizer, config)
-    _, params = split_params(model)
-    return config, params, tokenizer
+    return config, split_params(model)[1] if weights else None, tokenizer
   from llamarl_jax.tokenizer import make_char_tokenizer
 
   tokenizer = make_char_tokenizer(tokenizer_extra_chars)
   config = (tiny or ModelConfig(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
                                 num_kv_heads=2, max_position_embeddings=256, rope_theta=10000.0,
                                 tie_word_embeddings=True)).replace(vocab_size=len(tokenizer))
-  model = Llama(config, rngs=nnx.Rngs(params=seed))
-  _, params = split_params(model)
+  if not weights:
+    return config, None, tokenizer
+  _, params = split_params(Llama(config, rngs=nnx.Rngs(params=seed)))
   return config, params, tokenizer
+
+
+def mesh_layout() -> dict:
+  """The bound Controller mesh arguments (its defaults where unbound): where the roles come from."""
+  def get(name, default):
+    try:
+      return gin.query_parameter(f"Controller.{name}")
+    except ValueError:
+      return default
+  return {"trainer_fsdp": get("trainer_fsdp", 1), "trainer_tp": get("trainer_tp", 1),
+          "generator_dp": get("generator_dp", 1), "generator_tp": get("generator_tp", 1),
+          "colocated": get("colocated", False)}
+
+
+def process_roles():
+  """`distributed.Roles` of this job under the bound config (call after jax.distributed starts)."""
+  from llamarl_jax import distributed
+
+  return distributed.derive_roles(*parallel.make_meshes(**mesh_layout()))
 
 
 def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int):
@@ -102,12 +129,19 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
   if progress:
     from tqdm.auto import tqdm
     it = tqdm(it, desc="SFT warm start", dynamic_ncols=True)
+  # The batch goes to the params' devices, replicated (as jit would place host arrays in one process;
+  # explicit so that a trainer spread over processes runs the same program).
+  leaf = jax.tree.leaves(params)[0]
+  batch_sharding = (jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+                    if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) else None)
   for i in it:
     examples = source.next_batch(batch_size)
     batch = _sft_batch(tokenizer, examples, [source.reference(ex) for ex in examples], prompt_len, resp_len)
+    if batch_sharding is not None:
+      batch = jax.device_put(batch, batch_sharding)
     params, opt_state, loss = step(params, opt_state, *batch)
     if (i + 1) % log_every == 0 or i + 1 == steps:
-      loss = float(loss)
+      loss = float(np.asarray(loss.addressable_data(0)))  # replicated; works when the mesh spans processes
       if progress:
         it.set_postfix(nll=f"{loss:.3f}")
       if logger is not None:
@@ -139,12 +173,18 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   against the model's context, then (with `resume`) the newest complete checkpoint compared with this
   config and restored; only then is anything in `run_dir` written (config, logs rewound to the
   restored step). `resume_allow_changes`: settings allowed to differ from the checkpoint's beyond
-  `checkpoint.RESUMABLE_CHANGES` (e.g. ['optimizer.lr']).
+  `checkpoint.RESUMABLE_CHANGES` (e.g. ['optimizer.lr']). `eval_size = 0` skips both evaluations.
+
+  Across processes every process runs this: the trainer processes do the SFT, training, checkpoints
+  and export, the generator processes generation and rewards; process 0 (the trainer leader) writes
+  the config, the logs, the summary and the export.
   """
   check_bindings()
   run_dir = Path(run_dir)
+  main = jax.process_index() == 0
+  progress = progress and main
   t_start = time.perf_counter()
-  config, params, tokenizer = build_policy()
+  config, params, tokenizer = build_policy(weights=jax.process_index() in process_roles().trainer)
   rl_source = PromptSource() if rl_source is None else rl_source
   if rl_source.tokenizer is None:  # format prompts with the model's chat template, when it has one
     rl_source = rl_source.with_tokenizer(tokenizer)
@@ -160,41 +200,43 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size)
     restored = _resume_or_refuse(controller, run_dir, resume=resume, allow_changes=resume_allow_changes,
                                  progress=progress)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
-    logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project,
-                           rewind_to=START if restored is None else restored)
-    controller.logger = logger
+    if main:
+      run_dir.mkdir(parents=True, exist_ok=True)
+      (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
+      logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project,
+                             rewind_to=START if restored is None else restored)
+      controller.logger = logger
     summary = _sft_rl_eval_export(controller, config, tokenizer, rl_source, sft_source, eval_examples,
                                   run_dir=run_dir, rl_steps=rl_steps, sft=sft, restored=restored, export=export,
                                   logger=logger, progress=progress)
   except KeyboardInterrupt as e:  # Controller.run has already checkpointed the last finished RL step
-    raise RunInterrupted(_interrupted_message(controller.checkpointer.directory)) from e
+    raise RunInterrupted(_interrupted_message(controller.run_dir / "checkpoints")) from e
   finally:
     controller.close()
     if logger is not None:
       logger.close()
   summary["total_seconds"] = time.perf_counter() - t_start
-  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  if main:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
   return summary
 
 
 def _resume_or_refuse(controller: Controller, run_dir: Path, *, resume: bool, allow_changes, progress: bool):
   """The restored step (resume), None (a fresh start); raises before writing anything when run_dir holds
   checkpoints and resume is off, or when the checkpoint's config is incompatible / none restores."""
-  ckpt = controller.checkpointer
-  existing = ckpt.step_dirs()
+  directory = controller.run_dir / "checkpoints"
+  existing = controller.checkpoint_dirs()  # every process calls it: the trainer leader looks
   if existing and not resume:
     raise FileExistsError(f"{run_dir} already holds checkpoints (steps {existing}): pass --resume to continue "
                           "that run, or choose a new --run_dir; nothing was overwritten")
   if not existing:
     if resume and progress:
-      print(f"--resume: no checkpoint in {ckpt.directory}; starting from scratch")
+      print(f"--resume: no checkpoint in {directory}; starting from scratch")
     return None
   step = controller.restore_checkpoint(allow_changes=allow_changes)
   if progress:
-    skipped = "".join(f"\n  skipped damaged step {s}: {why}" for s, why in ckpt.skipped)
-    print(f"resumed from step {step} ({ckpt.directory / str(step)}){skipped}")
+    skipped = "".join(f"\n  skipped damaged step {s}: {why}" for s, why in controller.checkpointer.skipped)
+    print(f"resumed from step {step} ({directory / str(step)}){skipped}")
   return step
 
 
@@ -206,37 +248,47 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
   resumed = restored is not None
   if resumed:
     summary["resumed_from_step"] = restored
-    summary["skipped_checkpoints"] = [f"step {s}: {why}" for s, why in controller.checkpointer.skipped]
-  elif sft:
+    summary["skipped_checkpoints"] = [f"step {s}: {why}" for s, why in
+                                      (controller.checkpointer.skipped if controller.is_trainer else [])]
+  elif sft and controller.is_trainer:
     source = sft_source or rl_source.fork(seed_offset=1)
     params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
                                   progress=progress)
     controller.trainer.load_params(params)
-  if resumed and before_file.exists():  # the baseline is the policy RL started from, not the resume point
+  evaluating = len(eval_examples) > 0  # eval_size = 0 skips the held-out evaluation
+  if not evaluating:
+    summary["eval_before_rl"] = None
+  elif resumed and before_file.exists():  # the baseline is the policy RL started from, not the resume point
     summary["eval_before_rl"] = json.loads(before_file.read_text())["eval/accuracy"]
   else:
     summary["eval_before_rl"] = controller.evaluate(eval_examples)["eval/accuracy"]
-    before_file.write_text(json.dumps({"eval/accuracy": summary["eval_before_rl"]}))
-  if progress:
+    if controller.is_main:
+      before_file.write_text(json.dumps({"eval/accuracy": summary["eval_before_rl"]}))
+  if progress and evaluating:
     print(f"held-out accuracy before RL: {summary['eval_before_rl']:.3f} ({len(eval_examples)} problems)")
   remaining = max(rl_steps - controller.step, 0)
   t_rl = time.perf_counter()
   history = controller.run(remaining) if remaining else []
   summary["rl_seconds"] = time.perf_counter() - t_rl
-  after = controller.evaluate(eval_examples)
-  summary["eval_after_rl"] = after["eval/accuracy"]
-  summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - summary["eval_before_rl"])
-  summary["samples_after"] = after["eval/samples"]
+  if evaluating:
+    after = controller.evaluate(eval_examples)
+    summary["eval_after_rl"] = after["eval/accuracy"]
+    summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - summary["eval_before_rl"])
+    summary["samples_after"] = after["eval/samples"]
   if history:
     last = history[-min(10, len(history)):]
     summary["train_reward_last10"] = float(np.mean([m["reward/mean"] for m in last]))
     summary["mean_step_seconds"] = float(np.mean([m["time/step"] for m in history]))
     summary["policy_lag_max"] = float(max(m["policy/lag_max"] for m in history))
-  logger.log(controller.step, {"eval/accuracy_before": summary["eval_before_rl"],
-                               "eval/accuracy_after": after["eval/accuracy"]})
-  if export:
+  if logger is not None and evaluating:
+    logger.log(controller.step, {"eval/accuracy_before": summary["eval_before_rl"],
+                                 "eval/accuracy_after": after["eval/accuracy"]})
+  if export and controller.is_trainer:
     from llamarl_jax.model.llama import merge_params
-    model = merge_params(split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0],
-                         jax.device_get(controller.trainer.params))
-    summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
+    from llamarl_jax.transfer import to_host
+
+    host = to_host(controller.trainer.params)  # every trainer process: the params may span them
+    if controller.is_main:
+      model = merge_params(split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0], host)
+      summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
   return summary

@@ -280,7 +280,7 @@ class TrainerExecutor:
 
   @property
   def num_steps(self) -> int:
-    return int(self._step)
+    return int(_local_value(self._step))
 
   def load_params(self, params: Any) -> None:
     """Replace the policy params (e.g. after a supervised warm start); the optimizer state is kept.
@@ -318,7 +318,7 @@ class TrainerExecutor:
     arrays = self._put_batch(batch)
     self._params, self._opt_state, self._step, self._skipped, metrics = self._train_step(
         self._params, self._opt_state, self._step, self._skipped, arrays, self._ref_params)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+    metrics = {k: float(_local_value(v)) for k, v in metrics.items()}  # waits for the step
     elapsed = time.perf_counter() - start
     self.busy_seconds += elapsed
     metrics["time/train_step"] = elapsed
@@ -410,6 +410,11 @@ class TrainerExecutor:
         "train/step": step, "train/update_applied": finite.astype(jnp.float32),
     })
     return params, opt_state, step, skipped, metrics
+
+
+def _local_value(x: Array) -> np.ndarray:
+  """A replicated array's value from this process's own copy (also when the mesh spans processes)."""
+  return np.asarray(x.addressable_data(0))
 
 
 def _valid_counts(mask: Array) -> dict[str, Array]:

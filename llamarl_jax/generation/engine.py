@@ -51,6 +51,7 @@ from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBa
 from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, sample_logits,
                                             validate_prompts)
 from llamarl_jax.model.llama import KVCache, ModelConfig, merge_params
+from llamarl_jax.transfer import to_host  # device_get that also works on a mesh spread over processes
 
 Array = jax.Array
 
@@ -306,7 +307,7 @@ class SlotEngine:
       self._cache, self._state, steps, useful = self._decode_fn(
           self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at))
       self.stats["chunks"] += 1
-    steps, useful, done = jax.device_get((steps, useful, self._state.done))  # the one sync per chunk
+    steps, useful, done = to_host((steps, useful, self._state.done))  # the one sync per chunk
     self.stats["decode_steps"] += int(steps)
     self.stats["useful_slot_steps"] += int(useful)
     return self._harvest(np.asarray(done))
@@ -442,8 +443,8 @@ class SlotEngine:
     finished = [s for s, o in enumerate(self._owner) if o is not None and done[s]]
     if not finished:
       return []
-    st = jax.device_get((self._state.tokens, self._state.logprobs, self._state.versions, self._state.n_gen,
-                         self._state.stopped))
+    st = to_host((self._state.tokens, self._state.logprobs, self._state.versions, self._state.n_gen,
+                  self._state.stopped))
     tokens, logprobs, versions, n_gen, stopped = map(np.asarray, st)
     completed = []
     for s in finished:

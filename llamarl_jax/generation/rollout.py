@@ -48,8 +48,11 @@ class RolloutBatch:
     return self.prompt_tokens.shape[0]
 
   def to_host(self) -> "RolloutBatch":
-    """Numpy copy (for the reward executor, the replay buffer and the trainer's re-sharding)."""
-    return jax.tree.map(np.asarray, jax.device_get(self))
+    """Numpy copy (for the reward executor, the replay buffer and the trainer's re-sharding). On a
+    mesh spread over processes, every process of that mesh calls it and gets the whole batch."""
+    from llamarl_jax.transfer import to_host
+
+    return to_host(self)
 
 
 @flax.struct.dataclass

@@ -228,9 +228,11 @@ class Sampler:
     stops = sampling.stop_token_ids  # padded with -1 (matches no token) to a multiple of 8: fewer shapes
     stop_ids = np.full(max(8, -(-len(stops) // 8) * 8), -1, np.int32)
     stop_ids[:len(stops)] = stops
-    scalars = put((rng, np.float32(max(sampling.temperature, 1e-6)), np.float32(sampling.top_p), stop_ids,
-                   np.int32(n_rows)), self._repl)
-    rng, temperature, top_p, stop_ids, num_real = scalars
+    # The key travels as host bits: a mesh spread over processes takes host values, not local arrays.
+    scalars = put((np.asarray(jax.random.key_data(rng)), np.float32(max(sampling.temperature, 1e-6)),
+                   np.float32(sampling.top_p), stop_ids, np.int32(n_rows)), self._repl)
+    key_bits, temperature, top_p, stop_ids, num_real = scalars
+    rng = jax.random.wrap_key_data(key_bits, impl=jax.random.key_impl(rng))
 
     cache, first_token, first_logprob = prefill(params, tokens_d, mask_d, rng, temperature, top_p)
     out_tokens, logprobs, lengths, finish, steps, _ = decode(
