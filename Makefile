@@ -28,6 +28,8 @@ bench: install
 	$(TEST_ENV) $(BIN)/python scripts/bench_train.py
 	$(TEST_ENV) $(BIN)/python scripts/bench_weight_sync.py
 	$(TEST_ENV) $(BIN)/python scripts/bench_async.py
+	JAX_PLATFORMS=cpu $(BIN)/python scripts/bench_multiprocess.py
+	$(BIN)/python scripts/bench_verify.py
 	$(BIN)/python -m llamarl_jax.perf_model
 
 # The learning-quality study (scripts/study.py, BENCHMARKS.md): 8 cells x 5 seeds from one shared SFT

@@ -5,6 +5,15 @@ File rows (all loaded into memory):
   MATH    {"problem", "solution"}   ground truth: the last \\boxed{...} in solution
   others  prompt_field / answer_field named by the user; answer_format "raw" | "gsm8k" | "boxed"
 The full `answer` / `solution` text is kept as the example's `reference` (an SFT target).
+The layout is detected per file from the rows that have both fields (a row without an answer does not
+decide it). Bad rows (not JSON, not an object, no prompt, no answer, no ground truth in the answer):
+`bad_rows="skip"` (default) skips and counts them (`skipped_rows`, `skip_reasons`) and logs the first
+few with file and line; `bad_rows="error"` raises at the first one, naming file and line.
+
+Context limit: with `max_prompt_tokens` (set by the experiment to the model's max_position_embeddings
+minus max_new_tokens) a longer prompt is an error naming its row (`overlong_prompts="error"`, checked
+over every file row when the limit is set, and for each drawn example) or is cut to its last
+`max_prompt_tokens` tokens and counted (`"truncate"`, `truncated_prompts`).
 
 Order: with `shuffle`, epoch e visits the rows in the permutation drawn from (seed, e); the position
 (epoch, offset) is the whole state, so `load_state_dict(state_dict())` continues with exactly the
@@ -20,8 +29,11 @@ one gets the tokenizer's usual special tokens (e.g. <bos>).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import glob
 import json
+import logging
 import os
 import zlib
 from dataclasses import dataclass
@@ -33,7 +45,11 @@ import numpy as np
 from llamarl_jax.rewards import math as math_reward
 from llamarl_jax.rewards import synthetic
 
+log = logging.getLogger(__name__)
+
 _STATE_VERSION = 1
+BAD_ROWS = ("skip", "error")
+OVERLONG_PROMPTS = ("error", "truncate")
 
 
 @dataclass(frozen=True)
@@ -45,10 +61,12 @@ class PromptExample:
   question: str = ""            # the raw problem text, before templating
   reference: str | None = None  # a correct completion (SFT target), when known
   chat: bool = False            # `prompt` was built with the tokenizer's chat template
+  max_tokens: int | None = None  # `encode` keeps the last max_tokens ids (overlong_prompts="truncate")
 
   def encode(self, tokenizer) -> list[int]:
-    """Prompt token ids [prompt_len]."""
-    return list(tokenizer(self.prompt, add_special_tokens=not self.chat)["input_ids"])
+    """Prompt token ids [prompt_len] (at most `max_tokens`: the end of the prompt is kept)."""
+    ids = list(tokenizer(self.prompt, add_special_tokens=not self.chat)["input_ids"])
+    return ids[-self.max_tokens:] if self.max_tokens is not None and len(ids) > self.max_tokens else ids
 
 
 def _expand(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
@@ -65,39 +83,78 @@ def _expand(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path
   return paths
 
 
-def read_rows(path: str | os.PathLike) -> list[dict]:
-  """Rows of a .jsonl / .json (list) / .parquet file as dicts."""
+def read_located_rows(path: str | os.PathLike) -> list[tuple[str, dict | str]]:
+  """(location, row) per row of a .jsonl / .json (list) / .parquet file; location is "file:line" for
+  JSONL, "file[row i]" otherwise. A malformed row comes as (location, reason string) instead of a dict."""
   path = Path(path)
   suffix = path.suffix.lower()
   if suffix == ".parquet":
     import pyarrow.parquet as pq
-    return pq.read_table(path).to_pylist()
+    return [(f"{path}[row {i}]", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
   if suffix == ".json":
-    rows = json.loads(path.read_text())
+    try:
+      rows = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from e
     if not isinstance(rows, list):
-      raise ValueError(f"{path}: a .json prompt file must hold a list of objects")
-    return rows
+      raise ValueError(f"{path}: a .json prompt file must hold a list of objects, found a "
+                       f"{type(rows).__name__}; for one object per line use .jsonl")
+    return [(f"{path}[row {i}]", _as_object(row)) for i, row in enumerate(rows)]
   if suffix in (".jsonl", ".ndjson"):
-    rows = []
+    out = []
     with path.open() as f:
       for lineno, line in enumerate(f, 1):
         if line.strip():
           try:
-            rows.append(json.loads(line))
+            row = _as_object(json.loads(line))
           except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-    return rows
+            row = f"not valid JSON ({e.msg})"
+          out.append((f"{path}:{lineno}", row))
+    return out
   raise ValueError(f"{path}: unsupported prompt file type {suffix!r}; use .jsonl, .json or .parquet")
 
 
-def _detect_fields(keys) -> tuple[str, str, str]:
-  keys = set(keys)
-  for prompt_field, answer_field, answer_format in (("question", "answer", "gsm8k"), ("problem", "solution", "boxed"),
-                                                    ("problem", "answer", "raw"), ("prompt", "answer", "raw")):
-    if {prompt_field, answer_field} <= keys:
-      return prompt_field, answer_field, answer_format
-  raise ValueError(f"cannot tell the prompt/answer fields from the columns {sorted(keys)}; expected GSM8K "
+def _as_object(row: Any) -> dict | str:
+  return row if isinstance(row, dict) else f"expected a JSON object, found a JSON {type(row).__name__}"
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+  """Rows of a .jsonl / .json (list) / .parquet file as dicts; a malformed row raises naming file and line."""
+  rows = []
+  for where, row in read_located_rows(path):
+    if isinstance(row, str):
+      raise ValueError(f"{where}: {row}")
+    rows.append(row)
+  return rows
+
+
+_LAYOUTS = (("question", "answer", "gsm8k"), ("problem", "solution", "boxed"), ("problem", "answer", "raw"),
+            ("prompt", "answer", "raw"))
+
+
+def _detect_fields(rows: Sequence[dict], where: Path) -> tuple[str, str, str]:
+  """The known layout most rows of a file fill (both fields present and not null); ties: the first."""
+  counts = [sum(1 for r in rows if r.get(p) is not None and r.get(a) is not None) for p, a, _ in _LAYOUTS]
+  best = max(range(len(_LAYOUTS)), key=lambda i: (counts[i], -i))
+  if counts[best]:
+    return _LAYOUTS[best]
+  keys = sorted(set().union(*(r.keys() for r in rows))) if rows else []
+  raise ValueError(f"{where}: cannot tell the prompt/answer fields from the columns {keys}; expected GSM8K "
                    "(question, answer) or MATH (problem, solution); pass prompt_field= and answer_field=")
+
+
+def _row_problem(row: dict | str, p_field: str, a_field: str, a_format: str) -> str | None:
+  """Why a file row cannot be a prompt (None when it can)."""
+  if isinstance(row, str):
+    return row
+  question, answer = row.get(p_field), row.get(a_field)
+  if question is None or not str(question).strip():
+    return f"no prompt (field {p_field!r} missing or empty)"
+  if answer is None:
+    return f"no answer (field {a_field!r} missing)"
+  if extract_label(str(answer), a_format) is None:
+    return f"no ground truth in the answer (format {a_format!r})"
+  return None
 
 
 def extract_label(answer: str, answer_format: str) -> str | None:
@@ -128,7 +185,15 @@ class PromptSource:
                prompt_field: str | None = None, answer_field: str | None = None, answer_format: str | None = None,
                template: str = "{prompt}", system_prompt: str | None = None, tokenizer: Any = None,
                use_chat_template: bool = True, seed: int = 0, shuffle: bool = True, num_epochs: int | None = None,
-               split: str = "train", heldout_fraction: float = 0.0):
+               split: str = "train", heldout_fraction: float = 0.0, bad_rows: str = "skip",
+               max_prompt_tokens: int | None = None, overlong_prompts: str = "error"):
+    if bad_rows not in BAD_ROWS:
+      raise ValueError(f"bad_rows must be one of {BAD_ROWS}, got {bad_rows!r}")
+    if overlong_prompts not in OVERLONG_PROMPTS:
+      raise ValueError(f"overlong_prompts must be one of {OVERLONG_PROMPTS}, got {overlong_prompts!r}")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+      raise ValueError(f"max_prompt_tokens must be >= 1 (or None), got {max_prompt_tokens}: the model's "
+                       "context has no room for a prompt; lower max_new_tokens")
     if split not in ("train", "heldout"):
       raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     if "{prompt}" not in template:
@@ -137,48 +202,120 @@ class PromptSource:
                            answer_field=answer_field, answer_format=answer_format, template=template,
                            system_prompt=system_prompt, tokenizer=tokenizer, use_chat_template=use_chat_template,
                            seed=seed, shuffle=shuffle, num_epochs=num_epochs, split=split,
-                           heldout_fraction=heldout_fraction)
+                           heldout_fraction=heldout_fraction, bad_rows=bad_rows,
+                           max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts)
     self.seed, self.shuffle, self.num_epochs, self.split = seed, shuffle, num_epochs, split
     self.template, self.system_prompt, self.tokenizer = template, system_prompt, tokenizer
     self.chat = bool(use_chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None))
     self._epoch = self._offset = self._next_index = 0
     self._order: np.ndarray | None = None
+    self.max_prompt_tokens, self.overlong_prompts = max_prompt_tokens, overlong_prompts
+    self.truncated_prompts = 0  # prompts cut to max_prompt_tokens (overlong_prompts="truncate")
+    self.skipped_rows = 0       # bad file rows skipped (bad_rows="skip"); reasons in skip_reasons
+    self.skip_reasons: collections.Counter = collections.Counter()
+    self.other_split_rows = 0   # file rows that belong to the other split
     if files is None:
       self.task = synthetic.make_task(task, **(task_kwargs or {}))
       self.reward = reward or self.task.name
       self._rows = None
-      self.skipped_rows = 0
       return
     self.task = None
     self.reward = reward or "math"
     if answer_field is not None and prompt_field is None or prompt_field is not None and answer_field is None:
       raise ValueError("pass both prompt_field and answer_field, or neither (to detect GSM8K/MATH columns)")
-    rows: list[tuple[int, str, str, str]] = []  # (row index, question, ground truth, reference)
-    skipped = 0
+    # (row index, question, ground truth, reference, "file:line")
+    rows: list[tuple[int, str, str, str, str]] = []
+    first_skips: list[str] = []
+    index = 0
     for path in _expand(files):
-      file_rows = read_rows(path)
-      if not file_rows:
-        continue
-      p_field, a_field, a_format = ((prompt_field, answer_field, "raw") if prompt_field
-                                    else _detect_fields(file_rows[0].keys()))  # one layout per file
+      located = read_located_rows(path)
+      objects = [r for _, r in located if isinstance(r, dict)]
+      if not objects and not prompt_field:  # empty, or no row is an object: each row reports itself
+        p_field = a_field = a_format = ""
+      else:
+        p_field, a_field, a_format = ((prompt_field, answer_field, "raw") if prompt_field
+                                      else _detect_fields(objects, path))  # one layout per file
       a_format = answer_format or a_format
-      for row in file_rows:
-        question, answer = row.get(p_field), row.get(a_field)
-        label = extract_label(str(answer), a_format) if question is not None and answer is not None else None
-        index = len(rows) + skipped
-        if label is None or not str(question).strip():
-          skipped += 1
+      for where, row in located:
+        index += 1
+        problem = _row_problem(row, p_field, a_field, a_format)
+        if problem is not None:
+          if bad_rows == "error":
+            raise ValueError(f"{where}: {problem}. Fix the row, or skip such rows with "
+                             "PromptSource.bad_rows = 'skip' (they are counted and logged)")
+          self.skipped_rows += 1
+          self.skip_reasons[problem.split(" (")[0]] += 1
+          if len(first_skips) < 5:
+            first_skips.append(f"{where}: {problem}")
           continue
-        in_heldout = zlib.crc32(str(question).encode()) / 2**32 < heldout_fraction
+        question, answer = str(row[p_field]), str(row[a_field])
+        in_heldout = zlib.crc32(question.encode()) / 2**32 < heldout_fraction
         if in_heldout == (split == "heldout"):
-          rows.append((index, str(question), label, str(answer)))
+          rows.append((index - 1, question, extract_label(answer, a_format), answer, where))
         else:
-          skipped += 1
+          self.other_split_rows += 1
+    if self.skipped_rows:
+      log.warning("PromptSource: skipped %d bad rows of %s (%s); first: %s", self.skipped_rows, files,
+                  dict(self.skip_reasons), "; ".join(first_skips))
     if not rows:
-      raise ValueError(f"no usable {split!r} rows in {files!r} ({skipped} skipped: no answer, no ground truth "
-                       "or in the other split)")
+      raise ValueError(f"no usable {split!r} rows in {files!r} ({self.skipped_rows} bad: "
+                       f"{dict(self.skip_reasons)}; {self.other_split_rows} in the other split)"
+                       + (f"; first bad rows: {'; '.join(first_skips)}" if first_skips else ""))
     self._rows = rows
-    self.skipped_rows = skipped  # rows without a usable prompt/ground truth, or in the other split
+    if max_prompt_tokens is not None and tokenizer is not None and overlong_prompts == "error":
+      self._check_prompt_lengths()
+
+  # ----------------------------------------------------------------------------------------------
+  # context limit
+
+  def _check_prompt_lengths(self) -> None:
+    """Raise at start-up if any file row's prompt is longer than `max_prompt_tokens` tokens."""
+    over = []
+    for row_index, question, label, reference, where in self._rows:
+      n = len(self._encode_text(self.format_prompt(question)))
+      if n > self.max_prompt_tokens:
+        over.append(f"{where} ({n} tokens)")
+    if over:
+      raise ValueError(self._overlong_message(over))
+
+  def _overlong_message(self, over: list[str]) -> str:
+    return (f"{len(over)} prompt(s) are longer than max_prompt_tokens = {self.max_prompt_tokens} (the model's "
+            f"max_position_embeddings minus max_new_tokens): {', '.join(over[:5])}"
+            f"{' ...' if len(over) > 5 else ''}. Drop those rows, lower Controller.max_new_tokens, or cut them "
+            "to their last tokens (counted in data/truncated_prompts) with PromptSource.overlong_prompts = 'truncate'")
+
+  def _encode_text(self, prompt: str) -> list[int]:
+    return list(self.tokenizer(prompt, add_special_tokens=not self.chat)["input_ids"])
+
+  def limit_prompts(self, max_prompt_tokens: int) -> None:
+    """Enforce the model's context on this source from now on (and on its forks): see the module
+    docstring. Needs the tokenizer (`with_tokenizer`); checks every file row now when `"error"`."""
+    if self.tokenizer is None:
+      raise ValueError("limit_prompts needs the tokenizer: call with_tokenizer(tokenizer) first")
+    if max_prompt_tokens < 1:
+      raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}: the model's context "
+                       "(max_position_embeddings) has no room left for a prompt; lower max_new_tokens")
+    self.max_prompt_tokens = self._init_args["max_prompt_tokens"] = int(max_prompt_tokens)
+    if self._rows is not None and self.overlong_prompts == "error":
+      self._check_prompt_lengths()
+
+  def _limited(self, example: PromptExample, where: str) -> PromptExample:
+    if self.max_prompt_tokens is None or self.tokenizer is None:
+      return example
+    n = len(example.encode(self.tokenizer))
+    if n <= self.max_prompt_tokens:
+      return example
+    if self.overlong_prompts == "error":
+      raise ValueError(self._overlong_message([f"{where} ({n} tokens)"]))
+    self.truncated_prompts += 1
+    if self.truncated_prompts in (1, 10, 100, 1000) or self.truncated_prompts % 10000 == 0:
+      log.warning("PromptSource: %d prompts cut to their last %d tokens so far (latest: %s, %d tokens)",
+                  self.truncated_prompts, self.max_prompt_tokens, where, n)
+    return dataclasses.replace(example, max_tokens=self.max_prompt_tokens)
+
+  def counters(self) -> dict[str, float]:
+    """Cumulative data counters for the step metrics."""
+    return {"data/truncated_prompts": float(self.truncated_prompts), "data/skipped_rows": float(self.skipped_rows)}
 
   # ----------------------------------------------------------------------------------------------
 
@@ -212,17 +349,19 @@ class PromptSource:
       inst = synthetic.generate(self.task, self.seed, self._next_index, self.split)
       index = self._next_index
       self._next_index += 1
-      return PromptExample(prompt=self.format_prompt(inst.prompt), ground_truth=inst.ground_truth,
-                           task=self.reward, index=index, question=inst.prompt, reference=inst.completion,
-                           chat=self.chat)
+      return self._limited(PromptExample(prompt=self.format_prompt(inst.prompt), ground_truth=inst.ground_truth,
+                                         task=self.reward, index=index, question=inst.prompt,
+                                         reference=inst.completion, chat=self.chat),
+                           f"{self.task.name} example {index}")
     if self.num_epochs is not None and self._epoch >= self.num_epochs:
       return None
-    row_index, question, label, reference = self._rows[int(self._epoch_order()[self._offset])]
+    row_index, question, label, reference, where = self._rows[int(self._epoch_order()[self._offset])]
     self._offset += 1
     if self._offset == len(self._rows):
       self._epoch, self._offset, self._order = self._epoch + 1, 0, None
-    return PromptExample(prompt=self.format_prompt(question), ground_truth=label, task=self.reward,
-                         index=row_index, question=question, reference=reference, chat=self.chat)
+    return self._limited(PromptExample(prompt=self.format_prompt(question), ground_truth=label, task=self.reward,
+                                       index=row_index, question=question, reference=reference, chat=self.chat),
+                         where)
 
   def next_batch(self, n: int) -> list[PromptExample]:
     """The next n examples (fewer, possibly none, only when a finite `num_epochs` runs out)."""
@@ -251,9 +390,10 @@ class PromptSource:
     """JSON-able position; `load_state_dict` of it continues with exactly the next examples."""
     if self._rows is None:
       return {"version": _STATE_VERSION, "kind": "synthetic", "task": self.task.name, "seed": self.seed,
-              "split": self.split, "next_index": self._next_index}
+              "split": self.split, "next_index": self._next_index, "truncated_prompts": self.truncated_prompts}
     return {"version": _STATE_VERSION, "kind": "files", "seed": self.seed, "split": self.split,
-            "num_rows": len(self._rows), "epoch": self._epoch, "offset": self._offset}
+            "num_rows": len(self._rows), "epoch": self._epoch, "offset": self._offset,
+            "truncated_prompts": self.truncated_prompts}
 
   def load_state_dict(self, state: dict) -> None:
     kind = "synthetic" if self._rows is None else "files"
@@ -267,6 +407,16 @@ class PromptSource:
       self._next_index = int(state["next_index"])
     else:
       self._epoch, self._offset, self._order = int(state["epoch"]), int(state["offset"]), None
+    self.truncated_prompts = int(state.get("truncated_prompts", 0))
+
+  def fingerprint(self) -> dict:
+    """What defines this stream of prompts (recorded in checkpoints; a resume must not change it)."""
+    args = {k: v for k, v in self._init_args.items() if k not in ("tokenizer", "bad_rows")}
+    files = args.pop("files")
+    if files is not None:
+      args["files"] = [str(files)] if isinstance(files, (str, os.PathLike)) else [str(f) for f in files]
+      args["num_rows"] = len(self._rows)
+    return json.loads(json.dumps(args, default=str))
 
   def fork(self, seed_offset: int = 1) -> "PromptSource":
     """The same source with seed + seed_offset, from the start (e.g. a separate SFT stream)."""

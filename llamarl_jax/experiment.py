@@ -20,10 +20,12 @@ import optax
 from flax import nnx
 
 from llamarl_jax import parallel
+from llamarl_jax.checkpoint import latest_complete_step
+from llamarl_jax.config_check import check_bindings
 from llamarl_jax.controller import Controller
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.trainer import OptimizerConfig, token_logprobs
-from llamarl_jax.metrics import MetricsLogger
+from llamarl_jax.metrics import START, MetricsLogger
 from llamarl_jax.model import hf
 from llamarl_jax.model.llama import Llama, ModelConfig, split_params
 
@@ -40,23 +42,50 @@ def configured_prompt_source() -> PromptSource:
 
 @gin.configurable
 def build_policy(*, model_path: str | None = None, tiny: ModelConfig | None = None, seed: int = 0,
-                 tokenizer_extra_chars: str = "") -> tuple[ModelConfig, Any, Any]:
-  """(config, params, tokenizer): from an HF directory, or a tiny random model + char tokenizer."""
+                 tokenizer_extra_chars: str = "", weights: bool = True) -> tuple[ModelConfig, Any, Any]:
+  """(config, params, tokenizer): from an HF directory, or a tiny random model + char tokenizer.
+
+  weights=False: params is None (a generator process of a multi-process run: it receives the
+  trainer's weights, so it neither reads the checkpoint's tensors nor initialises any).
+  """
   if model_path:
-    config, model = hf.load_hf_checkpoint(model_path)
+    if weights:
+      config, model = hf.load_hf_checkpoint(model_path)
+    else:
+      config = hf.config_from_hf(json.loads((Path(model_path) / "config.json").read_text()),
+                                 source=str(Path(model_path) / "config.json"))
     tokenizer = hf.load_tokenizer(model_path)
     hf.check_tokenizer_matches(tokenizer, config)
-    _, params = split_params(model)
-    return config, params, tokenizer
+    return config, split_params(model)[1] if weights else None, tokenizer
   from llamarl_jax.tokenizer import make_char_tokenizer
 
   tokenizer = make_char_tokenizer(tokenizer_extra_chars)
   config = (tiny or ModelConfig(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
                                 num_kv_heads=2, max_position_embeddings=256, rope_theta=10000.0,
                                 tie_word_embeddings=True)).replace(vocab_size=len(tokenizer))
-  model = Llama(config, rngs=nnx.Rngs(params=seed))
-  _, params = split_params(model)
+  if not weights:
+    return config, None, tokenizer
+  _, params = split_params(Llama(config, rngs=nnx.Rngs(params=seed)))
   return config, params, tokenizer
+
+
+def mesh_layout() -> dict:
+  """The bound Controller mesh arguments (its defaults where unbound): where the roles come from."""
+  def get(name, default):
+    try:
+      return gin.query_parameter(f"Controller.{name}")
+    except ValueError:
+      return default
+  return {"trainer_fsdp": get("trainer_fsdp", 1), "trainer_tp": get("trainer_tp", 1),
+          "generator_dp": get("generator_dp", 1), "generator_tp": get("generator_tp", 1),
+          "colocated": get("colocated", False)}
+
+
+def process_roles():
+  """`distributed.Roles` of this job under the bound config (call after jax.distributed starts)."""
+  from llamarl_jax import distributed
+
+  return distributed.derive_roles(*parallel.make_meshes(**mesh_layout()))
 
 
 def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int):
@@ -106,12 +135,19 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
   if progress:
     from tqdm.auto import tqdm
     it = tqdm(it, desc="SFT warm start", dynamic_ncols=True)
+  # The batch goes to the params' devices, replicated (as jit would place host arrays in one process;
+  # explicit so that a trainer spread over processes runs the same program).
+  leaf = jax.tree.leaves(params)[0]
+  batch_sharding = (jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+                    if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) else None)
   for i in it:
     examples = source.next_batch(batch_size)
     batch = _sft_batch(tokenizer, examples, [source.reference(ex) for ex in examples], prompt_len, resp_len)
+    if batch_sharding is not None:
+      batch = jax.device_put(batch, batch_sharding)
     params, opt_state, loss = step(params, opt_state, *batch)
     if (i + 1) % log_every == 0 or i + 1 == steps:
-      loss = float(loss)
+      loss = float(np.asarray(loss.addressable_data(0)))  # replicated; works when the mesh spans processes
       if progress:
         it.set_postfix(nll=f"{loss:.3f}")
       if logger is not None:
@@ -119,50 +155,90 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
   return params
 
 
+class RunInterrupted(KeyboardInterrupt):
+  """Ctrl-C / SIGTERM stopped `run_experiment`; the message says what is on disk to resume from."""
+
+
+def _interrupted_message(checkpoint_dir: Path) -> str:
+  step = latest_complete_step(checkpoint_dir)
+  if step is None:
+    return ("interrupted before any checkpoint was written (set-up, SFT warm start or the first RL step): "
+            "nothing was saved; run the same command again to start over")
+  return f"interrupted: the newest complete checkpoint is step {step} in {checkpoint_dir}; continue with --resume"
+
+
 @gin.configurable
 def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source: PromptSource | None = None,
                    rl_source: PromptSource | None = None, eval_source: PromptSource | None = None,
                    eval_size: int = 256, eval_every: int = 0, eval_samples: int = 0, eval_window: int = 3,
                    sft: bool = True, resume: bool = False, export: bool = True,
-                   tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True) -> dict:
+                   tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True,
+                   resume_allow_changes: list[str] | tuple[str, ...] = ()) -> dict:
   """SFT warm start (optional) -> eval -> async RL (eval every `eval_every` steps) -> eval -> HF export.
+
+  Start-up order: gin bindings checked (`config_check`), policy and controller built, prompts checked
+  against the model's context, then (with `resume`) the newest complete checkpoint compared with this
+  config and restored; only then is anything in `run_dir` written (config, logs rewound to the
+  restored step). `resume_allow_changes`: settings allowed to differ from the checkpoint's beyond
+  `checkpoint.RESUMABLE_CHANGES` (e.g. ['optimizer.lr']); the evaluation settings below are among them.
 
   Held-out evaluations (`evaluate_and_log`): greedy accuracy, plus a sampled pass@1 from `eval_samples`
   draws per problem when > 0, logged at the step they were taken (JSONL/TensorBoard `eval/*`) and
-  listed in the summary's `evals`. `eval_every=0` evaluates only before and after RL. The summary's
-  `eval_accuracy_window` is the mean greedy accuracy of the last `eval_window` evaluations during
-  RL: a single final evaluation swings by several points between nearby steps, their mean less.
-  Returns the summary.
+  listed in the summary's `evals`. `eval_every=0` evaluates only before and after RL; `eval_size = 0`
+  skips every evaluation. The summary's `eval_accuracy_window` is the mean greedy accuracy of the last
+  `eval_window` evaluations during RL: a single final evaluation swings by several points between
+  nearby steps, their mean less. Returns the summary.
+
+  Across processes every process runs this: the trainer processes do the SFT, training, checkpoints
+  and export, the generator processes generation, rewards and the evaluations' sampling; process 0
+  (the trainer leader) writes the config, the logs, the summary and the export.
   """
-  for name, value in (("eval_every", eval_every), ("eval_samples", eval_samples)):
-    if value < 0:
-      raise ValueError(f"run_experiment.{name} must be >= 0 (0 = off), got {value}")
-  if eval_window < 1:
-    raise ValueError(f"run_experiment.eval_window must be >= 1, got {eval_window}")
+  check_bindings()
+  for name, value, least in (("eval_every", eval_every, 0), ("eval_samples", eval_samples, 0),
+                             ("eval_window", eval_window, 1)):  # also when called from Python, not gin
+    if value < least:
+      raise ValueError(f"run_experiment.{name} must be >= {least}, got {value}")
   run_dir = Path(run_dir)
-  run_dir.mkdir(parents=True, exist_ok=True)
-  (run_dir / "config.gin").write_text(gin.config_str())
+  main = jax.process_index() == 0
+  progress = progress and main
   t_start = time.perf_counter()
-  config, params, tokenizer = build_policy()
-  logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project)
+  config, params, tokenizer = build_policy(weights=jax.process_index() in process_roles().trainer)
   rl_source = configured_prompt_source() if rl_source is None else rl_source
   if rl_source.tokenizer is None:  # format prompts with the model's chat template, when it has one
     rl_source = rl_source.with_tokenizer(tokenizer)
   if eval_source is not None and eval_source.tokenizer is None:
     eval_source = eval_source.with_tokenizer(tokenizer)
-  eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size)
-  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, logger=logger,
-                          progress=progress)
+  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, progress=progress)
+  controller.evaluation_config = {"size": eval_size, "every": eval_every, "samples": eval_samples,
+                                  "window": eval_window}  # in checkpoints; may change on resume
+  logger = None
   try:
+    max_prompt_tokens = config.max_position_embeddings - controller.sampling.max_new_tokens
+    for source in (rl_source, eval_source):
+      if source is not None:
+        source.limit_prompts(max_prompt_tokens)
+    eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size)
+    restored = _resume_or_refuse(controller, run_dir, resume=resume, allow_changes=resume_allow_changes,
+                                 progress=progress)
+    if main:
+      run_dir.mkdir(parents=True, exist_ok=True)
+      (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
+      logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project,
+                             rewind_to=START if restored is None else restored)
+      controller.logger = logger
     summary = _sft_rl_eval_export(controller, config, tokenizer, rl_source, sft_source, eval_examples,
-                                  run_dir=run_dir, rl_steps=rl_steps, sft=sft, resume=resume, export=export,
+                                  run_dir=run_dir, rl_steps=rl_steps, sft=sft, restored=restored, export=export,
                                   eval_every=eval_every, eval_samples=eval_samples, eval_window=eval_window,
                                   logger=logger, progress=progress)
-  finally:  # also on Ctrl-C / SIGTERM: Controller.run has checkpointed the last finished step
+  except KeyboardInterrupt as e:  # Controller.run has already checkpointed the last finished RL step
+    raise RunInterrupted(_interrupted_message(controller.run_dir / "checkpoints")) from e
+  finally:
     controller.close()
-    logger.close()
+    if logger is not None:
+      logger.close()
   summary["total_seconds"] = time.perf_counter() - t_start
-  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  if main:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
   return summary
 
 
@@ -173,7 +249,8 @@ def evaluate_and_log(controller: Controller, examples, *, samples: int = 0,
   Greedy accuracy and (samples > 0) the sampled pass@1 (`Controller.evaluate`); the sampled pass's seed
   is the step, so every run and cell sees the same noise at the same step. Returns
   {"step", "eval/accuracy", "eval/reward_mean", ["eval/pass1_sampled"], "time/eval"} and the sample
-  completions under "samples" (not logged).
+  completions under "samples" (not logged). Across processes every process calls it (the result is
+  shared); only the process with a logger logs.
   """
   t0 = time.perf_counter()
   out = controller.evaluate(examples, samples=samples, seed=controller.step)
@@ -189,71 +266,107 @@ def run_with_evals(controller: Controller, examples, num_steps: int, *, eval_eve
                    logger: MetricsLogger | None = None, evals: list | None = None) -> list[dict]:
   """`controller.run(num_steps)` with `evaluate_and_log` after every step divisible by `eval_every`.
 
-  The evaluations run on the controller thread between steps while the generator keeps working, so
-  they do not change what is trained (the schedule is fixed). They are appended to `evals` (also on
-  an interrupt). Returns the steps' metrics.
+  One process: the evaluations run on the controller thread between steps (`run(on_step=)`) while
+  the generator keeps working. Across processes (every process calls this): the run is split at the
+  evaluation steps, `run` up to one, evaluate in every process, go on; the generator's pipeline
+  refills after each evaluation. Either way, under the 'fixed' schedule the evaluations do not change
+  what is trained. They are appended to `evals` (also on an interrupt). Returns the steps' metrics.
   """
   evals = [] if evals is None else evals
 
-  def on_step(step: int, _metrics: dict) -> None:
+  def on_step(step: int, _metrics: dict | None) -> None:
     if eval_every and step % eval_every == 0:
       evals.append(evaluate_and_log(controller, examples, samples=samples, logger=logger))
 
-  return controller.run(num_steps, on_step=on_step)
+  if controller.mp is None:
+    return controller.run(num_steps, on_step=on_step)
+  history, end = [], controller.step + num_steps
+  while controller.step < end:
+    stop = min(end, (controller.step // eval_every + 1) * eval_every) if eval_every else end
+    history += controller.run(stop - controller.step)
+    on_step(controller.step, None)
+  return history
+
+
+def _resume_or_refuse(controller: Controller, run_dir: Path, *, resume: bool, allow_changes, progress: bool):
+  """The restored step (resume), None (a fresh start); raises before writing anything when run_dir holds
+  checkpoints and resume is off, or when the checkpoint's config is incompatible / none restores."""
+  directory = controller.run_dir / "checkpoints"
+  existing = controller.checkpoint_dirs()  # every process calls it: the trainer leader looks
+  if existing and not resume:
+    raise FileExistsError(f"{run_dir} already holds checkpoints (steps {existing}): pass --resume to continue "
+                          "that run, or choose a new --run_dir; nothing was overwritten")
+  if not existing:
+    if resume and progress:
+      print(f"--resume: no checkpoint in {directory}; starting from scratch")
+    return None
+  step = controller.restore_checkpoint(allow_changes=allow_changes)
+  if progress:
+    skipped = "".join(f"\n  skipped damaged step {s}: {why}" for s, why in controller.checkpointer.skipped)
+    print(f"resumed from step {step} ({directory / str(step)}){skipped}")
+  return step
 
 
 def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sft_source, eval_examples, *,
-                        run_dir: Path, rl_steps: int, sft: bool, resume: bool, export: bool, eval_every: int,
-                        eval_samples: int, eval_window: int, logger: MetricsLogger, progress: bool) -> dict:
+                        run_dir: Path, rl_steps: int, sft: bool, restored: int | None, export: bool,
+                        eval_every: int, eval_samples: int, eval_window: int, logger: MetricsLogger,
+                        progress: bool) -> dict:
   summary: dict = {"run_dir": str(run_dir), "model_params": config.num_params()}
-  if not resume and controller.checkpointer.latest_step() is not None:
-    raise FileExistsError(f"{run_dir} already holds checkpoints (latest step "
-                          f"{controller.checkpointer.latest_step()}): pass --resume to continue that run, or "
-                          f"choose a new --run_dir; nothing was overwritten")
   before_file = run_dir / "eval_before_rl.json"
-  resumed = resume and controller.checkpointer.latest_step() is not None
+  resumed = restored is not None
   if resumed:
-    summary["resumed_from_step"] = controller.restore_checkpoint()
-  elif sft:
+    summary["resumed_from_step"] = restored
+    summary["skipped_checkpoints"] = [f"step {s}: {why}" for s, why in
+                                      (controller.checkpointer.skipped if controller.is_trainer else [])]
+  elif sft and controller.is_trainer:
     source = sft_source or rl_source.fork(seed_offset=1)
     params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
                                   progress=progress)
     controller.trainer.load_params(params)
+  evaluating = len(eval_examples) > 0  # eval_size = 0 skips every held-out evaluation
   evals: list[dict] = []
-  if resumed and before_file.exists():  # the baseline is the policy RL started from, not the resume point
+  if not evaluating:
+    summary["eval_before_rl"] = None
+  elif resumed and before_file.exists():  # the baseline is the policy RL started from, not the resume point
     summary["eval_before_rl"] = json.loads(before_file.read_text())["eval/accuracy"]
   else:
     evals.append(evaluate_and_log(controller, eval_examples, samples=eval_samples, logger=logger))
     summary["eval_before_rl"] = evals[-1]["eval/accuracy"]
-    before_file.write_text(json.dumps({"eval/accuracy": summary["eval_before_rl"]}))
-  if progress:
+    if controller.is_main:
+      before_file.write_text(json.dumps({"eval/accuracy": summary["eval_before_rl"]}))
+  if progress and evaluating:
     print(f"held-out accuracy before RL: {summary['eval_before_rl']:.3f} ({len(eval_examples)} problems)")
   remaining = max(rl_steps - controller.step, 0)
   t_rl = time.perf_counter()
   history = (run_with_evals(controller, eval_examples, remaining, eval_every=eval_every, samples=eval_samples,
                             logger=logger, evals=evals) if remaining else [])
   summary["rl_seconds"] = time.perf_counter() - t_rl
-  if not evals or evals[-1]["step"] != controller.step:
-    evals.append(evaluate_and_log(controller, eval_examples, samples=eval_samples, logger=logger))
-  after = evals[-1]
-  summary["eval_after_rl"] = after["eval/accuracy"]
-  summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - summary["eval_before_rl"])
-  summary["samples_after"] = after["samples"]
-  during = [e for e in evals if e["step"] > 0][-eval_window:]
-  if during:
-    summary["eval_accuracy_window"] = float(np.mean([e["eval/accuracy"] for e in during]))
-    summary["eval_window_steps"] = [e["step"] for e in during]
-  summary["evals"] = [{k: v for k, v in e.items() if k != "samples"} for e in evals]
+  if evaluating:
+    if not evals or evals[-1]["step"] != controller.step:
+      evals.append(evaluate_and_log(controller, eval_examples, samples=eval_samples, logger=logger))
+    after = evals[-1]
+    summary["eval_after_rl"] = after["eval/accuracy"]
+    summary["eval_gain_points"] = 100 * (after["eval/accuracy"] - summary["eval_before_rl"])
+    summary["samples_after"] = after["samples"]
+    during = [e for e in evals if e["step"] > 0][-eval_window:]
+    if during:
+      summary["eval_accuracy_window"] = float(np.mean([e["eval/accuracy"] for e in during]))
+      summary["eval_window_steps"] = [e["step"] for e in during]
+    summary["evals"] = [{k: v for k, v in e.items() if k != "samples"} for e in evals]
   if history:
     last = history[-min(10, len(history)):]
     summary["train_reward_last10"] = float(np.mean([m["reward/mean"] for m in last]))
     summary["mean_step_seconds"] = float(np.mean([m["time/step"] for m in history]))
     summary["policy_lag_max"] = float(max(m["policy/lag_max"] for m in history))
-  logger.log(controller.step, {"eval/accuracy_before": summary["eval_before_rl"],
-                               "eval/accuracy_after": after["eval/accuracy"]})
-  if export:
+  if logger is not None and evaluating:
+    logger.log(controller.step, {"eval/accuracy_before": summary["eval_before_rl"],
+                                 "eval/accuracy_after": after["eval/accuracy"]})
+  if export and controller.is_trainer:
     from llamarl_jax.model.llama import merge_params
-    model = merge_params(split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0],
-                         jax.device_get(controller.trainer.params))
-    summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
+    from llamarl_jax.transfer import to_host
+
+    host = to_host(controller.trainer.params)  # every trainer process: the params may span them
+    if controller.is_main:
+      model = merge_params(split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0], host)
+      summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
   return summary

@@ -1,7 +1,7 @@
 """Step-time and memory model of LlamaRL-style RL post-training: a plan on paper, in code.
 
-Pure Python (no JAX). Given a Llama 3 shape, a GPU count, each executor's layout, H100 numbers and a
-few achieved-efficiency factors, it predicts
+Pure Python (no JAX). Given a model shape (Llama 3, Qwen2.5, Qwen3), a GPU count, each executor's layout,
+H100 numbers and a few achieved-efficiency factors, it predicts
 
   * the synchronous step of the paper's DeepSpeed-Chat-like baseline: trainer and generator colocated
     on all GPUs, generate -> train -> reshard in sequence;
@@ -70,7 +70,11 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class ModelShape:
-  """A Llama 3 architecture (untied embeddings, grouped-query attention)."""
+  """A dense decoder: Llama 3 (untied embeddings, GQA) by default; Qwen2 / Qwen3 set the rest.
+
+  head_dim: 0 means hidden / heads (Llama, Qwen2); Qwen3 states its own (128). tied: one embedding table
+  that is also the output projection. qkv_bias (Qwen2) and qk_norm (Qwen3) add a few parameters.
+  """
 
   name: str
   layers: int
@@ -79,24 +83,31 @@ class ModelShape:
   kv_heads: int
   intermediate: int
   vocab: int = 128256
+  head_dim: int = 0
+  tied: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
 
-  @property
-  def head_dim(self) -> int:
-    return self.hidden // self.heads
+  def __post_init__(self):
+    if not self.head_dim:
+      object.__setattr__(self, "head_dim", self.hidden // self.heads)
 
   @property
   def layer_params(self) -> int:
     d, hd = self.hidden, self.head_dim
-    return d * hd * (2 * self.heads + 2 * self.kv_heads) + 3 * d * self.intermediate + 2 * d
+    qkv = hd * (self.heads + 2 * self.kv_heads)
+    attn = d * qkv + self.heads * hd * d + self.qkv_bias * qkv + self.qk_norm * 2 * hd
+    return attn + 3 * d * self.intermediate + 2 * d
 
   @property
   def params(self) -> int:
-    return self.layers * self.layer_params + 2 * self.vocab * self.hidden + self.hidden
+    return self.layers * self.layer_params + (1 if self.tied else 2) * self.vocab * self.hidden + self.hidden
 
   @property
   def matmul_params(self) -> int:
-    """Parameters a token multiplies with: all but the embedding table (a gather)."""
-    return self.params - self.vocab * self.hidden
+    """Parameters a token multiplies with: all but the input embedding (a gather), unless it is tied
+    to the output projection (which is a matmul)."""
+    return self.params - (0 if self.tied else self.vocab * self.hidden)
 
   def kv_bytes_per_token(self, nbytes: int = 2) -> int:
     """K and V of one token, every layer and kv head."""
@@ -104,7 +115,7 @@ class ModelShape:
 
   def attention_flops_per_token(self, context: float) -> float:
     """Forward FLOPs of q.k and p.v for one token attending to `context` tokens."""
-    return 4 * self.layers * self.hidden * context
+    return 4 * self.layers * self.heads * self.head_dim * context
 
 
 LLAMA3 = {
@@ -112,6 +123,18 @@ LLAMA3 = {
     "70b": ModelShape("llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672),
     "405b": ModelShape("llama3-405b", layers=126, hidden=16384, heads=128, kv_heads=8, intermediate=53248),
 }
+# Shapes from the released config.json files (Qwen2.5-1.5B(-Instruct), Qwen2.5-7B, Qwen3-1.7B, Qwen3-8B).
+QWEN = {
+    "qwen2.5-1.5b": ModelShape("qwen2.5-1.5b", layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960,
+                               vocab=151936, tied=True, qkv_bias=True),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944,
+                             vocab=152064, qkv_bias=True),
+    "qwen3-1.7b": ModelShape("qwen3-1.7b", layers=28, hidden=2048, heads=16, kv_heads=8, intermediate=6144,
+                             vocab=151936, head_dim=128, tied=True, qk_norm=True),
+    "qwen3-8b": ModelShape("qwen3-8b", layers=36, hidden=4096, heads=32, kv_heads=8, intermediate=12288,
+                           vocab=151936, head_dim=128, qk_norm=True),
+}
+MODELS = {**LLAMA3, **QWEN}  # what `--size` and `choose_layout(model="...")` accept
 
 
 @dataclass(frozen=True)
@@ -589,12 +612,12 @@ def choose_async_layout(model: ModelShape, gpus: int, work: Workload = PAPER_WOR
 
 def choose_layout(model: ModelShape | str, gpus: int, work: Workload = PAPER_WORKLOAD, *, mode: str = "async",
                   hw: Hardware = Hardware(), eff: Efficiency = CALIBRATED, **kwargs) -> StepPrediction:
-  """The fastest layouts that fit for `model` (a ModelShape or "8b" / "70b" / "405b") on `gpus` GPUs.
+  """The fastest layouts that fit for `model` (a ModelShape or a key of `MODELS`) on `gpus` GPUs.
 
   mode "async": LlamaRL's disjoint trainer / generator (`choose_async_layout`, kwargs quantize, max_pp);
   "sync": the colocated baseline (`choose_sync_layout`). Raises ValueError when nothing fits.
   """
-  model = LLAMA3[model.lower()] if isinstance(model, str) else model
+  model = MODELS[model.lower()] if isinstance(model, str) else model
   if mode == "async":
     return choose_async_layout(model, gpus, work, hw, eff, **kwargs)
   if mode == "sync":
@@ -675,7 +698,7 @@ def describe(pred: StepPrediction) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description="LlamaRL step-time and memory model (see the module docstring).")
-  parser.add_argument("--size", choices=sorted(LLAMA3), help="plan one model instead of the paper table")
+  parser.add_argument("--size", choices=list(MODELS), help="plan one model instead of the paper table")
   parser.add_argument("--gpus", type=int, help="GPU count for --size")
   parser.add_argument("--quantize", default="fp8", choices=("fp8", "bf16"), help="async generator weights")
   parser.add_argument("--this_repo", action="store_true",
@@ -692,7 +715,7 @@ def main(argv=None) -> None:
   if args.size:
     if not args.gpus:
       parser.error("--size needs --gpus")
-    model = LLAMA3[args.size]
+    model = MODELS[args.size]
     print(f"{model.name} ({model.params / 1e9:.1f}B params) on {args.gpus} GPUs")
     repo = dict(quantize="bf16", max_pp=1, streaming=False) if args.this_repo else dict(quantize=args.quantize)
     for mode, kw in (("async", repo), ("sync", {})):

@@ -13,6 +13,11 @@ dominates). Both rows are printed by default. On a GPU machine, meshes are real 
 
   python scripts/bench_async.py                      # CPU: 8 fake devices via XLA_FLAGS (make bench)
   python scripts/bench_async.py --hidden 512 --layers 8 --steps 20   # bigger model
+  python scripts/bench_async.py --engines static,slots --lags 1 --delays 0   # the generator engines
+
+`--engines`: the generator engine(s) (`Controller.generator_engine`: 'slots' continuous batching, the
+default, or 'static' batches); with both, each row also reports its step time against the static
+engine's row of the same lag and delay.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 
-def run_one(args, lag: int, delay: float) -> dict:
+def run_one(args, lag: int, delay: float, engine: str = "slots") -> dict:
   from flax import nnx
 
   from llamarl_jax.controller import Controller, overlap_seconds
@@ -51,7 +56,7 @@ def run_one(args, lag: int, delay: float) -> dict:
                    max_new_tokens=args.max_new_tokens, trainer_fsdp=args.trainer_fsdp,
                    generator_dp=args.generator_dp, generator_tp=args.generator_tp,
                    optimizer=OptimizerConfig(lr=1e-4), generator_delay_s=delay, buffer_capacity=max(lag, 1) + 1,
-                   progress=False, seed=0)
+                   generator_engine=engine, engine_max_prompt_len=16, progress=False, seed=0)
     try:
       steps = c.run(args.warmup + args.steps)
       timed = steps[args.warmup:]
@@ -65,12 +70,13 @@ def run_one(args, lag: int, delay: float) -> dict:
   wall = end - start
   busy = {n: sum(e - s for m, s, e in window if m == n) / wall for n in ("generate", "reward", "train")}
   return {
-      "lag": lag, "delay": delay, "step_s": float(np.mean([m["time/step"] for m in timed])),
+      "engine": engine, "lag": lag, "delay": delay, "step_s": float(np.mean([m["time/step"] for m in timed])),
       "wall_per_step": wall / len(timed), "busy": busy,
       "overlap_s": overlap_seconds(window, "generate", "train") / len(timed),
       "trainer_wait_s": float(np.mean([m["time/trainer_wait"] for m in timed])),
       "sync_s": float(np.mean([m["time/sync"] for m in timed])),
       "lag_max": max(m["policy/lag_max"] for m in timed),
+      "slot_util": float(np.mean([m.get("generate/slot_utilization", np.nan) for m in timed])),
   }
 
 
@@ -88,26 +94,38 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--generator_tp", type=int, default=1)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--steps", type=int, default=8)
+  p.add_argument("--engines", default="slots", help="generator engines to run: slots, static or both")
   args = p.parse_args(argv)
 
   import jax
 
-  rows = [run_one(args, lag, delay) for delay in map(float, args.delays.split(","))
-          for lag in map(int, args.lags.split(","))]
+  engines = args.engines.split(",")
+  for e in engines:
+    if e not in ("slots", "static"):
+      p.error(f"unknown engine {e!r}; expected slots or static")
+  rows = [run_one(args, lag, delay, engine) for delay in map(float, args.delays.split(","))
+          for lag in map(int, args.lags.split(",")) for engine in engines]
   print(f"\nbench_async: {jax.device_count()} x {jax.devices()[0].device_kind}, model hidden {args.hidden} x "
         f"{args.layers} layers, {args.prompts} prompts x {args.samples} samples, {args.max_new_tokens} new "
         f"tokens, trainer fsdp {args.trainer_fsdp} | generator dp {args.generator_dp} tp {args.generator_tp}, "
         f"{args.steps} timed steps after {args.warmup} warm-up\n")
-  print("| gen delay s | max_policy_lag | step s | speed-up vs lag 0 | gen busy | train busy | reward busy "
-        "| gen/train overlap s per step | trainer wait s | sync s | max lag seen |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  both = len(engines) > 1
+  print("| gen delay s | max_policy_lag | engine | step s | speed-up vs lag 0 |" + (" vs static |" if both else "")
+        + " gen busy | train busy | reward busy | gen/train overlap s per step | trainer wait s | sync s "
+        "| max lag seen | slot util |")
+  print("|---|---|---|---|---|" + ("---|" if both else "") + "---|---|---|---|---|---|---|---|")
   for r in rows:
-    # speed-up against the lag-0 row of the same delay (against itself when --lags omits 0)
-    base = next((b for b in rows if b["delay"] == r["delay"] and b["lag"] == 0), r)
-    print(f"| {r['delay']:.2f} | {r['lag']} | {r['wall_per_step']:.3f} | "
-          f"{base['wall_per_step'] / r['wall_per_step']:.2f}x | {r['busy']['generate']:.0%} | "
-          f"{r['busy']['train']:.0%} | {r['busy']['reward']:.0%} | {r['overlap_s']:.3f} | "
-          f"{r['trainer_wait_s']:.3f} | {r['sync_s']:.4f} | {r['lag_max']:.0f} |")
+    # speed-up against the lag-0 row of the same delay and engine (against itself when --lags omits 0)
+    same = lambda b, **kw: all(b[k] == r[k] for k in ("delay", "lag", "engine") if k not in kw) and all(
+        b[k] == v for k, v in kw.items())
+    base = next((b for b in rows if same(b, lag=0)), r)
+    static = next((b for b in rows if same(b, engine="static")), r)
+    print(f"| {r['delay']:.2f} | {r['lag']} | {r['engine']} | {r['wall_per_step']:.3f} | "
+          f"{base['wall_per_step'] / r['wall_per_step']:.2f}x |"
+          + (f" {static['wall_per_step'] / r['wall_per_step']:.2f}x |" if both else "")
+          + f" {r['busy']['generate']:.0%} | {r['busy']['train']:.0%} | {r['busy']['reward']:.0%} | "
+          f"{r['overlap_s']:.3f} | {r['trainer_wait_s']:.3f} | {r['sync_s']:.4f} | {r['lag_max']:.0f} | "
+          + (" - |" if np.isnan(r["slot_util"]) else f"{r['slot_util']:.0%} |"))
   return rows
 
 

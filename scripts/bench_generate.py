@@ -14,9 +14,24 @@ Decode step time = (time(R tokens) - time(1 token)) / (R - 1), which removes pre
 
   python scripts/bench_generate.py                      # CPU: 5m and 50m vs transformers
   python scripts/bench_generate.py --sizes 50m,1b       # on a GPU
+
+Slot engine vs static sampler (`--engine_workloads longtail,equal`, on the first size; `none` skips):
+the same random weights, prompts and seeds go through `Sampler.generate` in static batches of
+`--slots` rows and through a `SlotEngine` with `--slots` KV slots (every batch submitted with the seed
+the static call used, so both sample the same tokens: the table reports the agreement). Sampling at
+temperature 1 over the full vocabulary.
+  longtail: a stop set of `--stop_fraction` of the vocabulary (random ids). The random model's
+            next-token distribution is close to uniform over a wide band, so each step stops a row
+            with probability about stop_fraction: response lengths are roughly geometric (mean about
+            1 / stop_fraction), capped at --engine_max_new_tokens. The static batch decodes until its
+            longest row stops; the slots refill as rows stop. Measured lengths are printed (max/mean).
+  equal:    no stop token: every response is --engine_max_new_tokens long (the engine's overhead case).
+Useful tokens/s = response tokens (stop token included, nothing after it) / wall time; best of
+--repeats, alternating the two. Slot utilization = real tokens / (decode steps x slots).
 """
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -73,7 +88,7 @@ def our_runner(config, model, prompts):
   from llamarl_jax.generation import Sampler, SamplingParams
 
   sampler = Sampler(config)
-  params = sampler._place_params(model)  # the timed calls see resident weights, as the generator does
+  params = sampler.place_params(model)  # the timed calls see resident weights, as the generator does
   return lambda r: jax.block_until_ready(sampler.generate(params, prompts, SamplingParams(temperature=0, max_new_tokens=r)))
 
 
@@ -109,6 +124,13 @@ def main(argv=None):
   parser.add_argument("--dtype", default=None, help="params/compute dtype (default: float32 on CPU, bfloat16 on GPU)")
   parser.add_argument("--peak_bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM: 3.35e12)")
   parser.add_argument("--skip_hf", action="store_true", help="do not run transformers")
+  parser.add_argument("--engine_workloads", default="longtail,equal",
+                      help="slot engine vs static sampler workloads: longtail, equal (or none)")
+  parser.add_argument("--slots", type=int, default=16, help="engine slots = static batch rows")
+  parser.add_argument("--engine_prompts", type=int, default=128)
+  parser.add_argument("--engine_max_new_tokens", type=int, default=256)
+  parser.add_argument("--stop_fraction", type=float, default=1 / 32)
+  parser.add_argument("--chunk_steps", type=int, default=16)
   args = parser.parse_args(argv)
   if args.device == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -178,6 +200,66 @@ def main(argv=None):
       frac = decode_roofline(config, args.batch, args.prompt_len, R, step, dtype.itemsize, args.peak_bandwidth)
       row += f" {step * 1e3:.2f} | {frac:.0%} |"
     print(row, flush=True)
+  if args.engine_workloads != "none":
+    name = args.sizes.split(",")[0]
+    config = config_from_hf(hf_config(name).to_dict(), dtype=dtype)
+    engine_table(config, init_model(config, seed=0), args, name)
+
+
+def engine_table(config, model, args, name):
+  """Slot engine vs static sampler on the same weights, prompts and seeds; prints one row per workload."""
+  import jax
+  import numpy as np
+
+  from llamarl_jax.generation import Sampler, SamplingParams
+  from llamarl_jax.generation.engine import SlotEngine
+
+  S, R, N = args.slots, args.engine_max_new_tokens, args.engine_prompts
+  rng = np.random.RandomState(1)
+  prompts = rng.randint(1, config.vocab_size, (N, args.prompt_len)).tolist()
+  batches = [prompts[i:i + S] for i in range(0, N, S)]
+  print(f"\n# slot engine vs static sampler: {name}, {N} prompts of {args.prompt_len}, {S} slots = static batch, "
+        f"max {R} new tokens, temperature 1, chunk {args.chunk_steps} steps, best of {args.repeats}")
+  print("| workload | lengths mean / max (max/mean) | static tok/s | slots tok/s | slots / static | "
+        "slot utilization | static utilization | same tokens |")
+  print("|---|---|---|---|---|---|---|---|")
+  for workload in args.engine_workloads.split(","):
+    if workload not in ("longtail", "equal"):
+      raise SystemExit(f"unknown engine workload {workload!r}; expected longtail or equal")
+    stops = ()
+    if workload == "longtail":
+      count = max(1, round(args.stop_fraction * config.vocab_size))
+      stops = tuple(int(t) for t in rng.choice(np.arange(1, config.vocab_size), count, replace=False))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=R, stop_token_ids=stops)
+    sampler = Sampler(config)
+    engine = SlotEngine(config, num_slots=S, sampling=sampling, max_prompt_len=args.prompt_len,
+                        chunk_steps=args.chunk_steps)
+    params = sampler.place_params(model)
+
+    def static():
+      out = [sampler.generate(params, b, dataclasses.replace(sampling, seed=i)) for i, b in enumerate(batches)]
+      return jax.device_get([(o.response_tokens, o.lengths) for o in out])
+
+    def slots():
+      engine.swap(params, 0)
+      for i, b in enumerate(batches):
+        engine.submit(b, seed=i, tags=[(i, j) for j in range(len(b))])
+      groups = sorted(engine.run(), key=lambda g: g.tag)
+      return [(np.concatenate([g.tokens for g in groups[i * S:(i + 1) * S]]),
+               np.concatenate([g.lengths for g in groups[i * S:(i + 1) * S]])) for i in range(len(batches))]
+
+    ref, got = static(), slots()  # compile + warm up
+    lengths = np.concatenate([l for _, l in ref])
+    same = np.mean([np.array_equal(a[0], b[0]) for a, b in zip(ref, got)] + [
+        np.array_equal(a[1], b[1]) for a, b in zip(ref, got)])
+    static_steps = sum(int(l.max()) - 1 for _, l in ref)
+    engine.take_metrics()
+    t_static, t_slots = best_times([static, slots], args.repeats)
+    util = engine.take_metrics()["generate/slot_utilization"]
+    useful = float(lengths.sum())
+    print(f"| {workload} | {lengths.mean():.1f} / {lengths.max()} ({lengths.max() / lengths.mean():.1f}) | "
+          f"{useful / t_static:,.0f} | {useful / t_slots:,.0f} | {t_static / t_slots:.2f}x | {util:.1%} | "
+          f"{(useful - N) / (static_steps * S):.1%} | {same:.0%} |", flush=True)
 
 
 if __name__ == "__main__":

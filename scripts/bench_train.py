@@ -107,7 +107,7 @@ def random_batch(rng, config, B, P, R):
       response_tokens=rng.randint(1, config.vocab_size, (B, R)).astype(np.int32), response_mask=ones(B, R),
       behaviour_logprobs=rng.uniform(-4, -1, (B, R)).astype(np.float32), lengths=np.full(B, R, np.int32),
       finish_reason=np.zeros(B, np.int32), group_ids=np.arange(B, dtype=np.int32) // 4,
-      policy_version=np.zeros(B, np.int32))
+      policy_version=np.zeros(B, np.int32), token_versions=np.zeros((B, R), np.int32))
   adv = rng.choice([-1.0, 1.0], B).astype(np.float32)
   return ScoredBatch(rollout=rollout, rewards=(adv > 0).astype(np.float32), advantages=adv)
 

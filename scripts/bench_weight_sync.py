@@ -104,7 +104,8 @@ def bench_one(params, axes, trainer_mesh, gen_mesh, mode, repeats):
 
   dtype, quantize = MODES[mode]
   shapes = jax.eval_shape(lambda p: p, params)
-  sync = WeightSync(parallel.param_shardings(shapes, axes, gen_mesh), dtype=jnp.dtype(dtype), quantize=quantize)
+  sync = WeightSync(parallel.param_shardings(shapes, axes, gen_mesh), dtype=jnp.dtype(dtype), quantize=quantize,
+                    axes=axes)
   sync.push(params, 0)  # warm-up: compiles the cast / quantise / dequantise
   push = [sync.push(params, v + 1)["sync/seconds"] for v in range(repeats)]
   nbytes = int(sync.history[-1]["sync/bytes"])

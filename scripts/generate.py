@@ -4,7 +4,7 @@
   python scripts/generate.py --checkpoint path/to/hf_dir --prompt "Q: 2+2=?" --max_new_tokens 32
   python scripts/generate.py --random_tiny --prompt "12+3=" --temperature 0.8 --n 2
 
---checkpoint: a Hugging Face Llama directory (config.json, safetensors, tokenizer files).
+--checkpoint: a Hugging Face Llama 3 / Qwen2 / Qwen3 directory (config.json, safetensors, tokenizer files).
 --random_tiny: a tiny randomly initialised model with the character tokenizer (gibberish, but it
 exercises the whole path in seconds on a CPU). The tokenizer's EOS stops a row.
 """
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   source = parser.add_mutually_exclusive_group(required=True)
-  source.add_argument("--checkpoint", help="Hugging Face Llama directory")
+  source.add_argument("--checkpoint", help="Hugging Face Llama / Qwen2 / Qwen3 directory")
   source.add_argument("--random_tiny", action="store_true", help="tiny random model + character tokenizer")
   parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
   parser.add_argument("--max_new_tokens", type=int, default=64)

@@ -38,3 +38,15 @@ def slow_match(response_text: str, ground_truth: str) -> float:
   """Exact match after a short sleep (to exercise the pool's parallelism)."""
   time.sleep(0.05)
   return float(response_text == ground_truth)
+
+
+_LEAK: list = []
+
+
+def leaky_match(response_text: str, ground_truth: str) -> float:
+  """Exact match that keeps 1 MB per call alive forever (a leaking verifier); "huge" tries to allocate
+  1 GB at once."""
+  if response_text == "huge":
+    _LEAK.append(b"x" * (1 << 30))
+  _LEAK.append(b"x" * (1 << 20))  # written, so resident
+  return float(response_text == ground_truth)

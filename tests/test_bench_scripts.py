@@ -23,3 +23,10 @@ def test_bench_async_reports_each_lag_with_its_bound(capsys):
   assert sync["overlap_s"] < 0.05  # lag 0: generation never runs beside training (timer noise only)
   assert lag1["overlap_s"] > 0.0  # lag 1: the next batch is generated while the trainer trains
   assert "speed-up vs lag 0" in capsys.readouterr().out
+
+
+def test_bench_verify_reports_per_category_and_false_positives(capsys):
+  summary = _load("bench_verify").main(["--limit", "60", "--no_peer", "--repeats", "1"])
+  assert summary["cases"] == 60 and summary["ours"]["false_positives"] == 0
+  out = capsys.readouterr().out
+  assert "| gsm8k_hash |" in out and "ours accepted" in out and "calls/s" in out

@@ -9,7 +9,7 @@ import pytest
 from llamarl_jax import experiment  # noqa: F401  (registers the configurables)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ["llama3_8b.gin", "llama3_70b.gin", "llama3_405b.gin"]
+CONFIGS = ["llama3_8b.gin", "llama3_70b.gin", "llama3_405b.gin", "qwen2p5_1p5b.gin", "qwen3_1p7b.gin"]
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def parsed(monkeypatch):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_parses_with_known_bindings_only(parsed, name):
   parsed(name)
-  assert gin.query_parameter("build_policy.model_path").startswith("/path/to/Meta-Llama-3.1-")
+  assert gin.query_parameter("build_policy.model_path").startswith(("/path/to/Meta-Llama-3.1-", "/path/to/Qwen"))
   assert gin.query_parameter("Controller.reward_fn") == "math"
   assert gin.query_parameter("Controller.generator_dtype") == "bfloat16"
   assert gin.query_parameter("Controller.remat") is True

@@ -149,6 +149,27 @@ def test_chat_template_when_the_tokenizer_has_one():
   assert not plain.chat and plain.prompt == plain.question
 
 
+def test_qwen_chatml_template_from_the_checkpoint_tokenizer(make_hf_model):
+  """A Qwen checkpoint's own tokenizer (ChatML, no BOS), loaded as the job loads it, formats and encodes
+  prompts the Qwen way; the stop token the Controller uses (eos) is <|im_end|>, the end of a turn."""
+  from conftest import chatml_tokenizer
+  from llamarl_jax.experiment import build_policy
+
+  _, path = make_hf_model(family="qwen3", vocab_size=128)
+  chatml_tokenizer().save_pretrained(path)
+  config, _, tok = build_policy(model_path=str(path))
+  assert config.model_type == "qwen3"
+  src = PromptSource(GSM8K, shuffle=False, system_prompt="Be brief.", template="{prompt} Answer after ####.")
+  ex = src.with_tokenizer(tok).next_batch(1)[0]
+  assert ex.chat
+  assert ex.prompt == (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{ex.question} Answer after "
+                       "####.<|im_end|>\n<|im_start|>assistant\n")
+  ids = ex.encode(tok)
+  start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+  assert ids[0] == start and ids.count(start) == 3 and ids.count(end) == 2  # one id each, no BOS before
+  assert tok.decode(ids) == ex.prompt and tok.eos_token_id == end
+
+
 def test_with_tokenizer_keeps_the_position():
   src = PromptSource(GSM8K, seed=2)
   src.next_batch(5)
@@ -167,3 +188,66 @@ def test_bad_inputs_have_clear_errors(tmp_path):
     PromptSource(tmp_path / "odd.jsonl")
   with pytest.raises(ValueError, match="template"):
     PromptSource(template="no placeholder")
+
+
+# ---- bad rows and the context limit (issue 19) ----
+
+def _write_lines(path, lines):
+  path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+  return path
+
+
+def test_a_first_row_without_an_answer_does_not_reject_the_file(tmp_path):
+  f = _write_lines(tmp_path / "g.jsonl", [{"question": "q0"}, {"question": "1+1?", "answer": "so #### 2"},
+                                          {"question": "2+2?", "answer": "so #### 4"}])
+  src = PromptSource(f, shuffle=False)
+  assert [ex.ground_truth for ex in src.next_batch(2)] == ["2", "4"]
+  assert src.skipped_rows == 1 and dict(src.skip_reasons) == {"no answer": 1}
+
+
+def test_bad_rows_error_names_file_and_line(tmp_path):
+  f = _write_lines(tmp_path / "g.jsonl", [{"question": "1+1?", "answer": "#### 2"}, ["a", "list"],
+                                          "{not json", {"question": "3+3?", "answer": "no marker"}])
+  with pytest.raises(ValueError, match=r"g\.jsonl:2: expected a JSON object, found a JSON list"):
+    PromptSource(f, bad_rows="error")
+  with pytest.raises(ValueError, match=r"g\.jsonl:2: expected a JSON object"):
+    read_rows(f)
+  src = PromptSource(f, bad_rows="skip")
+  assert len(src) == 1 and src.skipped_rows == 3
+  assert dict(src.skip_reasons) == {"expected a JSON object, found a JSON list": 1, "not valid JSON": 1,
+                                    "no ground truth in the answer": 1}
+  assert src.counters()["data/skipped_rows"] == 3
+
+
+def test_overlong_prompts_error_at_start_up_or_truncate_and_count(tmp_path):
+  tok = make_char_tokenizer()
+  long_q = "1+" * 30 + "1"  # 61 characters -> 62 tokens with BOS
+  f = _write_lines(tmp_path / "g.jsonl", [{"question": "1+1", "answer": "#### 2"},
+                                          {"question": long_q, "answer": "#### 31"}])
+  src = PromptSource(f, shuffle=False).with_tokenizer(tok)
+  with pytest.raises(ValueError, match=r"g\.jsonl:2 \(62 tokens\).*overlong_prompts = 'truncate'"):
+    src.limit_prompts(40)
+  cut = PromptSource(f, shuffle=False, overlong_prompts="truncate").with_tokenizer(tok)
+  cut.limit_prompts(40)
+  a, b = cut.next_batch(2)
+  assert len(a.encode(tok)) == 4 and b.encode(tok) == tok(b.prompt)["input_ids"][-40:]
+  assert cut.counters()["data/truncated_prompts"] == 1
+  assert cut.fork().max_prompt_tokens == 40  # the limit travels with forks (and heldout / with_tokenizer)
+  restored = PromptSource(f, shuffle=False, overlong_prompts="truncate").with_tokenizer(tok)
+  restored.load_state_dict(cut.state_dict())
+  assert restored.truncated_prompts == 1
+
+
+def test_synthetic_prompts_past_the_limit_fail_when_drawn():
+  src = PromptSource(task="arithmetic", seed=0).with_tokenizer(make_char_tokenizer())
+  src.limit_prompts(3)
+  with pytest.raises(ValueError, match=r"max_prompt_tokens = 3.*arithmetic example 0 \(7 tokens\)"):
+    src.next_batch(1)
+
+
+def test_a_file_of_only_malformed_lines_is_reported_by_line(tmp_path):
+  f = _write_lines(tmp_path / "g.jsonl", ["[1, 2]", "oops"])
+  with pytest.raises(ValueError, match=r"g\.jsonl:1: expected a JSON object, found a JSON list"):
+    PromptSource(f, bad_rows="error")
+  with pytest.raises(ValueError, match=r"no usable 'train' rows.*2 bad.*g\.jsonl:2: not valid JSON"):
+    PromptSource(f)

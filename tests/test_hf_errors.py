@@ -35,15 +35,27 @@ def test_missing_weights_file(make_hf_model):
     load_hf_checkpoint(path)
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("model_type", "mistral", "model_type 'mistral'"),
-    ("attention_bias", True, "attention_bias"),
-    ("hidden_act", "gelu", "hidden_act"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_scaling.rope_type='yarn'"),
+SUPPORTED = r"supported: 'llama' \(LlamaForCausalLM\), 'qwen2' \(Qwen2ForCausalLM\), 'qwen3' \(Qwen3ForCausalLM\)"
+
+
+@pytest.mark.parametrize("family,changes,match", [
+    ("llama", {"model_type": "mistral"}, "model_type 'mistral' is not supported; " + SUPPORTED),
+    ("qwen2", {"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not supported; " + SUPPORTED),
+    ("llama", {"model_type": "mixtral"}, "model_type 'mixtral' is not supported; " + SUPPORTED),
+    ("qwen2", {"architectures": ["LlamaForCausalLM"]}, r"need Qwen2ForCausalLM"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("qwen3", {"attention_bias": True}, "attention_bias=True is not supported for model_type 'qwen3'"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     r"rope_scaling.rope_type='dynamic' is not supported \(supported: 'default', 'llama3', 'yarn'\)"),
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn"}}, r"rope_scaling \(yarn\) is missing \['factor'\]"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+     "sliding-window attention .*use_sliding_window=True, sliding_window=16, layers >= max_window_layers=1"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, r"sliding-window attention .*layers \[1\]"),
 ])
-def test_unsupported_config_field(make_hf_model, field, value, match):
-  _, path = make_hf_model()
-  _edit_config(path, **{field: value})
+def test_unsupported_config_field(make_hf_model, family, changes, match):
+  _, path = make_hf_model(family=family)
+  _edit_config(path, **changes)
   with pytest.raises(CheckpointError, match=match):
     load_hf_checkpoint(path)
 

@@ -42,6 +42,30 @@ def test_llama3_parameter_counts():
   assert billions == pytest.approx({"8b": 8.03, "70b": 70.55, "405b": 405.85}, abs=0.01)
 
 
+def test_qwen_parameter_counts_match_the_model_and_the_releases():
+  """Qwen's released sizes (1.54B, 7.62B, 1.72B, 8.19B with embeddings), and the same count as our
+  ModelConfig of that shape: q/k/v biases (Qwen2), q/k norms and head_dim 128 (Qwen3), tied tables."""
+  from llamarl_jax.model import ModelConfig
+
+  billions = {k: m.params / 1e9 for k, m in pm.QWEN.items()}
+  assert billions == pytest.approx({"qwen2.5-1.5b": 1.544, "qwen2.5-7b": 7.616, "qwen3-1.7b": 1.721,
+                                    "qwen3-8b": 8.191}, abs=0.001)
+  for m in pm.QWEN.values():
+    config = ModelConfig(vocab_size=m.vocab, hidden_size=m.hidden, intermediate_size=m.intermediate,
+                         num_layers=m.layers, num_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=m.head_dim,
+                         tie_word_embeddings=m.tied, model_type="qwen3" if m.qk_norm else "qwen2")
+    assert config.num_params() == m.params
+  # Qwen3-0.6B's heads x head_dim (16 x 128) is twice its hidden size (1024): attention work and KV
+  # cache follow the heads, not the hidden size
+  q06 = pm.ModelShape("qwen3-0.6b", layers=28, hidden=1024, heads=16, kv_heads=8, intermediate=3072, vocab=151936,
+                      head_dim=128, tied=True, qk_norm=True)
+  narrow = dataclasses.replace(q06, head_dim=64)
+  assert q06.attention_flops_per_token(1000) == 2 * narrow.attention_flops_per_token(1000)
+  assert q06.kv_bytes_per_token() == 2 * narrow.kv_bytes_per_token()
+  assert q06.params / 1e9 == pytest.approx(0.596, abs=0.001)  # the released 0.6B
+  assert q06.matmul_params == q06.params  # the tied table is also the output projection
+
+
 @pytest.mark.parametrize("size,gpus", sorted(pm.PAPER))
 def test_chosen_layouts_fit_80_gb(rows, size, gpus):
   r = rows[(size, gpus)]

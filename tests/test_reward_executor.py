@@ -121,3 +121,36 @@ def test_fork_is_refused_and_a_closed_executor_cannot_score():
   ex.close()
   with pytest.raises(RuntimeError, match="closed"):
     ex.score(["1"], ["1"])
+
+
+def test_a_leaking_reward_function_is_recycled_and_capped():
+  """leaky_match keeps 1 MB per sample. Unchecked, 300 samples grow its worker from ~35 MB to ~335 MB;
+  with worker_max_rss_mb=80 the worker is replaced between chunks (chunks of <= 32 samples, so it
+  never exceeds 80 + 32 MB, plus slack for the interpreter), every recycle counted. A sample that
+  asks for 1 GB at once hits the 400 MB hard cap: MemoryError, scored 0, counted, worker recycled."""
+  with RewardExecutor(fns.leaky_match, num_workers=1, timeout_s=5.0, worker_max_rss_mb=80,
+                      worker_memory_limit_mb=400) as ex:
+    recycles, rss = 0, []
+    for _ in range(3):
+      rewards, m = ex.score(["a"] * 100, ["a"] * 100)
+      assert rewards.tolist() == [1.0] * 100 and m["reward/errors"] == 0
+      recycles += m["reward/worker_recycles"]
+      rss.append(ex.worker_rss_mb()[0])
+    assert recycles >= 2 and max(rss) < 80 + 32 + 16, (recycles, rss)
+    rewards, m = ex.score(["a", "huge", "a"], ["a", "a", "a"])
+    assert rewards.tolist() == [1.0, 0.0, 1.0]
+    assert m["reward/errors"] == 1 and "MemoryError" in ex.recent_errors[-1]
+    assert m["reward/worker_recycles"] >= 1 and m["reward/worker_restarts"] == 0
+    assert ex.totals["worker_recycles"] == recycles + m["reward/worker_recycles"]
+
+
+def test_worker_max_tasks_recycles_by_age():
+  with RewardExecutor(fns.slow_match, num_workers=1, timeout_s=5.0, worker_max_tasks=4, max_chunk=2) as ex:
+    rewards, m = ex.score(["a"] * 8, ["a"] * 8)
+  assert rewards.tolist() == [1.0] * 8
+  assert m["reward/worker_recycles"] == 2  # after samples 4 and 8
+
+
+def test_memory_settings_are_checked():
+  with pytest.raises(ValueError, match="worker_max_rss_mb must be > 0"):
+    RewardExecutor(fns.slow_match, worker_max_rss_mb=0, inline=True)

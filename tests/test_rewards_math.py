@@ -84,6 +84,8 @@ MATH_CASES = [
     (r"\boxed{7}", "x=7", 1.0),
     (r"\boxed{f(x) = 2x+1}", "1+2x", 1.0),
     (r"\boxed{x^2 + y^2 = 1}", "x^2+y^2=1", 1.0),
+    (r"\boxed{\text{Area} = 12}", "12", 1.0),  # a word names the answer
+    (r"\boxed{xy = 6}", "6", 0.0),  # two letters: an equation (a hyperbola), not 6
     (r"\boxed{1}", "x^2+y^2=1", 0.0),  # an equation is not its right-hand side
     (r"\boxed{1.5e3}", "1500", 1.0),
     (r"\boxed{2x+2}", "2(x+1)", 1.0),
@@ -109,7 +111,8 @@ MATH_CASES = [
     (r"\boxed{4}, no wait: \boxed{3}", "4", 0.0),
     (r"\fbox{8}", "8", 1.0),
     (r"\boxed{-7}", "7", 0.0),
-    (r"$\boxed{\frac{7}{2}}$", r"3\frac{1}{2}", 0.0),  # mixed numbers are not supported (read as a product)
+    (r"$\boxed{\frac{7}{2}}$", r"3\frac{1}{2}", 1.0),  # a mixed number (issue 16), not the product 3/2
+    (r"$\boxed{\frac{3}{2}}$", r"3\frac{1}{2}", 0.0),
     # the ground truth given as a MATH solution
     (r"\boxed{\frac{1}{4}}", r"The probability is $\frac{2}{8} = \boxed{\frac{1}{4}}$.", 1.0),
     (r"\boxed{\frac{1}{3}}", r"The probability is $\frac{2}{8} = \boxed{\frac{1}{4}}$.", 0.0),
@@ -155,7 +158,10 @@ def test_parse_rejects(text):
 
 @pytest.mark.parametrize("response,answer", [
     (r"so \boxed{\frac{1}{2}} done", r"\frac{1}{2}"), ("x\n#### 5 apples\nmore", "5 apples"),
-    ("The answer is 12.", "12."), ("a 1,234.5 b", "1,234.5"), ("3 then -4", "-4"), ("nothing", None),
+    ("The answer is 12.", "12"),  # the answer sentence ends at its full stop (issue 16: Minerva's "$24$. I hope")
+    ("Final Answer: The final answer is $24$. I hope it is correct.", "$24$"),
+    (r"$\boxed{2}$ and $\boxed{3}$", "2 or 3"), (r"\boxed{5}" "\n#### 6", None),  # joined boxes; a hedge
+    ("a 1,234.5 b", "1,234.5"), ("3 then -4", "-4"), ("nothing", None), ("at least 5", None),
 ])
 def test_extract_answer(response, answer):
   assert M.extract_answer(response) == answer

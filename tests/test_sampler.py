@@ -87,11 +87,12 @@ def intended_logprobs(logits, temperature, top_k=0, top_p=1.0):
   return out
 
 
-def test_greedy_matches_transformers_generate(hf_model, model, sampler, prompts):
-  ref, _ = hf_model
-  batch = sampler.generate(model[1], prompts, SamplingParams(temperature=0, max_new_tokens=R), policy_version=7)
-
-  T = max(PROMPT_LENGTHS)
+def assert_greedy_matches_transformers(ref, model, sampler, prompts, policy_version=0):
+  """Greedy tokens equal `ref.generate`'s token for token (left-padded batch), and the behaviour
+  log-probs, computed by the KV-cache decode loop, equal the full forward's. Returns the batch."""
+  batch = sampler.generate(model, prompts, SamplingParams(temperature=0, max_new_tokens=R),
+                           policy_version=policy_version)
+  T = max(len(p) for p in prompts)
   ids = np.zeros((len(prompts), T), np.int64)
   mask = np.zeros_like(ids)
   for i, p in enumerate(prompts):
@@ -101,7 +102,17 @@ def test_greedy_matches_transformers_generate(hf_model, model, sampler, prompts)
     out = ref.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
                        max_new_tokens=R, pad_token_id=0)
   np.testing.assert_array_equal(np.asarray(batch.response_tokens), out[:, T:].numpy())
+  # greedy reports the model's own (untempered) log-prob of the argmax token
+  logits = full_forward_logits(model, batch)
+  expected = np.take_along_axis(jax.nn.log_softmax(logits), np.asarray(batch.response_tokens)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(batch.behaviour_logprobs, expected, atol=1e-4, rtol=0)
+  return batch
+
+
+def test_greedy_matches_transformers_generate(hf_model, model, sampler, prompts):
+  batch = assert_greedy_matches_transformers(hf_model[0], model[1], sampler, prompts, policy_version=7)
   # the RolloutBatch contract
+  T = max(PROMPT_LENGTHS)
   Pb = sampler.prompt_bucket(T)
   assert batch.prompt_tokens.shape == (3, Pb) and batch.response_tokens.shape == (3, R)
   np.testing.assert_array_equal(np.asarray(batch.prompt_mask).sum(1), PROMPT_LENGTHS)
@@ -110,10 +121,16 @@ def test_greedy_matches_transformers_generate(hf_model, model, sampler, prompts)
   np.testing.assert_array_equal(batch.finish_reason, [FINISH_LENGTH] * 3)
   np.testing.assert_array_equal(batch.group_ids, [0, 1, 2])
   np.testing.assert_array_equal(batch.policy_version, [7] * 3)
-  # greedy reports the model's own (untempered) log-prob of the argmax token
-  logits = full_forward_logits(model[1], batch)
-  expected = np.take_along_axis(jax.nn.log_softmax(logits), np.asarray(batch.response_tokens)[..., None], -1)[..., 0]
-  np.testing.assert_allclose(batch.behaviour_logprobs, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_greedy_matches_transformers_generate_qwen(make_hf_model, prompts, family):
+  """The same for Qwen2 (q/k/v bias) and Qwen3 (q/k norm, head_dim 16 != hidden / heads, yarn RoPE)."""
+  extra = {"head_dim": 16, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 32}} if family == "qwen3" else {}
+  ref, path = make_hf_model(family=family, vocab_size=V, **extra)
+  config, model = load_hf_checkpoint(path)
+  assert_greedy_matches_transformers(ref, model, Sampler(config, batch_multiple=8), prompts)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 10, 0.9)])

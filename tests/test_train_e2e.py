@@ -30,10 +30,10 @@ def _train_main():
   return module.main
 
 
-def _run(run_dir, *extra_args, steps):
+def _run(run_dir, *extra_args, steps, small=SMALL):
   gin.clear_config()
   try:
-    params = [f"--gin_param={b}" for b in SMALL + [f"run_experiment.rl_steps = {steps}"]]
+    params = [f"--gin_param={b}" for b in small + [f"run_experiment.rl_steps = {steps}"]]
     return _train_main()(["--gin_file", str(ROOT / "configs" / "tiny_cpu.gin"), "--run_dir", str(run_dir),
                           "--gin_param=run_experiment.progress = False", *params, *extra_args])
   finally:
@@ -120,3 +120,38 @@ def test_the_hf_export_scores_the_same_in_transformers(finished_run):
     our_text = tokenizer.decode(our_tokens[len(ids):], skip_special_tokens=True)
     assert our_text == ref_text
     assert score_arithmetic(our_text, truth) == score_arithmetic(ref_text, truth)
+
+
+def test_rl_from_a_saved_qwen3_checkpoint(tmp_path):
+  """scripts/train.py from an HF Qwen3 directory (random tiny weights, a ChatML tokenizer): prompts go
+  through the chat template, 2 async RL steps train and sync weights, and the export is a Qwen3
+  checkpoint that transformers loads as Qwen3ForCausalLM with our logits."""
+  import torch
+  import transformers
+  from conftest import chatml_tokenizer, tiny_hf_model
+
+  from llamarl_jax.model import hf
+
+  checkpoint = tmp_path / "qwen3"
+  tiny_hf_model("qwen3", vocab_size=128, num_hidden_layers=1, head_dim=16, tie_word_embeddings=True).save_pretrained(
+      checkpoint)
+  chatml_tokenizer().save_pretrained(checkpoint)
+  small = ["run_experiment.eval_size = 4", "Controller.prompts_per_step = 2", "Controller.samples_per_prompt = 4",
+           "Controller.checkpoint_every = 2", "run_experiment.tensorboard = False", "run_experiment.sft = False",
+           # ChatML-wrapped prompts are ~25 tokens: more than tiny_cpu.gin's 16-token slot-engine prompt bound
+           "Controller.engine_max_prompt_len = 64"]
+  run_dir = tmp_path / "run"
+  summary = _run(run_dir, f"--gin_param=build_policy.model_path = '{checkpoint}'", steps=2, small=small)
+  assert summary["samples_after"][0][0].startswith("<|im_start|>user\n")  # the checkpoint's chat template
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+  assert all(np.isfinite(r["loss/total"]) for r in rows if "loss/total" in r)
+  export = run_dir / "hf_export"
+  assert json.loads((export / "config.json").read_text())["model_type"] == "qwen3"
+  ref = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32).eval()
+  assert type(ref) is transformers.Qwen3ForCausalLM
+  config, model = hf.load_hf_checkpoint(export)
+  ids = transformers.AutoTokenizer.from_pretrained(export)("<|im_start|>user\n3+4=<|im_end|>")["input_ids"]
+  with torch.no_grad():
+    theirs = ref(torch.tensor([ids])).logits.numpy()
+  np.testing.assert_allclose(np.asarray(model(np.asarray([ids], np.int32))), theirs, atol=1e-4, rtol=0)

@@ -72,7 +72,7 @@ def make_batch(seed, params=None, graphdef=None, nan_row=None) -> ScoredBatch:
   rollout = RolloutBatch(prompt_tokens=pt, prompt_mask=pm, response_tokens=rt, response_mask=rm,
                          behaviour_logprobs=blp, lengths=rm.sum(-1).astype(np.int32),
                          finish_reason=np.zeros(B, np.int32), group_ids=np.arange(B, dtype=np.int32) // 2,
-                         policy_version=np.zeros(B, np.int32))
+                         policy_version=np.zeros(B, np.int32), token_versions=np.zeros((B, R), np.int32))
   return ScoredBatch(rollout=rollout, rewards=(adv > 0).astype(np.float32), advantages=adv)
 
 

@@ -91,6 +91,23 @@ def test_int8_error_within_half_a_step_per_channel(setup):
   assert 0.25 * fp32 < metrics["sync/bytes"] < 0.3 * fp32
 
 
+def test_int8_quantises_matrices_only_given_the_logical_axes():
+  """Qwen2's q/k/v biases are `[heads, head_dim]` but vectors: given the params' logical axes only the
+  matrices (an `embed` axis) are quantised and the biases arrive exact; by rank alone they would not."""
+  trainer_mesh, gen_mesh = parallel.make_meshes(trainer_fsdp=2, generator_tp=2)
+  axes = {"wq": ("embed", "heads", "head_dim"), "bq": ("heads", "head_dim")}
+  rng = np.random.default_rng(1)
+  host = {"wq": rng.standard_normal((8, 4, 2), dtype=np.float32), "bq": rng.standard_normal((4, 2), dtype=np.float32)}
+  params = jax.device_put(host, parallel.param_shardings(host, axes, trainer_mesh))
+  gen_shardings = parallel.param_shardings(host, axes, gen_mesh)
+  by_axes, by_rank = (WeightSync(gen_shardings, dtype=jnp.float32, quantize="int8", axes=a) for a in (axes, None))
+  by_axes.push(params, version=0)
+  by_rank.push(params, version=0)
+  np.testing.assert_array_equal(np.asarray(by_axes.latest()[0]["bq"]), host["bq"])
+  assert not np.array_equal(np.asarray(by_axes.latest()[0]["wq"]), host["wq"])  # the matrix is quantised
+  assert not np.array_equal(np.asarray(by_rank.latest()[0]["bq"]), host["bq"])
+
+
 def test_quantize_int8_round_trip_on_a_known_matrix():
   w = jnp.array([[1.0, -0.5], [-2.0, 0.25], [0.0, 0.0]])  # channel max: 2.0 and 0.5
   q, scale = quantize_int8(w)

@@ -9,6 +9,23 @@ The version schedule decides which policy generates batch k:
            and the k-th draw of the prompt source, every batch (and so every per-step metric) is a pure
            function of (config, seed), whatever the thread timing.
   'latest': the newest version available once it is >= k - max_policy_lag (the fastest, not reproducible).
+
+Two engines:
+  static (`Sampler`): batch k is one `Sampler.generate` call under its version.
+  slots (`SlotEngine`, continuous batching): prompts stream through the engine's KV slots. Batch k
+           is drawn when the queued prompts can no longer fill the free slots; a batch is handed on as
+           soon as its last group completes, while the slots already decode the next batches. Swap
+           points are a function of the schedule only: before drawing (and admitting) batch k the
+           engine swaps to v(k); in-flight sequences continue under the new weights, each token
+           recording its version. While v(k) is not available the engine keeps decoding what it holds
+           as long as some batch < v(k) is unfinished (the trainer needs it to make v(k)), and
+           otherwise waits, in-flight sequences included (the price of reproducibility when the
+           trainer is the slower side). So the engine's steps, and each token's version, are the same
+           whatever the timing. Batch k trains at step k, so the oldest token of every trained sequence
+           has version v(k) >= k - max_policy_lag: the lag bound is never violated, and no group is
+           moved to a later step (that would break the bound or, if such groups were dropped, bias
+           training against long responses). 'latest' swaps to any newer version between chunks
+           (PipelineRL's in-flight updates) and never pauses running sequences to wait for one.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups
 from llamarl_jax.generation.rollout import FINISH_LENGTH
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 
@@ -71,13 +89,18 @@ class GeneratorExecutor:
 
   device_turn: a lock shared with the trainer in colocated mode (one mesh, taking turns); None otherwise.
   delay_s: an emulated extra generation time per batch (holds the devices like real work); benchmarks.
+  engine: a `SlotEngine` (built with `sampling`) to stream batches through; None = static batches.
   """
 
   def __init__(self, sampler: Sampler, tokenizer, prompt_source, sampling: SamplingParams, *,
                prompts_per_step: int, max_policy_lag: int, version_schedule: str = "fixed", seed: int = 0,
-               delay_s: float = 0.0, device_turn: Any = None):
+               delay_s: float = 0.0, device_turn: Any = None, engine: SlotEngine | None = None):
     if version_schedule not in VERSION_SCHEDULES:
       raise ValueError(f"version_schedule must be one of {VERSION_SCHEDULES}, got {version_schedule!r}")
+    if engine is not None and dataclasses.replace(engine.sampling, seed=0) != dataclasses.replace(sampling, seed=0):
+      raise ValueError(f"the SlotEngine samples with {engine.sampling}, the generator with {sampling}; build the "
+                       "engine with the generator's SamplingParams")
+    self.engine = engine
     self.sampler = sampler
     self.tokenizer = tokenizer
     self.prompt_source = prompt_source
@@ -90,6 +113,7 @@ class GeneratorExecutor:
     self.device_turn = device_turn if device_turn is not None else contextlib.nullcontext()
     self.timer = Timer()
     self.timeline: list[tuple[str, float, float]] = []  # ("generate", start, end) of device work
+    self.status = ("not started", time.monotonic())  # what the loop is doing, since when (stall reports)
 
   def wait_for_weights(self, weights, index: int, first_version: int, stop: threading.Event):
     """(params, version) for batch `index` under the schedule; None if `stop` was set while waiting."""
@@ -117,22 +141,122 @@ class GeneratorExecutor:
       t2 = time.perf_counter()
     self.timer.busy += t2 - t1
     self.timeline.append(("generate", t_dev, t2))
+    if len(self.timeline) > 20_000:  # bounded over a long run
+      del self.timeline[:-10_000]
+    counters = getattr(self.prompt_source, "counters", dict)()  # data/truncated_prompts, data/skipped_rows
     return Generated(index, rollout, examples, data_state, {
         "throughput/gen_tokens_per_s": float(np.sum(rollout.lengths)) / max(t2 - t1, 1e-9),
         "generate/response_length_mean": float(np.mean(rollout.lengths)),
-        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH))})
+        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)), **counters})
 
   def run(self, weights, emit: Callable[[Generated], bool], stop: threading.Event, *, start_index: int,
           first_version: int) -> None:
     """Generate batches start_index, start_index + 1, ... until `stop` is set or `emit` returns False."""
+    if self.engine is not None:
+      return self._run_slots(weights, emit, stop, start_index=start_index, first_version=first_version)
     k = start_index
     while not stop.is_set():
       t0 = time.perf_counter()
+      self.status = (f"waiting for the weights of batch {k}", time.monotonic())
       got = self.wait_for_weights(weights, k, first_version, stop)
       if got is None:
         return
       self.timer.wait += time.perf_counter() - t0
       params, version = got
-      if not emit(self.generate(k, params, version)):
+      self.status = (f"generating batch {k} with policy version {version}", time.monotonic())
+      item = self.generate(k, params, version)
+      self.status = (f"handing batch {k} to the reward executor", time.monotonic())
+      if not emit(item):
         return
       k += 1
+
+  # -- the streaming engine ------------------------------------------------------------------------
+
+  def _wait(self, weights, version: int, stop: threading.Event):
+    """(params, version) for admitting prompts that need `version`; None if stopped while waiting."""
+    t0 = time.perf_counter()
+    try:
+      while not stop.is_set():
+        if self.version_schedule == "fixed":
+          got = weights.take(version, timeout=0.2)
+          if got is not None:
+            return got
+        elif weights.wait_for_version(version, timeout=0.2):
+          return weights.latest()
+      return None
+    finally:
+      self.timer.wait += time.perf_counter() - t0
+
+  def _run_slots(self, weights, emit, stop, *, start_index: int, first_version: int) -> None:
+    """The streaming loop (see the module docstring): draw when slots free up, swap on schedule, step, hand on."""
+    eng, pps, fixed = self.engine, self.prompts_per_step, self.version_schedule == "fixed"
+    eng.reset()
+    draws: dict[int, dict] = {}  # batch index -> its prompts, data state and completed groups
+    next_draw = next_emit = start_index
+    self._busy = 0.0  # seconds of work since the last batch was handed on
+    while not stop.is_set():
+      t_busy = time.perf_counter()
+      while eng.queue_depth * eng.n < eng.num_free:  # queued prompts cannot fill the free slots: draw batch k
+        version = scheduled_version(next_draw, self.max_policy_lag, first_version)
+        if eng.version is None or eng.version < version:
+          # Swap only once the queued prompts (of older versions) are admitted, and wait for the version
+          # only once nothing it depends on is still running here: under 'fixed' every batch < version
+          # was handed on (the trainer needs them to make it); under 'latest' the slots are idle.
+          if eng.version is not None and (eng.queue_depth or (next_emit < version if fixed else eng.num_busy)):
+            break
+          self._busy += time.perf_counter() - t_busy
+          self.status = (f"waiting for policy version {version} to admit batch {next_draw}", time.monotonic())
+          got = self._wait(weights, version, stop)
+          if got is None:
+            return
+          t_busy = time.perf_counter()
+          with self.device_turn:
+            eng.swap(*got)
+        examples = self.prompt_source.next_batch(pps)
+        draws[next_draw] = {"examples": examples, "data_state": self.prompt_source.state_dict(), "groups": {},
+                            "counters": getattr(self.prompt_source, "counters", dict)()}
+        eng.submit(encode_prompts(self.tokenizer, examples), seed=batch_seed(self.seed, next_draw),
+                   version=version, tags=[(next_draw, i) for i in range(len(examples))])
+        next_draw += 1
+      if not fixed and weights.version > eng.version:
+        with self.device_turn:
+          eng.swap(*weights.latest())  # an in-flight update: the newest weights, between chunks
+      self.status = (f"decoding (batches {next_emit}..{next_draw - 1} drawn, policy version {eng.version})",
+                     time.monotonic())
+      with self.device_turn:
+        t_dev = time.perf_counter()
+        completed = eng.step()
+        t_end = time.perf_counter()
+      self.timeline.append(("generate", t_dev, t_end))
+      if len(self.timeline) > 20_000:  # bounded over a long run
+        del self.timeline[:-10_000]
+      for g in completed:
+        draws[g.tag[0]]["groups"][g.tag[1]] = g
+      self._busy += time.perf_counter() - t_busy
+      while next_emit in draws and len(draws[next_emit]["groups"]) == pps:
+        self.status = (f"handing batch {next_emit} to the reward executor", time.monotonic())
+        if not emit(self._generated(next_emit, draws.pop(next_emit))):
+          return
+        next_emit += 1
+
+  def _generated(self, index: int, draw: dict) -> Generated:
+    """Batch `index` from its completed groups (prompt order), with the engine's metrics since the last one."""
+    groups = [draw["groups"][i] for i in range(self.prompts_per_step)]
+    width = self.engine.sampler.prompt_bucket(max(len(g.prompt) for g in groups))
+    rollout = rollout_from_groups(groups, pad_id=self.engine.pad_id, prompt_width=width)
+    if self.delay_s:
+      with self.device_turn:
+        t0 = time.perf_counter()
+        time.sleep(self.delay_s)
+        self.timeline.append(("generate", t0, time.perf_counter()))
+      self._busy += self.delay_s
+    metrics = self.engine.take_metrics()
+    tokens = metrics.pop("generate/tokens")
+    self.timer.busy += self._busy
+    metrics.update({
+        "throughput/gen_tokens_per_s": tokens / max(self._busy, 1e-9),
+        "generate/response_length_mean": float(np.mean(rollout.lengths)),
+        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)),
+        **draw["counters"]})  # data/truncated_prompts, data/skipped_rows as of this batch's draw
+    self._busy = 0.0
+    return Generated(index, rollout, draw["examples"], draw["data_state"], metrics)

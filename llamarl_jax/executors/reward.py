@@ -10,7 +10,16 @@ replaced; the batch always completes. Metrics of one `score` call:
   reward/errors          samples that raised, returned NaN/inf, or crashed their worker
   reward/timeouts        samples that ran past timeout_s
   reward/worker_restarts workers replaced (after a timeout, a crash, or a failed start)
+  reward/worker_recycles workers retired between chunks for memory or age (below)
+  reward/worker_rss_mb   the largest worker resident set (MB) seen at the end of the call
   time/reward            wall seconds spent in `score`
+
+Memory: a reward function that leaks would grow its worker without bound over a long run. A worker is
+recycled (replaced by a fresh one once it has answered its chunk) after `worker_max_tasks` samples or
+when its resident set exceeds `worker_max_rss_mb`; `worker_memory_limit_mb` is a hard cap
+(RLIMIT_DATA / RLIMIT_AS in the worker), so one runaway sample fails with MemoryError (scored 0,
+counted as an error, its worker recycled) instead of taking the host down. RSS is read from /proc
+(Linux); elsewhere only the task count and the hard cap apply.
 
 Workers receive the reward function by pickled reference, so it must be a top-level function of an
 importable module (see `llamarl_jax.rewards`); the parent's sys.path is given to the workers.
@@ -25,6 +34,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import resource
 import signal
 import sys
 import threading
@@ -33,6 +43,7 @@ import weakref
 from multiprocessing.connection import wait as wait_any
 from typing import Callable, Sequence
 
+import gin
 import numpy as np
 
 from llamarl_jax.rewards import get_reward_fn
@@ -42,10 +53,31 @@ log = logging.getLogger(__name__)
 _OK, _ERROR = "ok", "error"
 
 
-def _worker_main(conn, fn_bytes: bytes, sys_path: list[str]) -> None:
+def _limit_memory(limit_mb: float | None) -> None:
+  """Hard cap on this process's data memory (RLIMIT_DATA: heap and anonymous mappings; RLIMIT_AS where
+  the former does not exist). Allocations past it raise MemoryError."""
+  if not limit_mb:
+    return
+  which = getattr(resource, "RLIMIT_DATA", None) or resource.RLIMIT_AS
+  limit = int(limit_mb * 2**20)
+  _, hard = resource.getrlimit(which)
+  resource.setrlimit(which, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+
+def process_rss_mb(pid: int) -> float | None:
+  """Resident set size of process `pid` in MB (Linux /proc; None where unavailable)."""
+  try:
+    with open(f"/proc/{pid}/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _worker_main(conn, fn_bytes: bytes, sys_path: list[str], memory_limit_mb: float | None = None) -> None:
   """Worker process: load the reward function, then score chunks [(index, response, truth)] in order,
   sending one (index, reward, status, message) per sample as soon as it is done."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+  _limit_memory(memory_limit_mb)
   sys.path[:0] = [p for p in sys_path if p not in sys.path]
   try:
     fn = pickle.loads(fn_bytes)
@@ -71,9 +103,9 @@ def _worker_main(conn, fn_bytes: bytes, sys_path: list[str]) -> None:
 
 class _Worker:
 
-  def __init__(self, ctx, fn_bytes: bytes):
+  def __init__(self, ctx, fn_bytes: bytes, memory_limit_mb: float | None = None):
     self.conn, child_conn = ctx.Pipe(duplex=True)
-    self.proc = ctx.Process(target=_worker_main, args=(child_conn, fn_bytes, list(sys.path)),
+    self.proc = ctx.Process(target=_worker_main, args=(child_conn, fn_bytes, list(sys.path), memory_limit_mb),
                             name="reward-worker", daemon=True)
     self.proc.start()
     child_conn.close()
@@ -82,6 +114,8 @@ class _Worker:
     self.closed = False
     self.chunk: collections.deque[int] = collections.deque()  # sample indices sent, not yet answered
     self.progress = 0.0  # when the sample at chunk[0] started
+    self.tasks = 0  # samples answered
+    self.out_of_memory = False  # a sample raised MemoryError: recycle once the chunk is answered
 
   def kill(self) -> None:
     """SIGKILL (a hung function may ignore anything gentler), reap, release handles. Idempotent."""
@@ -112,6 +146,8 @@ def _shutdown(workers: list[_Worker]) -> None:
   workers.clear()
 
 
+@gin.configurable(allowlist=["worker_max_tasks", "worker_max_rss_mb", "worker_memory_limit_mb", "max_chunk",
+                             "startup_timeout_s"])
 class RewardExecutor:
   """Scores responses with `reward_fn` in `num_workers` processes; never raises on a reward function.
 
@@ -120,15 +156,24 @@ class RewardExecutor:
   timeout_s: per-sample limit; a sample past it scores 0 and its worker is killed and replaced.
   mp_context: "forkserver" (default where available: fast restarts) or "spawn". "fork" is refused.
   inline: score in this process instead (no timeouts, no isolation; for tests and debugging).
+  worker_max_tasks / worker_max_rss_mb / worker_memory_limit_mb: recycling and the hard memory cap
+    (module docstring); None disables each. Gin-configurable (`RewardExecutor.worker_max_rss_mb = 1024`).
   """
 
   def __init__(self, reward_fn: str | Callable[[str, str], float] = "math", *, num_workers: int = 2,
                timeout_s: float = 5.0, mp_context: str | None = None, inline: bool = False,
-               startup_timeout_s: float = 120.0, max_chunk: int = 32):
+               startup_timeout_s: float = 120.0, max_chunk: int = 32, worker_max_tasks: int | None = None,
+               worker_max_rss_mb: float | None = 2048.0, worker_memory_limit_mb: float | None = 8192.0):
     if num_workers < 1:
       raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if timeout_s <= 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    for name, v in (("worker_max_tasks", worker_max_tasks), ("worker_max_rss_mb", worker_max_rss_mb),
+                    ("worker_memory_limit_mb", worker_memory_limit_mb)):
+      if v is not None and v <= 0:
+        raise ValueError(f"RewardExecutor.{name} must be > 0 (or None to disable), got {v}")
+    self.worker_max_tasks, self.worker_max_rss_mb = worker_max_tasks, worker_max_rss_mb
+    self.worker_memory_limit_mb = worker_memory_limit_mb
     self.fn = get_reward_fn(reward_fn)
     self.name = reward_fn if isinstance(reward_fn, str) else getattr(self.fn, "__qualname__", repr(self.fn))
     self.num_workers, self.timeout_s, self.inline = num_workers, timeout_s, inline
@@ -151,7 +196,7 @@ class RewardExecutor:
       raise ValueError(f"reward function {self.name!r} cannot be sent to worker processes ({e}); define it at "
                        "the top level of an importable module (not a lambda, closure or nested function)") from e
     self._ctx = mp.get_context(mp_context)
-    self._workers = [_Worker(self._ctx, self._fn_bytes) for _ in range(num_workers)]
+    self._workers = [self._new_worker() for _ in range(num_workers)]
     self._finalizer = weakref.finalize(self, _shutdown, self._workers)
     self._wait_ready()
 
@@ -177,6 +222,31 @@ class RewardExecutor:
                                "Define it at the top level of a module importable from sys.path.")
           w.ready = True
 
+  def _new_worker(self) -> _Worker:
+    return _Worker(self._ctx, self._fn_bytes, self.worker_memory_limit_mb)
+
+  def _worn_out(self, w: _Worker) -> str | None:
+    """Why an idle worker should be recycled (None: keep it)."""
+    if w.out_of_memory:
+      return "a sample ran out of memory"
+    if self.worker_max_tasks and w.tasks >= self.worker_max_tasks:
+      return f"{w.tasks} samples >= worker_max_tasks"
+    if self.worker_max_rss_mb:
+      rss = process_rss_mb(w.proc.pid)
+      if rss is not None and rss > self.worker_max_rss_mb:
+        return f"resident set {rss:.0f} MB > worker_max_rss_mb {self.worker_max_rss_mb:.0f}"
+    return None
+
+  def worker_rss_mb(self) -> list[float]:
+    """Current resident set (MB) of each live worker (empty inline or off Linux)."""
+    out = []
+    for w in self._workers:
+      if not w.closed and w.proc.pid is not None:
+        rss = process_rss_mb(w.proc.pid)
+        if rss is not None:
+          out.append(rss)
+    return out
+
   # ----------------------------------------------------------------------------------------------
 
   def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> tuple[np.ndarray, dict]:
@@ -186,7 +256,7 @@ class RewardExecutor:
     if self._closed:
       raise RuntimeError("RewardExecutor is closed")
     t0 = time.perf_counter()
-    counts = collections.Counter(errors=0, timeouts=0, worker_restarts=0)
+    counts = collections.Counter(errors=0, timeouts=0, worker_restarts=0, worker_recycles=0)
     rewards = np.zeros(len(responses), np.float32)
     with self._lock:
       if self.inline:
@@ -199,6 +269,9 @@ class RewardExecutor:
                   self.name, counts["errors"], counts["timeouts"], counts["worker_restarts"], len(rewards),
                   self.recent_errors[-1] if self.recent_errors else "-")
     metrics = {f"reward/{k}": float(v) for k, v in counts.items()}
+    rss = self.worker_rss_mb()
+    if rss:
+      metrics["reward/worker_rss_mb"] = max(rss)
     metrics["time/reward"] = time.perf_counter() - t0
     return rewards, metrics
 
@@ -229,12 +302,12 @@ class RewardExecutor:
         todo.extendleft(reversed(w.chunk))
       w.chunk.clear()
 
-    def replace(slot: int) -> None:
+    def replace(slot: int, kind: str = "worker_restarts") -> None:
       nonlocal failed_starts
       self._workers[slot].kill()
-      counts["worker_restarts"] += 1
+      counts[kind] += 1
       try:
-        self._workers[slot] = _Worker(self._ctx, self._fn_bytes)
+        self._workers[slot] = self._new_worker()
       except Exception as e:  # noqa: BLE001 - e.g. out of processes: the dead worker stays, retried later
         failed_starts += 1
         self.recent_errors.append(f"could not start a reward worker: {type(e).__name__}: {e}")
@@ -257,12 +330,14 @@ class RewardExecutor:
               continue  # stale (cannot happen with in-order workers; be safe)
             w.chunk.popleft()
             remaining -= 1
+            w.tasks += 1
             w.progress = time.monotonic()
             if status == _OK:
               rewards[index] = r
             else:
               counts["errors"] += 1
               self.recent_errors.append(message)
+              w.out_of_memory |= message.startswith("MemoryError")
       except Exception:  # noqa: BLE001 - EOF, closed handle, or a message cut off by a kill
         return True
       return False
@@ -270,6 +345,10 @@ class RewardExecutor:
     while remaining:
       now = time.monotonic()
       for slot, w in enumerate(self._workers):  # hand out work to idle workers
+        if w.ready and not w.chunk and todo and (why := self._worn_out(w)):
+          log.info("reward worker %d recycled: %s", w.proc.pid, why)
+          replace(slot, "worker_recycles")
+          continue
         if w.ready and not w.chunk and todo:
           size = max(1, min(self.max_chunk, len(todo) // (2 * self.num_workers)))
           w.chunk.extend(todo.popleft() for _ in range(min(size, len(todo))))
@@ -308,6 +387,11 @@ class RewardExecutor:
           self.recent_errors.append(f"worker did not start within {self.startup_timeout_s}s")
           replace(slot)
 
+      if not remaining:  # start the replacements of worn-out workers now, off the next call's path
+        for slot, w in enumerate(self._workers):
+          if not w.closed and (why := self._worn_out(w)):
+            log.info("reward worker %d recycled: %s", w.proc.pid, why)
+            replace(slot, "worker_recycles")
       if failed_starts > 3 * self.num_workers:  # workers cannot start at all: give up on this batch
         counts["errors"] += remaining
         self.recent_errors.append("reward workers keep failing to start; remaining samples scored 0")

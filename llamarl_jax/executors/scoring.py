@@ -24,6 +24,17 @@ def score_generated(item, reward, tokenizer, *, samples_per_prompt: int,
   texts = decode_responses(tokenizer, item.rollout)
   truths = [ex.ground_truth for ex in item.examples for _ in range(samples_per_prompt)]
   rewards, reward_metrics = reward.score(texts, truths)
+  scored, metrics = scored_from_rewards(item, rewards, reward_metrics, advantage_estimator=advantage_estimator)
+  return scored, metrics, texts
+
+
+def scored_from_rewards(item, rewards, reward_metrics: dict, *,
+                        advantage_estimator: str) -> tuple[ScoredBatch, dict]:
+  """Rewards `[B]` of a `Generated` batch -> (ScoredBatch with advantages, the batch's metrics).
+
+  Shared by one process (all rewards scored here) and many (each generator process scores a share
+  of the prompts; the shares' rewards are concatenated and their counts summed first).
+  """
   rewards = np.asarray(rewards, np.float32)
   adv = np.asarray(compute_advantages(rewards, item.rollout.group_ids, len(item.examples),
                                       advantage_estimator), np.float32)
@@ -32,4 +43,4 @@ def score_generated(item, reward, tokenizer, *, samples_per_prompt: int,
   metrics.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                   "reward/accuracy": float(np.mean(rewards >= 1.0)),
                   "advantage/abs_mean": float(np.abs(adv).mean())})
-  return ScoredBatch(rollout=item.rollout, rewards=rewards, advantages=adv), metrics, texts
+  return ScoredBatch(rollout=item.rollout, rewards=rewards, advantages=adv), metrics

@@ -178,7 +178,9 @@ class TrainerExecutor:
   any dtype; copied, cast to fp32 and sharded). loss: a name in `TRAINER_LOSSES`; loss_kwargs go to it
   (e.g. `rho_max`). microbatches: gradient-accumulation slices of the batch (B must be a multiple of
   `microbatches * data * fsdp`). ref_params: optional frozen reference policy for a KL penalty
-  (`kl_coef`), kept in the compute dtype on the same mesh.
+  (`kl_coef`), kept in the compute dtype on the same mesh, and checkpointed with the state.
+  reference_is_initial: the reference is "the policy training starts from": `load_params` (e.g. after
+  a supervised warm start) replaces it too.
 
   `params` returns the live arrays: the next `step` donates them, so copy what you keep.
   """
@@ -187,6 +189,7 @@ class TrainerExecutor:
                optimizer: OptimizerConfig | None = None, loss: str = "aipo",
                loss_kwargs: Mapping[str, Any] | None = None, microbatches: int = 1, remat: bool = False,
                temperature: float = 1.0, ref_params: Any = None, kl_coef: float = 0.0,
+               reference_is_initial: bool = False,
                rules: Mapping[str, str | None] = parallel.RULES):
     if microbatches < 1:
       raise ValueError(f"microbatches must be >= 1, got {microbatches}")
@@ -211,6 +214,7 @@ class TrainerExecutor:
     self._with_entropy = bool(self.loss_kwargs.get("entropy_coef", 0.0))
     self.microbatches = microbatches
     self.remat = remat
+    self.reference_is_initial = reference_is_initial
     self.temperature = float(temperature)
     self.busy_seconds = 0.0
     self.trace_count = 0  # times the train step was traced (= compiled); a test asserts 1
@@ -276,16 +280,23 @@ class TrainerExecutor:
 
   @property
   def num_steps(self) -> int:
-    return int(self._step)
+    return int(_local_value(self._step))
 
   def load_params(self, params: Any) -> None:
-    """Replace the policy params (e.g. after a supervised warm start); the optimizer state is kept."""
+    """Replace the policy params (e.g. after a supervised warm start); the optimizer state is kept.
+    With `reference_is_initial`, the KL reference becomes these params too."""
     self._params = self._place(params, jnp.float32)
+    if self._ref_params is not None and self.reference_is_initial:
+      self._ref_params = self._place(params, jnp.dtype(self.config.dtype))
 
   def state_dict(self) -> dict:
-    """Checkpointable state (an orbax-friendly pytree of arrays): params, opt_state, step, skips."""
-    return {"params": self._params, "opt_state": self._opt_state, "step": self._step,
-            "skipped_nonfinite": self._skipped}
+    """Checkpointable state (an orbax-friendly pytree of arrays): params, opt_state, step, skips, and
+    the KL reference policy when there is one."""
+    state = {"params": self._params, "opt_state": self._opt_state, "step": self._step,
+             "skipped_nonfinite": self._skipped}
+    if self._ref_params is not None:
+      state["ref_params"] = self._ref_params
+    return state
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
     """Inverse of `state_dict` (arrays from host or devices are copied onto the trainer shardings)."""
@@ -295,6 +306,8 @@ class TrainerExecutor:
     self._step = jax.device_put(jnp.asarray(state["step"], jnp.int32), self._replicated)
     self._skipped = jax.device_put(jnp.asarray(state.get("skipped_nonfinite", 0), jnp.int32),
                                    self._replicated)
+    if self._ref_params is not None and "ref_params" in state:
+      self._ref_params = self._place(state["ref_params"], jnp.dtype(self.config.dtype))
 
   # ------------------------------------------------------------------------------------------------
   # the step
@@ -305,7 +318,7 @@ class TrainerExecutor:
     arrays = self._put_batch(batch)
     self._params, self._opt_state, self._step, self._skipped, metrics = self._train_step(
         self._params, self._opt_state, self._step, self._skipped, arrays, self._ref_params)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+    metrics = {k: float(_local_value(v)) for k, v in metrics.items()}  # waits for the step
     elapsed = time.perf_counter() - start
     self.busy_seconds += elapsed
     metrics["time/train_step"] = elapsed
@@ -397,6 +410,11 @@ class TrainerExecutor:
         "train/step": step, "train/update_applied": finite.astype(jnp.float32),
     })
     return params, opt_state, step, skipped, metrics
+
+
+def _local_value(x: Array) -> np.ndarray:
+  """A replicated array's value from this process's own copy (also when the mesh spans processes)."""
+  return np.asarray(x.addressable_data(0))
 
 
 def _valid_counts(mask: Array) -> dict[str, Array]:

@@ -4,9 +4,11 @@
 for fp32 -> bf16), then reshards them onto the generator's shardings with `jax.device_put`: XLA moves
 the shards device to device (NVLink / ICI on accelerators); nothing goes through host numpy.
 
-With `quantize="int8"` each matrix is quantised per output channel to int8 + an fp32 scale on the
-trainer mesh, the int8 tensors are what crosses meshes (a quarter of fp32's bytes), and the generator
-dequantises them into its compute dtype. The generator then samples from a slightly different policy
+With `quantize="int8"` each matrix (a parameter with an `embed` axis, given the params' logical axes;
+otherwise any array of rank >= 2) is quantised per output channel to int8 + an fp32 scale on the
+trainer mesh; vectors (norm scales, Qwen2's q/k/v biases) are sent in the generator dtype. The int8
+tensors are what crosses meshes (a quarter of fp32's bytes), and the generator dequantises them into
+its compute dtype. The generator then samples from a slightly different policy
 than the trainer's, which is exactly the mismatch AIPO's importance weights correct (visible in
 `policy/ratio_*`).
 """
@@ -44,10 +46,12 @@ class WeightSync:
   keep_pending: keep every pushed version until the generator `take`s it or a newer one (the 'fixed'
     schedule asks for exact versions; at most max_policy_lag + 1 copies wait on the generator mesh).
     False keeps only the newest (the 'latest' schedule).
+  axes: the params' logical axes (`parallel.logical_axes`); with int8 only those with an `embed` axis
+    are quantised. Without it every array of rank >= 2 is, which would include `[heads, head_dim]` biases.
   """
 
   def __init__(self, gen_shardings: Any, dtype=jnp.bfloat16, quantize: str | None = None,
-               keep_pending: bool = False):
+               keep_pending: bool = False, axes: Any = None):
     if quantize not in (None, "int8"):
       raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     self.gen_shardings = gen_shardings
@@ -59,8 +63,11 @@ class WeightSync:
     self._closed = False
     self.history: list[dict] = []  # per push: seconds, bytes, gbps
     self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p))
+    is_matrix = None if axes is None else jax.tree.map(lambda ax: "embed" in ax, axes,
+                                                       is_leaf=lambda x: isinstance(x, tuple))
     self._quant = jax.jit(lambda p: jax.tree.map(
-        lambda x: quantize_int8(x) if x.ndim >= 2 else (x.astype(self.dtype), None), p))
+        lambda x, matrix: quantize_int8(x) if matrix else (x.astype(self.dtype), None), p,
+        jax.tree.map(lambda x: x.ndim >= 2, p) if is_matrix is None else is_matrix))
     self._dequant = jax.jit(
         lambda q: jax.tree.map(lambda qs: qs[0] if qs[1] is None else (qs[0] * qs[1]).astype(self.dtype),
                                q, is_leaf=lambda x: isinstance(x, tuple)),
@@ -95,8 +102,17 @@ class WeightSync:
       if not self.keep_pending:
         self._drop_below(int(version))
       self.history.append(metrics)
+      if len(self.history) > 20_000:  # bounded over a long run
+        del self.history[:-10_000]
       self._cond.notify_all()
     return metrics
+
+  def insert(self, gen_params: Any, version: int) -> None:
+    """Hold `gen_params` as policy `version` as they are: already in the generator's layout and dtype
+    (e.g. restored from a checkpoint, for an exact resume of the 'fixed' schedule). Nothing is cast."""
+    with self._cond:
+      self._versions[int(version)] = gen_params
+      self._cond.notify_all()
 
   def _drop_below(self, version: int) -> None:
     for v in [v for v in self._versions if v < version]:

@@ -24,7 +24,12 @@ class RolloutBatch:
   lengths             int32 [B]     number of generated tokens (= response_mask.sum(-1))
   finish_reason       int32 [B]     FINISH_STOP or FINISH_LENGTH
   group_ids           int32 [B]     index of the prompt within the batch (the GRPO group)
-  policy_version      int32 [B]     version of the weights that generated the row
+  policy_version      int32 [B]     version of the weights that sampled the row's oldest (first)
+                                    token: the one the lag bound applies to
+  token_versions      int32 [B, R]  version of the weights that sampled each response token (they
+                                    differ within a row when the slot engine swapped weights
+                                    mid-sequence); = policy_version where response_mask is 0, so
+                                    token_versions.min(-1) == policy_version
   """
 
   prompt_tokens: jax.Array
@@ -36,14 +41,18 @@ class RolloutBatch:
   finish_reason: jax.Array
   group_ids: jax.Array
   policy_version: jax.Array
+  token_versions: jax.Array
 
   @property
   def batch_size(self) -> int:
     return self.prompt_tokens.shape[0]
 
   def to_host(self) -> "RolloutBatch":
-    """Numpy copy (for the reward executor, the replay buffer and the trainer's re-sharding)."""
-    return jax.tree.map(np.asarray, jax.device_get(self))
+    """Numpy copy (for the reward executor, the replay buffer and the trainer's re-sharding). On a
+    mesh spread over processes, every process of that mesh calls it and gets the whole batch."""
+    from llamarl_jax.transfer import to_host
+
+    return to_host(self)
 
 
 @flax.struct.dataclass

@@ -23,10 +23,10 @@ Random numbers: the key of row r at step t is fold_in(fold_in(seed_key, t), r), 
 do not depend on how the batch is sharded. Callers that generate many batches must vary `seed` (or
 pass `rng`), otherwise row r of every batch sees the same noise.
 
-Continuous batching (refilling a finished row while others decode) is not implemented: the
-`KVCache` has one write slot shared by all rows. The pieces are separated so that it can be added
-by giving the cache a per-row write index and prefilling new prompts into freed rows between decode
-segments (the decode loop already carries per-row `done`/`lengths`).
+Continuous batching (refilling a finished row while others decode, weights swapped mid-generation)
+is `engine.SlotEngine`: it shares the model, `sample_logits` and the per-token keys with this
+sampler (and samples the same tokens for the same seed); this static sampler stays for evaluation,
+tests and `scripts/generate.py`.
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0
   distribution. `greedy`: argmax, with logprobs = log_softmax(logits) at the argmax (untempered).
 
   `greedy`, `top_k` and `use_top_p` are static; `temperature` and `top_p` may be traced.
-  `use_top_p` defaults to `top_p < 1` (pass it when `top_p` is traced). Row r draws with key
-  fold_in(key, r), so results do not depend on how the batch is split across devices.
+  `use_top_p` defaults to `top_p < 1` (pass it when `top_p` is traced). `key`: one PRNG key, and
+  row r draws with fold_in(key, r), so results do not depend on how the batch is split across
+  devices; or a `[B]` array of keys, one per row (the slot engine, whose rows are unrelated sequences).
   """
   logits = logits.astype(jnp.float32)
   B, V = logits.shape
@@ -111,7 +112,10 @@ def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0
     use_top_p = bool(top_p < 1)
   top_k = 0 if top_k >= V else top_k
   x = logits / temperature
-  row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B, dtype=jnp.uint32))
+  if key.ndim == 1:
+    row_keys = key
+  else:
+    row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B, dtype=jnp.uint32))
   draw = jax.vmap(jax.random.categorical)
   if not top_k and not use_top_p:  # no filtering: no sort, sample over the full vocabulary
     tokens = draw(row_keys, x)
@@ -130,6 +134,20 @@ def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0
 
 
 # ----------------------------------------------------------------------------- the sampler
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[np.ndarray]:
+  """Token-id prompts as int64 arrays; raises on an empty list, an empty prompt or ids outside the vocab."""
+  if len(prompts) == 0:
+    raise ValueError("generate() needs at least one prompt")
+  prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+  lengths = [len(p) for p in prompts]
+  if min(lengths) == 0:
+    raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token (e.g. BOS)")
+  for i, p in enumerate(prompts):
+    if p.min() < 0 or p.max() >= vocab_size:
+      raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): min {p.min()}, max {p.max()}")
+  return prompts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +212,7 @@ class Sampler:
       mesh if not already there). prompts: token ids, each non-empty. rng: a PRNG key overriding
       `sampling.seed`. Returns device arrays with R = max_new_tokens exactly and P = the bucket.
     """
-    params = self._place_params(params_or_model)
+    params = self.place_params(params_or_model)
     tokens, mask, n_rows = self._pad_prompts(prompts, sampling.n)
     static = _Static(sampling.max_new_tokens, sampling.greedy,
                      0 if sampling.top_k >= self.config.vocab_size else sampling.top_k,
@@ -210,9 +228,11 @@ class Sampler:
     stops = sampling.stop_token_ids  # padded with -1 (matches no token) to a multiple of 8: fewer shapes
     stop_ids = np.full(max(8, -(-len(stops) // 8) * 8), -1, np.int32)
     stop_ids[:len(stops)] = stops
-    scalars = put((rng, np.float32(max(sampling.temperature, 1e-6)), np.float32(sampling.top_p), stop_ids,
-                   np.int32(n_rows)), self._repl)
-    rng, temperature, top_p, stop_ids, num_real = scalars
+    # The key travels as host bits: a mesh spread over processes takes host values, not local arrays.
+    scalars = put((np.asarray(jax.random.key_data(rng)), np.float32(max(sampling.temperature, 1e-6)),
+                   np.float32(sampling.top_p), stop_ids, np.int32(n_rows)), self._repl)
+    key_bits, temperature, top_p, stop_ids, num_real = scalars
+    rng = jax.random.wrap_key_data(key_bits, impl=jax.random.key_impl(rng))
 
     cache, first_token, first_logprob = prefill(params, tokens_d, mask_d, rng, temperature, top_p)
     out_tokens, logprobs, lengths, finish, steps, _ = decode(
@@ -227,7 +247,8 @@ class Sampler:
         prompt_tokens=tokens_d, prompt_mask=mask_d, response_tokens=out_tokens,
         response_mask=response_mask, behaviour_logprobs=logprobs, lengths=lengths,
         finish_reason=finish, group_ids=put(group_ids, self._batch1),
-        policy_version=put(np.full(B, policy_version, np.int32), self._batch1))
+        policy_version=put(np.full(B, policy_version, np.int32), self._batch1),
+        token_versions=put(np.full((B, sampling.max_new_tokens), policy_version, np.int32), self._batch2))
     if n_rows < B:  # drop the rows that only padded the batch to the mesh
       batch = jax.tree.map(lambda x: x[:n_rows], batch)
     return batch
@@ -242,7 +263,8 @@ class Sampler:
 
   # -- host side ----------------------------------------------------------------
 
-  def _place_params(self, params_or_model):
+  def place_params(self, params_or_model):
+    """A `Llama` or a `split_params` dict -> the params dict on this sampler's shardings."""
     if isinstance(params_or_model, Llama):
       if params_or_model.config != self.config:
         raise ValueError(f"model config {params_or_model.config} differs from the sampler's {self.config}; "
@@ -258,16 +280,8 @@ class Sampler:
 
   def _pad_prompts(self, prompts, n: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Left-padded tokens and mask `[B_padded, P_bucket]`, and the number of real rows."""
-    if len(prompts) == 0:
-      raise ValueError("generate() needs at least one prompt")
-    prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    prompts = validate_prompts(prompts, self.config.vocab_size)
     lengths = [len(p) for p in prompts]
-    if min(lengths) == 0:
-      raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token (e.g. BOS)")
-    V = self.config.vocab_size
-    for i, p in enumerate(prompts):
-      if p.min() < 0 or p.max() >= V:
-        raise ValueError(f"prompt {i} has token ids outside [0, {V}): min {p.min()}, max {p.max()}")
     n_rows = len(prompts) * n
     B = -(-n_rows // self.batch_multiple) * self.batch_multiple
     Pb = self.prompt_bucket(max(lengths))

@@ -1,5 +1,9 @@
 """Hugging Face checkpoints in and out: `config.json` + `*.safetensors` <-> our `Llama`.
 
+Families (`llamarl_jax.model.llama.FAMILIES`, chosen by config.json's `model_type`): Llama 3 / 3.1 /
+3.2 (`LlamaForCausalLM`), Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`), Qwen3 dense (`Qwen3ForCausalLM`).
+Anything else (MoE, sliding-window attention, other RoPE scalings) is refused with the field named.
+
 Loading reads one tensor at a time (lazily, via `safe_open`) and places it straight onto its
 sharding, so a large model never exists as a full replicated host copy. Saving writes a directory
 that `transformers.AutoModelForCausalLM.from_pretrained` loads, atomically (temp dir + rename).
@@ -22,48 +26,85 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from llamarl_jax import parallel
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.llama import FAMILIES, ROPE_TYPES, Llama, ModelConfig, split_params
 
 
 class CheckpointError(ValueError):
   """A checkpoint directory is missing, malformed or describes a model we do not support."""
 
 
-_SUPPORTED_ARCHS = {"LlamaForCausalLM"}
 _SUPPORTED_ACTS = {"silu"}
+_SUPPORTED_NAMES = ", ".join(f"{t!r} ({f.architecture})" for t, f in FAMILIES.items())
+_YARN_KEYS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+
+
+def _rope_from_hf(hf: dict, source: str) -> tuple[float, dict | None]:
+  """(rope_theta, rope_scaling or None) from either config layout, refusing types we do not compute.
+
+  transformers < 5 writes `rope_scaling` + `rope_theta`; >= 5 writes `rope_parameters` holding both.
+  """
+  rope_params = hf.get("rope_parameters") or {}
+  rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+  scaling = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None)
+  rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+  if rope_type in (None, "default"):
+    return rope_theta, None
+  if rope_type not in ROPE_TYPES:
+    raise CheckpointError(f"{source}: field rope_scaling.rope_type={rope_type!r} is not supported "
+                          f"(supported: {', '.join(repr(t) for t in ROPE_TYPES)}); remove rope_scaling to run "
+                          "with plain RoPE within the original context length")
+  # like transformers, the pre-training length defaults to max_position_embeddings
+  scaling = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **scaling}
+  keys = ("factor", "original_max_position_embeddings") + (
+      ("low_freq_factor", "high_freq_factor") if rope_type == "llama3" else ())
+  missing = [k for k in keys if scaling.get(k) is None]
+  if missing:
+    raise CheckpointError(f"{source}: rope_scaling ({rope_type}) is missing {missing}")
+  optional = _YARN_KEYS if rope_type == "yarn" else ()
+  return rope_theta, {"rope_type": rope_type, **{k: scaling[k] for k in keys},
+                      **{k: scaling[k] for k in optional if scaling.get(k) is not None}}
+
+
+def _check_full_attention(hf: dict, source: str) -> None:
+  """Refuse sliding-window attention: every layer here attends to the whole causal prefix."""
+  sliding = [i for i, t in enumerate(hf.get("layer_types") or []) if t != "full_attention"]
+  if hf.get("use_sliding_window") or sliding:
+    where = f"layers {sliding}" if sliding else f"layers >= max_window_layers={hf.get('max_window_layers')}"
+    raise CheckpointError(
+        f"{source}: sliding-window attention (use_sliding_window={hf.get('use_sliding_window')}, "
+        f"sliding_window={hf.get('sliding_window')}, {where}) is not supported: this model computes full "
+        "causal attention, which differs from the checkpoint's on sequences longer than the window. If every "
+        "prompt + response is shorter than sliding_window the two agree: then set use_sliding_window=false "
+        "(and drop sliding layer_types) in config.json")
 
 
 def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
                    compute_dtype=None) -> ModelConfig:
-  """Translate an HF `config.json` dict, refusing what the model cannot represent (names the field)."""
+  """Translate an HF `config.json` dict, refusing what the model cannot represent (names the field).
+
+  The family comes from `model_type` (one of `FAMILIES`); `architectures`, when given, must name its
+  causal-LM class.
+  """
   model_type = hf.get("model_type")
-  if model_type != "llama":
-    raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (only 'llama')")
-  archs = hf.get("architectures") or ["LlamaForCausalLM"]
-  if not set(archs) & _SUPPORTED_ARCHS:
-    raise CheckpointError(f"{source}: architectures {archs} not supported (need LlamaForCausalLM)")
-  for field, ok in (("attention_bias", False), ("mlp_bias", False)):
-    if hf.get(field, ok) != ok:
-      raise CheckpointError(f"{source}: field {field}={hf[field]!r} is not supported (need {ok})")
+  if model_type not in FAMILIES:
+    raise CheckpointError(f"{source}: model_type {model_type!r} is not supported; supported: {_SUPPORTED_NAMES} "
+                          "(dense decoders only: no MoE, no sliding window)")
+  family = FAMILIES[model_type]
+  archs = hf.get("architectures") or [family.architecture]
+  if family.architecture not in archs:
+    raise CheckpointError(f"{source}: architectures {archs} not supported for model_type {model_type!r} "
+                          f"(need {family.architecture})")
+  # Llama's attention_bias adds a bias to o_proj too, and Qwen3's to q, k, v and o: we have neither.
+  # (Qwen2's q/k/v bias is part of the architecture; its config has no such field.)
+  flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}.get(model_type, ())
+  for field in flags:
+    if hf.get(field, False):
+      raise CheckpointError(f"{source}: field {field}={hf[field]!r} is not supported for model_type "
+                            f"{model_type!r} (need false)")
   if hf.get("hidden_act", "silu") not in _SUPPORTED_ACTS:
     raise CheckpointError(f"{source}: field hidden_act={hf['hidden_act']!r} is not supported (need 'silu')")
-  # transformers < 5 writes `rope_scaling` + `rope_theta`; >= 5 writes `rope_parameters` holding both.
-  rope_params = hf.get("rope_parameters") or {}
-  rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-  rope_scaling = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None)
-  if rope_scaling is not None:
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    if rope_type not in ("llama3", "default"):
-      raise CheckpointError(f"{source}: field rope_scaling.rope_type={rope_type!r} is not supported "
-                            "(supported: 'llama3', 'default')")
-    if rope_type == "default":
-      rope_scaling = None
-    else:
-      keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-      missing = [k for k in keys if k not in rope_scaling]
-      if missing:
-        raise CheckpointError(f"{source}: rope_scaling is missing {missing}")
-      rope_scaling = {"rope_type": "llama3", **{k: rope_scaling[k] for k in keys}}
+  _check_full_attention(hf, source)
+  rope_theta, rope_scaling = _rope_from_hf(hf, source)
   required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
   missing = [k for k in required if k not in hf]
   if missing:
@@ -82,6 +123,7 @@ def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
       rope_scaling=rope_scaling,
       max_position_embeddings=hf.get("max_position_embeddings", 8192),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      model_type=model_type,
       param_dtype=param_dtype,
       dtype=jnp.dtype(compute_dtype or param_dtype).name,
   )
@@ -89,9 +131,10 @@ def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
 
 def config_to_hf(config: ModelConfig, *, torch_dtype: str = "float32", bos_token_id=None,
                  eos_token_id=None, pad_token_id=None) -> dict:
-  return {
-      "architectures": ["LlamaForCausalLM"],
-      "model_type": "llama",
+  """The family's own config.json, so `transformers` loads it back as the same class."""
+  hf = {
+      "architectures": [config.family.architecture],
+      "model_type": config.model_type,
       "vocab_size": config.vocab_size,
       "hidden_size": config.hidden_size,
       "intermediate_size": config.intermediate_size,
@@ -107,13 +150,19 @@ def config_to_hf(config: ModelConfig, *, torch_dtype: str = "float32", bos_token
                           "rope_theta": config.rope_theta},
       "max_position_embeddings": config.max_position_embeddings,
       "tie_word_embeddings": config.tie_word_embeddings,
-      "attention_bias": False,
-      "mlp_bias": False,
       "torch_dtype": torch_dtype,
       "bos_token_id": bos_token_id,
       "eos_token_id": eos_token_id,
       "pad_token_id": pad_token_id,
   }
+  if config.model_type == "llama":
+    hf.update(attention_bias=False, mlp_bias=False)
+  else:  # qwen2 / qwen3: full attention in every layer
+    hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers,
+              layer_types=["full_attention"] * config.num_layers)
+    if config.model_type == "qwen3":
+      hf.update(attention_bias=False)
+  return hf
 
 
 # Our parameter path -> (HF tensor name, to_ours(hf_array, config), to_hf(our_array, config)).
@@ -134,6 +183,13 @@ def _tensor_map(config: ModelConfig) -> dict[tuple, tuple[str, Callable, Callabl
     m[("layers", i, "attn", "wv")] = (p + "self_attn.v_proj.weight", *proj_in(kv))
     m[("layers", i, "attn", "wo")] = (p + "self_attn.o_proj.weight",
                                       lambda w: t(w).reshape(h, hd, d), lambda w: t(w.reshape(h * hd, d)))
+    if config.qkv_bias:  # [heads * head_dim] <-> [heads, head_dim]
+      for ours, name, heads in (("bq", "q_proj", h), ("bk", "k_proj", kv), ("bv", "v_proj", kv)):
+        m[("layers", i, "attn", ours)] = (p + f"self_attn.{name}.bias", lambda w, n=heads: w.reshape(n, hd),
+                                          lambda w: w.reshape(-1))
+    if config.qk_norm:
+      for ours in ("q_norm", "k_norm"):
+        m[("layers", i, "attn", ours, "scale")] = (p + f"self_attn.{ours}.weight", lambda w: w, lambda w: w)
     m[("layers", i, "mlp", "w_gate")] = (p + "mlp.gate_proj.weight", t, t)
     m[("layers", i, "mlp", "w_up")] = (p + "mlp.up_proj.weight", t, t)
     m[("layers", i, "mlp", "w_down")] = (p + "mlp.down_proj.weight", t, t)
@@ -177,7 +233,7 @@ def _safetensors_index(path: Path) -> dict[str, Path]:
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, compute_dtype=None,
                        mesh=None, rules=parallel.RULES) -> tuple[ModelConfig, Llama]:
-  """Load an HF Llama directory into our `Llama` (params in `dtype`, optionally sharded on `mesh`)."""
+  """Load an HF Llama / Qwen2 / Qwen3 directory into our `Llama` (params in `dtype`, optionally sharded on `mesh`)."""
   path = Path(path)
   if not path.is_dir():
     raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -233,7 +289,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, compute_dt
 
 def save_hf_checkpoint(model: Llama, config: ModelConfig, path: str | os.PathLike, *,
                        dtype=None, tokenizer=None, max_shard_bytes: int = 5 * 2**30) -> Path:
-  """Write `model` as an HF Llama directory (config.json + safetensors, sharded above max_shard_bytes).
+  """Write `model` as an HF directory of its family (config.json + safetensors, sharded above max_shard_bytes).
 
   Written into a temp directory and renamed into place, so a crash never leaves half a checkpoint.
   """

@@ -1,27 +1,37 @@
-"""Llama 3 / 3.1 / 3.2 in Flax NNX.
+"""Llama 3 / 3.1 / 3.2 and the dense Qwen2 / Qwen2.5 / Qwen3 families in Flax NNX.
 
-One config dataclass, one model file (gpt-fast style). Every parameter carries a
-`logical_axes` metadata tuple (`vocab`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`,
-`norm`) that `llamarl_jax.parallel` maps onto mesh axes (fsdp, tp).
+One config dataclass, one model file (gpt-fast style). The families share one decoder and differ in
+two switches of the attention block, chosen by `ModelConfig.model_type` (see `FAMILIES`):
+  llama   the base decoder: RMSNorm, GQA, RoPE (optionally llama3- or yarn-scaled), SwiGLU MLP
+  qwen2   + a bias on the q, k and v projections (Qwen2 and Qwen2.5)
+  qwen3   + RMSNorm over each q and k head (its own `[head_dim]` scale) before RoPE; no bias.
+          `head_dim` is explicit and may differ from hidden_size / num_heads.
+Every parameter carries a `logical_axes` metadata tuple (`vocab`, `embed`, `heads`, `kv_heads`,
+`head_dim`, `mlp`, `norm`) that `llamarl_jax.parallel` maps onto mesh axes (fsdp, tp).
 
 Weight layouts (ours, einsum-friendly; `hf.py` converts from/to the HF `[out, in]` layout):
   embed      [vocab, embed]
   wq         [embed, heads, head_dim]      wk, wv [embed, kv_heads, head_dim]
+  bq         [heads, head_dim]             bk, bv [kv_heads, head_dim]       (qwen2 only)
+  q_norm     [head_dim]                    k_norm [head_dim]                 (qwen3 only)
   wo         [heads, head_dim, embed]
   w_gate     [embed, mlp]   w_up [embed, mlp]   w_down [mlp, embed]
   lm_head    [embed, vocab]  (absent when embeddings are tied)
 
 KV cache layout (`KVCache`): per layer `k`, `v` of shape `[batch, max_len, kv_heads, head_dim]`
-in the compute dtype, and one scalar `index`: the cache slot the next token is written to.
-All rows share the write slot; rows whose prompts are shorter are left-padded and the caller's
-`attention_mask` marks the padded slots invalid. RoPE uses each token's own `positions`, so a
-left-padded prompt produces the same continuation as the same prompt alone.
+in the compute dtype, and `index`: the cache slot the next token is written to. A scalar `index`
+is shared by all rows (the static sampler: shorter prompts are left-padded and the caller's
+`attention_mask` marks the padded slots invalid). An `index` of shape `[batch]` gives every row its
+own write slot (the slot engine: each row is an independent sequence at its own length; the causal
+mask then follows each row's index). RoPE uses each token's own `positions`, so a left-padded prompt
+produces the same continuation as the same prompt alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Any
 
 import flax.struct
@@ -33,8 +43,24 @@ Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
+class Family:
+  """What sets a model family apart: its HF class name and the attention block's two switches."""
+
+  architecture: str  # the transformers class `save_hf_checkpoint` names in config.json
+  qkv_bias: bool     # bias on the q, k, v projections (not on o)
+  qk_norm: bool      # RMSNorm over each q and k head before RoPE
+
+
+FAMILIES = types.MappingProxyType({  # HF config.json `model_type` -> Family (read-only)
+    "llama": Family("LlamaForCausalLM", qkv_bias=False, qk_norm=False),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
+    "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
+})
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture of a Llama 3 family model (field names follow HF's LlamaConfig where they exist)."""
+  """Architecture of a Llama 3 / Qwen2 / Qwen3 model (field names follow HF's configs where they exist)."""
 
   vocab_size: int = 128256
   hidden_size: int = 4096
@@ -45,11 +71,14 @@ class ModelConfig:
   head_dim: int | None = None  # defaults to hidden_size // num_heads
   rms_norm_eps: float = 1e-5
   rope_theta: float = 500000.0
-  # None, or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-  # "original_max_position_embeddings"} as in HF config.json.
+  # None, or as in HF config.json: {"rope_type": "llama3", "factor", "low_freq_factor",
+  # "high_freq_factor", "original_max_position_embeddings"}, or {"rope_type": "yarn", "factor",
+  # "original_max_position_embeddings", optional "beta_fast", "beta_slow", "attention_factor",
+  # "mscale", "mscale_all_dim", "truncate"}.
   rope_scaling: tuple[tuple[str, Any], ...] | None = None
   max_position_embeddings: int = 8192
   tie_word_embeddings: bool = False
+  model_type: str = "llama"  # the family, a key of FAMILIES: "llama", "qwen2", "qwen3"
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype (activations, matmuls, KV cache)
 
@@ -61,6 +90,20 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+    if self.model_type not in FAMILIES:
+      raise ValueError(f"model_type {self.model_type!r} is not a supported family; supported: {sorted(FAMILIES)}")
+
+  @property
+  def family(self) -> Family:
+    return FAMILIES[self.model_type]
+
+  @property
+  def qkv_bias(self) -> bool:
+    return self.family.qkv_bias
+
+  @property
+  def qk_norm(self) -> bool:
+    return self.family.qk_norm
 
   @property
   def rope_scaling_dict(self) -> dict | None:
@@ -70,19 +113,23 @@ class ModelConfig:
     return dataclasses.replace(self, **kw)
 
   def num_params(self) -> int:
-    d, f, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
-    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    d, f, v, L, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers, self.head_dim
+    qkv_out = hd * (self.num_heads + 2 * self.num_kv_heads)
+    attn = d * qkv_out + self.num_heads * hd * d + self.qkv_bias * qkv_out + self.qk_norm * 2 * hd
     per_layer = attn + 3 * d * f + 2 * d
     return L * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
 
 @flax.struct.dataclass
 class KVCache:
-  """Preallocated KV cache: per-layer `[batch, max_len, kv_heads, head_dim]` and the write slot."""
+  """Preallocated KV cache: per-layer `[batch, max_len, kv_heads, head_dim]` and the write slot.
+
+  `index`: int32 scalar (one write slot for all rows) or int32 `[batch]` (a write slot per row).
+  """
 
   k: tuple[Array, ...]
   v: tuple[Array, ...]
-  index: Array  # int32 scalar
+  index: Array  # int32 [] or [batch]
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
@@ -96,21 +143,28 @@ class KVCache:
     return self.k[0].shape[1]
 
 
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
+def _rope_type(scaling: dict | None) -> str:
+  rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+  if rope_type not in ROPE_TYPES:
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+  return rope_type
+
+
 def rope_frequencies(config: ModelConfig) -> Array:
-  """Inverse frequencies `[head_dim // 2]` (fp32), with Llama 3 `rope_scaling` applied."""
+  """Inverse frequencies `[head_dim // 2]` (fp32), with llama3 or yarn `rope_scaling` applied."""
   dim = config.head_dim
   inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
   scaling = config.rope_scaling_dict
-  if scaling is None:
-    return inv_freq
-  rope_type = scaling.get("rope_type", scaling.get("type"))
+  rope_type = _rope_type(scaling)
   if rope_type == "default":
     return inv_freq
-  if rope_type != "llama3":
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: 'llama3', 'default')")
-  factor = scaling["factor"]
+  factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+  if rope_type == "yarn":
+    return _yarn_frequencies(inv_freq, dim, config.rope_theta, factor, old_len, scaling)
   low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-  old_len = scaling["original_max_position_embeddings"]
   wavelen = 2 * math.pi / inv_freq
   scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
   smooth = (old_len / wavelen - low) / (high - low)
@@ -119,11 +173,42 @@ def rope_frequencies(config: ModelConfig) -> Array:
   return jnp.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-  """Rotate-half RoPE (HF convention). x `[B, T, H, D]`, positions `[B, T]`."""
+def _yarn_frequencies(inv_freq: Array, dim: int, theta: float, factor: float, old_len: int, scaling: dict) -> Array:
+  """YaRN (arXiv 2309.00071): dimensions that rotate fewer than `beta_slow` times over the original
+  context are interpolated (divided by `factor`), those rotating more than `beta_fast` times are kept,
+  with a linear ramp between (the correction range, rounded outwards unless `truncate` is false)."""
+  beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+  def dim_of(rotations):  # the dimension index that turns `rotations` times over old_len positions
+    return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = dim_of(beta_fast), dim_of(beta_slow)
+  if scaling.get("truncate", True):
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  high = high + 0.001 if low == high else high
+  ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+  """The factor YaRN multiplies cos and sin by (so attention logits by its square); 1 otherwise."""
+  scaling = config.rope_scaling_dict
+  if _rope_type(scaling) != "yarn":
+    return 1.0
+  if scaling.get("attention_factor") is not None:
+    return float(scaling["attention_factor"])
+  mscale = lambda m: 1.0 if scaling["factor"] <= 1 else 0.1 * m * math.log(scaling["factor"]) + 1.0
+  if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+    return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+  return mscale(1.0)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array, scale: float = 1.0) -> Array:
+  """Rotate-half RoPE (HF convention). x `[B, T, H, D]`, positions `[B, T]`; cos, sin times `scale`."""
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
   x1, x2 = jnp.split(x, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return (x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)).astype(x.dtype)
@@ -137,9 +222,11 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, scale=None) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, eps: float, param_dtype):
+  """RMSNorm over the last axis (fp32 statistics, HF's rounding order); `axis` names the scale's axis."""
+
+  def __init__(self, dim: int, eps: float, param_dtype, axis: str = "norm"):
     self.eps = eps
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis,))
 
   def __call__(self, x: Array) -> Array:
     xf = x.astype(jnp.float32)
@@ -174,19 +261,35 @@ class Attention(nnx.Module):
     self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
     self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
     self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pd, 1 / math.sqrt(h * hd))
+    if c.qkv_bias:  # zeros, as HF initialises them
+      self.bq = nnx.Param(jnp.zeros((h, hd), pd), logical_axes=("heads", "head_dim"))
+      self.bk = nnx.Param(jnp.zeros((kv, hd), pd), logical_axes=("kv_heads", "head_dim"))
+      self.bv = nnx.Param(jnp.zeros((kv, hd), pd), logical_axes=("kv_heads", "head_dim"))
+    if c.qk_norm:  # one [head_dim] scale shared by all heads, replicated like head_dim
+      self.q_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim")
+      self.k_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim")
 
   def __call__(self, x, positions, inv_freq, mask, layer_cache):
     """x `[B, T, E]`; mask `[B, T, S]` bool; layer_cache None or (k, v, index)."""
-    dt = x.dtype
+    dt, c = x.dtype, self.config
     q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt))
     k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dt))
     v = jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(dt))
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    if c.qkv_bias:
+      q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    scale = rope_attention_factor(c)
+    q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
     new_cache = None
     if layer_cache is not None:
       ck, cv, index = layer_cache
-      k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-      v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+      if index.ndim == 0:  # one write slot shared by every row
+        k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
+        v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+      else:  # each row writes at its own slot (a scatter)
+        write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (i, 0, 0)))
+        k, v = write(ck, k.astype(ck.dtype), index), write(cv, v.astype(cv.dtype), index)
       new_cache = (k, v)
     if q.shape[1] == 1 and layer_cache is not None:  # one new token per row: the decode step
       out = decode_attention(q, k, v, mask[:, 0])
@@ -224,7 +327,8 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-  """Llama 3 decoder. `model(tokens, positions=None, cache=None, attention_mask=None)`.
+  """The decoder of every family in `FAMILIES` (Llama 3, Qwen2/2.5, Qwen3 dense), chosen by
+  `config.model_type`. `model(tokens, positions=None, cache=None, attention_mask=None)`.
 
   tokens `[B, T]` int; positions `[B, T]` (default `arange(T)`, offset by `cache.index` when a
   cache is given); attention_mask `[B, S]` (1 = real token; S = T without a cache, S = cache
@@ -247,11 +351,13 @@ class Llama(nnx.Module):
     dt = jnp.dtype(c.dtype)
     B, T = tokens.shape
     offset = 0 if cache is None else cache.index
+    if cache is not None and cache.index.ndim == 1:  # a write slot per row: offsets [B, 1]
+      offset = cache.index[:, None]
+    q_slot = offset + jnp.arange(T, dtype=jnp.int32)  # cache slot of each query: [T] or [B, T]
     if positions is None:
-      positions = jnp.broadcast_to(offset + jnp.arange(T, dtype=jnp.int32), (B, T))
+      positions = jnp.broadcast_to(q_slot, (B, T))
     S = T if cache is None else cache.max_len
-    q_slot = offset + jnp.arange(T)
-    mask = jnp.arange(S)[None, :] <= q_slot[:, None]  # causal over cache slots [T, S]
+    mask = jnp.arange(S) <= q_slot[..., None]  # causal over cache slots: [T, S] or [B, T, S]
     mask = jnp.broadcast_to(mask, (B, T, S))
     if attention_mask is not None:
       if attention_mask.shape != (B, S):

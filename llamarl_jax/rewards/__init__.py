@@ -1,7 +1,9 @@
 """Reward functions: `fn(response_text, ground_truth) -> float`, registered by name.
 
-Built-ins: "math" (`rewards.math.verify`, GSM8K/MATH answers), "arithmetic" and "countdown" (the
-synthetic tasks' exact verifiers). Register your own with
+Built-ins: "math" (`rewards.math.verify`, GSM8K/MATH answers), "math_verify" (the same job done by
+HuggingFace's Math-Verify library, the optional extra `pip install 'llamarl_jax[math]'`; imported when
+first asked for), "arithmetic" and "countdown" (the synthetic tasks' exact verifiers). Register your
+own with
 
     @register_reward("my_reward")
     def my_reward(response_text: str, ground_truth: str) -> float: ...
@@ -15,6 +17,7 @@ This package must stay free of JAX imports: the workers import it.
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Union
 
 from llamarl_jax.rewards import math, synthetic
@@ -22,6 +25,7 @@ from llamarl_jax.rewards import math, synthetic
 RewardFn = Callable[[str, str], float]
 
 _REGISTRY: dict[str, RewardFn] = {}
+_LAZY: dict[str, str] = {}  # name -> "module:function", for reward functions with optional dependencies
 
 
 def register_reward(name: str, fn: RewardFn | None = None):
@@ -29,8 +33,9 @@ def register_reward(name: str, fn: RewardFn | None = None):
   def add(f: RewardFn) -> RewardFn:
     if not callable(f):
       raise TypeError(f"reward {name!r} must be callable, got {type(f).__name__}")
-    if name in _REGISTRY and _REGISTRY[name] is not f:
-      raise ValueError(f"reward {name!r} is already registered to {_REGISTRY[name]!r}; pick another name")
+    if name in _LAZY or (name in _REGISTRY and _REGISTRY[name] is not f):
+      owner = _LAZY.get(name) or _REGISTRY[name]
+      raise ValueError(f"reward {name!r} is already registered to {owner!r}; pick another name")
     _REGISTRY[name] = f
     return f
   return add(fn) if fn is not None else add
@@ -40,17 +45,21 @@ def get_reward_fn(name_or_fn: Union[str, RewardFn]) -> RewardFn:
   """The reward function registered as `name_or_fn`, or `name_or_fn` itself when it is callable."""
   if callable(name_or_fn):
     return name_or_fn
+  if name_or_fn in _LAZY:  # raises ImportError saying what to install when the dependency is missing
+    module, _, attr = _LAZY[name_or_fn].partition(":")
+    return getattr(importlib.import_module(module), attr)
   if name_or_fn not in _REGISTRY:
-    raise KeyError(f"no reward function named {name_or_fn!r}; registered: {sorted(_REGISTRY)}. "
+    raise KeyError(f"no reward function named {name_or_fn!r}; registered: {registered_rewards()}. "
                    "Register one with llamarl_jax.rewards.register_reward.")
   return _REGISTRY[name_or_fn]
 
 
 def registered_rewards() -> list[str]:
-  return sorted(_REGISTRY)
+  return sorted([*_REGISTRY, *_LAZY])
 
 
 register_reward("math", math.verify)
+_LAZY["math_verify"] = "llamarl_jax.rewards.math_verify_backend:verify"
 register_reward("arithmetic", synthetic.score_arithmetic)
 register_reward("countdown", synthetic.score_countdown)
 

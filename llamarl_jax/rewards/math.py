@@ -2,437 +2,148 @@
 
 `verify(response_text, ground_truth) -> 1.0 | 0.0`.
 
-Model text is never evaluated as code: no `eval`, `exec`, `sympify` or `parse_expr`. Answers go
-through a small hand-written tokenizer and recursive-descent parser over numbers, single-letter
-variables, `+ - * / ^`, parentheses/braces, `\\frac`, `\\sqrt`, `\\pi`, which evaluates to exact
-`fractions.Fraction` (or `float` once an irrational appears). Every stage is bounded up front
-(response length, answer length, token count, nesting depth, digits per number, bits per
-intermediate value, exponent size), so any input returns in well under a millisecond to a few
-milliseconds; `RewardExecutor` adds a hard per-sample timeout on top.
+Model text is never evaluated as code: expressions go through the restricted grammar of
+`rewards.math_expr` (hand-written tokenizer and parser, bounded exact arithmetic); every stage is
+bounded up front, so any input returns within milliseconds; `RewardExecutor` adds a hard
+per-sample timeout on top.
 
-Answer extraction from a response, first match wins:
-  1. the last `\\boxed{...}` (or `\\fbox{...}`); a response with a malformed or over-long box has no answer,
-  2. the text after the last `####` (GSM8K convention), up to the end of that line,
-  3. the text after the last "answer is" / "answer:", up to the end of that line,
-  4. the last number in the text (`-3`, `1,234.5`, `3/4`).
-Only one candidate is compared (listing many answers earns nothing).
+Final answer of a response (one answer, or none):
+  1. the last `\\boxed{...}` / `\\fbox{...}` / `\\boxed 5`, together with the boxes just before it when
+     only connectors separate them (`$\\boxed{2}$ and $\\boxed{3}$` is the list 2, 3); a malformed last
+     box means no answer;
+  2. else the text after the last `####` (GSM8K), to the end of the line;
+  3. else the sentence after the last "answer is" / "answer:" / "Final Answer:" / "**Answer:**" (the
+     next line when that line is empty), cut at the sentence end (Minerva's "$24$. I hope it is
+     correct." gives 24); a sentence of words around exactly one number gives that number;
+  4. else the last number of the text (or the last `$...$` when that number is inside it), unless a
+     qualifier surrounds it ("at least 5", "12 or more").
+  A response that states a different answer after its final one (`\\boxed{5}` then `#### 6`, or "The
+  answer is 6") is hedged: no answer. Qualified answers ("at least 5", `\\geq 5`, "40 or less") and
+  two answers ("5 or 6", `\\boxed{3, 4}`, `\\pm 3`) never equal a single number.
 
-Equivalence: exact rational equality (0.5 == 1/2 == \\frac{1}{2} == 50/100), float closeness
-(relative 1e-6) once irrationals are involved (\\frac{\\sqrt{2}}{2} == \\frac{1}{\\sqrt2}),
-expressions in variables compared by exact evaluation at several rational points (2x+2 == 2(x+1)),
-tuples/intervals element-wise with matching brackets, bare comma lists order-insensitively,
-anything else (text answers such as `\\text{(C)}` or `Monday`) by normalised string.
-Normalisation drops `$`, `\\%`/`%`, degrees, `\\left`/`\\right`, spacing commands, thousands
-separators (`1,000` and `1{,}000`), `\\text{...}` wrappers, a left-hand side that is a name (`x =`,
-`f(x) =`) or plain arithmetic (`48+24 =`), and trailing unit words ("5 apples", "12 \\text{ cm}").
+Answers are normalised, then read as one of: an expression; an equation; an ordered tuple; a set
+(`\\{...\\}`, a bare comma list, "x = 2 or x = 3", `\\pm`, several boxes; order-insensitive); a union
+of intervals (`[a, b)`, `\\cup`, `\\infty`, and one-variable inequalities `-2 \\le x < 5`, `x > 3 or x < 1`);
+a matrix (`pmatrix` / `bmatrix`); or text (`\\text{(C)}`, `Monday`).
+Normalisation drops `$`, `\\%`, degrees, `\\left`/`\\right`, spacing, `\\text{}` wrappers, thousands
+separators (`1,000`, `32,\\!349`, `1{,}000`, `1\\,000`, `10 000`), trailing unit words ("5 apples",
+`12\\text{ cm}^2`), and a left-hand side that is a name (`x =`, `f(x) =`, `(p, q) =`) or arithmetic.
+Equivalence: exact rational equality (0.5 == 1/2 == \\frac{1}{2}; mixed numbers `4\\frac{4}{9}` == 40/9),
+float closeness (relative 1e-6) once irrationals appear, expressions in variables by exact
+evaluation at several rational points (2x+2 == 2(x+1)), equations up to a constant factor
+(x + y = 4 == 2x + 2y = 8), intervals after merging, text by normalised string. A decimal comma is
+read only where unambiguous: "3,5" (not a thousands group) against a single-number reference is 3.5.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import re
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import Union
+from typing import Any
 
-# ---------------------------------------------------------------------------------------------
-# Bounds (checked before any work is done; see the module docstring).
+from llamarl_jax.rewards.math_expr import (MAX_ANSWER_CHARS, MAX_BITS, MAX_DEPTH, MAX_TOKENS, Number, ParseError,
+                                           evaluate, literals, parse, tokenize, variables)
 
 MAX_RESPONSE_CHARS = 100_000   # longer responses score 0
-MAX_ANSWER_CHARS = 1_000       # the extracted answer candidate
-MAX_TOKENS = 256               # tokens in one answer expression
-MAX_DEPTH = 48                 # nesting of parentheses / \frac / \sqrt / unary signs
-MAX_NUMBER_DIGITS = 100        # digits in one numeric literal
-MAX_BITS = 8_192               # numerator/denominator bits of any intermediate exact value
-MAX_EXPONENT = 10_000          # |integer exponent| for exact powers
-MAX_ROOT_DEGREE = 64           # n in \sqrt[n]{.}
-MAX_DECIMAL_EXPONENT = 2_000   # |e| in a literal such as 1.5e3
+MAX_LIST_ITEMS = 32            # elements of a tuple / set / matrix row
+MAX_RUN_BOXES = 8              # boxes joined into one answer
+MAX_LATER_STATEMENTS = 16      # answer statements after the final one checked for hedging
 REL_TOL = 1e-6                 # float comparison once irrationals are involved
 ABS_TOL = 1e-9
-MAX_LIST_ITEMS = 32            # elements of a tuple / comma list
 
-Number = Union[Fraction, float]
-
-
-class ParseError(ValueError):
-  """The text is not an expression of the restricted grammar, or it exceeds a bound."""
+__all__ = ["Answer", "MAX_ANSWER_CHARS", "MAX_BITS", "MAX_DEPTH", "MAX_TOKENS", "Number", "ParseError",
+           "answers_equal", "evaluate", "extract_answer", "extract_ground_truth", "last_boxed", "last_number",
+           "literals", "parse", "parse_answer", "tokenize", "variables", "verify"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer
+# Boxes
 
-_TOKEN_RE = re.compile(r"""
-    (?P<ws>\s+)
-  | (?P<num>(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)
-  | (?P<cmd>\\[A-Za-z]+)
-  | (?P<var>[A-Za-z])
-  | (?P<pow>\*\*)
-  | (?P<op>[-+*/^(){}\[\],])
-""", re.VERBOSE)
-
-_CONSTANTS = {"pi": math.pi}
-_COMMAND_OPS = {"cdot": "*", "times": "*", "div": "/", "ast": "*"}
+_BOX_CMD_RE = re.compile(r"\\(?:boxed|fbox)(\s*)")
+# What may separate boxes that form one answer: `$\boxed{2}$ and $x = \boxed{3}$`, `\boxed{1}, \boxed{2}`.
+_CONNECTOR_TAIL_RE = re.compile(
+    r"(?:\s|\$|,|;|&|\\[()\[\]]|\\quad|\\text\{\s*(?:and|or)\s*\}|\b(?:and|or)\b|[A-Za-z]\s*=)*\Z")
 
 
-def tokenize(text: str) -> list[tuple[str, str]]:
-  """[(kind, value)] with kind in num/cmd/var/op; raises ParseError on anything else or too long."""
-  if len(text) > MAX_ANSWER_CHARS:
-    raise ParseError(f"expression of {len(text)} chars exceeds {MAX_ANSWER_CHARS}")
-  tokens: list[tuple[str, str]] = []
-  pos = 0
-  while pos < len(text):
-    m = _TOKEN_RE.match(text, pos)
-    if m is None:
-      raise ParseError(f"unexpected character {text[pos]!r} at {pos}")
-    pos = m.end()
-    kind = m.lastgroup
-    value = m.group()
-    if kind == "ws":
-      continue
-    if kind == "num":
-      if sum(c.isdigit() for c in value) > MAX_NUMBER_DIGITS:
-        raise ParseError(f"numeric literal longer than {MAX_NUMBER_DIGITS} digits")
-    elif kind == "cmd":
-      value = value[1:]
-      if value in _COMMAND_OPS:
-        kind, value = "op", _COMMAND_OPS[value]
-      elif value in ("dfrac", "tfrac"):
-        value = "frac"
-    elif kind == "pow":
-      kind, value = "op", "^"
-    tokens.append((kind, value))
-    if len(tokens) > MAX_TOKENS:
-      raise ParseError(f"more than {MAX_TOKENS} tokens")
-  return tokens
+def _last_box_start(text: str, end: int | None = None) -> int:
+  end = len(text) if end is None else end
+  return max(text.rfind("\\boxed", 0, end), text.rfind("\\fbox", 0, end))
 
 
-# ---------------------------------------------------------------------------------------------
-# Parser: tokens -> AST of tuples
-#   ("num", Fraction, literal) ("const", float) ("var", name) ("neg", a) ("add"|"sub"|"mul"|"div"|"pow", a, b)
-#   ("root", a, n)
-
-def _literal(text: str) -> Fraction:
-  """Exact value of a numeric literal ("12", "0.5", ".5", "1.5e3"), with a bounded decimal exponent."""
-  mantissa, _, exponent = text.lower().partition("e")
-  if exponent and abs(int(exponent)) > MAX_DECIMAL_EXPONENT:
-    raise ParseError(f"decimal exponent {exponent} exceeds {MAX_DECIMAL_EXPONENT}")
-  value = Fraction(mantissa)
-  return value * Fraction(10) ** int(exponent) if exponent else value
-
-
-class _Parser:
-
-  def __init__(self, tokens, *, allow_vars: bool, implicit_mul: bool, allow_pow: bool, allow_unary: bool,
-               allow_latex: bool):
-    self.tokens = tokens
-    self.pos = 0
-    self.depth = 0
-    self.allow_vars = allow_vars
-    self.implicit_mul = implicit_mul
-    self.allow_pow = allow_pow
-    self.allow_unary = allow_unary
-    self.allow_latex = allow_latex
-
-  def peek(self):
-    return self.tokens[self.pos] if self.pos < len(self.tokens) else (None, None)
-
-  def take(self):
-    tok = self.peek()
-    if tok[0] is None:
-      raise ParseError("unexpected end of expression")
-    self.pos += 1
-    return tok
-
-  def expect(self, value: str) -> None:
-    kind, v = self.take()
-    if kind != "op" or v != value:
-      raise ParseError(f"expected {value!r}, found {v!r}")
-
-  def enter(self) -> None:
-    self.depth += 1
-    if self.depth > MAX_DEPTH:
-      raise ParseError(f"nesting deeper than {MAX_DEPTH}")
-
-  def parse(self):
-    node = self.expr()
-    if self.pos != len(self.tokens):
-      raise ParseError(f"unexpected token {self.peek()[1]!r}")
-    return node
-
-  def expr(self):
-    node = self.term()
-    while self.peek() in (("op", "+"), ("op", "-")):
-      _, op = self.take()
-      node = ("add" if op == "+" else "sub", node, self.term())
-    return node
-
-  def _starts_atom(self) -> bool:
-    kind, v = self.peek()
-    if kind == "num":
-      return True
-    if kind == "var":
-      return self.allow_vars
-    if kind == "cmd":
-      return self.allow_latex
-    return kind == "op" and v in ("(", "{")
-
-  def term(self):
-    node = self.unary()
-    while True:
-      kind, v = self.peek()
-      if kind == "op" and v in ("*", "/"):
-        self.take()
-        node = ("mul" if v == "*" else "div", node, self.unary())
-      elif self.implicit_mul and self._starts_atom():
-        node = ("mul", node, self.power())
-      else:
-        return node
-
-  def unary(self):
-    kind, v = self.peek()
-    if kind == "op" and v in ("+", "-"):
-      if not self.allow_unary:
-        raise ParseError("unary sign not allowed")
-      self.take()
-      self.enter()
-      node = self.unary()
-      self.depth -= 1
-      return ("neg", node) if v == "-" else node
-    return self.power()
-
-  def power(self):
-    base = self.atom()
-    if self.peek() == ("op", "^"):
-      if not self.allow_pow:
-        raise ParseError("'^' not allowed")
-      self.take()
-      self.enter()
-      exponent = self.unary()  # 2^10 == 1024 (as written in text), 2^{10}, 2^-1, 2^3^2 == 2^9
-      self.depth -= 1
-      return ("pow", base, exponent)
-    return base
-
-  def latex_arg(self):
-    """A LaTeX argument: `{expr}`, one digit of a number (`\\frac12`), a variable or a command atom."""
-    kind, v = self.peek()
-    if kind == "op" and v == "{":
-      return self.atom()
-    if kind == "num" and len(v) > 1 and v[0].isdigit():
-      self.tokens[self.pos] = ("num", v[1:])  # consume one digit: \frac12 == \frac{1}{2}
-      return ("num", _literal(v[0]), v[0])
-    return self.atom()
-
-  def atom(self):
-    kind, v = self.take()
-    if kind == "num":
-      return ("num", _literal(v), v)
-    if kind == "var":
-      if not self.allow_vars:
-        raise ParseError(f"variable {v!r} not allowed")
-      return ("var", v)
-    if kind == "op" and v in ("(", "{"):
-      self.enter()
-      node = self.expr()
-      self.expect(")" if v == "(" else "}")
-      self.depth -= 1
-      return node
-    if kind == "cmd" and self.allow_latex:
-      if v in _CONSTANTS:
-        return ("const", _CONSTANTS[v])
-      if v == "frac":
-        self.enter()
-        num, den = self.latex_arg(), self.latex_arg()
-        self.depth -= 1
-        return ("div", num, den)
-      if v == "sqrt":
-        self.enter()
-        degree = 2
-        if self.peek() == ("op", "["):
-          self.take()
-          k, d = self.take()
-          if k != "num" or not d.isdigit() or not 2 <= int(d) <= MAX_ROOT_DEGREE:
-            raise ParseError(f"root degree must be an integer in [2, {MAX_ROOT_DEGREE}], found {d!r}")
-          degree = int(d)
-          self.expect("]")
-        node = ("root", self.latex_arg(), degree)
-        self.depth -= 1
-        return node
-    raise ParseError(f"unexpected token {v!r}")
-
-
-def parse(text: str, *, allow_vars: bool = True, implicit_mul: bool = True, allow_pow: bool = True,
-          allow_unary: bool = True, allow_latex: bool = True):
-  """Parse `text` into an AST (nested tuples) of the restricted grammar; raises ParseError.
-
-  Never evaluates anything; `evaluate` does, with bounded exact arithmetic.
-  """
-  tokens = tokenize(text)
-  if not tokens:
-    raise ParseError("empty expression")
-  return _Parser(tokens, allow_vars=allow_vars, implicit_mul=implicit_mul, allow_pow=allow_pow,
-                 allow_unary=allow_unary, allow_latex=allow_latex).parse()
-
-
-# ---------------------------------------------------------------------------------------------
-# Bounded evaluation
-
-def _check(x: Number) -> Number:
-  if isinstance(x, Fraction):
-    if x.numerator.bit_length() > MAX_BITS or x.denominator.bit_length() > MAX_BITS:
-      raise ParseError(f"intermediate value exceeds {MAX_BITS} bits")
-    return x
-  if not math.isfinite(x):
-    raise ParseError("non-finite value")
-  return x
-
-
-def _to_float(x: Number) -> float:
-  try:
-    return float(x)
-  except OverflowError as e:
-    raise ParseError("value too large for a float") from e
-
-
-def _int_root(n: int, k: int) -> int | None:
-  """Exact integer k-th root of n >= 0, or None (integer Newton iteration: O(log bits) steps)."""
-  if n < 2:
-    return n
-  if k == 2:
-    r = math.isqrt(n)
-    return r if r * r == n else None
-  x = 1 << (n.bit_length() // k + 1)  # >= the root
-  while True:
-    y = ((k - 1) * x + n // x ** (k - 1)) // k
-    if y >= x:
-      break
-    x = y
-  return x if x ** k == n else None
-
-
-def _root(x: Number, k: int) -> Number:
-  if x < 0:
-    if k % 2 == 0:
-      raise ParseError("even root of a negative number")
-    return -_root(-x, k)
-  if isinstance(x, Fraction):
-    p, q = _int_root(x.numerator, k), _int_root(x.denominator, k)
-    if p is not None and q is not None:
-      return Fraction(p, q)
-  return _check(_to_float(x) ** (1.0 / k))
-
-
-def _pow(base: Number, exponent: Number) -> Number:
-  if isinstance(exponent, Fraction) and exponent.denominator == 1:
-    e = exponent.numerator
-    if abs(e) > MAX_EXPONENT:
-      raise ParseError(f"exponent {e} exceeds {MAX_EXPONENT}")
-    if isinstance(base, Fraction):
-      if base == 0 and e < 0:
-        raise ParseError("zero to a negative power")
-      bits = max(base.numerator.bit_length(), base.denominator.bit_length())
-      if bits * abs(e) > MAX_BITS:
-        raise ParseError(f"power exceeds {MAX_BITS} bits")
-      return base ** e
-  if isinstance(exponent, Fraction) and isinstance(base, Fraction) and exponent.denominator <= MAX_ROOT_DEGREE:
-    if base < 0 and exponent.denominator % 2 == 0:
-      raise ParseError("even root of a negative number")
-    return _pow(_root(base, exponent.denominator), Fraction(exponent.numerator))
-  b, e = _to_float(base), _to_float(exponent)
-  if b < 0 and e != int(e):
-    raise ParseError("non-integer power of a negative number")
-  if b == 0 and e < 0:
-    raise ParseError("zero to a negative power")
-  try:
-    return _check(math.pow(b, e))
-  except (OverflowError, ValueError) as err:
-    raise ParseError(f"power out of range: {err}") from err
-
-
-def evaluate(node, env: dict[str, Number] | None = None) -> Number:
-  """Value of an AST: exact Fraction while possible, float after irrationals; raises ParseError."""
-  kind = node[0]
-  if kind == "num":
-    return node[1]
-  if kind == "const":
-    return node[1]
-  if kind == "var":
-    if env is None or node[1] not in env:
-      raise ParseError(f"free variable {node[1]!r}")
-    return env[node[1]]
-  if kind == "neg":
-    return -evaluate(node[1], env)
-  if kind == "root":
-    return _root(evaluate(node[1], env), node[2])
-  a, b = evaluate(node[1], env), evaluate(node[2], env)
-  if isinstance(a, float) or isinstance(b, float):
-    a, b = _to_float(a), _to_float(b)
-  if kind == "add":
-    return _check(a + b)
-  if kind == "sub":
-    return _check(a - b)
-  if kind == "mul":
-    return _check(a * b)
-  if kind == "div":
-    if b == 0:
-      raise ParseError("division by zero")
-    return _check(a / b)
-  if kind == "pow":
-    return _pow(a, b)
-  raise ParseError(f"unknown node {kind!r}")
-
-
-def variables(node) -> set[str]:
-  if node[0] == "var":
-    return {node[1]}
-  out: set[str] = set()
-  for child in node[1:]:
-    if isinstance(child, tuple):
-      out |= variables(child)
-  return out
-
-
-def literals(node) -> list[str]:
-  """The numeric literals of an AST as written, left to right (Countdown checks number usage)."""
-  if node[0] == "num":
-    return [node[2]]
-  out: list[str] = []
-  for child in node[1:]:
-    if isinstance(child, tuple):
-      out += literals(child)
-  return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Answer extraction
-
-def last_boxed(text: str) -> str | None:
-  """Content of the last `\\boxed{...}` / `\\fbox{...}` (brace-matched), or None. Linear time."""
-  start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-  if start < 0:
+def _box_at(text: str, start: int) -> tuple[str, int] | None:
+  """(content, end) of the box command at `start`: brace-matched `\\boxed{...}` or `\\boxed 5`; None if malformed."""
+  m = _BOX_CMD_RE.match(text, start)
+  if m is None:
     return None
-  i = text.find("{", start)
-  if i < 0:
+  i = m.end()
+  if i < len(text) and text[i] == "{":
+    depth = 0
+    for j in range(i, min(len(text), i + MAX_ANSWER_CHARS + 2)):
+      c = text[j]
+      if c == "{":
+        depth += 1
+      elif c == "}":
+        depth -= 1
+        if depth == 0:
+          return text[i + 1:j], j + 1
     return None
-  gap = text[start:i]
-  if gap not in ("\\boxed", "\\fbox", "\\boxed ", "\\fbox "):
-    # `\boxed 5` form: the rest of the token
-    m = re.match(r"\\(?:boxed|fbox)\s+([^\s$]+)", text[start:start + MAX_ANSWER_CHARS])
-    return m.group(1) if m else None
-  depth = 0
-  end = min(len(text), i + MAX_ANSWER_CHARS + 2)
-  for j in range(i, end):
-    c = text[j]
-    if c == "{":
-      depth += 1
-    elif c == "}":
-      depth -= 1
-      if depth == 0:
-        return text[i + 1:j]
+  if m.group(1):  # `\boxed 5`: the next token
+    t = re.match(r"[^\s$}\\]{1,100}", text[i:i + 101])
+    return (t.group(), i + t.end()) if t else None
   return None
 
 
+def last_boxed(text: str) -> str | None:
+  """Content of the last `\\boxed{...}` / `\\fbox{...}` / `\\boxed 5`, or None. Linear time."""
+  start = _last_box_start(text)
+  got = _box_at(text, start) if start >= 0 else None
+  return got[0] if got else None
+
+
+def _box_run(text: str) -> tuple[list[str], int, int] | None:
+  """The last box and the boxes joined to it by connectors only: (contents, start, end), or None."""
+  start = _last_box_start(text)
+  got = _box_at(text, start) if start >= 0 else None
+  if got is None:
+    return None
+  contents, end = [got[0]], got[1]
+  while len(contents) < MAX_RUN_BOXES:
+    tail = text[max(0, start - 64):start]
+    prev_end = start - len(_CONNECTOR_TAIL_RE.search(tail).group())
+    if prev_end <= 0 or text[prev_end - 1] != "}":
+      break
+    prev = _last_box_start(text, prev_end)
+    got = _box_at(text, prev) if prev >= 0 else None
+    if got is None or got[1] != prev_end:
+      break
+    contents.insert(0, got[0])
+    start = prev
+  return contents, start, end
+
+
+# ---------------------------------------------------------------------------------------------
+# Answer statements and the last number
+
 _NUMBER_RE = re.compile(r"(?<![\w.])(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+\b)?"
                         r"(?:\s*/\s*\d+(?:\.\d+)?)?")
-_ANSWER_IS_RE = re.compile(r"answer(?:\s+is)?\s*[:：]|answer\s+is", re.IGNORECASE)
+_ANSWER_RE = re.compile(r"\b(?:final\s+answer|answer)(?:\s*\*\*)?\s*(?:is\b|[:：])", re.IGNORECASE)
+_SENTENCE_END_RE = re.compile(r"\.(?=\s|$)|[!?](?=\s|$)|\bI hope\b|,\s+(?!(?:and|or)\b)(?=[A-Za-z]{2,})"
+                              r"|\s(?:because|since|which|where|as|so|given|when)\b")
+_MATH_SEGMENT_RE = re.compile(r"\$\$([^$]{1,1000})\$\$|\$([^$]{1,1000})\$|\\\((.{1,1000}?)\\\)|\\\[(.{1,1000}?)\\\]",
+                              re.DOTALL)
+# A number qualified by these is a bound, not the number: "at least 5", "12 or more", "over 50".
+_QUALIFIER_RE = re.compile(
+    r"\b(?:at\s+(?:least|most)|or\s+(?:more|less|fewer|greater|higher|lower|above|below|under|over)|"
+    r"(?:more|less|fewer|greater|smaller|larger|higher|lower)\s+than|no\s+(?:more|less|fewer)|up\s+to|"
+    r"over|under|above|below|nearly|almost|minimum|maximum|exceed\w*|not|never|cannot|isn't)\b", re.IGNORECASE)
+_QUALIFIER_BEFORE_RE = re.compile(
+    r"(?:\b(?:at\s+(?:least|most)|(?:more|less|fewer|greater|smaller|larger|higher|lower)\s+than|no\s+(?:more|less|"
+    r"fewer)|up\s+to|over|under|above|below|nearly|almost|not|never)|[<>≤≥]=?|\\[lg]e(?:q)?)\s*\$?\s*\Z",
+    re.IGNORECASE)
+_QUALIFIER_AFTER_RE = re.compile(r"\s*(?:\+|or\s+(?:more|less|fewer|greater|higher|lower|above|below))", re.IGNORECASE)
 
 
 def last_number(text: str) -> str | None:
@@ -443,112 +154,437 @@ def last_number(text: str) -> str | None:
   return last.group() if last is not None else None
 
 
+def _sentence(text: str) -> tuple[str, str]:
+  """(answer sentence, its whole line) of the text after an answer marker (the next line if this one is empty)."""
+  text = text[:2 * MAX_ANSWER_CHARS].lstrip(" \t*:：")
+  line, _, rest = text.partition("\n")
+  if not line.strip(" *$"):
+    line = next((ln for ln in rest.split("\n")[:4] if ln.strip()), "")
+  line = line.strip().strip("*").strip()
+  m = _SENTENCE_END_RE.search(line)
+  return (line[:m.start()] if m else line).strip().strip("*").strip(), line
+
+
+def _single_number(line: str) -> str | None:
+  """The one number of a line of words ("Janet makes $18 every day."), unless qualified or hedged."""
+  numbers = _NUMBER_RE.findall(line)
+  if len(numbers) != 1 or _QUALIFIER_RE.search(line) or re.search(r"\b(?:or|and|but|wait)\b", line):
+    return None
+  return numbers[0]
+
+
+def _fallback(response: str) -> str | None:
+  """No marked answer: the last number (or the last `$...$` that contains it), unless qualified."""
+  tail_start = max(0, len(response) - 4 * MAX_ANSWER_CHARS)
+  tail = response[tail_start:]
+  last = None
+  for last in _NUMBER_RE.finditer(tail):
+    pass
+  if last is None:
+    return last_number(response[:tail_start]) if tail_start else None
+  segment = None
+  for segment in _MATH_SEGMENT_RE.finditer(tail):
+    pass
+  if segment is not None and segment.start() <= last.start() < segment.end():
+    return next(g for g in segment.groups() if g is not None)
+  if _QUALIFIER_BEFORE_RE.search(tail[max(0, last.start() - 24):last.start()]) or \
+     _QUALIFIER_AFTER_RE.match(tail, last.end()):
+    return None
+  return last.group()
+
+
+@dataclass(frozen=True)
+class _Statement:
+  start: int
+  end: int
+  text: str
+
+
+def _statements(response: str) -> tuple[_Statement | None, list[_Statement], list[_Statement]]:
+  """The box run, the `####` lines and the answer-is sentences (the last MAX_LATER_STATEMENTS of each)."""
+  run = None
+  if "\\boxed" in response or "\\fbox" in response:
+    got = _box_run(response)
+    if got is None:
+      run = _Statement(-1, -1, "")  # a malformed last box: no answer
+    else:
+      contents, start, end = got
+      run = _Statement(start, end, " or ".join(contents)) if all(c.strip() for c in contents) else \
+          _Statement(-1, -1, "")  # an empty box: no answer
+  hashes = collections.deque(maxlen=MAX_LATER_STATEMENTS)
+  i = response.find("####")
+  while i >= 0:
+    line_end = response.find("\n", i)
+    line_end = len(response) if line_end < 0 else line_end
+    hashes.append(_Statement(i, line_end, response[i + 4:line_end].strip()))
+    i = response.find("####", line_end)
+  said = collections.deque(maxlen=MAX_LATER_STATEMENTS)
+  for m in _ANSWER_RE.finditer(response):
+    said.append(m)
+  answers = []
+  for m in said:
+    sentence, line = _sentence(response[m.end():])
+    parsed = parse_answer(sentence)
+    if parsed is not None and parsed.kind == "text":
+      sentence = _single_number(line) or sentence
+    answers.append(_Statement(m.start(), m.end(), sentence))
+  return run, list(hashes), answers
+
+
 def extract_answer(response: str) -> str | None:
-  """The final-answer candidate of a response (see the module docstring for the order), or None."""
+  """The final-answer text of a response (see the module docstring), or None (none, malformed, hedged)."""
   if not isinstance(response, str) or len(response) > MAX_RESPONSE_CHARS:
     return None
-  if "\\boxed" in response or "\\fbox" in response:
-    return last_boxed(response)  # None when malformed or too long: no fallback to other numbers
-  i = response.rfind("####")
-  if i >= 0:
-    return response[i + 4:].strip().split("\n", 1)[0]
-  last = None
-  for last in _ANSWER_IS_RE.finditer(response):
-    pass
-  if last is not None:
-    line = response[last.end():].strip().split("\n", 1)[0]
-    parsed = _parse_answer(line)
-    if parsed is not None and parsed[0] != "text":
-      return line
-    return last_number(line) or last_number(response)
-  return last_number(response)
+  run, hashes, said = _statements(response)
+  if run is not None:
+    if run.start < 0:
+      return None
+    final = run
+  elif hashes:
+    final = hashes[-1]
+  elif said:
+    final = said[-1]
+  else:
+    return _fallback(response)
+  later = [s for s in hashes + said if s.start >= final.end and "\\boxed" not in s.text]
+  if later:
+    mine = parse_answer(final.text)
+    for s in later:
+      other = parse_answer(s.text)
+      if other is not None and other.kind != "text" and (mine is None or not _equal(mine, other)):
+        return None  # a different answer stated after the final one: hedged
+  return final.text
 
 
 def extract_ground_truth(ground_truth: str) -> str:
   """A dataset label as stored: a bare answer, a GSM8K `... #### 42`, or a MATH solution with \\boxed."""
-  boxed = last_boxed(ground_truth)
-  if boxed is not None:
-    return boxed
+  run = _box_run(ground_truth)
+  if run is not None:
+    return " or ".join(run[0])
   i = ground_truth.rfind("####")
   return ground_truth[i + 4:].strip() if i >= 0 else ground_truth.strip()
 
 
 # ---------------------------------------------------------------------------------------------
-# Normalisation and comparison
+# Normalisation
 
-_REMOVE = ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\quad", "\\qquad",
-           "^\\circ", "^{\\circ}", "\\circ", "\\degree", "°", "\\%", "%", "\\$", "$", "{,}",
-           "\\bigl", "\\bigr", "\\Bigl", "\\Bigr")
-_TEXT_CMD_RE = re.compile(
-    r"\\(?:text|textbf|textit|textrm|textnormal|mbox|mathrm|mathbf|mathit|operatorname)\s*\{([^{}]*)\}")
-_THOUSANDS_RE = re.compile(r"\b\d{1,3}(?:,\d{3})+\b")
-_TRAILING_WORDS_RE = re.compile(r"(?:\s+[A-Za-z]{2,}\.?)+\s*$")
-_WORD_RE = re.compile(r"(?<!\\)\b[A-Za-z]{3,}")
+_REMOVE = ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\bigl", "\\bigr", "\\Bigl",
+           "\\Bigr", "\\big", "\\Big", "^\\circ", "^{\\circ}", "\\circ", "\\degree", "°", "\\%", "%", "\\$", "$",
+           "\\(", "\\)", "\\[", "\\]", "**")
+_SPACES = ("\\ ", "\\quad", "\\qquad", "~")
+_UNICODE = {"−": "-", "–": "-", "×": "*", "÷": "/", "·": "*", "≤": "\\le ", "≥": "\\ge ", "∞": "\\infty ",
+            "∪": "\\cup ", "π": "\\pi ", "√": "\\sqrt", "±": "\\pm "}
+_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|mbox|mathrm|mathbf|mathit|mathsf|"
+                          r"boldsymbol|bm|operatorname)\s*\{([^{}]*)\}")
+_RELATION_CMDS = [(re.compile(r"\\(?:leqslant|leq|le)(?![A-Za-z])"), "<="),
+                  (re.compile(r"\\(?:geqslant|geq|ge)(?![A-Za-z])"), ">="),
+                  (re.compile(r"\\lt(?![A-Za-z])"), "<"), (re.compile(r"\\gt(?![A-Za-z])"), ">"),
+                  (re.compile(r"\\(?:neq|ne)(?![A-Za-z])"), "!=")]
+_LATEX_THOUSANDS_RE = re.compile(r"(\d),\\!\s*(?=\d{3}(?!\d))")
+_THOUSANDS_RE = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
+_SPACE_THOUSANDS_RE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?![\d.,])")
+_REPEATING_RE = re.compile(r"(\d*)\.(\d*)\\overline\{?(\d{1,12})\}?")
+# Unit words after a number: 3+ letters, or a 2-letter unit (never `xy`, which is algebra).
+_UNIT_WORD = r"(?:[A-Za-z]{3,}|cm|mm|km|nm|ft|in|yd|mi|kg|mg|lb|oz|ml|hr|ha|sq|cu|st|nd|rd|th|m|s|g|h)"
+_TRAILING_WORDS_RE = re.compile(rf"(?:\s+{_UNIT_WORD}(?:\s*\^\s*\{{?\d\}}?)?(?:/[A-Za-z]+)?\.?)+\s*$")
+_WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 _NAME_RE = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?(?:\([A-Za-z]\))?")  # x, x_1, a_{n}, f(x)
+_OR_AND_RE = re.compile(r"\s(?:or|and)\s|\\(?:lor|vee|land|wedge)(?![A-Za-z])|;")
 
 
-def normalize(text: str) -> str:
+def _repeating(m: re.Match) -> str:
+  """`0.1\\overline{6}` -> `(1/6)`: a repeating decimal as the exact fraction it is."""
+  whole, fixed, period = m.group(1) or "0", m.group(2), m.group(3)
+  value = int(whole) + (Fraction(int(fixed or "0")) + Fraction(int(period), 10 ** len(period) - 1)) / 10 ** len(fixed)
+  return f"({value.numerator}/{value.denominator})"
+
+
+def _clean(text: str) -> str:
   """Strip formatting that never changes an answer's value (see the module docstring)."""
-  s = text.strip().replace("−", "-").replace("×", "*").replace("÷", "/").replace("·", "*")
+  s = text.strip().replace("\\\\", "\n")  # a matrix row break, kept apart from the `\ ` space
+  for k, v in _UNICODE.items():
+    if k in s:
+      s = s.replace(k, v)
   for _ in range(3):  # nested \text{\textbf{...}}; bounded
     s = _TEXT_CMD_RE.sub(lambda m: " " + m.group(1) + " ", s)
+  s = _LATEX_THOUSANDS_RE.sub(r"\1", s)
+  if "\\overline" in s:
+    s = _REPEATING_RE.sub(_repeating, s)
   for token in _REMOVE:
-    s = s.replace(token, "" if token not in ("\\ ", "\\quad", "\\qquad") else " ")
-  s = _THOUSANDS_RE.sub(lambda m: m.group().replace(",", ""), s)
-  if "=" in s:
-    *lhs, rhs = s.split("=")
-    if all(_NAME_RE.fullmatch(part.strip()) or not re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", part))
-           for part in lhs):
-      s = rhs  # "x = 5", "f(x) = 2x", "48+24 = 72" -> the right-hand side; "x^2+y^2=1" stays whole
+    if token in s:
+      s = s.replace(token, "")
+  for token in _SPACES:
+    if token in s:
+      s = s.replace(token, " ")
+  s = s.replace("{,}", ",").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+  for pattern, repl in _RELATION_CMDS:
+    s = pattern.sub(repl, s)
+  if not any(c in s for c in "([") and "\\{" not in s:
+    s = _THOUSANDS_RE.sub(lambda m: m.group().replace(",", ""), s)
+  s = _SPACE_THOUSANDS_RE.sub(lambda m: m.group().replace(" ", ""), s)
   if "\\approx" in s:
     s = s.rsplit("\\approx", 1)[1]
   s = s.strip().rstrip(".;:").strip()
-  if s and s[0].isdigit() or s[:1] in ("-", "\\", "(", "."):
-    s = _TRAILING_WORDS_RE.sub("", s)
-  return s.strip().rstrip(".").strip()
+  return s
 
 
-def _split_top_level(s: str) -> list[str] | None:
-  """Split on commas outside any brackets; None if there are too many parts."""
-  parts, depth, start = [], 0, 0
-  for i, c in enumerate(s):
+def _split_top(s: str, sep: re.Pattern | str) -> list[str] | None:
+  """Split on `sep` outside any brackets; None if there are more than MAX_LIST_ITEMS parts."""
+  parts, depth, start, i = [], 0, 0, 0
+  while i < len(s):
+    c = s[i]
     if c in "([{":
       depth += 1
     elif c in ")]}":
       depth -= 1
-    elif c == "," and depth == 0:
-      parts.append(s[start:i])
-      start = i + 1
-      if len(parts) > MAX_LIST_ITEMS:
-        return None
+    elif depth == 0:
+      m = sep.match(s, i) if isinstance(sep, re.Pattern) else (sep if s.startswith(sep, i) else None)
+      if m:
+        end = m.end() if isinstance(sep, re.Pattern) else i + len(sep)
+        parts.append(s[start:i])
+        start = i = end
+        if len(parts) > MAX_LIST_ITEMS:
+          return None
+        continue
+    i += 1
   parts.append(s[start:])
   return parts
 
 
-def _parse_answer(text: str):
-  """("expr", ast) | ("tuple", open, [ast], close) | ("list", [ast]) | ("text", str) | None."""
+def _strip_units(s: str) -> str:
+  if s and (s[0].isdigit() or s[0] in "-+\\(."):
+    s = _TRAILING_WORDS_RE.sub("", s)
+  return s.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Structured answers
+
+@dataclass(frozen=True)
+class Answer:
+  """A parsed answer. kind and value:
+    "expr": AST (lhs: the variable AST of a stripped `y = ...`, to compare with an equation)
+    "eq": (lhs AST, rhs AST)               "tuple": (open bracket, [AST], close bracket)
+    "set": [Answer] (alt: the number a decimal comma makes of "3,5")
+    "intervals": [(lo, lo_closed, hi, hi_closed)] sorted and merged; lo/hi numbers, +-inf
+    "matrix": [[AST]]                      "text": normalised string
+  """
+  kind: str
+  value: Any
+  lhs: Any = None
+  alt: Any = None
+
+
+def _text(s: str) -> Answer:
+  t = re.sub(r"\s+", "", s).lower().strip("{}")
+  if re.fullmatch(r"\([a-z]\)", t):  # multiple choice: (C) == C
+    t = t[1]
+  return Answer("text", t)
+
+
+def _set(items: list[Answer], alt: Number | None = None) -> Answer:
+  unique: list[Answer] = []
+  for item in items:
+    if item.kind == "set":
+      candidates = item.value
+    else:
+      candidates = [item]
+    for c in candidates:
+      if not any(_equal(c, u) for u in unique):
+        unique.append(c)
+  if len(unique) == 1 and alt is None:
+    return unique[0]  # "x = 2 or x = 2", two boxes with the same answer
+  return Answer("set", unique, alt=alt)
+
+
+_INF = {"\\infty": math.inf, "+\\infty": math.inf, "-\\infty": -math.inf, "infty": math.inf, "inf": math.inf,
+        "-inf": -math.inf, "\\inf": math.inf, "-\\inf": -math.inf}
+
+
+def _number(s: str) -> Number | None:
+  """The value of a constant endpoint (`\\frac12`, `-\\infty`), or None."""
+  s = s.strip().replace(" ", "")
+  if s in _INF:
+    return _INF[s]
+  try:
+    return evaluate(parse(s, allow_vars=False))
+  except ParseError:
+    return None
+
+
+def _intervals(spans: list[tuple[Number, bool, Number, bool]]) -> Answer | None:
+  """A union of intervals, sorted and merged; None if an interval is empty or reversed."""
+  for lo, _, hi, _ in spans:
+    if not lo < hi:
+      return None
+  spans = sorted(spans, key=lambda t: (t[0], not t[1]))
+  merged = [list(spans[0])]
+  for lo, lo_c, hi, hi_c in spans[1:]:
+    cur = merged[-1]
+    if lo < cur[2] or (lo == cur[2] and (cur[3] or lo_c)):
+      if hi > cur[2] or (hi == cur[2] and hi_c):
+        cur[2], cur[3] = hi, hi_c
+    else:
+      merged.append([lo, lo_c, hi, hi_c])
+  return Answer("intervals", [(lo, lo_c and math.isfinite(lo), hi, hi_c and math.isfinite(hi))
+                              for lo, lo_c, hi, hi_c in merged])
+
+
+def _interval(s: str) -> Answer | None:
+  """`[a, b)`, `(-\\infty, 3]`, ... with constant endpoints, or None."""
+  if len(s) < 5 or s[0] not in "([" or s[-1] not in ")]":
+    return None
+  parts = _split_top(s[1:-1], ",")
+  if parts is None or len(parts) != 2:
+    return None
+  lo, hi = _number(parts[0]), _number(parts[1])
+  if lo is None or hi is None:
+    return None
+  return _intervals([(lo, s[0] == "[", hi, s[-1] == "]")])
+
+
+_RELATION_RE = re.compile(r"(<=|>=|<|>)")
+_EQUALS_RE = re.compile(r"(?<![<>!])=")
+
+
+def _inequality(s: str) -> Answer | None:
+  """A one-variable inequality (`x < 3`, `3 > x`, `-2 <= x <= 5`) as intervals, or None."""
+  parts = _RELATION_RE.split(s)
+  if len(parts) not in (3, 5):
+    return None
+  terms, ops = [p.strip() for p in parts[::2]], parts[1::2]  # op i sits between terms i and i + 1
+  names = [i for i, t in enumerate(terms) if re.fullmatch(r"[A-Za-z]", t)]
+  if len(names) != 1 or (len(terms) == 3 and names != [1]) or len({op[0] for op in ops}) != 1:
+    return None  # no single variable, `x < 1 < 2`, or mixed directions `1 < x > 3`
+  k = names[0]
+  lo, lo_c, hi, hi_c = -math.inf, False, math.inf, False
+  for i, op in enumerate(ops):
+    bound = _number(terms[i + 1] if i == k else terms[i])
+    if bound is None:
+      return None
+    if (op[0] == "<") == (i == k):  # x < b, or b > x: an upper bound
+      hi, hi_c = bound, op.endswith("=")
+    else:
+      lo, lo_c = bound, op.endswith("=")
+  return _intervals([(lo, lo_c, hi, hi_c)])
+
+
+def _matrix(s: str) -> Answer | None:
+  m = re.fullmatch(r"\\begin\{([pbBvV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}", s, re.DOTALL)
+  if m is None or m.group(1) in ("vmatrix", "Vmatrix"):
+    return None
+  rows = [r for r in m.group(2).split("\n") if r.strip()]
+  if not rows or len(rows) > MAX_LIST_ITEMS:
+    return None
+  try:
+    cells = [[parse(c) for c in r.split("&")] for r in rows]
+  except ParseError:
+    return None
+  if len({len(r) for r in cells}) != 1 or len(cells[0]) > MAX_LIST_ITEMS:
+    return None
+  return Answer("matrix", cells)
+
+
+def _is_name(s: str) -> bool:
+  """A left-hand side that only names the answer: `x`, `f(x)`, `a_n`, `(p, q)`, `Area`, or plain arithmetic.
+
+  Words need 3+ letters: `xy = 6` is an equation, not a name for 6.
+  """
+  s = s.strip()
+  if _NAME_RE.fullmatch(s) or re.fullmatch(r"[A-Za-z]{3,}(?:\s+[A-Za-z]{3,}){0,3}", s):
+    return True
+  if s[:1] == "(" and s[-1:] == ")":
+    parts = _split_top(s[1:-1], ",")
+    if parts and all(_NAME_RE.fullmatch(p.strip()) for p in parts):
+      return True
+  return not re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", s))
+
+
+def parse_answer(text: str) -> Answer | None:
+  """An answer text as an `Answer` (see the module docstring), or None if empty or too long."""
   if not isinstance(text, str) or len(text) > MAX_ANSWER_CHARS:
     return None
-  s = normalize(text)
+  s = _clean(text)
+  return _parse(s, 0) if s else None
+
+
+def _parse(s: str, depth: int) -> Answer | None:
+  s = s.strip()
   if not s:
     return None
+  if depth > 3 or _QUALIFIER_RE.search(s):
+    return _text(s)
+  matrix = _matrix(s)
+  if matrix is not None:
+    return matrix
+  s = _strip_units(s)
+  if "\\pm" in s:  # x = \pm 2, 1 \pm \sqrt{2}: two answers
+    items = [_parse(s.replace("\\pm", sign), depth + 1) for sign in ("+", "-")] if s.count("\\pm") == 1 else [None]
+    return _set(items) if all(i is not None and i.kind != "text" for i in items) else _text(s)
+  for sep in (_OR_AND_RE, ","):
+    parts = _split_top(s, sep)
+    if parts is None:
+      return _text(s)
+    if len(parts) > 1:
+      items = [_parse(p, depth + 1) for p in parts]
+      if any(i is None or i.kind == "text" for i in items):
+        return _text(s)
+      if all(i.kind == "intervals" for i in items):
+        return _intervals([span for i in items for span in i.value])
+      alt = None
+      if sep == "," and re.fullmatch(r"-?\d+,\d+", s):
+        alt = Fraction(s.replace(",", "."))  # "3,5": a decimal comma where a single number is expected
+      return _set(items, alt)
+  s = re.sub(r"^[A-Za-z]\s*\\in\s*", "", s)
+  if "\\cup" in s:
+    spans = []
+    for part in s.split("\\cup"):
+      got = _interval(part.strip())
+      if got is None:
+        return _text(s)
+      spans += got.value
+    return _intervals(spans)
+  sides = _split_top(s, _EQUALS_RE)
+  lhs = None
+  if sides is not None and len(sides) > 1:
+    if all(_is_name(p) for p in sides[:-1]) and sides[-1].strip():
+      if re.fullmatch(r"\s*[A-Za-z]\s*", sides[-2]):
+        lhs = ("var", sides[-2].strip())
+      s = _strip_units(sides[-1])
+    elif len(sides) == 2:
+      try:
+        return Answer("eq", (parse(_strip_units(sides[0])), parse(_strip_units(sides[1]))))
+      except ParseError:
+        return _text(s)
+    else:
+      return _text(s)
+  if _RELATION_RE.search(s):
+    return _inequality(s) or _text(s)
+  if s.startswith("\\{") and s.endswith("\\}"):
+    parts = _split_top(s[2:-2], ",")
+    items = [_parse(p, depth + 1) for p in parts] if parts else [None]
+    if any(i is None or i.kind == "text" for i in items):
+      return _text(s)
+    return _set(items)
+  if s[:1] in "([" and s[-1:] in ")]":
+    parts = _split_top(s[1:-1], ",")
+    if parts is not None and len(parts) > 1:
+      if len(parts) == 2 and (s[0] + s[-1] != "()" or "infty" in s):
+        return _interval(s) or _text(s)
+      try:
+        return Answer("tuple", (s[0], [parse(_strip_units(p)) for p in parts], s[-1]))
+      except ParseError:
+        return _text(s)
   if _WORD_RE.search(s) is None:
     try:
-      if s[0] in "([" and s[-1] in ")]":
-        inner = _split_top_level(s[1:-1])
-        if inner is not None and len(inner) > 1:
-          return ("tuple", s[0], [parse(p) for p in inner], s[-1])
-      parts = _split_top_level(s)
-      if parts is not None and len(parts) > 1:
-        return ("list", [parse(p) for p in parts])
-      return ("expr", parse(s))
+      return Answer("expr", parse(s), lhs=lhs)
     except ParseError:
       pass
-  text_norm = re.sub(r"\s+", "", s).lower()
-  if re.fullmatch(r"\(?[a-z]\)?", text_norm):  # multiple choice: (C) == C
-    text_norm = text_norm.strip("()")
-  return ("text", text_norm)
+  return _text(s)
 
+
+# ---------------------------------------------------------------------------------------------
+# Comparison
 
 def _close(a: Number, b: Number) -> bool:
   if isinstance(a, Fraction) and isinstance(b, Fraction):
@@ -560,7 +596,19 @@ def _close(a: Number, b: Number) -> bool:
 
 
 # Rational points at which expressions in variables are compared (exactly, while rational).
-_POINTS = (Fraction(7, 3), Fraction(-5, 11), Fraction(13, 4), Fraction(29, 17))
+_POINTS = (Fraction(7, 3), Fraction(-5, 11), Fraction(13, 4), Fraction(29, 17), Fraction(-8, 5))
+
+
+def _values(nodes, names: list[str]):
+  """Per point, the values of `nodes` (None where one fails, e.g. a division by zero there)."""
+  out = []
+  for k in range(len(_POINTS)):
+    env = {name: _POINTS[(k + i) % len(_POINTS)] + i for i, name in enumerate(names)}
+    try:
+      out.append([evaluate(n, env) for n in nodes])
+    except ParseError:
+      out.append(None)
+  return out
 
 
 def _expr_equal(a, b) -> bool:
@@ -570,44 +618,75 @@ def _expr_equal(a, b) -> bool:
       return _close(evaluate(a), evaluate(b))
     except ParseError:
       return False
-  checked = 0
-  for k in range(len(_POINTS)):
-    env = {name: _POINTS[(k + i) % len(_POINTS)] + i for i, name in enumerate(names)}
+  points = [v for v in _values([a, b], names) if v is not None]
+  return len(points) >= 2 and all(_close(x, y) for x, y in points)
+
+
+def _eq_equal(e1, e2) -> bool:
+  """Equations equal up to a nonzero constant factor: lhs1 - rhs1 == c * (lhs2 - rhs2)."""
+  f, g = ("sub", *e1), ("sub", *e2)
+  names = sorted(variables(f) | variables(g))
+  points = [v for v in _values([f, g], names) if v is not None]
+  ratio = next((x / y for x, y in points if y != 0), None)
+  if len(points) < 2 or ratio is None or ratio == 0:
+    return False
+  return all(_close(x, ratio * y) for x, y in points)
+
+
+def _as_intervals(a: Answer) -> Answer | None:
+  """`(1, 2)` read as an open interval (MATH writes points and open intervals alike)."""
+  if a.kind == "intervals":
+    return a
+  if a.kind == "tuple" and a.value[0] + a.value[2] == "()" and len(a.value[1]) == 2:
     try:
-      va, vb = evaluate(a, env), evaluate(b, env)
+      lo, hi = evaluate(a.value[1][0]), evaluate(a.value[1][1])
     except ParseError:
-      continue
-    if not _close(va, vb):
+      return None
+    return _intervals([(lo, False, hi, False)])
+  return None
+
+
+def _equal(a: Answer, b: Answer) -> bool:
+  kinds = {a.kind, b.kind}
+  if "text" in kinds:
+    return a.kind == b.kind and a.value == b.value
+  if kinds == {"expr"}:
+    return _expr_equal(a.value, b.value)
+  if kinds == {"eq"}:
+    return _eq_equal(a.value, b.value)
+  if kinds == {"expr", "eq"}:
+    e, q = (a, b) if a.kind == "expr" else (b, a)
+    return e.lhs is not None and _eq_equal((e.lhs, e.value), q.value)
+  if kinds == {"set"}:
+    right = list(b.value)
+    if len(a.value) != len(right):
       return False
-    checked += 1
-  return checked >= 2
+    for x in a.value:
+      j = next((j for j, y in enumerate(right) if _equal(x, y)), None)
+      if j is None:
+        return False
+      del right[j]
+    return True
+  if "set" in kinds:
+    s, o = (a, b) if a.kind == "set" else (b, a)
+    return s.alt is not None and o.kind == "expr" and _expr_equal(("num", s.alt, ""), o.value)
+  if "intervals" in kinds:
+    x, y = _as_intervals(a), _as_intervals(b)
+    return x is not None and y is not None and len(x.value) == len(y.value) and all(
+        p[1] == q[1] and p[3] == q[3] and _close(p[0], q[0]) and _close(p[2], q[2]) for p, q in zip(x.value, y.value))
+  if kinds == {"tuple"}:
+    (ao, ax, ac), (bo, bx, bc) = a.value, b.value
+    return (ao, ac) == (bo, bc) and len(ax) == len(bx) and all(_expr_equal(x, y) for x, y in zip(ax, bx))
+  if kinds == {"matrix"}:
+    return len(a.value) == len(b.value) and all(
+        len(r) == len(s) and all(_expr_equal(x, y) for x, y in zip(r, s)) for r, s in zip(a.value, b.value))
+  return False
 
 
 def answers_equal(response_answer: str, ground_truth: str) -> bool:
   """Whether two extracted answers are mathematically the same (see the module docstring)."""
-  a, b = _parse_answer(response_answer), _parse_answer(ground_truth)
-  if a is None or b is None or a[0] != b[0]:
-    return False
-  kind = a[0]
-  if kind == "text":
-    return a[1] == b[1]
-  if kind == "expr":
-    return _expr_equal(a[1], b[1])
-  if kind == "tuple":
-    return (a[1], a[3]) == (b[1], b[3]) and len(a[2]) == len(b[2]) and all(
-        _expr_equal(x, y) for x, y in zip(a[2], b[2]))
-  # bare comma list: order-insensitive multiset match
-  left, right = list(a[1]), list(b[1])
-  if len(left) != len(right):
-    return False
-  for x in left:
-    for j, y in enumerate(right):
-      if _expr_equal(x, y):
-        del right[j]
-        break
-    else:
-      return False
-  return True
+  a, b = parse_answer(response_answer), parse_answer(ground_truth)
+  return a is not None and b is not None and _equal(a, b)
 
 
 def verify(response_text: str, ground_truth: str) -> float:

@@ -1,0 +1,224 @@
+"""Start-up check of every gin binding: type (from the configurable's annotations) and range.
+
+A wrong value in a config (a string for `Controller.checkpoint_every`, a negative lag, top_p = 2)
+would otherwise surface minutes later, deep in the run, as a raw `TypeError` or a silent misbehaviour.
+`check_bindings()` runs before anything is built or compiled and raises one `ConfigError` listing every
+bad binding by its gin name, with what was expected and what was found.
+
+Types come from the annotations of the bound function / class (`int`, `float | None`, `OptimizerConfig`,
+...); ranges and choices from `RANGES`, keyed by gin name. A configurable or parameter that neither
+knows is accepted as is (gin has already rejected unknown names at parse time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import types
+import typing
+from collections.abc import Callable as AbcCallable
+from typing import Any, Callable
+
+import gin
+
+
+class ConfigError(ValueError):
+  """One or more gin bindings have the wrong type or are out of range."""
+
+
+# --------------------------------------------------------------------------------------------------
+# range rules: each returns None when the value is fine, else what was expected
+
+
+def at_least(lo):
+  return lambda v: None if v is None or v >= lo else f">= {lo}"
+
+
+def above(lo):
+  return lambda v: None if v is None or v > lo else f"> {lo}"
+
+
+def between(lo, hi, *, lo_open=False):
+  def rule(v):
+    ok = v is None or ((v > lo) if lo_open else (v >= lo)) and v <= hi
+    return None if ok else f"in {'(' if lo_open else '['}{lo}, {hi}]"
+  return rule
+
+
+def one_of(*choices):
+  return lambda v: None if v in choices else f"one of {list(choices)}"
+
+
+def _loss_kwargs_rule(kwargs):
+  """Keys of Controller.loss_kwargs must be parameters of the chosen loss (a typo would fail at trace)."""
+  if not isinstance(kwargs, dict):
+    return None
+  from llamarl_jax import losses
+
+  loss = gin.query_parameter("Controller.loss") if _bound("Controller", "loss") else "aipo"
+  try:
+    params = set(inspect.signature(losses.get_loss(loss)).parameters)
+  except (ValueError, KeyError):
+    return None
+  reserved = {"logprobs", "behaviour_logprobs", "advantages", "mask", "ref_logprobs", "entropy"}
+  bad = sorted(k for k in kwargs if k not in params or k in reserved)
+  return None if not bad else (f"keyword arguments of the {loss!r} loss ({sorted(params - reserved)}); "
+                               f"unknown: {bad}")
+
+
+_POSITIVE_INTS = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "microbatches", "trainer_fsdp",
+                  "trainer_tp", "generator_dp", "generator_tp", "buffer_capacity", "reward_workers",
+                  "keep_checkpoints")
+
+RANGES: dict[str, dict[str, Callable[[Any], str | None]]] = {
+    "Controller": {
+        **{k: at_least(1) for k in _POSITIVE_INTS},
+        "max_policy_lag": at_least(0), "temperature": at_least(0.0), "top_p": between(0.0, 1.0, lo_open=True),
+        "top_k": at_least(0), "reward_timeout_s": above(0.0), "checkpoint_every": at_least(0),
+        "generator_delay_s": at_least(0.0), "step_timeout_s": above(0.0), "seed": at_least(0),
+        "generator_dtype": one_of("float32", "bfloat16", "float16"), "quantize": one_of(None, "int8"),
+        "loss": one_of("aipo", "ppo_clip"),
+        "advantage_estimator": one_of("group_mean", "grpo", "rloo"),
+        "version_schedule": one_of("fixed", "latest"), "loss_kwargs": _loss_kwargs_rule,
+    },
+    "OptimizerConfig": {
+        "lr": at_least(0.0), "warmup_steps": at_least(0), "schedule": one_of("constant", "cosine"),
+        "total_steps": at_least(1), "weight_decay": at_least(0.0), "b1": between(0.0, 1.0),
+        "b2": between(0.0, 1.0), "eps": above(0.0), "final_lr_ratio": between(0.0, 1.0),
+    },
+    "run_experiment": {"rl_steps": at_least(0), "eval_size": at_least(0),  # eval_size 0 skips the evaluations
+                       "eval_every": at_least(0), "eval_samples": at_least(0), "eval_window": at_least(1)},
+    "supervised_warmstart": {"steps": at_least(0), "batch_size": at_least(1), "learning_rate": above(0.0),
+                             "prompt_len": at_least(1), "resp_len": at_least(1), "log_every": at_least(1)},
+    "PromptSource": {"heldout_fraction": between(0.0, 1.0), "num_epochs": at_least(1),
+                     "bad_rows": one_of("skip", "error"), "overlong_prompts": one_of("error", "truncate"),
+                     "split": one_of("train", "heldout"), "max_prompt_tokens": at_least(1)},
+    "ModelConfig": {k: at_least(1) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                             "num_heads", "num_kv_heads", "max_position_embeddings")},
+    "RewardExecutor": {"worker_max_tasks": at_least(1), "worker_max_rss_mb": above(0.0),
+                       "worker_memory_limit_mb": above(0.0), "max_chunk": at_least(1),
+                       "startup_timeout_s": above(0.0)},
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# types
+
+
+def _describe(hint) -> str:
+  if hint is type(None):
+    return "None"
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    return " | ".join(_describe(a) for a in typing.get_args(hint))
+  return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _matches(value, hint) -> bool:
+  """Does `value` (a parsed gin value, or a gin reference) fit the annotation `hint`? Unknown hint
+  forms are accepted."""
+  if hint is Any or hint is inspect.Parameter.empty:
+    return True
+  if hint is None or hint is type(None):
+    return value is None
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    return any(_matches(value, a) for a in typing.get_args(hint))
+  if isinstance(value, gin.config.ConfigurableReference):
+    wrapped = value.configurable.wrapped
+    if not value.evaluate:  # `@fn`: the callable itself
+      return hint in (Callable, AbcCallable) or typing.get_origin(hint) is AbcCallable
+    if inspect.isclass(wrapped) and inspect.isclass(hint):  # `@Cls()`: an instance of Cls
+      return issubclass(wrapped, hint)
+    return True  # `@fn()`: whatever fn returns
+  if hint is bool:
+    return isinstance(value, bool)
+  if hint is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if hint is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if hint in (Callable, AbcCallable) or origin is AbcCallable:
+    return callable(value)
+  if origin is not None:  # list[int], dict[str, Any], Sequence[str], Mapping[...]
+    if not isinstance(value, origin) or (isinstance(value, str) and origin is not str):
+      return False
+    args = typing.get_args(hint)
+    if origin in (list, tuple, set, frozenset) or (args and len(args) == 1):
+      return all(_matches(v, args[0]) for v in value) if args and args[-1] is not Ellipsis else True
+    return True
+  if inspect.isclass(hint):
+    return isinstance(value, hint) or (hint is os.PathLike and isinstance(value, str))
+  return True
+
+
+def _signature_hints(fn) -> dict[str, Any]:
+  target = fn.__init__ if inspect.isclass(fn) and not dataclasses.is_dataclass(fn) else fn
+  try:
+    return typing.get_type_hints(target)
+  except Exception:  # noqa: BLE001 - an annotation that does not evaluate: skip type checks for it
+    return {}
+
+
+def _bound(name: str, param: str) -> bool:
+  try:
+    gin.query_parameter(f"{name}.{param}")
+    return True
+  except ValueError:
+    return False
+
+
+def _resolve_macro(value):
+  if isinstance(value, gin.config.ConfigurableReference) and value.configurable.name == "macro":
+    return gin.query_parameter("%" + value.scoped_selector.split("/")[0]), True
+  return value, False
+
+
+def _bindings() -> list[tuple[str, str, Any, dict[str, Any]]]:
+  """(scope, configurable name, wrapped fn/class, {param: value}) of every parsed binding."""
+  out = []
+  for (scope, selector), params in gin.config._CONFIG.items():  # gin has no public iterator over scopes
+    if selector == "gin.macro":
+      continue
+    try:
+      configurable = gin.config._REGISTRY.get_match(selector)
+    except (KeyError, ValueError):
+      continue
+    if configurable is None:
+      continue
+    out.append((scope, configurable.name, configurable.wrapped, dict(params)))
+  return out
+
+
+def binding_problems() -> list[str]:
+  """Every bad binding as "Scope/Name.param = value: expected ..., found ..."."""
+  problems = []
+  for scope, name, wrapped, params in _bindings():
+    hints = _signature_hints(wrapped)
+    rules = RANGES.get(name, {})
+    for param, value in sorted(params.items()):
+      value, _ = _resolve_macro(value)
+      label = f"{scope + '/' if scope else ''}{name}.{param} = {value!r}"
+      hint = hints.get(param, Any)
+      if not _matches(value, hint):
+        found = ("a reference" if isinstance(value, gin.config.ConfigurableReference)
+                 else type(value).__name__)
+        problems.append(f"{label}: expected {_describe(hint)}, found {found}")
+        continue
+      rule = rules.get(param)
+      if rule is not None and not isinstance(value, gin.config.ConfigurableReference):
+        try:
+          expected = rule(value)
+        except TypeError:
+          expected = None
+        if expected:
+          problems.append(f"{label}: expected {expected}")
+  return problems
+
+
+def check_bindings() -> None:
+  """Raise `ConfigError` naming every gin binding with a wrong type or an out-of-range value."""
+  problems = binding_problems()
+  if problems:
+    raise ConfigError(f"{len(problems)} gin binding(s) are invalid (nothing was built or run):\n  "
+                      + "\n  ".join(problems) + "\nFix them in the gin file or the --gin_param flags.")

@@ -1,0 +1,581 @@
+"""The slot engine: continuous batching with streaming output and in-flight weight updates.
+
+`Sampler.generate` decodes a static batch: a row that finishes early idles until the longest row of
+its batch is done. `SlotEngine` keeps a fixed number of KV-cache slots (static shapes) busy instead:
+
+  slots:   `num_slots` rows of a KV cache of length Pm + R (Pm = the largest prompt bucket, R =
+           max_new_tokens), each an independent sequence with its own write position, length,
+           finish state and, per token, the policy version that sampled it (`SlotState`).
+  insert:  queued prompts are prefilled into free slots by one jitted call (cache and slot state
+           donated): G prompts right-padded to a bucket length run through the model once, and each
+           prompt's KV is copied into its n slots (the n samples share one prefill); the first
+           response token of each slot is sampled from the prompt's last logits.
+  decode:  one jitted call runs up to `chunk_steps` decode steps in a `lax.while_loop` on device (no
+           host round trip per token); it exits early when every slot is idle, or as soon as enough
+           slots are free for the next queued prompt group.
+  harvest: between chunks the host reads the `done` flags; finished sequences leave their slots and
+           a prompt's n samples are handed out together (a `Completed` group) as soon as the last
+           of them finishes: the output streams, it does not wait for the batch.
+  swap:    between chunks `swap(params, version)` installs new weights without dropping sequences.
+           The KV cache is kept by default (PipelineRL: earlier positions keep the keys/values of
+           the weights that computed them); `recompute_kv=True` re-prefills every running slot's
+           prompt + generated tokens under the new weights instead.
+
+Exactness: the model code, the sampling step (`sample_logits`) and the behaviour log-probs are the
+static sampler's. Token t of the sample in row r of a request with seed s draws with the key
+fold_in(fold_in(key(s), t), r), the key the static sampler uses for row r of a batch sampled with
+seed s, so a request samples the same tokens whichever slot, chunk or neighbours it gets, and the
+same as `Sampler.generate` on the same prompts and seed. A token's behaviour log-prob is that of
+the distribution that actually sampled it: with a kept cache after a swap, that is the new weights
+applied on top of the keys/values the old weights wrote (what AIPO's importance weight corrects).
+
+Compilation: insert compiles once per (prompt bucket, insert-group bucket), decode and recompute
+once; `num_traces` counts traces (tests assert it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from llamarl_jax import parallel
+from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
+from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, sample_logits,
+                                            validate_prompts)
+from llamarl_jax.model.llama import KVCache, ModelConfig, merge_params
+from llamarl_jax.transfer import to_host  # device_get that also works on a mesh spread over processes
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class SlotState:
+  """Device state of the slots. S = num_slots, R = max_new_tokens, Pm = max prompt length, K = key words.
+
+  cur         int32  [S]     the last sampled token (not yet in the KV cache)
+  pos         int32  [S]     its position = the cache slot it is written to by the next decode step
+  n_gen       int32  [S]     response tokens sampled so far (cur included)
+  done        bool   [S]     not decoding: finished (stop token or R tokens) or never filled
+  stopped     bool   [S]     finished by a stop token
+  tokens      int32  [S, R]  response tokens (pad after n_gen)
+  logprobs    f32    [S, R]  behaviour log-probs (0 after n_gen)
+  versions    int32  [S, R]  policy version that sampled each token
+  key         uint32 [S, K]  PRNG key data of the slot's request seed
+  row         int32  [S]     the sample's row within its request (the static sampler's row index)
+  prompt      int32  [S, Pm] the prompt, right-padded (read by the KV recompute)
+  prompt_len  int32  [S]
+  """
+
+  cur: Array
+  pos: Array
+  n_gen: Array
+  done: Array
+  stopped: Array
+  tokens: Array
+  logprobs: Array
+  versions: Array
+  key: Array
+  row: Array
+  prompt: Array
+  prompt_len: Array
+
+
+def token_keys(key_data: Array, t: Array, row: Array) -> Array:
+  """Per-row PRNG keys `[S]` for token index t `[S]` of row `row` `[S]` under seed keys `key_data [S, K]`.
+
+  fold_in(fold_in(key, t), row): what `Sampler` uses for token t of batch row `row`.
+  """
+  one = lambda kd, t, r: jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(kd), t), r)
+  return jax.vmap(one)(key_data, t, row)
+
+
+@dataclasses.dataclass
+class Completed:
+  """A finished prompt group (host numpy): the n samples of one submitted prompt.
+
+  prompt [L]; tokens, logprobs, versions [n, R] (pad / 0 / the first token's version after each
+  sample's length); lengths, finish [n]; tag: the caller's tag from `submit`.
+  """
+
+  tag: Any
+  prompt: np.ndarray
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray
+  lengths: np.ndarray
+  finish: np.ndarray
+
+
+@dataclasses.dataclass
+class _Group:
+  uid: int
+  prompt: np.ndarray
+  key: np.ndarray      # uint32 [K]
+  row0: int            # row of sample 0 (sample j samples as row row0 + j)
+  version: int | None  # admit only once the engine holds this version (None: any)
+  tag: Any
+  n: int
+  left: int = 0        # samples not yet finished
+  out: dict = dataclasses.field(default_factory=dict)  # sample j -> (tokens, logprobs, versions, len, stopped)
+
+
+def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
+                        prompt_width: int | None = None) -> RolloutBatch:
+  """Stack completed groups into a host `RolloutBatch` (group i = rows [i*n, (i+1)*n), group id i).
+
+  Prompts are left-padded to `prompt_width` (default: the longest prompt). `policy_version` is each
+  row's first (oldest) token's version; `token_versions` hold the row's version after its length.
+  """
+  if not groups:
+    raise ValueError("rollout_from_groups needs at least one completed group")
+  width = max(len(g.prompt) for g in groups) if prompt_width is None else int(prompt_width)
+  if width < max(len(g.prompt) for g in groups):
+    raise ValueError(f"prompt_width {width} is shorter than the longest prompt "
+                     f"({max(len(g.prompt) for g in groups)} tokens)")
+  n = groups[0].tokens.shape[0]
+  B, R = len(groups) * n, groups[0].tokens.shape[1]
+  pt = np.full((B, width), pad_id, np.int32)
+  pm = np.zeros((B, width), np.int32)
+  for i, g in enumerate(groups):
+    pt[i * n:(i + 1) * n, width - len(g.prompt):] = g.prompt
+    pm[i * n:(i + 1) * n, width - len(g.prompt):] = 1
+  cat = lambda name: np.concatenate([getattr(g, name) for g in groups], axis=0)
+  lengths = cat("lengths").astype(np.int32)
+  mask = (np.arange(R)[None, :] < lengths[:, None]).astype(np.int32)
+  versions = cat("versions").astype(np.int32)
+  first = versions[:, 0]
+  return RolloutBatch(
+      prompt_tokens=pt, prompt_mask=pm, response_tokens=cat("tokens").astype(np.int32), response_mask=mask,
+      behaviour_logprobs=cat("logprobs").astype(np.float32), lengths=lengths,
+      finish_reason=cat("finish").astype(np.int32),
+      group_ids=np.repeat(np.arange(len(groups), dtype=np.int32), n),
+      policy_version=first, token_versions=np.where(mask > 0, versions, first[:, None]).astype(np.int32))
+
+
+def version_metrics(token_versions: np.ndarray, response_mask: np.ndarray, step: int) -> dict[str, float]:
+  """Per-token lag summary at training step `step` and weight swaps per sequence (host numpy).
+
+  lag = step - version of each valid token. `policy/lag_*` are over tokens (the oldest token of a
+  sequence is what `max_policy_lag` bounds: `policy/lag_max`); `generate/swaps_per_sequence` counts
+  version changes along each sequence's tokens.
+  """
+  mask = np.asarray(response_mask) > 0
+  v = np.asarray(token_versions)
+  lags = (step - v)[mask]
+  if lags.size == 0:
+    lags = np.zeros(1)
+  changes = ((v[:, 1:] != v[:, :-1]) & mask[:, 1:]).sum(-1)
+  return {"policy/lag_mean": float(lags.mean()), "policy/lag_max": float(lags.max()),
+          "policy/lag_min": float(lags.min()), "policy/lag_p90": float(np.percentile(lags, 90)),
+          "policy/frac_tokens_lag0": float(np.mean(lags == 0)),
+          "generate/swaps_per_sequence": float(changes.mean())}
+
+
+class SlotEngine:
+  """Continuous-batching generator over `num_slots` KV-cache slots (see the module docstring).
+
+  config, mesh, pad_id, prompt_buckets, rules: as `Sampler` (slots are sharded over the mesh's data
+    axes like the static batch; num_slots must be a multiple of data x fsdp).
+  sampling: temperature, top_k, top_p, max_new_tokens (R), n (samples per prompt) and stop ids of
+    every request (they are compiled in); `seed` is per `submit` call.
+  max_prompt_len: longest prompt accepted (rounded up to a bucket); the cache holds Pm + R tokens.
+  chunk_steps: decode steps per jitted call at most (the host schedules between chunks).
+  max_insert: prompts prefilled per insert call at most (default: as many as the slots hold);
+    calls are bucketed to powers of two up to it.
+  recompute_kv: the default of `swap`: keep the KV cache (False) or recompute it.
+
+  Driving it: `swap(params, version)`; `submit(prompts, seed=..., version=..., tag=...)`; then
+  `step()` until `idle`; each step returns the groups that completed. `generate(params, prompts)`
+  does all of it for one batch and returns a `RolloutBatch` shaped like `Sampler.generate`'s.
+  """
+
+  def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, num_slots: int,
+               sampling: SamplingParams = SamplingParams(), max_prompt_len: int = 128, chunk_steps: int = 16,
+               pad_id: int = 0, prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+               max_insert: int | None = None, recompute_kv: bool = False,
+               rules: Mapping[str, str | None] = parallel.RULES):
+    self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules)
+    self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
+    divisor = parallel.batch_divisor(self.mesh)
+    if num_slots < 1 or num_slots % divisor:
+      raise ValueError(f"num_slots must be a positive multiple of the mesh's data x fsdp size ({divisor}), "
+                       f"got {num_slots}")
+    if sampling.n > num_slots:
+      raise ValueError(f"sampling.n = {sampling.n} samples per prompt need as many slots; num_slots is {num_slots}")
+    if chunk_steps < 1:
+      raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+    self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
+    self.R, self.n = sampling.max_new_tokens, sampling.n
+    self.max_prompt_len = self.sampler.prompt_bucket(max_prompt_len)
+    self.recompute_kv = recompute_kv
+    top = num_slots // self.n
+    self.max_insert = min(int(max_insert or top), top)
+    if self.max_insert < 1:
+      raise ValueError(f"max_insert must be >= 1, got {max_insert}")
+    self.insert_sizes = sorted({min(2 ** i, self.max_insert) for i in range(self.max_insert.bit_length() + 1)})
+    self._key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
+    stops = sampling.stop_token_ids
+    self._stop_ids = np.array(stops if stops else [-1], np.int32)
+    self._top_k = 0 if sampling.top_k >= config.vocab_size else sampling.top_k
+
+    b1, b2 = parallel.batch_sharding(self.mesh, 1), parallel.batch_sharding(self.mesh, 2)
+    self._repl = parallel.replicated(self.mesh)
+    cs = self.sampler._cache_sharding
+    L = config.num_layers
+    self._cache_sh = KVCache(k=(cs,) * L, v=(cs,) * L, index=b1)
+    self._state_sh = SlotState(**{f.name: (b2 if f.name in ("tokens", "logprobs", "versions", "key", "prompt")
+                                            else b1) for f in dataclasses.fields(SlotState)})
+    psh, repl = self.sampler.param_shardings, self._repl
+    self._insert_fn = jax.jit(self._insert, donate_argnums=(1, 2),
+                              in_shardings=(psh, self._cache_sh, self._state_sh) + (repl,) * 6,
+                              out_shardings=(self._cache_sh, self._state_sh))
+    self._decode_fn = jax.jit(self._decode, donate_argnums=(1, 2),
+                              in_shardings=(psh, self._cache_sh, self._state_sh, repl, repl),
+                              out_shardings=(self._cache_sh, self._state_sh, repl, repl))
+    self._recompute_fn = jax.jit(self._recompute, donate_argnums=(1,),
+                                 in_shardings=(psh, self._cache_sh, self._state_sh),
+                                 out_shardings=self._cache_sh)
+    self.num_traces = 0
+    self.params, self.version = None, None
+    self._cache, self._state = self._empty()
+    self._owner: list[tuple[_Group, int] | None] = [None] * num_slots
+    self._queue: collections.deque[_Group] = collections.deque()
+    self._uid = 0
+    self.stats = collections.Counter()
+
+  # -- public ---------------------------------------------------------------------------------------
+
+  def swap(self, params_or_model, version: int, *, recompute_kv: bool | None = None) -> None:
+    """Install new weights (between chunks); running sequences continue under them.
+
+    recompute_kv (default: the engine's): re-prefill the running slots' prompt + generated tokens
+    under the new weights, so later tokens see no keys/values of the old weights.
+    """
+    self.params = self.sampler.place_params(params_or_model)
+    had = self.version is not None
+    self.version = int(version)
+    if had and self.num_busy:
+      self.stats["swaps_in_flight"] += 1
+      if self.recompute_kv if recompute_kv is None else recompute_kv:
+        t = time.perf_counter()
+        self._cache = self._recompute_fn(self.params, self._cache, self._state)
+        jax.block_until_ready(self._cache)
+        self.stats["recomputes"] += 1
+        self.stats["recompute_s"] += time.perf_counter() - t
+
+  def submit(self, prompts: Sequence[Sequence[int]], *, seed: int = 0, version: int | None = None,
+             tags: Sequence[Any] | None = None) -> None:
+    """Queue prompts (FIFO); each becomes a group of n samples. Prompt i samples as rows i*n..i*n+n-1
+    with `seed` (as `Sampler.generate` would); `version`: admit them only once `swap` installed this
+    version (or a newer one); until then `step` decodes what is running and admits nothing after
+    them, and `wanted_version` says when their admission is due. tags: one per prompt, returned in
+    `Completed.tag` (default: the index).
+    """
+    prompts = validate_prompts(prompts, self.config.vocab_size)
+    too_long = [i for i, p in enumerate(prompts) if len(p) > self.max_prompt_len]
+    if too_long:
+      raise ValueError(f"prompt {too_long[0]} has {len(prompts[too_long[0]])} tokens; this engine takes at most "
+                       f"max_prompt_len={self.max_prompt_len}; build it with a larger max_prompt_len")
+    if tags is not None and len(tags) != len(prompts):
+      raise ValueError(f"got {len(tags)} tags for {len(prompts)} prompts")
+    key = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+    for i, p in enumerate(prompts):
+      self._queue.append(_Group(self._uid, p.astype(np.int32), key, i * self.n, version,
+                                i if tags is None else tags[i], self.n))
+      self._uid += 1
+
+  def step(self) -> list[Completed]:
+    """Admit what fits, run one decode chunk, harvest; returns the groups that completed (by submit order)."""
+    if self.params is None:
+      raise RuntimeError("SlotEngine has no weights: call swap(params, version) first")
+    self.stats["queue_depth_sum"] += len(self._queue)
+    self.stats["schedules"] += 1
+    self._admit()
+    head = self._queue[0] if self._queue else None
+    blocked = head is not None and self._needs(head)
+    refill_at = self.num_slots + 1 if head is None or blocked else head.n
+    steps = useful = 0
+    if self.num_busy:
+      self._cache, self._state, steps, useful = self._decode_fn(
+          self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at))
+      self.stats["chunks"] += 1
+    steps, useful, done = to_host((steps, useful, self._state.done))  # the one sync per chunk
+    self.stats["decode_steps"] += int(steps)
+    self.stats["useful_slot_steps"] += int(useful)
+    return self._harvest(np.asarray(done))
+
+  def run(self, on_wait: Callable[[int], None] | None = None) -> list[Completed]:
+    """Step until every queued and running sequence is done; returns the completed groups in order.
+
+    on_wait(version) is called when the head of the queue waits for a version (it should `swap`);
+    without it, waiting raises.
+    """
+    out = []
+    while not self.idle:
+      if self.wanted_version is not None:
+        if on_wait is None:
+          raise RuntimeError(f"queued prompts wait for policy version {self.wanted_version}, the engine holds "
+                             f"{self.version}; swap it in (or pass on_wait)")
+        on_wait(self.wanted_version)
+        continue
+      out.extend(self.step())
+    return out
+
+  def generate(self, params_or_model, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
+               *, policy_version: int = 0) -> RolloutBatch:
+    """`Sampler.generate` through the slots: sample n responses per prompt, rows [i*n, (i+1)*n).
+
+    Same shapes as the static sampler's (P = the prompt bucket of the longest prompt, R), as host
+    numpy. `sampling` must equal the engine's except for `seed`.
+    """
+    sampling = sampling or self.sampling
+    if dataclasses.replace(sampling, seed=0) != dataclasses.replace(self.sampling, seed=0):
+      raise ValueError(f"this engine samples with {self.sampling} (compiled in); got {sampling}; only the seed "
+                       "may differ — build another SlotEngine for other settings")
+    if not self.idle:
+      raise RuntimeError("generate() needs an idle engine; it has queued or running sequences")
+    self.swap(params_or_model, policy_version)
+    self.submit(prompts, seed=sampling.seed)
+    groups = self.run()
+    groups.sort(key=lambda g: g.tag)
+    width = self.sampler.prompt_bucket(max(len(p) for p in prompts))
+    return rollout_from_groups(groups, pad_id=self.pad_id, prompt_width=width)
+
+  def reset(self) -> None:
+    """Drop every queued and running sequence and the weights (a fresh engine, compiled programs kept)."""
+    self.params, self.version = None, None
+    self._cache, self._state = self._empty()
+    self._owner = [None] * self.num_slots
+    self._queue.clear()
+    self.stats = collections.Counter()
+
+  @property
+  def wanted_version(self) -> int | None:
+    """The version the queue head waits for when its admission is due now (free slots for it), else None."""
+    head = self._queue[0] if self._queue else None
+    if head is not None and self._needs(head) and self.num_free >= head.n:
+      return head.version
+    return None
+
+  @property
+  def queue_depth(self) -> int:
+    """Prompt groups waiting for slots."""
+    return len(self._queue)
+
+  @property
+  def num_busy(self) -> int:
+    """Slots holding a sequence not yet harvested."""
+    return sum(o is not None for o in self._owner)
+
+  @property
+  def num_free(self) -> int:
+    return self.num_slots - self.num_busy
+
+  @property
+  def idle(self) -> bool:
+    return not self._queue and not self.num_busy
+
+  def take_metrics(self) -> dict[str, float]:
+    """Engine metrics since the last call (then reset): slot utilization, tokens per decode step, ..."""
+    s, self.stats = self.stats, collections.Counter()
+    steps = max(s["decode_steps"], 1)
+    return {
+        "generate/slot_utilization": s["useful_slot_steps"] / (steps * self.num_slots),
+        "generate/tokens_per_decode_step": s["useful_slot_steps"] / steps,
+        "generate/decode_steps": float(s["decode_steps"]),
+        "generate/chunks": float(s["chunks"]),
+        "generate/queue_depth_mean": s["queue_depth_sum"] / max(s["schedules"], 1),
+        "generate/prefill_calls": float(s["inserts"]),
+        "generate/swaps_in_flight": float(s["swaps_in_flight"]),
+        "generate/tokens": float(s["first_tokens"] + s["useful_slot_steps"]),
+        "time/kv_recompute": float(s["recompute_s"]),
+    }
+
+  # -- host scheduling -----------------------------------------------------------------------------
+
+  def _needs(self, g: _Group) -> bool:
+    return g.version is not None and (self.version is None or self.version < g.version)
+
+  def _admit(self) -> None:
+    """Prefill queued groups (FIFO) into free slots while the head fits and needs no newer weights."""
+    free = [s for s, o in enumerate(self._owner) if o is None]
+    take: list[tuple[_Group, list[int]]] = []
+    while self._queue and len(free) >= self._queue[0].n and not self._needs(self._queue[0]):
+      g = self._queue.popleft()
+      slots, free = free[:g.n], free[g.n:]
+      g.left = g.n
+      for j, s in enumerate(slots):
+        self._owner[s] = (g, j)
+      take.append((g, slots))
+    while take:
+      size = next((b for b in self.insert_sizes if b >= len(take)), self.insert_sizes[-1])
+      now, take = take[:size], take[size:]
+      self._insert_groups(now, size)
+
+  def _insert_groups(self, items: list[tuple[_Group, list[int]]], size: int) -> None:
+    Pb = self.sampler.prompt_bucket(max(len(g.prompt) for g, _ in items))
+    tokens = np.full((size, Pb), self.pad_id, np.int32)
+    lens = np.ones(size, np.int32)
+    dst = np.full((size, self.n), self.num_slots, np.int32)  # out of range: dropped by the scatter
+    rows = np.zeros((size, self.n), np.int32)
+    keys = np.zeros((size, self._key_words), np.uint32)
+    for i, (g, slots) in enumerate(items):
+      tokens[i, :len(g.prompt)] = g.prompt
+      lens[i] = len(g.prompt)
+      dst[i] = slots
+      rows[i] = g.row0 + np.arange(self.n)
+      keys[i] = g.key
+    self._cache, self._state = self._insert_fn(self.params, self._cache, self._state, tokens, lens, dst, rows, keys,
+                                               np.int32(self.version))
+    self.stats["inserts"] += 1
+    self.stats["first_tokens"] += len(items) * self.n
+
+  def _harvest(self, done: np.ndarray) -> list[Completed]:
+    """Free the slots whose sequences finished (`done [S]`); return the groups that are now complete."""
+    finished = [s for s, o in enumerate(self._owner) if o is not None and done[s]]
+    if not finished:
+      return []
+    st = to_host((self._state.tokens, self._state.logprobs, self._state.versions, self._state.n_gen,
+                  self._state.stopped))
+    tokens, logprobs, versions, n_gen, stopped = map(np.asarray, st)
+    completed = []
+    for s in finished:
+      g, j = self._owner[s]
+      self._owner[s] = None
+      g.out[j] = (tokens[s], logprobs[s], versions[s], int(n_gen[s]), bool(stopped[s]))
+      g.left -= 1
+      if g.left == 0:
+        completed.append(g)
+    completed.sort(key=lambda g: g.uid)
+    return [self._completed(g) for g in completed]
+
+  def _completed(self, g: _Group) -> Completed:
+    out = [g.out[j] for j in range(g.n)]
+    lengths = np.array([o[3] for o in out], np.int32)
+    versions = np.stack([o[2] for o in out]).astype(np.int32)
+    first = versions[:, :1]
+    valid = np.arange(self.R)[None, :] < lengths[:, None]
+    return Completed(tag=g.tag, prompt=g.prompt, tokens=np.stack([o[0] for o in out]),
+                     logprobs=np.stack([o[1] for o in out]), versions=np.where(valid, versions, first),
+                     lengths=lengths,
+                     finish=np.array([FINISH_STOP if o[4] else FINISH_LENGTH for o in out], np.int32))
+
+  # -- device side ---------------------------------------------------------------------------------
+
+  def _empty(self) -> tuple[KVCache, SlotState]:
+    S, R, Pm = self.num_slots, self.R, self.max_prompt_len
+    cache = KVCache.init(self.config, S, Pm + R)
+    cache = cache.replace(index=jnp.zeros((S,), jnp.int32))
+    zi = lambda *shape: np.zeros(shape, np.int32)
+    state = SlotState(cur=zi(S), pos=zi(S), n_gen=zi(S), done=np.ones(S, bool), stopped=np.zeros(S, bool),
+                      tokens=np.full((S, R), self.pad_id, np.int32), logprobs=np.zeros((S, R), np.float32),
+                      versions=zi(S, R), key=np.zeros((S, self._key_words), np.uint32), row=zi(S),
+                      prompt=np.full((S, Pm), self.pad_id, np.int32), prompt_len=zi(S))
+    return jax.device_put(cache, self._cache_sh), jax.device_put(state, self._state_sh)
+
+  def _sample(self, keys, logits):
+    sp = self.sampling
+    return sample_logits(keys, logits, temperature=max(sp.temperature, 1e-6), top_k=self._top_k, top_p=sp.top_p,
+                         greedy=sp.greedy)
+
+  def _is_stop(self, tokens):
+    return jnp.any(tokens[:, None] == jnp.asarray(self._stop_ids)[None, :], axis=-1)
+
+  def _insert(self, params, cache, state, tokens, lens, dst, rows, keys, version):
+    """Prefill prompts `[G, Pb]` (right-padded, lengths [G]) and start samples in slots `dst [G, n]`.
+
+    One forward over the G prompts; each prompt's KV rows [0, Pb) are copied into its n slots
+    (positions >= its length hold padding's keys, never attended: a slot attends only below its own
+    write position, and decoding overwrites them in order). Out-of-range slots (num_slots) are
+    padding groups and are dropped by the scatters.
+    """
+    self.num_traces += 1
+    model = merge_params(self.sampler._graphdef, params)
+    G, Pb = tokens.shape
+    n, R, Pm = dst.shape[1], self.R, self.max_prompt_len
+    small = KVCache.init(self.config, G, Pb)
+    x, small = model.hidden_states(tokens, jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (G, Pb)), small)
+    last = jnp.take_along_axis(x, (lens - 1)[:, None, None], axis=1)[:, 0]  # [G, E] at each prompt's end
+    rep = lambda a: jnp.repeat(a, n, axis=0)  # prompt-major -> one row per target slot [G*n, ...]
+    flat = dst.reshape(-1)
+    row = rows.reshape(-1)
+    key = rep(keys)
+    token, logprob = self._sample(token_keys(key, jnp.zeros_like(row), row), rep(model.logits(last)))
+    put = lambda old, new: old.at[flat].set(new, mode="drop")
+    cache = KVCache(k=tuple(c.at[flat, :Pb].set(rep(s), mode="drop") for c, s in zip(cache.k, small.k)),
+                    v=tuple(c.at[flat, :Pb].set(rep(s), mode="drop") for c, s in zip(cache.v, small.v)),
+                    index=cache.index)
+    stop = self._is_stop(token)
+    M = flat.shape[0]
+    prompt = jnp.pad(tokens, ((0, 0), (0, Pm - Pb)), constant_values=self.pad_id)
+    state = SlotState(
+        cur=put(state.cur, token), pos=put(state.pos, rep(lens)), n_gen=put(state.n_gen, jnp.ones(M, jnp.int32)),
+        done=put(state.done, stop | (R == 1)), stopped=put(state.stopped, stop),
+        tokens=put(state.tokens, jnp.full((M, R), self.pad_id, jnp.int32).at[:, 0].set(token)),
+        logprobs=put(state.logprobs, jnp.zeros((M, R), jnp.float32).at[:, 0].set(logprob)),
+        versions=put(state.versions, jnp.full((M, R), version, jnp.int32)),
+        key=put(state.key, key), row=put(state.row, row), prompt=put(state.prompt, rep(prompt)),
+        prompt_len=put(state.prompt_len, rep(lens)))
+    return cache, state
+
+  def _decode(self, params, cache, state, version, refill_at):
+    """Up to `chunk_steps` decode steps for every running slot, on device.
+
+    Exits early when no slot is running or when `refill_at` slots are free (done), so queued
+    prompts get slots without waiting for the chunk's end. Returns (cache, state, steps run,
+    tokens produced = useful slot-steps).
+    """
+    self.num_traces += 1
+    model = merge_params(self.sampler._graphdef, params)
+    S, R = state.cur.shape[0], self.R
+    slots = jnp.arange(S)
+
+    def cond(c):
+      i, _, st, _ = c
+      return (i < self.chunk_steps) & ~jnp.all(st.done) & (jnp.sum(st.done) < refill_at)
+
+    def body(c):
+      i, cache, st, useful = c
+      running = ~st.done
+      x, cache = model.hidden_states(st.cur[:, None], st.pos[:, None], cache.replace(index=st.pos))
+      token, logprob = self._sample(token_keys(st.key, st.n_gen, st.row), model.logits(x[:, 0]))
+      col = jnp.where(running, st.n_gen, R)  # finished slots write out of range: dropped
+      n_gen = st.n_gen + running
+      stop = running & self._is_stop(token)
+      st = st.replace(
+          cur=jnp.where(running, token, st.cur), pos=st.pos + running, n_gen=n_gen,
+          done=st.done | stop | (n_gen >= R), stopped=st.stopped | stop,
+          tokens=st.tokens.at[slots, col].set(token, mode="drop"),
+          logprobs=st.logprobs.at[slots, col].set(logprob, mode="drop"),
+          versions=st.versions.at[slots, col].set(version, mode="drop"))
+      return i + 1, cache, st, useful + jnp.sum(running, dtype=jnp.int32)
+
+    steps, cache, state, useful = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state, jnp.int32(0)))
+    return cache, state, steps, useful
+
+  def _recompute(self, params, cache, state):
+    """A fresh KV cache from every slot's prompt + sampled tokens under `params` (one full prefill).
+
+    Slot s holds prompt[:L] then tokens[:n_gen] at positions 0.. (cur included: the next decode step
+    writes the same keys/values for it again); positions past that hold values never attended.
+    """
+    self.num_traces += 1
+    model = merge_params(self.sampler._graphdef, params)
+    S, Pm = state.prompt.shape
+    T = cache.max_len
+    j = jnp.arange(T)[None, :]
+    L = state.prompt_len[:, None]
+    resp = jnp.take_along_axis(state.tokens, jnp.clip(j - L, 0, self.R - 1), axis=1)
+    prompt = jnp.pad(state.prompt, ((0, 0), (0, T - Pm)), constant_values=self.pad_id)
+    seq = jnp.where(j < L, prompt, resp)
+    fresh = KVCache.init(self.config, S, T)
+    _, fresh = model.hidden_states(seq, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (S, T)), fresh)
+    return fresh.replace(index=cache.index)

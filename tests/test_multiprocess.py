@@ -1,0 +1,203 @@
+"""Many processes: trainer and generator as separate process groups of one jax.distributed job.
+
+Every multi-process run is real: fresh interpreters started by scripts/launch_local.py (free ports,
+CPU devices per process, a hard `timeout_s` after which the launcher kills the whole job), the
+cross-process weight push and batch transfer over JAX's CPU transfer sockets.
+
+The equality tests compare per-step metrics (all but timings: `schedule_metrics`) of 1, 2 and 4
+processes running the same tiny config, bit for bit: the 'fixed' version schedule makes each step a
+pure function of (config, seed); the meshes have the same shapes in every layout (trainer fsdp2 x tp2,
+generator dp2 x tp2), so XLA runs the same programs; every cross-device reduction has 2 participants
+(a + b is exact whichever process adds), and fp32 throughout.
+"""
+
+import importlib.util
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import gin
+import pytest
+
+from llamarl_jax.controller import schedule_metrics
+from llamarl_jax.multiprocess.protocol import share_rows, transfer_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
+    "run_experiment.sft = False", "run_experiment.eval_size = 0", "run_experiment.export = False",
+    "run_experiment.tensorboard = False", "run_experiment.progress = False",
+    "Controller.prompts_per_step = 4", "Controller.samples_per_prompt = 2", "Controller.max_new_tokens = 6",
+    "Controller.reward_workers = 1", "Controller.checkpoint_every = 0",
+    "Controller.trainer_tp = 2", "Controller.generator_tp = 2",  # 8 devices: trainer fsdp2 x tp2, generator dp2 x tp2
+]
+
+
+def _script(name):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+launch_local = _script("launch_local")
+
+
+def _args(run_dir, steps, *extra):
+  return (["--gin_file=configs/tiny_cpu.gin", f"--run_dir={run_dir}"]
+          + [f"--gin_param={b}" for b in TINY + [f"run_experiment.rl_steps = {steps}"]] + list(extra))
+
+
+def _launch(n, args, *, timeout_s, script=None, on_start=None, fail_fast=True):
+  """Run a job of n processes; returns (exit status, its prefixed output). fail_fast=False: after a
+  failure the launcher lets the others end on their own (they must, within the heartbeat timeout)."""
+  out = io.StringIO()
+  kw = {"script": script} if script else {}
+  status = launch_local.launch(n, args, timeout_s=timeout_s, heartbeat_timeout_s=5, out=out, on_start=on_start,
+                               fail_fast=fail_fast, **kw)
+  return status, out.getvalue()
+
+
+def _steps(run_dir):
+  rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+  return [r for r in rows if "reward/mean" in r]
+
+
+# ------------------------------------------------------------------------------------------------
+# the protocol (pure functions)
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2, 3])
+@pytest.mark.parametrize("start,first", [(0, 0), (5, 5), (5, 3)])  # (5, 3): an exact resume at step 5 of a run from 3
+def test_transfer_schedule_sends_each_used_version_once_in_a_deadlock_free_order(lag, start, first):
+  n = 7
+  ops = transfer_schedule(start, n, lag, first)
+  pos = {op: i for i, op in enumerate(ops)}
+  used = sorted({max(first, k - lag) for k in range(start, start + n)})
+  assert sorted(v for o, v in ops if o == "W") == used  # every version the generator uses, once
+  assert [k for o, k in ops if o == "R"] == list(range(start, start + n))
+  for v in used:
+    if v > start:  # the trainer can send W(v) only after training step v - 1, i.e. after R(v - 1)
+      assert pos[("W", v)] > pos[("R", v - 1)]
+  for k in range(start, start + n):  # batch k is generated with v(k): it arrives before R(k)
+    assert pos[("W", max(first, k - lag))] < pos[("R", k)]
+  assert ops[0] == ("W", used[0]) and transfer_schedule(start, 0, lag, first) == []
+
+
+def test_reward_shares_cover_every_prompt_once():
+  for prompts, shares in ((8, 2), (7, 3), (2, 4)):
+    covered = [i for g in range(shares) for i in range(prompts)[share_rows(prompts, shares, g)]]
+    assert covered == list(range(prompts))
+
+
+# ------------------------------------------------------------------------------------------------
+# transfers and faults, without a model
+
+
+def test_weight_push_and_batch_transfer_between_meshes_of_different_sizes():
+  status, out = _launch(3, ["--case", "transfer"], timeout_s=120, script=ROOT / "tests" / "multiproc_worker.py")
+  assert status == 0, out
+  for line in ("A weights v1 ok", "B weights v1 ok", "C weights v1 ok", "A rows ok (1 chunks)",
+               "B rows ok (2 chunks)", "C rows ok (1 chunks)"):
+    assert line in out, (line, out)
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_a_failed_process_stops_every_other_naming_it(kill):
+  """Process 1 raises (its error is published) or is SIGKILLed (its heartbeats stop: 5 s here):
+  the others exit EXIT_PEER_FAILED (75) within seconds, naming rank 1 and its role; no hang."""
+  t0 = time.monotonic()
+  status, out = _launch(3, ["--case", "fault"] + (["--kill"] if kill else []), timeout_s=90,
+                        script=ROOT / "tests" / "multiproc_worker.py", fail_fast=False)
+  elapsed = time.monotonic() - t0
+  assert status != 0 and elapsed < 60, (status, elapsed, out)  # the 120 s sleep never finished
+  assert "still running" not in out
+  why = "died (no heartbeat" if kill else "failed: ValueError: injected failure"
+  for rank in (0, 2):
+    assert f"[rank {rank}] [llamarl] process {rank} " in out and f"stops: process 1 (generator) {why}" in out, out
+  assert "[launch_local] rank 1 (generator) failed with " + ("signal SIGKILL" if kill else "exit status 1") in out
+
+
+# ------------------------------------------------------------------------------------------------
+# whole runs
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+  """The reference: scripts/train.py in this (8-device) process, 5 steps."""
+  run_dir = tmp_path_factory.mktemp("one") / "run"
+  gin.clear_config()
+  try:
+    _script("train").main(_args(run_dir, 5))
+  finally:
+    gin.clear_config()
+  return _steps(run_dir)
+
+
+def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
+  """1 trainer process (fsdp2 x tp2) + 1 generator process (dp2 x tp2), launched as a user types it."""
+  cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--num_processes", "2", "--timeout_s", "240",
+         "--heartbeat_timeout_s", "5", "--", *_args(tmp_path / "run", 3)]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "[rank 0] [llamarl] process 0/2 role=trainer" in done.stdout and "process 1/2 role=generator" in done.stdout
+  steps = _steps(tmp_path / "run")
+  assert [m["step"] for m in steps] == [1, 2, 3] and [m["policy/lag_max"] for m in steps] == [0, 1, 1]
+  for one, two in zip(one_process_run, steps):
+    assert schedule_metrics(one) == schedule_metrics(two)
+
+
+def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):
+  """Trainer FSDP over processes 0-1 (tp inside each), generator data-parallel over processes 2-3."""
+  status, out = _launch(4, _args(tmp_path / "run", 3), timeout_s=240)
+  assert status == 0, out
+  assert "roles: 0=trainer, 1=trainer, 2=generator, 3=generator" in out
+  steps = _steps(tmp_path / "run")
+  assert len(steps) == 3
+  for one, four in zip(one_process_run, steps):
+    assert schedule_metrics(one) == schedule_metrics(four)
+
+
+def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process_run, tmp_path, monkeypatch):
+  """Kill the generator process after the step-2 checkpoint: the trainer exits non-zero within
+  seconds naming it; the last checkpoint is intact, and --resume finishes the run from it with the
+  uninterrupted run's metrics (data position, version schedule and the generator weights of the
+  versions before the checkpoint all restored)."""
+  run_dir = tmp_path / "run"
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))  # shared by the two jobs
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  args = _args(run_dir, 5, "--gin_param=Controller.checkpoint_every = 1",
+               "--gin_param=Controller.generator_delay_s = 0.5")  # steps slow enough to kill mid-run
+  killed = {}
+
+  def kill_after_checkpoint(procs):
+    def watch():
+      deadline = time.monotonic() + 200
+      while time.monotonic() < deadline and not (run_dir / "checkpoints" / "2" / "MANIFEST.json").exists():
+        time.sleep(0.1)
+      killed["at"] = time.monotonic()
+      os.kill(procs[1].pid, signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True).start()
+
+  status, out = _launch(2, args, timeout_s=240, on_start=kill_after_checkpoint, fail_fast=False)
+  assert status != 0 and "at" in killed, out
+  assert time.monotonic() - killed["at"] < 45, out  # 5 s heartbeat + the launcher's stop
+  assert "[launch_local] rank 1 (generator) failed with signal SIGKILL" in out
+  assert "process 0 (trainer) stops: process 1 (generator) died" in out
+  done = [m["step"] for m in _steps(run_dir)]
+  assert done[:2] == [1, 2] and done[-1] < 5, done  # killed mid-run
+
+  status, out = _launch(2, args + ["--resume"], timeout_s=240)
+  assert status == 0, out
+  steps = _steps(run_dir)  # the log was rewound to the restored checkpoint, then continued
+  assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+  for one, resumed in zip(one_process_run, steps):
+    assert schedule_metrics(one) == schedule_metrics(resumed)
+  shutil.rmtree(run_dir)

@@ -1,0 +1,101 @@
+"""The labelled verifier suite (tests/verify_suite.py): rewards.math rewards no wrong answer and accepts
+>= 97% of right ones; the optional Math-Verify backend resolves, runs in the reward pool, or explains
+how to install it."""
+
+import collections
+import sys
+
+import pytest
+
+import verify_suite as S
+from llamarl_jax.executors.reward import RewardExecutor
+from llamarl_jax.rewards import get_reward_fn
+from llamarl_jax.rewards import math as M
+
+
+def test_the_suite_is_large_labelled_and_balanced():
+  assert len(S.CASES) >= 300
+  assert sum(c.label == 0 for c in S.CASES) >= len(S.CASES) / 4  # wrong answers: at least a quarter
+  assert {c.label for c in S.CASES} == {0, 1}
+  assert set(S.CATEGORIES) == {c.category for c in S.CASES} and len(S.CATEGORIES) >= 20
+  labels = collections.defaultdict(set)
+  for c in S.CASES:
+    labels[(c.response, c.truth)].add(c.label)
+  assert all(len(v) == 1 for v in labels.values()), "a (response, truth) pair labelled both ways"
+
+
+def test_no_wrong_answer_rewarded_and_right_answers_accepted():
+  predictions = [int(M.verify(c.response, c.truth)) for c in S.CASES]
+  false_positives = [c for c, p in zip(S.CASES, predictions) if p == 1 and c.label == 0]
+  missed = [c for c, p in zip(S.CASES, predictions) if p == 0 and c.label == 1]
+  right = sum(c.label for c in S.CASES)
+  report = S.category_report({"ours": predictions})
+  print("\n" + report)
+  assert not false_positives, f"wrong answers rewarded: {false_positives}\n{report}"
+  # The bar of issue 16: >= 97% of right answers accepted (one known miss when this was written).
+  assert len(missed) <= 0.03 * right, f"right answers rejected: {missed}\n{report}"
+
+
+def test_math_verify_backend_explains_how_to_install_it_when_missing(monkeypatch):
+  monkeypatch.setitem(sys.modules, "math_verify", None)  # import math_verify now raises ImportError
+  monkeypatch.delitem(sys.modules, "llamarl_jax.rewards.math_verify_backend", raising=False)
+  with pytest.raises(ImportError, match=r"pip install 'llamarl_jax\[math\]'"):
+    get_reward_fn("math_verify")
+
+
+def test_math_verify_backend_scores_in_the_reward_pool():
+  pytest.importorskip("math_verify")
+  fn = get_reward_fn("math_verify")
+  assert fn(r"so $x = \boxed{\frac{1}{2}}$", "0.5") == 1.0
+  assert fn("#### 7", "He has <<3+5=8>>8.\n#### 8") == 0.0
+  assert fn(None, "1") == 0.0
+  # The same worker processes and per-sample timeout as every reward function ("math_verify" by name).
+  responses = [r"\boxed{(1, 2)}", "The answer is 41.", "Final Answer: The final answer is $24$. I hope it is correct."]
+  with RewardExecutor("math_verify", num_workers=1, timeout_s=20.0) as executor:
+    rewards, metrics = executor.score(responses, ["(1,2)", "42", "24"])
+  assert rewards.tolist() == [1.0, 0.0, 1.0]
+  assert metrics["reward/errors"] == 0 and metrics["reward/timeouts"] == 0
+
+
+def _render(value, style: int) -> str:
+  """A rational number written one of the ways models and datasets write it (LaTeX or plain)."""
+  sign = "-" if value < 0 else ""
+  p, q = abs(value.numerator), value.denominator
+  if q == 1:
+    return [f"{sign}{p}", f"{sign}{p:,}", f"\\frac{{{sign}{p}}}{{1}}", f"{sign}{p}.0"][style % 4]
+  forms = [f"{sign}\\frac{{{p}}}{{{q}}}", f"\\frac{{{sign}{p}}}{{{q}}}", f"{sign}{p}/{q}",
+           f"{sign}\\dfrac{{{2 * p}}}{{{2 * q}}}"]
+  if p > q:
+    forms.append(f"{sign}{p // q}\\frac{{{p % q}}}{{{q}}}")  # a mixed number
+  if 10 ** 6 % q == 0:  # a terminating decimal, written exactly
+    micro = p * 10 ** 6 // q
+    forms.append(f"{sign}{micro // 10 ** 6}.{micro % 10 ** 6:06d}".rstrip("0"))
+  return forms[style % len(forms)]
+
+
+_RESPONSES = ["\\boxed{{{}}}", "#### {}", "The answer is ${}$.", "**Answer:** ${}$", "So the total is ${}$",
+              "Final Answer: The final answer is ${}$. I hope it is correct."]
+_TRUTHS = ["{}", "\\text{{so}} = \\boxed{{{}}}", "x = {}"]
+
+
+@pytest.fixture(scope="module")
+def hypothesis_api():
+  return pytest.importorskip("hypothesis")
+
+
+def test_equal_values_in_any_format_match_and_different_values_never_do(hypothesis_api):
+  from fractions import Fraction
+  from hypothesis import given, settings, strategies as st
+
+  values = st.builds(Fraction, st.integers(-3000, 3000), st.sampled_from([1, 1, 2, 3, 4, 5, 7, 8, 12, 25]))
+
+  @settings(max_examples=250, deadline=None, derandomize=True)
+  @given(a=values, b=values, same=st.booleans(), styles=st.tuples(*[st.integers(0, 11)] * 4))
+  def check(a, b, same, styles):
+    if same:
+      b = a
+    response = _RESPONSES[styles[0] % len(_RESPONSES)].format(_render(a, styles[1]))
+    truth = _TRUTHS[styles[2] % len(_TRUTHS)].format(_render(b, styles[3]))
+    assert M.verify(response, truth) == float(a == b), (response, truth)
+
+  check()
