@@ -430,6 +430,8 @@ class Controller:
       self.prompt_source.load_state_dict(restored["data_state"])
       self.last_data_state = restored["data_state"]
     self._first_version = restored["first_version"]
+    if self.weight_sync is not None:  # a restore into a controller that had run on: its versions are stale
+      self.weight_sync.clear()
     if self._first_version is None and self._gen_versions_needed(self.step, 0) and self.is_main:
       log.warning("checkpoint step %d holds no generator weights for the versions before it: batches %d.. "
                   "are generated from version %d on (valid under the lag bound, not identical to an "

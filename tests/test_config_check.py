@@ -34,7 +34,8 @@ def test_every_bad_binding_is_named(parse):
   parse("tiny_cpu.gin", "Controller.checkpoint_every = '5'", "Controller.top_p = 2", "run_experiment.sft = 1",
         "OptimizerConfig.lr = -1.0", "Controller.loss_kwargs = {'rho_maxx': 2.0}", "LAG = -1",
         "Controller.max_policy_lag = %LAG", "eval/Controller.seed = 'x'", "Controller.optimizer = @ModelConfig()",
-        "ModelConfig.num_layers = 0", "PromptSource.bad_rows = 'ignore'")
+        "ModelConfig.num_layers = 0", "PromptSource.bad_rows = 'ignore'", "run_experiment.eval_window = 0",
+        "run_experiment.eval_every = 2.5")
   with pytest.raises(ConfigError) as info:
     check_bindings()
   msg = str(info.value)
@@ -47,9 +48,11 @@ def test_every_bad_binding_is_named(parse):
                    "eval/Controller.seed = 'x': expected int",        # a scoped binding
                    "Controller.optimizer = @ModelConfig(): expected OptimizerConfig | None",
                    "ModelConfig.num_layers = 0: expected >= 1",
-                   "PromptSource.bad_rows = 'ignore': expected one of ['skip', 'error']"):
+                   "PromptSource.bad_rows = 'ignore': expected one of ['skip', 'error']",
+                   "run_experiment.eval_window = 0: expected >= 1",
+                   "run_experiment.eval_every = 2.5: expected int, found float"):
     assert expected in msg, (expected, msg)
-  assert msg.startswith("10 gin binding(s) are invalid")
+  assert msg.startswith("12 gin binding(s) are invalid")
 
 
 def test_ints_are_floats_but_bools_are_not_ints(parse):

@@ -142,9 +142,14 @@ def one_process_run(tmp_path_factory):
 
 
 def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
-  """1 trainer process (fsdp2 x tp2) + 1 generator process (dp2 x tp2), launched as a user types it."""
+  """1 trainer process (fsdp2 x tp2) + 1 generator process (dp2 x tp2), launched as a user types it.
+  With held-out evaluations (greedy + sampled) before RL, at step 2 and after step 3: across processes
+  the run is split at step 2 for it, which must not change what is trained (the one-process reference
+  does not evaluate)."""
+  evals = [f"--gin_param={b}" for b in ("run_experiment.eval_size = 4", "run_experiment.eval_every = 2",
+                                        "run_experiment.eval_samples = 2")]
   cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--num_processes", "2", "--timeout_s", "240",
-         "--heartbeat_timeout_s", "5", "--", *_args(tmp_path / "run", 3)]
+         "--heartbeat_timeout_s", "5", "--", *_args(tmp_path / "run", 3), *evals]
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout + done.stderr
   assert "[rank 0] [llamarl] process 0/2 role=trainer" in done.stdout and "process 1/2 role=generator" in done.stdout
@@ -152,6 +157,12 @@ def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
   assert [m["step"] for m in steps] == [1, 2, 3] and [m["policy/lag_max"] for m in steps] == [0, 1, 1]
   for one, two in zip(one_process_run, steps):
     assert schedule_metrics(one) == schedule_metrics(two)
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  evaluated = [r for r in rows if "eval/accuracy" in r]
+  assert [r["step"] for r in evaluated] == [0, 2, 3]
+  for r in evaluated:  # 4 problems: greedy accuracy a multiple of 1/4, sampled pass@1 of 1/8
+    assert r["eval/accuracy"] * 4 == round(r["eval/accuracy"] * 4)
+    assert r["eval/pass1_sampled"] * 8 == round(r["eval/pass1_sampled"] * 8)
 
 
 def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):

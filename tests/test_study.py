@@ -45,8 +45,7 @@ def setup():
   config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=4, num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
   _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
-  # 4 problems x 2 draws: the sampled evaluation has the training batch's shape (4 prompts x 2 samples),
-  # so it reuses the sampler's compiled functions (this test is mostly compile time).
+  # 4 problems: greedy and 2 sampled draws each (this test is mostly compile time: keep shapes small).
   examples = PromptSource(task="arithmetic", seed=0).heldout().next_batch(4)
   return config, params, tokenizer, examples
 
@@ -60,19 +59,20 @@ def _controller(setup, run_dir):
 
 
 def test_evaluation_between_steps_leaves_training_unchanged(setup, tmp_path):
+  """3 steps with an evaluation after each, then the same 3 steps again from a step-0 checkpoint
+  without evaluations (one controller: its compiled functions serve both runs): identical metrics."""
   examples = setup[3]
-  plain = _controller(setup, tmp_path / "plain")
-  try:
-    reference = plain.run(3)
-  finally:
-    plain.close()
-  c = _controller(setup, tmp_path / "evals")
+  c = _controller(setup, tmp_path)
   evals = []
   try:
     with pytest.raises(ValueError, match="samples .* must be >= 0"):
       c.evaluate(examples, samples=-1)
+    c.last_data_state = c.prompt_source.state_dict()  # the restore point: step 0 and its data position
+    c.save_checkpoint()
     steps = run_with_evals(c, examples, 3, eval_every=1, samples=2, evals=evals)
     again = c.evaluate(examples, samples=2, seed=3)  # the weights after step 3, outside the run
+    assert c.restore_checkpoint(0) == 0
+    reference = c.run(3)
   finally:
     c.close()
   assert [schedule_metrics(m) for m in steps] == [schedule_metrics(m) for m in reference]

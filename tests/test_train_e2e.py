@@ -42,10 +42,10 @@ def _run(run_dir, *extra_args, steps, small=SMALL):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-  """4 RL steps, then --resume to 6."""
+  """4 RL steps, then --resume to 6 (with another evaluation setting: a resumable change)."""
   run_dir = tmp_path_factory.mktemp("e2e") / "run"
   first = _run(run_dir, steps=4)
-  second = _run(run_dir, "--resume", steps=6)
+  second = _run(run_dir, "--resume", "--gin_param=run_experiment.eval_samples = 0", steps=6)
   return run_dir, first, second
 
 
@@ -62,12 +62,17 @@ def test_the_run_trains_checkpoints_logs_and_exports(finished_run):
 
 
 def test_held_out_evaluations_are_logged_at_the_step_they_were_taken(finished_run):
-  """eval_every = 2: before RL (step 0), at steps 2 and 4, then 6 in the resumed run; greedy + pass@1."""
+  """eval_every = 2: before RL (step 0), at steps 2 and 4 (greedy + pass@1), then 6 in the resumed run
+  (greedy only: it resumed with eval_samples = 0). Checkpoints record the evaluation settings."""
   run_dir, first, second = finished_run
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   evals = [r for r in rows if "eval/accuracy" in r]
   assert [r["step"] for r in evals] == [0, 2, 4, 6]  # the last step's evaluation is not repeated
-  assert all(0.0 <= r["eval/pass1_sampled"] <= 1.0 and r["time/eval"] > 0 for r in evals)
+  assert all(0.0 <= r["eval/pass1_sampled"] <= 1.0 and r["time/eval"] > 0 for r in evals[:3])
+  assert "eval/pass1_sampled" not in evals[3]
+  manifest = lambda step: json.loads((run_dir / "checkpoints" / str(step) / "MANIFEST.json").read_text())
+  assert manifest(4)["config"]["evaluation"] == {"size": 16, "every": 2, "samples": 2, "window": 3}
+  assert manifest(6)["config"]["evaluation"]["samples"] == 0
   assert [e["step"] for e in first["evals"]] == [0, 2, 4] and [e["step"] for e in second["evals"]] == [6]
   assert first["eval_after_rl"] == first["evals"][-1]["eval/accuracy"]
   assert first["eval_accuracy_window"] == pytest.approx(np.mean([e["eval/accuracy"] for e in first["evals"][1:]]))

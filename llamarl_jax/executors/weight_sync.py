@@ -172,6 +172,12 @@ class WeightSync:
     with self._cond:
       self._drop_below(self._newest())
 
+  def clear(self) -> None:
+    """Drop every held version (after a checkpoint restore they belong to another timeline: a version
+    number is pushed again with other weights)."""
+    with self._cond:
+      self._versions.clear()
+
   def reopen(self) -> None:
     """Undo `close` (the controller reopens between `run` calls); the weights are kept."""
     with self._cond:
