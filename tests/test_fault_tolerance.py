@@ -88,7 +88,8 @@ def test_kill_during_a_step_resumes_from_the_last_complete_checkpoint(runs):
   _, _, out = runs
   assert out["kill_in_step"].returncode == KILLED
   assert out["after_step_kill"]["complete"] == 4
-  assert out["after_step_kill"]["rows"] == [1, 2, 3, 4]  # 3, 4 of the first attempt were rewound
+  # 0: the held-out evaluation before RL; 3, 4 of the first attempt were rewound
+  assert out["after_step_kill"]["rows"] == [0, 1, 2, 3, 4]
   assert out["resumed"].returncode == 0, out["resumed"].stderr[-3000:]
   assert '"resumed_from_step": 4' in out["resumed"].stdout
 
@@ -99,7 +100,9 @@ def test_resumed_fixed_schedule_run_equals_the_uninterrupted_run(runs):
   programs on the same inputs; the schedule fixes versions, prompts and seeds whatever the timing)."""
   full, broken, _ = runs
   a, b = _rows(full), _rows(broken)
-  assert [r["step"] for r in b] == [r["step"] for r in a] == [1, 2, 3, 4, 5, 6, 6]  # 6 twice: + the eval row
+  # 0: the evaluation before RL (logged once: a resume keeps the baseline); 6 three times: the step, the
+  # evaluation after RL, and the before/after summary row
+  assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4, 5, 6, 6, 6]
   for ra, rb in zip(a, b):
     assert schedule_metrics(ra) == schedule_metrics(rb), ra["step"]
   assert a[-1]["eval/accuracy_after"] == b[-1]["eval/accuracy_after"]
