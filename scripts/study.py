@@ -304,7 +304,8 @@ def summarise(results: dict[str, list[dict]], *, eval_window: int, threshold: fl
       row[key]["values"] = values
     hits = [p["steps_to_threshold"] for p in per_run]
     row["steps_to_threshold"] = stats.t_interval([h if h is not None else rl_steps for h in hits]).as_dict()
-    row["steps_to_threshold"].update(values=hits, reached=sum(h is not None for h in hits))
+    row["steps_to_threshold"].update(values=hits, reached=sum(h is not None for h in hits),
+                                     censored=[h if h is not None else rl_steps for h in hits])
     table[cell] = row
   return table
 
@@ -315,8 +316,9 @@ def compare(table: dict, a: str, b: str, key: str) -> dict | None:
 
   if a not in table or b not in table:
     return None
-  va = dict(zip(table[a]["seeds"], table[a][key]["values"]))
-  vb = dict(zip(table[b]["seeds"], table[b][key]["values"]))
+  values = lambda cell: table[cell][key].get("censored", table[cell][key]["values"])  # steps: never = budget
+  va = dict(zip(table[a]["seeds"], values(a)))
+  vb = dict(zip(table[b]["seeds"], values(b)))
   common = sorted(set(va) & set(vb))
   if len(common) < 2:
     return None
@@ -324,7 +326,8 @@ def compare(table: dict, a: str, b: str, key: str) -> dict | None:
 
 
 def verdict(d: dict | None, *, margin: float = 0.0, unit: str = "points", better: str = "higher") -> str:
-  """Words for a difference interval: separable from 0 (or inside -+margin), or not at this budget."""
+  """Words for a difference interval (first minus second): separable from 0 (or inside -+margin), or
+  not at this budget. better: which sign is good for this quantity ('lower' for times and steps)."""
   if d is None:
     return "not enough seeds"
   lo, hi = d["low"], d["high"]
@@ -336,19 +339,20 @@ def verdict(d: dict | None, *, margin: float = 0.0, unit: str = "points", better
     if hi < -margin or lo > margin:
       return f"no: the whole interval is beyond {margin:g} {unit}"
     return f"not separable at this budget (the interval reaches beyond -+{margin:g} {unit})"
-  if lo > 0:
-    return f"first is {better}" if better == "higher" else "first is lower"
-  if hi < 0:
-    return "first is lower" if better == "higher" else "first is higher"
+  if lo > 0 or hi < 0:
+    direction = "higher" if lo > 0 else "lower"
+    return f"first is {direction} ({'better' if direction == better else 'worse'})"
   return "not separable at this budget (interval contains 0)"
 
 
 QUESTIONS = (  # (a, b, key, margin, question)
     ("lag1", "lag0", "heldout", 2.0, "Is lag 1 within 2 points of lag 0 (held-out)?"),
     ("lag1", "lag0", "auc", 0.0, "Lag 1 vs lag 0, training-reward AUC"),
+    ("lag1", "lag0", "steps_to_threshold", 0.0, "Lag 1 vs lag 0, steps to the reward threshold"),
     ("lag2", "lag0", "heldout", 0.0, "Lag 2 vs lag 0 (held-out)"),
     ("lag4", "lag0", "heldout", 0.0, "Lag 4 vs lag 0 (held-out)"),
     ("lag4", "lag0", "auc", 0.0, "Lag 4 vs lag 0, training-reward AUC"),
+    ("lag4", "lag0", "steps_to_threshold", 0.0, "Lag 4 vs lag 0, steps to the reward threshold"),
     ("lag4", "lag4_no_trunc", "heldout", 0.0, "Lag 4: AIPO detached vs no truncation (held-out)"),
     ("lag4", "lag4_no_trunc", "auc", 0.0, "Lag 4: AIPO detached vs no truncation (AUC)"),
     ("lag4_clamped", "lag4_no_trunc", "heldout", 0.0, "Lag 4: AIPO clamped vs no truncation (held-out)"),
@@ -396,8 +400,8 @@ def markdown(table: dict, comparisons: list[dict], *, knobs: dict, threshold: fl
             "differences):", "", "| question | difference | 95% interval | verdict |", "|---|---|---|---|"]
   for c in comparisons:
     d = c["difference"]
-    unit = {"heldout": " pts", "auc": "", "step_seconds": " s"}.get(c["key"], "")
-    digits = 1 if c["key"] == "heldout" else 3
+    unit = {"heldout": " pts", "auc": "", "step_seconds": " s", "steps_to_threshold": " steps"}.get(c["key"], "")
+    digits = 1 if c["key"] in ("heldout", "steps_to_threshold") else 3
     lines.append(f"| {c['question']} | {d['mean']:+.{digits}f}{unit} | [{d['low']:+.{digits}f}, "
                  f"{d['high']:+.{digits}f}] | {c['verdict']} |")
   return "\n".join(lines) + "\n"
@@ -517,7 +521,8 @@ def report(args, out: Path) -> Path:
     if d is not None:
       comparisons.append({"question": question, "a": a, "b": b, "key": key, "difference": d,
                           "verdict": verdict(d, margin=margin,
-                                             better="lower" if key == "step_seconds" else "higher")})
+                                             better="lower" if key in ("step_seconds", "steps_to_threshold")
+                                             else "higher")})
   report_dir = out / "report"
   report_dir.mkdir(parents=True, exist_ok=True)
   md = markdown(table, comparisons, knobs=knobs, threshold=args.threshold,

@@ -165,7 +165,9 @@ def test_study_report_tables_and_verdicts(tmp_path):
   assert study.verdict(d, margin=2.0).startswith("yes")
   assert study.verdict({"low": -3.0, "high": 1.0}, margin=2.0).startswith("not separable")
   assert study.verdict({"low": -5.0, "high": -2.5}, margin=2.0).startswith("no")
-  assert study.verdict({"low": 0.1, "high": 2.0}) == "first is higher"
+  assert study.verdict({"low": 0.1, "high": 2.0}) == "first is higher (better)"
+  assert study.verdict({"low": 0.1, "high": 2.0}, better="lower") == "first is higher (worse)"  # e.g. step time
+  assert study.verdict({"low": -2.0, "high": -0.1}, better="lower") == "first is lower (better)"
   assert study.verdict({"low": -0.1, "high": 2.0}).startswith("not separable")
   md = study.markdown(table, [], knobs={"eval_window": 3, "eval_size": 8, "eval_every": 5, "rl_steps": 20,
                                        "eval_samples": 2}, threshold=0.7, threshold_window=2,
@@ -177,3 +179,16 @@ def test_study_report_tables_and_verdicts(tmp_path):
                                      "study_kl_vs_lag.png"]
   assert all(p.stat().st_size > 10_000 for p in paths)
   json.dumps(table)  # the JSON report holds plain numbers
+
+
+def test_runs_that_never_reach_the_threshold_count_as_the_budget():
+  study = _study_module()
+  results = {"lag0": [_fake_result("lag0", s, 0.8) for s in range(3)],
+             "lag1": [_fake_result("lag1", s, 0.5) for s in range(3)]}  # the reward never reaches 0.7
+  table = study.summarise(results, eval_window=3, threshold=0.7, threshold_window=2, rl_steps=20)
+  hits = table["lag0"]["steps_to_threshold"]["values"]
+  assert all(h is not None and h < 20 for h in hits) and table["lag0"]["steps_to_threshold"]["reached"] == 3
+  assert table["lag1"]["steps_to_threshold"]["values"] == [None] * 3
+  assert table["lag1"]["steps_to_threshold"]["mean"] == 20 and table["lag1"]["steps_to_threshold"]["reached"] == 0
+  d = study.compare(table, "lag1", "lag0", "steps_to_threshold")  # paired on the censored values
+  assert d["mean"] == pytest.approx(20 - np.mean(hits))
