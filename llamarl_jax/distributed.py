@@ -94,6 +94,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     # A receiver looks up the sender's socket when it first pulls; the protocol only starts a receive
     # after the sender has sent (a store key says so), so this is a backstop, not a wait we rely on.
     jax.config.update("jax_cross_host_transfer_timeout_seconds", 600)
+  global _heartbeat_timeout_s
+  _heartbeat_timeout_s = float(heartbeat_timeout_s)
   jax.config.update("jax_enable_recoverability", True)  # dead peers are reported, FaultWatch exits
   jax.config.update("jax_enable_preemption_service", False)  # else JAX takes SIGTERM as a preemption notice
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
@@ -101,6 +103,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                              initialization_timeout=initialization_timeout_s,
                              heartbeat_timeout_seconds=heartbeat_timeout_s, shutdown_timeout_seconds=10)
   return True
+
+
+_heartbeat_timeout_s = 10.0  # initialize's: how long a dead peer takes to be noticed
 
 
 def _client():
@@ -257,6 +262,12 @@ class FaultWatch:
     except Exception:  # noqa: BLE001 - the coordinator is gone: the heartbeat path reports us
       pass
 
+  def wait(self, seconds: float) -> None:
+    """Give the watch threads `seconds` to find a failed peer (they end the process if they do)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(t.is_alive() for t in self._threads):
+      time.sleep(self._poll_s)
+
   def stop(self) -> None:
     """From now on nothing ends this process (its threads may stay blocked in a call: daemons)."""
     self._stop.set()
@@ -325,6 +336,13 @@ def run_process(fn, roles: Roles):
   Prints this process's role line, watches the others (`FaultWatch`). If `fn` raises, the error is
   published (every other process exits within a poll, naming this one), its traceback printed, and
   this process exits 1. Otherwise `finish` (the clean end): returns fn's result on process 0 only.
+
+  An error is often the consequence of a peer's death rather than a failure of its own: a transfer
+  socket closes the moment the peer is killed, seconds before its heartbeats are missed. So before
+  publishing, the error waits up to the heartbeat timeout (+ 2 s) for the watch to see a peer that
+  failed first; if it does, this process exits EXIT_PEER_FAILED naming that peer (as if the watch had
+  stopped it first), and the job's report names the real cause. A failure of its own is published
+  that much later (12 s at the default 10 s heartbeat), still well inside the job's bound.
   """
   import traceback
 
@@ -333,9 +351,13 @@ def run_process(fn, roles: Roles):
   try:
     result = fn()
   except BaseException as e:  # noqa: BLE001 - reported to the other processes, then an exit
-    watch.report(e)
     traceback.print_exc()
     sys.stderr.flush()
+    if not isinstance(e, KeyboardInterrupt):
+      print(f"[llamarl] {watch.name(watch.me)}: {type(e).__name__}; waiting up to "
+            f"{_heartbeat_timeout_s + 2:.0f} s for a peer that failed first", file=sys.stderr, flush=True)
+      watch.wait(_heartbeat_timeout_s + 2.0)  # the watch ends this process (75) if a peer failed first
+    watch.report(e)
     if jax.process_index() == 0:  # it hosts the store: the others read the report before it goes
       time.sleep(1.0)
     os._exit(1)

@@ -61,8 +61,12 @@ def transfer_case() -> None:
       print(f"{name} rows ok ({len(plan_rows.chunks)} chunks)", flush=True)
 
 
-def fault_case(kill: bool) -> None:
-  """Through `distributed.run_process`, as scripts/train.py runs every process of a job."""
+def fault_case(kill: bool, consequence: bool = False) -> None:
+  """Through `distributed.run_process`, as scripts/train.py runs every process of a job.
+
+  consequence: process 0 raises too, 0.5 s after process 1 was killed (before its heartbeats are
+  missed), as a trainer's receive does when the generator's socket closes.
+  """
   import jax
 
   from llamarl_jax import distributed
@@ -73,6 +77,9 @@ def fault_case(kill: bool) -> None:
       if kill:
         os.kill(os.getpid(), signal.SIGKILL)
       raise ValueError("injected failure")
+    if consequence and jax.process_index() == 0:
+      time.sleep(1.5)
+      raise ConnectionResetError("the peer closed the transfer socket")
     time.sleep(120)  # the watch ends this process long before
     print("still running: the failure was not noticed", flush=True)
 
@@ -83,6 +90,7 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--case", choices=("transfer", "fault"), required=True)
   parser.add_argument("--kill", action="store_true")
+  parser.add_argument("--consequence", action="store_true")
   parser.add_argument("--coordinator_address")
   parser.add_argument("--num_processes", type=int)
   parser.add_argument("--process_id", type=int)
@@ -98,7 +106,7 @@ def main() -> None:
     transfer_case()
     distributed.finish(None)
   else:
-    fault_case(args.kill)
+    fault_case(args.kill, args.consequence)
 
 
 if __name__ == "__main__":

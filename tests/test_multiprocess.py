@@ -109,12 +109,15 @@ def test_weight_push_and_batch_transfer_between_meshes_of_different_sizes():
     assert line in out, (line, out)
 
 
-@pytest.mark.parametrize("kill", [False, True])
-def test_a_failed_process_stops_every_other_naming_it(kill):
+@pytest.mark.parametrize("kill,consequence", [(False, False), (True, False), (True, True)])
+def test_a_failed_process_stops_every_other_naming_it(kill, consequence):
   """Process 1 raises (its error is published) or is SIGKILLed (its heartbeats stop: 5 s here):
-  the others exit EXIT_PEER_FAILED (75) within seconds, naming rank 1 and its role; no hang."""
+  the others exit EXIT_PEER_FAILED (75) within seconds, naming rank 1 and its role; no hang.
+  consequence: process 0 also raises, 0.5 s after the kill (a closed socket), before the heartbeat
+  timeout: it still names process 1 as the cause, and so does the launcher."""
   t0 = time.monotonic()
-  status, out = _launch(3, ["--case", "fault"] + (["--kill"] if kill else []), timeout_s=90,
+  flags = (["--kill"] if kill else []) + (["--consequence"] if consequence else [])
+  status, out = _launch(3, ["--case", "fault"] + flags, timeout_s=90,
                         script=ROOT / "tests" / "multiproc_worker.py", fail_fast=False)
   elapsed = time.monotonic() - t0
   assert status != 0 and elapsed < 60, (status, elapsed, out)  # the 120 s sleep never finished
