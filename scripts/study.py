@@ -144,12 +144,21 @@ def _bound(name: str) -> bool:
     return False
 
 
-def sft_checkpoint(out: Path) -> tuple:
-  """(config, params, tokenizer, sft_meta): the shared warm start, trained and saved on first use."""
+def sft_checkpoint(out: Path, reward) -> tuple:
+  """(config, params, tokenizer, sft_meta): the shared warm start, trained and saved on first use.
+
+  Trained as `run_experiment` trains it: on the params of a Controller built from the gin config, so
+  on its trainer mesh (e.g. FSDP over 2 devices with configs/tiny_cpu.gin). The layout matters: a
+  reduction split differently changes the last bits of a step, and over 1000 SFT steps that grows
+  into another warm start (BENCHMARKS.md: one device vs FSDP 2 gave a sampled pass@1 before RL of 20%
+  vs 28%, and held-out accuracies after RL tens of points apart), so only this way does
+  `--gin_file=configs/tiny_cpu.gin` start from `make run`'s own warm start.
+  """
   import jax
   from flax import nnx
 
   from llamarl_jax import experiment
+  from llamarl_jax.controller import Controller
   from llamarl_jax.model import hf
   from llamarl_jax.model.llama import Llama, merge_params, split_params
 
@@ -158,8 +167,13 @@ def sft_checkpoint(out: Path) -> tuple:
     t0 = time.perf_counter()
     config, params, tokenizer = experiment.build_policy()
     source = experiment.configured_prompt_source().with_tokenizer(tokenizer)
-    params = experiment.supervised_warmstart(config, params, tokenizer, source.fork(seed_offset=1),
-                                             progress=False)
+    c = Controller(config, params, tokenizer, source, run_dir=out / "sft" / "build", progress=False,
+                   reward_fn=reward, checkpoint_every=0)
+    try:
+      params = experiment.supervised_warmstart(config, c.trainer.params, tokenizer, source.fork(seed_offset=1),
+                                               progress=False)
+    finally:
+      c.close()
     graphdef = split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0]
     hf.save_hf_checkpoint(merge_params(graphdef, jax.device_get(params)), config, sft_dir, tokenizer=tokenizer)
     _write_json(meta_path, {"sft_seconds": time.perf_counter() - t0, "model_params": config.num_params(),
@@ -220,11 +234,11 @@ def run_grid(args, out: Path) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   knobs = _study_knobs()
   t_sft = time.perf_counter()
-  config, params, tokenizer, sft_meta = sft_checkpoint(out)
-  base_source = configured_prompt_source().with_tokenizer(tokenizer)
-  eval_examples = base_source.heldout().next_batch(knobs["eval_size"])
   reward_name = gin.query_parameter("Controller.reward_fn") if _bound("Controller.reward_fn") else "arithmetic"
   with RewardExecutor(reward_name, num_workers=1) as reward:
+    config, params, tokenizer, sft_meta = sft_checkpoint(out, reward)
+    base_source = configured_prompt_source().with_tokenizer(tokenizer)
+    eval_examples = base_source.heldout().next_batch(knobs["eval_size"])
     before_path = out / "sft" / "eval_before_rl.json"
     if not before_path.exists():
       c = Controller(config, params, tokenizer, base_source, run_dir=out / "sft" / "eval", progress=False,
