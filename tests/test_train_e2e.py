@@ -143,6 +143,7 @@ def test_rl_from_a_saved_qwen3_checkpoint(tmp_path):
   chatml_tokenizer().save_pretrained(checkpoint)
   small = ["run_experiment.eval_size = 4", "Controller.prompts_per_step = 2", "Controller.samples_per_prompt = 4",
            "Controller.checkpoint_every = 2", "run_experiment.tensorboard = False", "run_experiment.sft = False",
+           "run_experiment.eval_samples = 0",  # greedy evaluation only: the sampled one is tested above
            # ChatML-wrapped prompts are ~25 tokens: more than tiny_cpu.gin's 16-token slot-engine prompt bound
            "Controller.engine_max_prompt_len = 64"]
   run_dir = tmp_path / "run"
