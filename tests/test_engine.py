@@ -18,33 +18,17 @@ import pytest
 import torch
 from flax import nnx
 
-from conftest import tiny_hf_config
 from llamarl_jax import parallel
 from llamarl_jax.generation import FINISH_LENGTH, Sampler, SamplingParams
 from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups, version_metrics
-from llamarl_jax.model import KVCache, load_hf_checkpoint, merge_params, split_params
-from test_sampler import R, V, full_forward_logits, intended_logprobs
+from llamarl_jax.model import KVCache, merge_params, split_params
+# the reference model and its loaded copy are test_sampler's (same tiny Llama, module-scoped here too)
+from test_sampler import R, V, full_forward_logits, hf_model, intended_logprobs, model  # noqa: F401
 
 PROMPT_LENGTHS = (5, 11, 3, 7)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=R)
 SAMPLED = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, max_new_tokens=R, n=2, seed=3,
                          stop_token_ids=(7, 21, 40))
-
-
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
-  import transformers
-
-  torch.manual_seed(0)
-  ref = transformers.LlamaForCausalLM(tiny_hf_config(vocab_size=V)).eval()
-  path = tmp_path_factory.mktemp("engine") / "ref"
-  ref.save_pretrained(path)
-  return ref, path
-
-
-@pytest.fixture(scope="module")
-def model(hf_model):
-  return load_hf_checkpoint(hf_model[1])
 
 
 @pytest.fixture(scope="module")

@@ -111,15 +111,21 @@ def test_resumed_fixed_schedule_run_equals_the_uninterrupted_run(runs):
 
 
 @pytest.mark.timeout(1500)
-def test_changed_config_resume_names_every_difference_and_touches_nothing(runs):
-  """In this process (the check needs no compiled step): another model width, lag and learning rate."""
+def _train_script():
+  """scripts/train.py as a module, to call its main() in this process."""
   import importlib.util
 
-  _, broken, _ = runs
-  before = {p: p.stat().st_mtime_ns for p in broken.rglob("*") if p.is_file()}
   spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  return module
+
+
+def test_changed_config_resume_names_every_difference_and_touches_nothing(runs):
+  """In this process (the check needs no compiled step): another model width, lag and learning rate."""
+  _, broken, _ = runs
+  before = {p: p.stat().st_mtime_ns for p in broken.rglob("*") if p.is_file()}
+  module = _train_script()
   gin.clear_config()
   try:
     with pytest.raises(IncompatibleCheckpoint) as info:
@@ -237,17 +243,13 @@ def test_a_reference_of_another_architecture_is_refused(tmp_path):
 
 
 def test_ctrl_c_during_the_warm_start_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
-  import importlib.util
-
   from llamarl_jax import experiment
 
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
 
   monkeypatch.setattr(experiment, "supervised_warmstart", interrupted)
-  spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = _train_script()
   gin.clear_config()
   try:
     with pytest.raises(SystemExit) as info:
