@@ -1,12 +1,13 @@
 """Start-up check of every gin binding: type (from the configurable's annotations) and range.
 
-A wrong value in a config (a string for `Controller.checkpoint_every`, a negative lag, top_p = 2)
+A wrong value in a config (a string for `TrainConfig.checkpoint_every`, a negative lag, top_p = 2)
 would otherwise surface minutes later, deep in the run, as a raw `TypeError` or a silent misbehaviour.
 `check_bindings()` runs before anything is built or compiled and raises one `ConfigError` listing every
 bad binding by its gin name, with what was expected and what was found.
 
 Types come from the annotations of the bound function / class (`int`, `float | None`, `OptimizerConfig`,
-...); ranges and choices from `RANGES`, keyed by gin name. A configurable or parameter that neither
+...); ranges and choices from `RANGES`, keyed by gin name (the run's configuration classes bring
+their own `RULES`, config.py). A configurable or parameter that neither
 knows is accepted as is (gin has already rejected unknown names at parse time).
 """
 
@@ -23,70 +24,21 @@ from typing import Any, Callable
 import gin
 
 
-class ConfigError(ValueError):
-  """One or more gin bindings have the wrong type or are out of range."""
-
-
-# --------------------------------------------------------------------------------------------------
-# range rules: each returns None when the value is fine, else what was expected
-
-
-def at_least(lo):
-  return lambda v: None if v is None or v >= lo else f">= {lo}"
-
-
-def above(lo):
-  return lambda v: None if v is None or v > lo else f"> {lo}"
-
-
-def between(lo, hi, *, lo_open=False):
-  def rule(v):
-    ok = v is None or ((v > lo) if lo_open else (v >= lo)) and v <= hi
-    return None if ok else f"in {'(' if lo_open else '['}{lo}, {hi}]"
-  return rule
-
-
-def one_of(*choices):
-  return lambda v: None if v in choices else f"one of {list(choices)}"
+from llamarl_jax import config as run_config
+from llamarl_jax.config import ConfigError, above, at_least, between, one_of  # noqa: F401  (ConfigError re-exported)
 
 
 def _loss_kwargs_rule(kwargs):
-  """Keys of Controller.loss_kwargs must be parameters of the chosen loss (a typo would fail at trace)."""
-  if not isinstance(kwargs, dict):
-    return None
-  from llamarl_jax import losses
-
-  loss = gin.query_parameter("Controller.loss") if _bound("Controller", "loss") else "aipo"
-  try:
-    params = set(inspect.signature(losses.get_loss(loss)).parameters)
-  except (ValueError, KeyError):
-    return None
-  reserved = {"logprobs", "behaviour_logprobs", "advantages", "mask", "ref_logprobs", "entropy"}
-  bad = sorted(k for k in kwargs if k not in params or k in reserved)
-  return None if not bad else (f"keyword arguments of the {loss!r} loss ({sorted(params - reserved)}); "
-                               f"unknown: {bad}")
+  """TrainConfig.loss_kwargs must be keywords of the bound TrainConfig.loss (checked with the loss known)."""
+  loss = gin.query_parameter("TrainConfig.loss") if _bound("TrainConfig", "loss") else "aipo"
+  return run_config.loss_kwargs_problems(loss, kwargs)
 
 
-_POSITIVE_INTS = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "microbatches", "trainer_fsdp",
-                  "trainer_tp", "generator_dp", "generator_tp", "buffer_capacity", "reward_workers",
-                  "keep_checkpoints")
-
+# Range and choice rules by gin name. The run's configuration classes carry their own (config.py:
+# each field is checked in one place, here for gin bindings before anything is built and again when
+# the dataclass is constructed from Python); the rest are the job's functions and other configurables.
 RANGES: dict[str, dict[str, Callable[[Any], str | None]]] = {
-    "Controller": {
-        **{k: at_least(1) for k in _POSITIVE_INTS},
-        "max_policy_lag": at_least(0), "temperature": at_least(0.0), "top_p": between(0.0, 1.0, lo_open=True),
-        "top_k": at_least(0), "reward_timeout_s": above(0.0), "checkpoint_every": at_least(0),
-        "generator_delay_s": at_least(0.0), "step_timeout_s": above(0.0), "seed": at_least(0),
-        "generator_dtype": one_of("float32", "bfloat16", "float16"), "quantize": one_of(None, "int8"),
-        "loss": one_of("aipo", "ppo_clip"),
-        "advantage_estimator": one_of("group_mean", "grpo", "rloo"),
-        "version_schedule": one_of("fixed", "latest"), "loss_kwargs": _loss_kwargs_rule,
-    },
-    "OptimizerConfig": {
-        "lr": at_least(0.0), "warmup_steps": at_least(0), "schedule": one_of("constant", "cosine"),
-        "total_steps": at_least(1), "weight_decay": at_least(0.0), "b1": between(0.0, 1.0),
-        "b2": between(0.0, 1.0), "eps": above(0.0), "final_lr_ratio": between(0.0, 1.0),
-    },
+    **{cls.__name__: dict(cls.RULES) for cls in (*run_config.SECTIONS.values(), run_config.OptimizerConfig)},
     "run_experiment": {"rl_steps": at_least(0), "eval_size": at_least(0),  # eval_size 0 skips the evaluations
                        "eval_every": at_least(0), "eval_samples": at_least(0), "eval_window": at_least(1)},
     "supervised_warmstart": {"steps": at_least(0), "batch_size": at_least(1), "learning_rate": above(0.0),
@@ -100,6 +52,7 @@ RANGES: dict[str, dict[str, Callable[[Any], str | None]]] = {
                        "worker_memory_limit_mb": above(0.0), "max_chunk": at_least(1),
                        "startup_timeout_s": above(0.0)},
 }
+RANGES["TrainConfig"]["loss_kwargs"] = _loss_kwargs_rule
 
 
 # --------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -169,6 +169,18 @@ def extract_label(answer: str, answer_format: str) -> str | None:
   raise ValueError(f"answer_format must be 'raw', 'gsm8k' or 'boxed', got {answer_format!r}")
 
 
+class Prompts(Protocol):
+  """What the executors need of a prompt stream (`PromptSource` is the implementation; a custom
+  stream implements these five): batches in a reproducible order, a resumable position, counters
+  for the step metrics, and a fingerprint a resume compares."""
+
+  def next_batch(self, n: int) -> list["PromptExample"]: ...
+  def state_dict(self) -> dict: ...
+  def load_state_dict(self, state: dict) -> None: ...
+  def counters(self) -> dict[str, float]: ...
+  def fingerprint(self) -> dict: ...
+
+
 class PromptSource:
   """Batches of `PromptExample` from files or a synthetic task; seeded, shuffled, resumable.
 
@@ -281,7 +293,7 @@ class PromptSource:
   def _overlong_message(self, over: list[str]) -> str:
     return (f"{len(over)} prompt(s) are longer than max_prompt_tokens = {self.max_prompt_tokens} (the model's "
             f"max_position_embeddings minus max_new_tokens): {', '.join(over[:5])}"
-            f"{' ...' if len(over) > 5 else ''}. Drop those rows, lower Controller.max_new_tokens, or cut them "
+            f"{' ...' if len(over) > 5 else ''}. Drop those rows, lower RolloutConfig.max_new_tokens, or cut them "
             "to their last tokens (counted in data/truncated_prompts) with PromptSource.overlong_prompts = 'truncate'")
 
   def _encode_text(self, prompt: str) -> list[int]:

@@ -139,16 +139,12 @@ class KVStore:
         raise TimeoutError(f"key {self.prefix + key!r} did not appear within {timeout_s:.0f} s") from e
       raise
 
-  def try_get(self, key: str) -> str | None:
-    try:
-      return self._client.key_value_try_get(self.prefix + key)
-    except Exception as e:  # NOT_FOUND
-      if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
-        return None
-      raise
-
   def delete(self, key: str) -> None:
     self._client.key_value_delete(self.prefix + key)
+
+  def live_processes(self, process_ids: Sequence[int]) -> list[int]:
+    """Those of `process_ids` whose heartbeat the coordination service still receives."""
+    return list(self._client.get_live_nodes(list(process_ids)))
 
   def dir(self, key: str) -> list[tuple[str, str]]:
     """(full key, value) pairs of every key under `prefix + key` (a directory: end it with '/')."""
@@ -301,7 +297,7 @@ class FaultWatch:
   def _watch_alive(self) -> None:
     everyone = list(range(self.n))
     while not self._stop.wait(self._poll_s):
-      dead = sorted(set(everyone) - set(self.kv._client.get_live_nodes(everyone)))
+      dead = sorted(set(everyone) - set(self.kv.live_processes(everyone)))
       if dead:
         time.sleep(2 * self._poll_s)  # a process that failed on its own has published why: name that
         return self._exit(f"{', '.join(self.name(p) for p in dead)} died (no heartbeat: killed, crashed or hung)")

@@ -19,19 +19,55 @@ import numpy as np
 import optax
 from flax import nnx
 
+from llamarl_jax import config as cfg
 from llamarl_jax import parallel
 from llamarl_jax.checkpoint import latest_complete_step
-from llamarl_jax.config_check import check_bindings
+from llamarl_jax.config_check import RANGES, ConfigError, check_bindings
 from llamarl_jax.controller import Controller
 from llamarl_jax.data import PromptSource
-from llamarl_jax.executors.trainer import OptimizerConfig, token_logprobs
+from llamarl_jax.executors.trainer import token_logprobs
 from llamarl_jax.metrics import START, MetricsLogger
 from llamarl_jax.model import hf
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.llama import Llama, ModelConfig, abstract_model, split_params
 
 gin.external_configurable(ModelConfig, "ModelConfig")
 gin.external_configurable(PromptSource, "PromptSource")
-gin.external_configurable(OptimizerConfig, "OptimizerConfig")
+for _cls in (*cfg.SECTIONS.values(), cfg.OptimizerConfig):  # MeshConfig, RolloutConfig, ..., OptimizerConfig
+  gin.external_configurable(_cls, _cls.__name__)
+
+
+def parse_gin(files, bindings=()) -> None:
+  """`gin.parse_config_files_and_bindings`, first refusing the flat `Controller.*` keys of wave two
+  (in the files, the files they include, and the bindings) with the new key of each."""
+  problems = []
+  for text in [*(_gin_text(f) for f in files), *bindings]:
+    problems += cfg.legacy_key_problems(text)
+  if problems:
+    raise ConfigError("the run's settings moved from Controller.* to typed configs (llamarl_jax/config.py); "
+                      "rename these binding(s):\n  " + "\n  ".join(dict.fromkeys(problems)))
+  gin.parse_config_files_and_bindings(list(files), list(bindings))
+
+
+def _gin_text(path, depth: int = 0) -> str:
+  """The text of a gin file and of the files it includes (paths as gin resolves them: as written)."""
+  import re
+
+  text = Path(path).read_text() if Path(path).exists() else ""
+  if depth < 8:
+    for inc in re.findall(r"^\s*include\s+['\"]([^'\"]+)['\"]", text, flags=re.M):
+      text += "\n" + _gin_text(inc, depth + 1)
+  return text
+
+
+def configured_run_config() -> cfg.RunConfig:
+  """The `RunConfig` of the gin bindings (`MeshConfig.*`, `RolloutConfig.*`, ...; defaults where unbound)."""
+  sections = {name: gin.get_configurable(cls.__name__)() for name, cls in cfg.SECTIONS.items() if name != "train"}
+  try:
+    gin.query_parameter("TrainConfig.optimizer")
+    train = gin.get_configurable("TrainConfig")()
+  except ValueError:  # unbound: the OptimizerConfig.* bindings still apply
+    train = gin.get_configurable("TrainConfig")(optimizer=gin.get_configurable("OptimizerConfig")())
+  return cfg.RunConfig(train=train, **sections)
 
 
 def configured_prompt_source() -> PromptSource:
@@ -70,15 +106,11 @@ def build_policy(*, model_path: str | None = None, tiny: ModelConfig | None = No
 
 
 def mesh_layout() -> dict:
-  """The bound Controller mesh arguments (its defaults where unbound): where the roles come from."""
-  def get(name, default):
-    try:
-      return gin.query_parameter(f"Controller.{name}")
-    except ValueError:
-      return default
-  return {"trainer_fsdp": get("trainer_fsdp", 1), "trainer_tp": get("trainer_tp", 1),
-          "generator_dp": get("generator_dp", 1), "generator_tp": get("generator_tp", 1),
-          "colocated": get("colocated", False)}
+  """The bound `MeshConfig` (its defaults where unbound) as `parallel.make_meshes` arguments: where the
+  roles come from."""
+  import dataclasses
+
+  return dataclasses.asdict(gin.get_configurable("MeshConfig")())
 
 
 def process_roles():
@@ -113,7 +145,7 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
 
   This is the warm start before RL, so RL starts from a policy that sometimes succeeds.
   """
-  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  abstract = abstract_model(config)
   graphdef, _ = split_params(abstract)
   opt = optax.chain(optax.clip_by_global_norm(1.0),
                     optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(steps // 10, 1),
@@ -194,10 +226,12 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   (the trainer leader) writes the config, the logs, the summary and the export.
   """
   check_bindings()
-  for name, value, least in (("eval_every", eval_every, 0), ("eval_samples", eval_samples, 0),
-                             ("eval_window", eval_window, 1)):  # also when called from Python, not gin
-    if value < least:
-      raise ValueError(f"run_experiment.{name} must be >= {least}, got {value}")
+  rules = RANGES["run_experiment"]  # the gin check's rules, also when called from Python
+  problems = [f"run_experiment.{k} = {v!r}: expected {why}" for k, v in
+              (("rl_steps", rl_steps), ("eval_size", eval_size), ("eval_every", eval_every),
+               ("eval_samples", eval_samples), ("eval_window", eval_window)) if (why := rules[k](v))]
+  if problems:
+    raise ConfigError("; ".join(problems))
   run_dir = Path(run_dir)
   main = jax.process_index() == 0
   progress = progress and main
@@ -208,7 +242,8 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     rl_source = rl_source.with_tokenizer(tokenizer)
   if eval_source is not None and eval_source.tokenizer is None:
     eval_source = eval_source.with_tokenizer(tokenizer)
-  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, progress=progress)
+  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, config=configured_run_config(),
+                          progress=progress)
   controller.evaluation_config = {"size": eval_size, "every": eval_every, "samples": eval_samples,
                                   "window": eval_window}  # in checkpoints; may change on resume
   logger = None
@@ -367,6 +402,6 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
 
     host = to_host(controller.trainer.params)  # every trainer process: the params may span them
     if controller.is_main:
-      model = merge_params(split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0], host)
+      model = merge_params(split_params(abstract_model(config))[0], host)
       summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
   return summary

@@ -99,7 +99,3 @@ def rewind_jsonl(path: str | os.PathLike, step: int) -> int:
     os.replace(tmp, path)
   return len(drop)
 
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]

@@ -726,7 +726,7 @@ def main(argv=None) -> None:
         continue
       print(describe(pred))
       if mode == "async" and args.this_repo:
-        print("  Controller bindings:", controller_bindings(model, pred, work))
+        print("  run bindings:", controller_bindings(model, pred, work))
     return
   rows = compare_with_paper(work)
   print(paper_table(rows))

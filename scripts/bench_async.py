@@ -15,7 +15,7 @@ dominates). Both rows are printed by default. On a GPU machine, meshes are real 
   python scripts/bench_async.py --hidden 512 --layers 8 --steps 20   # bigger model
   python scripts/bench_async.py --engines static,slots --lags 1 --delays 0   # the generator engines
 
-`--engines`: the generator engine(s) (`Controller.generator_engine`: 'slots' continuous batching, the
+`--engines`: the generator engine(s) (`GeneratorConfig.engine`: 'slots' continuous batching, the
 default, or 'static' batches); with both, each row also reports its step time against the static
 engine's row of the same lag and delay.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,7 +38,7 @@ def run_one(args, lag: int, delay: float, engine: str = "slots") -> dict:
   from llamarl_jax.controller import Controller, overlap_seconds
   from llamarl_jax.data import PromptSource
   from llamarl_jax.executors.reward import RewardExecutor
-  from llamarl_jax.executors.trainer import OptimizerConfig
+  from llamarl_jax.config import OptimizerConfig, run_config
   from llamarl_jax.model.llama import Llama, ModelConfig, split_params
   from llamarl_jax.tokenizer import make_char_tokenizer
 
@@ -50,13 +49,13 @@ def run_one(args, lag: int, delay: float, engine: str = "slots") -> dict:
                        tie_word_embeddings=True)
   _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
   with tempfile.TemporaryDirectory() as run_dir, RewardExecutor("arithmetic", num_workers=1) as reward:
-    c = Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir,
-                   reward_fn=reward, max_policy_lag=lag,
-                   prompts_per_step=args.prompts, samples_per_prompt=args.samples,
-                   max_new_tokens=args.max_new_tokens, trainer_fsdp=args.trainer_fsdp,
-                   generator_dp=args.generator_dp, generator_tp=args.generator_tp,
-                   optimizer=OptimizerConfig(lr=1e-4), generator_delay_s=delay, buffer_capacity=max(lag, 1) + 1,
-                   generator_engine=engine, engine_max_prompt_len=16, progress=False, seed=0)
+    run = run_config(reward_fn=reward, max_policy_lag=lag, prompts_per_step=args.prompts,
+                     samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
+                     trainer_fsdp=args.trainer_fsdp, generator_dp=args.generator_dp, generator_tp=args.generator_tp,
+                     optimizer=OptimizerConfig(lr=1e-4), generator_delay_s=delay, buffer_capacity=max(lag, 1) + 1,
+                     generator_engine=engine, engine_max_prompt_len=16, seed=0)
+    c = Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir, config=run,
+                   progress=False)
     try:
       steps = c.run(args.warmup + args.steps)
       timed = steps[args.warmup:]

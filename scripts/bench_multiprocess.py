@@ -46,10 +46,10 @@ def run_one(args, lag: int, run_dir: Path) -> dict:
       "run_experiment.sft = False", "run_experiment.eval_size = 0", "run_experiment.export = False",
       "run_experiment.tensorboard = False", "run_experiment.progress = False",
       f"run_experiment.rl_steps = {args.warmup + args.steps}",
-      f"Controller.max_policy_lag = {lag}", f"Controller.prompts_per_step = {args.prompts}",
-      f"Controller.samples_per_prompt = {args.samples}", f"Controller.max_new_tokens = {args.max_new_tokens}",
-      "Controller.trainer_fsdp = 1", "Controller.generator_dp = 1", "Controller.reward_workers = 1",
-      "Controller.checkpoint_every = 0", "OptimizerConfig.lr = 1e-4",
+      f"ScheduleConfig.max_policy_lag = {lag}", f"RolloutConfig.prompts_per_step = {args.prompts}",
+      f"RolloutConfig.samples_per_prompt = {args.samples}", f"RolloutConfig.max_new_tokens = {args.max_new_tokens}",
+      "MeshConfig.trainer_fsdp = 1", "MeshConfig.generator_dp = 1", "RewardConfig.workers = 1",
+      "TrainConfig.checkpoint_every = 0", "OptimizerConfig.lr = 1e-4",
   ]
   train_args = ["--gin_file=configs/tiny_cpu.gin", f"--run_dir={run_dir}"] + [f"--gin_param={b}" for b in bindings]
   out = io.StringIO()

@@ -60,12 +60,11 @@ def trainer_params(config, mesh, seed=0):
   """Random fp32 params in the trainer's FSDP shardings (drawn on the host: setup, not timed), and axes."""
   import jax
   import numpy as np
-  from flax import nnx
 
   from llamarl_jax import parallel
-  from llamarl_jax.model.llama import Llama, split_params
+  from llamarl_jax.model.llama import abstract_model, split_params
 
-  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  abstract = abstract_model(config)
   _, shapes = split_params(abstract)
   axes = parallel.logical_axes(abstract)
   rng = np.random.default_rng(seed)

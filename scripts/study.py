@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# name -> (description, Controller keyword overrides). `buffer_capacity` is set to max(2, lag) for all.
+# name -> (description, run settings by their flat names: `config.run_config`). `buffer_capacity` is set to max(2, lag) for all.
 INF = float("inf")
 CELLS: dict[str, tuple[str, dict]] = {
     "lag0": ("lag 0 (synchronous), disjoint meshes", {"max_policy_lag": 0}),
@@ -97,7 +97,8 @@ def _settings() -> dict:
   import gin
 
   bound = {name: repr(sorted(gin.get_bindings(name).items()))
-           for name in ("Controller", "OptimizerConfig", "ModelConfig", "PromptSource", "supervised_warmstart",
+           for name in ("MeshConfig", "RolloutConfig", "GeneratorConfig", "TrainConfig", "ScheduleConfig",
+                        "RewardConfig", "OptimizerConfig", "ModelConfig", "PromptSource", "supervised_warmstart",
                         "build_policy")}
   bound["study"] = repr(sorted(_study_knobs().items()))
   return {"bindings": bound, "cells": {name: repr(CELLS[name]) for name in CELLS}}
@@ -155,12 +156,12 @@ def sft_checkpoint(out: Path, reward) -> tuple:
   `--gin_file=configs/tiny_cpu.gin` start from `make run`'s own warm start.
   """
   import jax
-  from flax import nnx
 
   from llamarl_jax import experiment
+  from llamarl_jax.config import run_config
   from llamarl_jax.controller import Controller
   from llamarl_jax.model import hf
-  from llamarl_jax.model.llama import Llama, merge_params, split_params
+  from llamarl_jax.model.llama import abstract_model, merge_params, split_params
 
   sft_dir, meta_path = out / "sft" / "hf", out / "sft" / "sft.json"
   if not meta_path.exists():
@@ -168,13 +169,13 @@ def sft_checkpoint(out: Path, reward) -> tuple:
     config, params, tokenizer = experiment.build_policy()
     source = experiment.configured_prompt_source().with_tokenizer(tokenizer)
     c = Controller(config, params, tokenizer, source, run_dir=out / "sft" / "build", progress=False,
-                   reward_fn=reward, checkpoint_every=0)
+                   config=run_config(experiment.configured_run_config(), reward_fn=reward, checkpoint_every=0))
     try:
       params = experiment.supervised_warmstart(config, c.trainer.params, tokenizer, source.fork(seed_offset=1),
                                                progress=False)
     finally:
       c.close()
-    graphdef = split_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0]
+    graphdef = split_params(abstract_model(config))[0]
     hf.save_hf_checkpoint(merge_params(graphdef, jax.device_get(params)), config, sft_dir, tokenizer=tokenizer)
     _write_json(meta_path, {"sft_seconds": time.perf_counter() - t0, "model_params": config.num_params(),
                             "source": repr(source)})
@@ -187,8 +188,9 @@ def sft_checkpoint(out: Path, reward) -> tuple:
 def run_one(cell: str, seed: int, *, out: Path, config, params, tokenizer, base_source, eval_examples, reward,
             knobs: dict, before: dict) -> dict:
   """One (cell, seed) run; returns (and writes) its result. Skipped if result.json exists."""
+  from llamarl_jax.config import run_config
   from llamarl_jax.controller import Controller
-  from llamarl_jax.experiment import run_with_evals
+  from llamarl_jax.experiment import configured_run_config, run_with_evals
   from llamarl_jax.metrics import MetricsLogger
 
   run_dir = out / "runs" / cell / f"seed{seed}"
@@ -202,8 +204,9 @@ def run_one(cell: str, seed: int, *, out: Path, config, params, tokenizer, base_
   # Seed s: its own prompt stream (the SFT used offset 1) and sampling noise, the same in every cell.
   source = base_source.fork(seed_offset=1000 + seed)
   t0 = time.perf_counter()
+  run = run_config(configured_run_config(), seed=seed, reward_fn=reward, checkpoint_every=0, **overrides)
   controller = Controller(config, params, tokenizer, source, run_dir=run_dir, logger=logger, progress=False,
-                          seed=seed, reward_fn=reward, checkpoint_every=0, **overrides)
+                          config=run)
   evals = [dict(before)]  # step 0: the shared SFT policy, evaluated once for the whole study
   try:
     history = run_with_evals(controller, eval_examples, knobs["rl_steps"], eval_every=knobs["eval_every"],
@@ -222,9 +225,10 @@ def run_grid(args, out: Path) -> None:
   import gin
   import jax
 
+  from llamarl_jax.config import run_config
   from llamarl_jax.controller import Controller
   from llamarl_jax.executors.reward import RewardExecutor
-  from llamarl_jax.experiment import configured_prompt_source, evaluate_and_log
+  from llamarl_jax.experiment import configured_prompt_source, configured_run_config, evaluate_and_log
   from llamarl_jax.metrics import MetricsLogger
 
   # Compiled XLA executables are cached on disk: the same train / sample functions recompile for every
@@ -234,7 +238,7 @@ def run_grid(args, out: Path) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   knobs = _study_knobs()
   t_sft = time.perf_counter()
-  reward_name = gin.query_parameter("Controller.reward_fn") if _bound("Controller.reward_fn") else "arithmetic"
+  reward_name = gin.query_parameter("RewardConfig.fn") if _bound("RewardConfig.fn") else "arithmetic"
   with RewardExecutor(reward_name, num_workers=1) as reward:
     config, params, tokenizer, sft_meta = sft_checkpoint(out, reward)
     base_source = configured_prompt_source().with_tokenizer(tokenizer)
@@ -242,7 +246,7 @@ def run_grid(args, out: Path) -> None:
     before_path = out / "sft" / "eval_before_rl.json"
     if not before_path.exists():
       c = Controller(config, params, tokenizer, base_source, run_dir=out / "sft" / "eval", progress=False,
-                     reward_fn=reward, checkpoint_every=0)
+                     config=run_config(configured_run_config(), reward_fn=reward, checkpoint_every=0))
       try:
         logger = MetricsLogger(out / "sft" / "eval", tensorboard=False)
         row = evaluate_and_log(c, eval_examples, samples=knobs["eval_samples"], logger=logger)
@@ -563,11 +567,10 @@ def report(args, out: Path) -> Path:
 
 def main(argv=None) -> Path:
   args = _parse(argv)
-  import gin
 
-  from llamarl_jax import experiment  # noqa: F401  (registers the configurables)
+  from llamarl_jax import experiment  # registers the configurables
 
-  gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+  experiment.parse_gin(args.gin_file, args.gin_param)
   out = Path(args.out)
   _check_settings(out, _settings())
   if not args.report_only:

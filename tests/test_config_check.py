@@ -31,22 +31,22 @@ def test_shipped_configs_are_valid(parse, name):
 
 
 def test_every_bad_binding_is_named(parse):
-  parse("tiny_cpu.gin", "Controller.checkpoint_every = '5'", "Controller.top_p = 2", "run_experiment.sft = 1",
-        "OptimizerConfig.lr = -1.0", "Controller.loss_kwargs = {'rho_maxx': 2.0}", "LAG = -1",
-        "Controller.max_policy_lag = %LAG", "eval/Controller.seed = 'x'", "Controller.optimizer = @ModelConfig()",
+  parse("tiny_cpu.gin", "TrainConfig.checkpoint_every = '5'", "RolloutConfig.top_p = 2", "run_experiment.sft = 1",
+        "OptimizerConfig.lr = -1.0", "TrainConfig.loss_kwargs = {'rho_maxx': 2.0}", "LAG = -1",
+        "ScheduleConfig.max_policy_lag = %LAG", "eval/RolloutConfig.seed = 'x'", "TrainConfig.optimizer = @ModelConfig()",
         "ModelConfig.num_layers = 0", "PromptSource.bad_rows = 'ignore'", "run_experiment.eval_window = 0",
         "run_experiment.eval_every = 2.5")
   with pytest.raises(ConfigError) as info:
     check_bindings()
   msg = str(info.value)
-  for expected in ("Controller.checkpoint_every = '5': expected int, found str",
-                   "Controller.top_p = 2: expected in (0.0, 1.0]",
+  for expected in ("TrainConfig.checkpoint_every = '5': expected int, found str",
+                   "RolloutConfig.top_p = 2: expected in (0.0, 1.0]",
                    "run_experiment.sft = 1: expected bool, found int",
                    "OptimizerConfig.lr = -1.0: expected >= 0.0",
                    "unknown: ['rho_maxx']",
-                   "Controller.max_policy_lag = -1: expected >= 0",  # through a macro
-                   "eval/Controller.seed = 'x': expected int",        # a scoped binding
-                   "Controller.optimizer = @ModelConfig(): expected OptimizerConfig | None",
+                   "ScheduleConfig.max_policy_lag = -1: expected >= 0",  # through a macro
+                   "eval/RolloutConfig.seed = 'x': expected int",        # a scoped binding
+                   "TrainConfig.optimizer = @ModelConfig(): expected OptimizerConfig",
                    "ModelConfig.num_layers = 0: expected >= 1",
                    "PromptSource.bad_rows = 'ignore': expected one of ['skip', 'error']",
                    "run_experiment.eval_window = 0: expected >= 1",
@@ -56,8 +56,8 @@ def test_every_bad_binding_is_named(parse):
 
 
 def test_ints_are_floats_but_bools_are_not_ints(parse):
-  parse("tiny_cpu.gin", "OptimizerConfig.lr = 1", "Controller.top_k = True")
-  assert binding_problems() == ["Controller.top_k = True: expected int, found bool"]
+  parse("tiny_cpu.gin", "OptimizerConfig.lr = 1", "RolloutConfig.top_k = True")
+  assert binding_problems() == ["RolloutConfig.top_k = True: expected int, found bool"]
 
 
 def test_train_py_stops_before_building_anything(tmp_path):
@@ -69,9 +69,31 @@ def test_train_py_stops_before_building_anything(tmp_path):
   spec.loader.exec_module(module)
   gin.clear_config()
   try:
-    with pytest.raises(ConfigError, match="Controller.checkpoint_every = '5'"):
+    with pytest.raises(ConfigError, match="TrainConfig.checkpoint_every = '5'"):
       module.main(["--gin_file", str(ROOT / "configs" / "tiny_cpu.gin"), "--run_dir", str(tmp_path / "run"),
-                   "--gin_param=Controller.checkpoint_every = '5'"])
+                   "--gin_param=TrainConfig.checkpoint_every = '5'"])
   finally:
     gin.clear_config()
   assert not (tmp_path / "run").exists()
+
+
+def test_each_config_class_validates_its_fields_once_when_built_from_python():
+  """The same rules as the gin check (config.py RULES), also for configs built in Python."""
+  from llamarl_jax import config as cfg
+
+  with pytest.raises(cfg.ConfigError) as info:
+    cfg.RolloutConfig(top_p=2.0, samples_per_prompt=1)
+  assert "RolloutConfig.top_p: expected in (0.0, 1.0], got 2.0" in str(info.value)
+  assert "RolloutConfig.samples_per_prompt: expected >= 2" in str(info.value)  # every bad field, at once
+  with pytest.raises(cfg.ConfigError, match="GeneratorConfig.engine: expected one of \\['slots', 'static'\\]"):
+    cfg.GeneratorConfig(engine="paged")
+  with pytest.raises(cfg.ConfigError, match="unknown: \\['rho'\\]"):
+    cfg.TrainConfig(loss="aipo", loss_kwargs={"rho": 2.0})
+  with pytest.raises(cfg.ConfigError, match="unknown run setting"):
+    cfg.run_config(max_lag=2)
+  built = cfg.run_config(max_policy_lag=3, generator_engine="static", reward_fn="math")
+  assert (built.schedule.max_policy_lag, built.generator.engine, built.reward.fn) == (3, "static", "math")
+  # every flat key of wave two maps to a field that exists
+  for key in cfg.LEGACY_KEYS:
+    section, name = cfg.LEGACY_KEYS[key]
+    assert name in {f.name for f in __import__("dataclasses").fields(cfg.SECTIONS[section])}, key

@@ -29,18 +29,18 @@ def parsed(monkeypatch):
 def test_config_parses_with_known_bindings_only(parsed, name):
   parsed(name)
   assert gin.query_parameter("build_policy.model_path").startswith(("/path/to/Meta-Llama-3.1-", "/path/to/Qwen"))
-  assert gin.query_parameter("Controller.reward_fn") == "math"
-  assert gin.query_parameter("Controller.generator_dtype") == "bfloat16"
-  assert gin.query_parameter("Controller.remat") is True
+  assert gin.query_parameter("RewardConfig.fn") == "math"
+  assert gin.query_parameter("GeneratorConfig.dtype") == "bfloat16"
+  assert gin.query_parameter("TrainConfig.remat") is True
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_meshes_use_the_stated_gpu_count(parsed, name):
   parsed(name)
   q = gin.query_parameter
-  trainer = q("Controller.trainer_fsdp") * q("Controller.trainer_tp")
-  generator = q("Controller.generator_dp") * q("Controller.generator_tp")
-  assert q("Controller.colocated") is False  # disjoint meshes: their GPUs add up
+  trainer = q("MeshConfig.trainer_fsdp") * q("MeshConfig.trainer_tp")
+  generator = q("MeshConfig.generator_dp") * q("MeshConfig.generator_tp")
+  assert q("MeshConfig.colocated") is False  # disjoint meshes: their GPUs add up
   assert trainer + generator == q("%NUM_GPUS")
 
 
@@ -49,16 +49,35 @@ def test_batch_splits_over_trainer_ranks_and_microbatches(parsed, name):
   """The Controller's own check (rows % (microbatches * fsdp) == 0), before any device is touched."""
   parsed(name)
   q = gin.query_parameter
-  rows = q("Controller.prompts_per_step") * q("Controller.samples_per_prompt")
-  assert rows % (q("Controller.microbatches") * q("Controller.trainer_fsdp")) == 0
+  rows = q("RolloutConfig.prompts_per_step") * q("RolloutConfig.samples_per_prompt")
+  assert rows % (q("TrainConfig.microbatches") * q("MeshConfig.trainer_fsdp")) == 0
 
 
 def test_misspelt_binding_fails(parsed, tmp_path, monkeypatch):
   bad = tmp_path / "bad.gin"
-  bad.write_text((ROOT / "configs" / "llama3_8b.gin").read_text() + "\nController.trainer_fdsp = 4\n")
+  bad.write_text((ROOT / "configs" / "llama3_8b.gin").read_text() + "\nMeshConfig.trainer_fdsp = 4\n")
   with pytest.raises(ValueError, match="trainer_fdsp"):
     gin.clear_config()
     gin.parse_config_files_and_bindings([str(bad)], [], skip_unknown=False)
+
+
+def test_wave_two_controller_keys_are_refused_naming_the_new_key(parsed, tmp_path, monkeypatch):
+  """Gin files written for the flat `Controller.*` keys fail at parse time with each key's new name,
+  in the file, in what it includes and in --gin_param bindings."""
+  from llamarl_jax.config_check import ConfigError
+
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "old_base.gin").write_text("Controller.generator_engine = 'static'\n")
+  old = tmp_path / "old.gin"
+  old.write_text("include 'old_base.gin'\nController.max_policy_lag = 2\nController.trainer_fdsp = 4\n")
+  with pytest.raises(ConfigError) as info:
+    experiment.parse_gin([str(old)], ["Controller.reward_fn = 'math'"])
+  message = str(info.value)
+  for line in ("Controller.max_policy_lag is now ScheduleConfig.max_policy_lag",
+               "Controller.generator_engine is now GeneratorConfig.engine",
+               "Controller.reward_fn is now RewardConfig.fn",
+               "Controller.trainer_fdsp is now no setting of that name"):
+    assert line in message
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -72,7 +91,9 @@ def test_meshes_are_what_the_commented_perf_model_command_chooses(parsed, name, 
   text = (ROOT / "configs" / name).read_text()
   command = next(line for line in text.splitlines() if "python -m llamarl_jax.perf_model" in line)
   perf_model.main(shlex.split(command.split("llamarl_jax.perf_model", 1)[1]))
-  printed = next(line for line in capsys.readouterr().out.splitlines() if "Controller bindings:" in line)
-  chosen = ast.literal_eval(printed.split("Controller bindings:", 1)[1].strip())
+  from llamarl_jax.config import new_key
+
+  printed = next(line for line in capsys.readouterr().out.splitlines() if "run bindings:" in line)
+  chosen = ast.literal_eval(printed.split("run bindings:", 1)[1].strip())
   parsed(name)
-  assert {k: gin.query_parameter(f"Controller.{k}") for k in chosen} == chosen
+  assert {k: gin.query_parameter(new_key(k)) for k in chosen} == chosen

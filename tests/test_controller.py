@@ -13,7 +13,7 @@ import pytest
 from llamarl_jax.controller import Controller, ExecutorFailed, overlap_seconds, schedule_metrics
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.reward import RewardExecutor
-from llamarl_jax.executors.trainer import OptimizerConfig
+from llamarl_jax.config import OptimizerConfig, run_config
 from llamarl_jax.model.llama import Llama, ModelConfig, split_params
 from llamarl_jax.tokenizer import make_char_tokenizer
 
@@ -36,11 +36,11 @@ def policy(tokenizer):
 def make_controller(policy, tokenizer, tmp_path, *, source=None, reward=None, **kw):
   config, params = policy
   defaults = dict(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2, generator_dp=2,
-                  optimizer=OptimizerConfig(lr=1e-3), progress=False, step_timeout_s=120)
+                  optimizer=OptimizerConfig(lr=1e-3), step_timeout_s=120)
   defaults.update(kw)
+  run = run_config(reward_fn=reward or RewardExecutor("arithmetic", inline=True), **defaults)
   return Controller(config, params, tokenizer, source if source is not None else PromptSource(task="arithmetic", seed=0),
-                    run_dir=tmp_path, reward_fn=reward or RewardExecutor("arithmetic", inline=True),
-                    **defaults)
+                    run_dir=tmp_path, config=run, progress=False)
 
 
 def run(policy, tokenizer, tmp_path, steps, **kw):
@@ -202,9 +202,9 @@ def test_resumed_synchronous_run_reproduces_uninterrupted_metrics(policy, tokeni
 
 
 def test_bad_batch_layout_is_rejected_before_compiling(policy, tokenizer, tmp_path):
-  with pytest.raises(ValueError, match="multiple of microbatches"):
+  with pytest.raises(ValueError, match="multiple of TrainConfig.microbatches"):
     make_controller(policy, tokenizer, tmp_path, prompts_per_step=3, samples_per_prompt=2, microbatches=4)
-  with pytest.raises(ValueError, match="unknown advantage estimator 'gae'"):
+  with pytest.raises(ValueError, match="RolloutConfig.advantage_estimator: expected one of .*got 'gae'"):
     make_controller(policy, tokenizer, tmp_path, advantage_estimator="gae")
 
 
@@ -239,7 +239,7 @@ def test_fixed_schedule_makes_metrics_independent_of_timing(policy, tokenizer, t
 def test_latest_schedule_is_still_available(policy, tokenizer, tmp_path):
   _, steps = run(policy, tokenizer, tmp_path, 3, max_policy_lag=1, version_schedule="latest")
   assert len(steps) == 3 and max(m["policy/lag_max"] for m in steps) <= 1
-  with pytest.raises(ValueError, match="version_schedule must be one of"):
+  with pytest.raises(ValueError, match="ScheduleConfig.version_schedule: expected one of"):
     make_controller(policy, tokenizer, tmp_path, version_schedule="newest")
 
 

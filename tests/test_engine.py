@@ -20,7 +20,7 @@ from flax import nnx
 
 from llamarl_jax import parallel
 from llamarl_jax.generation import FINISH_LENGTH, Sampler, SamplingParams
-from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups, version_metrics
+from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups
 from llamarl_jax.model import KVCache, merge_params, split_params
 # the reference model and its loaded copy are test_sampler's (same tiny Llama, module-scoped here too)
 from test_sampler import R, V, full_forward_logits, hf_model, intended_logprobs, model  # noqa: F401
@@ -228,15 +228,6 @@ def test_utilization_with_a_queue_and_stops(model, sampling_engine, prompts):
   assert m["generate/tokens_per_decode_step"] * m["generate/decode_steps"] == pytest.approx(useful)
   assert m["generate/slot_utilization"] == pytest.approx(useful / (4 * m["generate/decode_steps"]))
   assert 0.5 < m["generate/slot_utilization"] <= 1.0
-
-
-def test_version_metrics_per_token():
-  versions = np.array([[3, 3, 4, 4], [4, 4, 4, 4]])
-  mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0]])
-  m = version_metrics(versions, mask, step=4)
-  assert m["policy/lag_max"] == 1 and m["policy/lag_mean"] == pytest.approx(2 / 6)
-  assert m["policy/frac_tokens_lag0"] == pytest.approx(4 / 6)
-  assert m["generate/swaps_per_sequence"] == pytest.approx(0.5)
 
 
 def test_compile_count_is_bounded(model, greedy_engine):

@@ -30,9 +30,9 @@ TRAIN_ARGS = ["--gin_file", str(ROOT / "configs" / "tiny_cpu.gin")] + [f"--gin_p
     "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
     "run_experiment.sft = False", "run_experiment.eval_size = 4", "run_experiment.export = False",
     "run_experiment.tensorboard = False", "run_experiment.progress = False", "run_experiment.rl_steps = 6",
-    "Controller.prompts_per_step = 4", "Controller.samples_per_prompt = 2", "Controller.max_new_tokens = 4",
-    "Controller.checkpoint_every = 2", "Controller.max_policy_lag = 1", "Controller.version_schedule = 'fixed'",
-    "Controller.step_timeout_s = 120.0")]
+    "RolloutConfig.prompts_per_step = 4", "RolloutConfig.samples_per_prompt = 2", "RolloutConfig.max_new_tokens = 4",
+    "TrainConfig.checkpoint_every = 2", "ScheduleConfig.max_policy_lag = 1", "ScheduleConfig.version_schedule = 'fixed'",
+    "ScheduleConfig.step_timeout_s = 120.0")]
 KILLED = -9
 
 
@@ -130,7 +130,7 @@ def test_changed_config_resume_names_every_difference_and_touches_nothing(runs):
   try:
     with pytest.raises(IncompatibleCheckpoint) as info:
       module.main(TRAIN_ARGS + ["--run_dir", str(broken), "--resume", "--gin_param=ModelConfig.hidden_size = 64",
-                                "--gin_param=Controller.max_policy_lag = 2", "--gin_param=OptimizerConfig.lr = 1e-3",
+                                "--gin_param=ScheduleConfig.max_policy_lag = 2", "--gin_param=OptimizerConfig.lr = 1e-3",
                                 "--gin_param=OptimizerConfig.total_steps = 500"])
   finally:
     gin.clear_config()
@@ -148,7 +148,7 @@ def _controller(tmp_path, reward, **kw):
 
   from llamarl_jax.controller import Controller
   from llamarl_jax.data import PromptSource
-  from llamarl_jax.executors.trainer import OptimizerConfig
+  from llamarl_jax.config import OptimizerConfig, run_config
   from llamarl_jax.model.llama import Llama, ModelConfig, split_params
   from llamarl_jax.tokenizer import make_char_tokenizer
 
@@ -156,9 +156,10 @@ def _controller(tmp_path, reward, **kw):
   config = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
   _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
-  return Controller(config, params, tok, PromptSource(task="arithmetic", seed=0), run_dir=tmp_path, reward_fn=reward,
-                    prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2, generator_dp=2,
-                    optimizer=OptimizerConfig(lr=1e-2), progress=False, **kw)
+  run = run_config(reward_fn=reward, prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2,
+                   generator_dp=2, optimizer=OptimizerConfig(lr=1e-2), **kw)
+  return Controller(config, params, tok, PromptSource(task="arithmetic", seed=0), run_dir=tmp_path, config=run,
+                    progress=False)
 
 
 _BLOCK = {"until": 0.0}
@@ -211,7 +212,7 @@ def test_a_stalled_executor_is_named_when_the_step_times_out(kl_run):
   c, _ = kl_run  # compiled already: the stall below is the reward function's alone
   import time
 
-  c.step_timeout_s = 1.5
+  c.config = c.config.replace(schedule=c.config.schedule.replace(step_timeout_s=1.5))
   _BLOCK["until"] = time.monotonic() + 3.0
   with pytest.raises(TimeoutError, match=r"step 2: no scored batch within step_timeout_s = 1.5 s\. Stalled: the "
                                          r"reward executor.*reward executor: scoring batch 2 for \d+ s"):

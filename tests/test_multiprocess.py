@@ -27,16 +27,15 @@ import gin
 import pytest
 
 from llamarl_jax.controller import schedule_metrics
-from llamarl_jax.multiprocess.protocol import share_rows, transfer_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
     "run_experiment.sft = False", "run_experiment.eval_size = 0", "run_experiment.export = False",
     "run_experiment.tensorboard = False", "run_experiment.progress = False",
-    "Controller.prompts_per_step = 4", "Controller.samples_per_prompt = 2", "Controller.max_new_tokens = 6",
-    "Controller.reward_workers = 1", "Controller.checkpoint_every = 0",
-    "Controller.trainer_tp = 2", "Controller.generator_tp = 2",  # 8 devices: trainer fsdp2 x tp2, generator dp2 x tp2
+    "RolloutConfig.prompts_per_step = 4", "RolloutConfig.samples_per_prompt = 2", "RolloutConfig.max_new_tokens = 6",
+    "RewardConfig.workers = 1", "TrainConfig.checkpoint_every = 0",
+    "MeshConfig.trainer_tp = 2", "MeshConfig.generator_tp = 2",  # 8 devices: trainer fsdp2 x tp2, generator dp2 x tp2
 ]
 
 
@@ -70,31 +69,7 @@ def _steps(run_dir):
   return [r for r in rows if "reward/mean" in r]
 
 
-# ------------------------------------------------------------------------------------------------
-# the protocol (pure functions)
-
-
-@pytest.mark.parametrize("lag", [0, 1, 2, 3])
-@pytest.mark.parametrize("start,first", [(0, 0), (5, 5), (5, 3)])  # (5, 3): an exact resume at step 5 of a run from 3
-def test_transfer_schedule_sends_each_used_version_once_in_a_deadlock_free_order(lag, start, first):
-  n = 7
-  ops = transfer_schedule(start, n, lag, first)
-  pos = {op: i for i, op in enumerate(ops)}
-  used = sorted({max(first, k - lag) for k in range(start, start + n)})
-  assert sorted(v for o, v in ops if o == "W") == used  # every version the generator uses, once
-  assert [k for o, k in ops if o == "R"] == list(range(start, start + n))
-  for v in used:
-    if v > start:  # the trainer can send W(v) only after training step v - 1, i.e. after R(v - 1)
-      assert pos[("W", v)] > pos[("R", v - 1)]
-  for k in range(start, start + n):  # batch k is generated with v(k): it arrives before R(k)
-    assert pos[("W", max(first, k - lag))] < pos[("R", k)]
-  assert ops[0] == ("W", used[0]) and transfer_schedule(start, 0, lag, first) == []
-
-
-def test_reward_shares_cover_every_prompt_once():
-  for prompts, shares in ((8, 2), (7, 3), (2, 4)):
-    covered = [i for g in range(shares) for i in range(prompts)[share_rows(prompts, shares, g)]]
-    assert covered == list(range(prompts))
+# (the transfer order and the reward shares are pure functions of the schedule: tests/test_schedule.py)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -187,8 +162,8 @@ def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process
   run_dir = tmp_path / "run"
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))  # shared by the two jobs
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  args = _args(run_dir, 5, "--gin_param=Controller.checkpoint_every = 1",
-               "--gin_param=Controller.generator_delay_s = 0.5")  # steps slow enough to kill mid-run
+  args = _args(run_dir, 5, "--gin_param=TrainConfig.checkpoint_every = 1",
+               "--gin_param=GeneratorConfig.delay_s = 0.5")  # steps slow enough to kill mid-run
   killed = {}
 
   def kill_after_checkpoint(procs):

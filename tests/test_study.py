@@ -18,7 +18,7 @@ from llamarl_jax import stats
 from llamarl_jax.controller import Controller, schedule_metrics
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.reward import RewardExecutor
-from llamarl_jax.executors.trainer import OptimizerConfig
+from llamarl_jax.config import OptimizerConfig, run_config
 from llamarl_jax.experiment import run_with_evals
 from llamarl_jax.model.llama import Llama, ModelConfig, split_params
 from llamarl_jax.tokenizer import make_char_tokenizer
@@ -52,10 +52,11 @@ def setup():
 
 def _controller(setup, run_dir):
   config, params, tokenizer, _ = setup
-  return Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir,
-                    reward_fn=RewardExecutor("arithmetic", inline=True), max_policy_lag=1, prompts_per_step=4,
-                    samples_per_prompt=2, max_new_tokens=4, trainer_fsdp=1, generator_dp=1,
-                    optimizer=OptimizerConfig(lr=1e-2), progress=False, seed=3, step_timeout_s=120)
+  run = run_config(reward_fn=RewardExecutor("arithmetic", inline=True), max_policy_lag=1, prompts_per_step=4,
+                   samples_per_prompt=2, max_new_tokens=4, trainer_fsdp=1, generator_dp=1,
+                   optimizer=OptimizerConfig(lr=1e-2), seed=3, step_timeout_s=120)
+  return Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir, config=run,
+                    progress=False)
 
 
 def test_evaluation_between_steps_leaves_training_unchanged(setup, tmp_path):
@@ -67,7 +68,7 @@ def test_evaluation_between_steps_leaves_training_unchanged(setup, tmp_path):
   try:
     with pytest.raises(ValueError, match="samples .* must be >= 0"):
       c.evaluate(examples, samples=-1)
-    c.last_data_state = c.prompt_source.state_dict()  # the restore point: step 0 and its data position
+    c.state = c.state.replace(data_state=c.prompt_source.state_dict())  # the restore point: step 0, its data position
     c.save_checkpoint()
     steps = run_with_evals(c, examples, 3, eval_every=1, samples=2, evals=evals)
     again = c.evaluate(examples, samples=2, seed=3)  # the weights after step 3, outside the run

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
     "supervised_warmstart.steps = 10", "supervised_warmstart.batch_size = 16",
-    "run_experiment.eval_size = 16", "Controller.prompts_per_step = 4", "Controller.samples_per_prompt = 4",
-    "Controller.checkpoint_every = 2", "run_experiment.tensorboard = True",
+    "run_experiment.eval_size = 16", "RolloutConfig.prompts_per_step = 4", "RolloutConfig.samples_per_prompt = 4",
+    "TrainConfig.checkpoint_every = 2", "run_experiment.tensorboard = True",
     "run_experiment.eval_every = 2", "run_experiment.eval_samples = 2",
 ]
 
@@ -141,11 +141,11 @@ def test_rl_from_a_saved_qwen3_checkpoint(tmp_path):
   tiny_hf_model("qwen3", vocab_size=128, num_hidden_layers=1, head_dim=16, tie_word_embeddings=True).save_pretrained(
       checkpoint)
   chatml_tokenizer().save_pretrained(checkpoint)
-  small = ["run_experiment.eval_size = 4", "Controller.prompts_per_step = 2", "Controller.samples_per_prompt = 4",
-           "Controller.checkpoint_every = 2", "run_experiment.tensorboard = False", "run_experiment.sft = False",
+  small = ["run_experiment.eval_size = 4", "RolloutConfig.prompts_per_step = 2", "RolloutConfig.samples_per_prompt = 4",
+           "TrainConfig.checkpoint_every = 2", "run_experiment.tensorboard = False", "run_experiment.sft = False",
            "run_experiment.eval_samples = 0",  # greedy evaluation only: the sampled one is tested above
            # ChatML-wrapped prompts are ~25 tokens: more than tiny_cpu.gin's 16-token slot-engine prompt bound
-           "Controller.engine_max_prompt_len = 64"]
+           "GeneratorConfig.max_prompt_len = 64"]
   run_dir = tmp_path / "run"
   summary = _run(run_dir, f"--gin_param=build_policy.model_path = '{checkpoint}'", steps=2, small=small)
   assert summary["samples_after"][0][0].startswith("<|im_start|>user\n")  # the checkpoint's chat template

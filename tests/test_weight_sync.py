@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from llamarl_jax import parallel
 from llamarl_jax.executors.weight_sync import WeightSync, quantize_int8, tree_bytes
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
 
 # vocab, hidden and mlp split 4 ways; the 2 kv heads do not, so wk / wv stay replicated over tp.
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -22,7 +21,7 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_la
 def setup():
   """(trainer params on an fsdp=4 mesh, generator shardings on a disjoint tp=4 mesh, the two meshes)."""
   trainer_mesh, gen_mesh = parallel.make_meshes(trainer_fsdp=4, generator_tp=4)
-  abstract = nnx.eval_shape(lambda: Llama(CONFIG, rngs=nnx.Rngs(0)))
+  abstract = abstract_model(CONFIG)
   _, shapes = split_params(abstract)
   axes = parallel.logical_axes(abstract)
   rng = np.random.default_rng(0)

@@ -42,19 +42,7 @@ import numpy as np
 from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups
 from llamarl_jax.generation.rollout import FINISH_LENGTH
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
-
-VERSION_SCHEDULES = ("fixed", "latest")
-
-
-def scheduled_version(index: int, max_policy_lag: int, first_version: int = 0) -> int:
-  """The policy version that generates batch `index` under the 'fixed' schedule."""
-  return max(first_version, index - max_policy_lag)
-
-
-def batch_seed(seed: int, index: int) -> int:
-  """The sampling seed of batch `index` (a pure function, so any process can recompute it)."""
-  return seed * 1_000_003 + index
-
+from llamarl_jax.schedule import batch_seed, scheduled_version
 
 @dataclass
 class Timer:
@@ -95,8 +83,6 @@ class GeneratorExecutor:
   def __init__(self, sampler: Sampler, tokenizer, prompt_source, sampling: SamplingParams, *,
                prompts_per_step: int, max_policy_lag: int, version_schedule: str = "fixed", seed: int = 0,
                delay_s: float = 0.0, device_turn: Any = None, engine: SlotEngine | None = None):
-    if version_schedule not in VERSION_SCHEDULES:
-      raise ValueError(f"version_schedule must be one of {VERSION_SCHEDULES}, got {version_schedule!r}")
     if engine is not None and dataclasses.replace(engine.sampling, seed=0) != dataclasses.replace(sampling, seed=0):
       raise ValueError(f"the SlotEngine samples with {engine.sampling}, the generator with {sampling}; build the "
                        "engine with the generator's SamplingParams")
@@ -143,7 +129,7 @@ class GeneratorExecutor:
     self.timeline.append(("generate", t_dev, t2))
     if len(self.timeline) > 20_000:  # bounded over a long run
       del self.timeline[:-10_000]
-    counters = getattr(self.prompt_source, "counters", dict)()  # data/truncated_prompts, data/skipped_rows
+    counters = self.prompt_source.counters()  # data/truncated_prompts, data/skipped_rows
     return Generated(index, rollout, examples, data_state, {
         "throughput/gen_tokens_per_s": float(np.sum(rollout.lengths)) / max(t2 - t1, 1e-9),
         "generate/response_length_mean": float(np.mean(rollout.lengths)),
@@ -214,7 +200,7 @@ class GeneratorExecutor:
             eng.swap(*got)
         examples = self.prompt_source.next_batch(pps)
         draws[next_draw] = {"examples": examples, "data_state": self.prompt_source.state_dict(), "groups": {},
-                            "counters": getattr(self.prompt_source, "counters", dict)()}
+                            "counters": self.prompt_source.counters()}
         eng.submit(encode_prompts(self.tokenizer, examples), seed=batch_seed(self.seed, next_draw),
                    version=version, tags=[(next_draw, i) for i in range(len(examples))])
         next_draw += 1

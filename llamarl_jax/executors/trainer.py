@@ -22,7 +22,6 @@ bf16 compute with fp32 master weights and fp32 logits/log-probs.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Any, Callable, Mapping
@@ -35,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import losses, parallel
+from llamarl_jax.config import OptimizerConfig
 from llamarl_jax.generation.rollout import ScoredBatch, sequence_layout
 from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
 
@@ -43,35 +43,6 @@ Array = jax.Array
 
 # --------------------------------------------------------------------------------------------------
 # optimizer
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """AdamW with linear warmup, then a constant or cosine learning rate, and global-norm clipping.
-
-  The learning rate of update k (k = 0, 1, ...) is `lr * (k + 1) / warmup_steps` during warmup (the
-  first update is not wasted at lr 0), then `lr` ("constant") or a cosine from `lr` down to
-  `lr * final_lr_ratio` at `total_steps` ("cosine"; it stays there afterwards). Weight decay (decoupled)
-  applies to matrices only, not to norm scales. `max_grad_norm <= 0` disables clipping.
-  """
-
-  lr: float = 1e-6
-  warmup_steps: int = 0
-  schedule: str = "constant"
-  total_steps: int = 1000
-  weight_decay: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  max_grad_norm: float = 1.0
-  final_lr_ratio: float = 0.0
-
-  def __post_init__(self):
-    if self.schedule not in ("constant", "cosine"):
-      raise ValueError(f"OptimizerConfig.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
-    if self.warmup_steps < 0 or self.total_steps < 1:
-      raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, "
-                       f"{self.total_steps}")
 
 
 def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:

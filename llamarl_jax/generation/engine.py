@@ -31,6 +31,9 @@ applied on top of the keys/values the old weights wrote (what AIPO's importance 
 
 Compilation: insert compiles once per (prompt bucket, insert-group bucket), decode and recompute
 once; `num_traces` counts traces (tests assert it).
+
+The device programs (insert, decode, recompute over `SlotState` and the KV cache) are
+`slot_programs.SlotPrograms`; this module is the host's scheduling around them.
 """
 
 from __future__ import annotations
@@ -40,61 +43,18 @@ import dataclasses
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from llamarl_jax import parallel
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
-from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, sample_logits,
-                                            validate_prompts)
-from llamarl_jax.model.llama import KVCache, ModelConfig, merge_params
+from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, validate_prompts)
+from llamarl_jax.generation.slot_programs import SlotPrograms, SlotState, token_keys  # noqa: F401  (re-exported)
+from llamarl_jax.model.llama import ModelConfig
 from llamarl_jax.transfer import to_host  # device_get that also works on a mesh spread over processes
 
 Array = jax.Array
-
-
-@flax.struct.dataclass
-class SlotState:
-  """Device state of the slots. S = num_slots, R = max_new_tokens, Pm = max prompt length, K = key words.
-
-  cur         int32  [S]     the last sampled token (not yet in the KV cache)
-  pos         int32  [S]     its position = the cache slot it is written to by the next decode step
-  n_gen       int32  [S]     response tokens sampled so far (cur included)
-  done        bool   [S]     not decoding: finished (stop token or R tokens) or never filled
-  stopped     bool   [S]     finished by a stop token
-  tokens      int32  [S, R]  response tokens (pad after n_gen)
-  logprobs    f32    [S, R]  behaviour log-probs (0 after n_gen)
-  versions    int32  [S, R]  policy version that sampled each token
-  key         uint32 [S, K]  PRNG key data of the slot's request seed
-  row         int32  [S]     the sample's row within its request (the static sampler's row index)
-  prompt      int32  [S, Pm] the prompt, right-padded (read by the KV recompute)
-  prompt_len  int32  [S]
-  """
-
-  cur: Array
-  pos: Array
-  n_gen: Array
-  done: Array
-  stopped: Array
-  tokens: Array
-  logprobs: Array
-  versions: Array
-  key: Array
-  row: Array
-  prompt: Array
-  prompt_len: Array
-
-
-def token_keys(key_data: Array, t: Array, row: Array) -> Array:
-  """Per-row PRNG keys `[S]` for token index t `[S]` of row `row` `[S]` under seed keys `key_data [S, K]`.
-
-  fold_in(fold_in(key, t), row): what `Sampler` uses for token t of batch row `row`.
-  """
-  one = lambda kd, t, r: jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(kd), t), r)
-  return jax.vmap(one)(key_data, t, row)
 
 
 @dataclasses.dataclass
@@ -160,25 +120,6 @@ def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
       policy_version=first, token_versions=np.where(mask > 0, versions, first[:, None]).astype(np.int32))
 
 
-def version_metrics(token_versions: np.ndarray, response_mask: np.ndarray, step: int) -> dict[str, float]:
-  """Per-token lag summary at training step `step` and weight swaps per sequence (host numpy).
-
-  lag = step - version of each valid token. `policy/lag_*` are over tokens (the oldest token of a
-  sequence is what `max_policy_lag` bounds: `policy/lag_max`); `generate/swaps_per_sequence` counts
-  version changes along each sequence's tokens.
-  """
-  mask = np.asarray(response_mask) > 0
-  v = np.asarray(token_versions)
-  lags = (step - v)[mask]
-  if lags.size == 0:
-    lags = np.zeros(1)
-  changes = ((v[:, 1:] != v[:, :-1]) & mask[:, 1:]).sum(-1)
-  return {"policy/lag_mean": float(lags.mean()), "policy/lag_max": float(lags.max()),
-          "policy/lag_min": float(lags.min()), "policy/lag_p90": float(np.percentile(lags, 90)),
-          "policy/frac_tokens_lag0": float(np.mean(lags == 0)),
-          "generate/swaps_per_sequence": float(changes.mean())}
-
-
 class SlotEngine:
   """Continuous-batching generator over `num_slots` KV-cache slots (see the module docstring).
 
@@ -221,31 +162,10 @@ class SlotEngine:
     if self.max_insert < 1:
       raise ValueError(f"max_insert must be >= 1, got {max_insert}")
     self.insert_sizes = sorted({min(2 ** i, self.max_insert) for i in range(self.max_insert.bit_length() + 1)})
-    self._key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
-    stops = sampling.stop_token_ids
-    self._stop_ids = np.array(stops if stops else [-1], np.int32)
-    self._top_k = 0 if sampling.top_k >= config.vocab_size else sampling.top_k
-
-    b1, b2 = parallel.batch_sharding(self.mesh, 1), parallel.batch_sharding(self.mesh, 2)
-    self._repl = parallel.replicated(self.mesh)
-    cs = self.sampler._cache_sharding
-    L = config.num_layers
-    self._cache_sh = KVCache(k=(cs,) * L, v=(cs,) * L, index=b1)
-    self._state_sh = SlotState(**{f.name: (b2 if f.name in ("tokens", "logprobs", "versions", "key", "prompt")
-                                            else b1) for f in dataclasses.fields(SlotState)})
-    psh, repl = self.sampler.param_shardings, self._repl
-    self._insert_fn = jax.jit(self._insert, donate_argnums=(1, 2),
-                              in_shardings=(psh, self._cache_sh, self._state_sh) + (repl,) * 6,
-                              out_shardings=(self._cache_sh, self._state_sh))
-    self._decode_fn = jax.jit(self._decode, donate_argnums=(1, 2),
-                              in_shardings=(psh, self._cache_sh, self._state_sh, repl, repl),
-                              out_shardings=(self._cache_sh, self._state_sh, repl, repl))
-    self._recompute_fn = jax.jit(self._recompute, donate_argnums=(1,),
-                                 in_shardings=(psh, self._cache_sh, self._state_sh),
-                                 out_shardings=self._cache_sh)
-    self.num_traces = 0
+    self.programs = SlotPrograms(config, self.sampler, num_slots=num_slots, sampling=sampling,
+                                 max_prompt_len=self.max_prompt_len, chunk_steps=self.chunk_steps, pad_id=pad_id)
     self.params, self.version = None, None
-    self._cache, self._state = self._empty()
+    self._cache, self._state = self.programs.empty()
     self._owner: list[tuple[_Group, int] | None] = [None] * num_slots
     self._queue: collections.deque[_Group] = collections.deque()
     self._uid = 0
@@ -266,7 +186,7 @@ class SlotEngine:
       self.stats["swaps_in_flight"] += 1
       if self.recompute_kv if recompute_kv is None else recompute_kv:
         t = time.perf_counter()
-        self._cache = self._recompute_fn(self.params, self._cache, self._state)
+        self._cache = self.programs.recompute(self.params, self._cache, self._state)
         jax.block_until_ready(self._cache)
         self.stats["recomputes"] += 1
         self.stats["recompute_s"] += time.perf_counter() - t
@@ -304,7 +224,7 @@ class SlotEngine:
     refill_at = self.num_slots + 1 if head is None or blocked else head.n
     steps = useful = 0
     if self.num_busy:
-      self._cache, self._state, steps, useful = self._decode_fn(
+      self._cache, self._state, steps, useful = self.programs.decode(
           self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at))
       self.stats["chunks"] += 1
     steps, useful, done = to_host((steps, useful, self._state.done))  # the one sync per chunk
@@ -352,10 +272,15 @@ class SlotEngine:
   def reset(self) -> None:
     """Drop every queued and running sequence and the weights (a fresh engine, compiled programs kept)."""
     self.params, self.version = None, None
-    self._cache, self._state = self._empty()
+    self._cache, self._state = self.programs.empty()
     self._owner = [None] * self.num_slots
     self._queue.clear()
     self.stats = collections.Counter()
+
+  @property
+  def num_traces(self) -> int:
+    """Traces of the device programs so far (each a compilation): tests bound it."""
+    return self.programs.num_traces
 
   @property
   def wanted_version(self) -> int | None:
@@ -426,14 +351,14 @@ class SlotEngine:
     lens = np.ones(size, np.int32)
     dst = np.full((size, self.n), self.num_slots, np.int32)  # out of range: dropped by the scatter
     rows = np.zeros((size, self.n), np.int32)
-    keys = np.zeros((size, self._key_words), np.uint32)
+    keys = np.zeros((size, self.programs.key_words), np.uint32)
     for i, (g, slots) in enumerate(items):
       tokens[i, :len(g.prompt)] = g.prompt
       lens[i] = len(g.prompt)
       dst[i] = slots
       rows[i] = g.row0 + np.arange(self.n)
       keys[i] = g.key
-    self._cache, self._state = self._insert_fn(self.params, self._cache, self._state, tokens, lens, dst, rows, keys,
+    self._cache, self._state = self.programs.insert(self.params, self._cache, self._state, tokens, lens, dst, rows, keys,
                                                np.int32(self.version))
     self.stats["inserts"] += 1
     self.stats["first_tokens"] += len(items) * self.n
@@ -467,115 +392,3 @@ class SlotEngine:
                      logprobs=np.stack([o[1] for o in out]), versions=np.where(valid, versions, first),
                      lengths=lengths,
                      finish=np.array([FINISH_STOP if o[4] else FINISH_LENGTH for o in out], np.int32))
-
-  # -- device side ---------------------------------------------------------------------------------
-
-  def _empty(self) -> tuple[KVCache, SlotState]:
-    S, R, Pm = self.num_slots, self.R, self.max_prompt_len
-    cache = KVCache.init(self.config, S, Pm + R)
-    cache = cache.replace(index=jnp.zeros((S,), jnp.int32))
-    zi = lambda *shape: np.zeros(shape, np.int32)
-    state = SlotState(cur=zi(S), pos=zi(S), n_gen=zi(S), done=np.ones(S, bool), stopped=np.zeros(S, bool),
-                      tokens=np.full((S, R), self.pad_id, np.int32), logprobs=np.zeros((S, R), np.float32),
-                      versions=zi(S, R), key=np.zeros((S, self._key_words), np.uint32), row=zi(S),
-                      prompt=np.full((S, Pm), self.pad_id, np.int32), prompt_len=zi(S))
-    return jax.device_put(cache, self._cache_sh), jax.device_put(state, self._state_sh)
-
-  def _sample(self, keys, logits):
-    sp = self.sampling
-    return sample_logits(keys, logits, temperature=max(sp.temperature, 1e-6), top_k=self._top_k, top_p=sp.top_p,
-                         greedy=sp.greedy)
-
-  def _is_stop(self, tokens):
-    return jnp.any(tokens[:, None] == jnp.asarray(self._stop_ids)[None, :], axis=-1)
-
-  def _insert(self, params, cache, state, tokens, lens, dst, rows, keys, version):
-    """Prefill prompts `[G, Pb]` (right-padded, lengths [G]) and start samples in slots `dst [G, n]`.
-
-    One forward over the G prompts; each prompt's KV rows [0, Pb) are copied into its n slots
-    (positions >= its length hold padding's keys, never attended: a slot attends only below its own
-    write position, and decoding overwrites them in order). Out-of-range slots (num_slots) are
-    padding groups and are dropped by the scatters.
-    """
-    self.num_traces += 1
-    model = merge_params(self.sampler._graphdef, params)
-    G, Pb = tokens.shape
-    n, R, Pm = dst.shape[1], self.R, self.max_prompt_len
-    small = KVCache.init(self.config, G, Pb)
-    x, small = model.hidden_states(tokens, jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (G, Pb)), small)
-    last = jnp.take_along_axis(x, (lens - 1)[:, None, None], axis=1)[:, 0]  # [G, E] at each prompt's end
-    rep = lambda a: jnp.repeat(a, n, axis=0)  # prompt-major -> one row per target slot [G*n, ...]
-    flat = dst.reshape(-1)
-    row = rows.reshape(-1)
-    key = rep(keys)
-    token, logprob = self._sample(token_keys(key, jnp.zeros_like(row), row), rep(model.logits(last)))
-    put = lambda old, new: old.at[flat].set(new, mode="drop")
-    cache = KVCache(k=tuple(c.at[flat, :Pb].set(rep(s), mode="drop") for c, s in zip(cache.k, small.k)),
-                    v=tuple(c.at[flat, :Pb].set(rep(s), mode="drop") for c, s in zip(cache.v, small.v)),
-                    index=cache.index)
-    stop = self._is_stop(token)
-    M = flat.shape[0]
-    prompt = jnp.pad(tokens, ((0, 0), (0, Pm - Pb)), constant_values=self.pad_id)
-    state = SlotState(
-        cur=put(state.cur, token), pos=put(state.pos, rep(lens)), n_gen=put(state.n_gen, jnp.ones(M, jnp.int32)),
-        done=put(state.done, stop | (R == 1)), stopped=put(state.stopped, stop),
-        tokens=put(state.tokens, jnp.full((M, R), self.pad_id, jnp.int32).at[:, 0].set(token)),
-        logprobs=put(state.logprobs, jnp.zeros((M, R), jnp.float32).at[:, 0].set(logprob)),
-        versions=put(state.versions, jnp.full((M, R), version, jnp.int32)),
-        key=put(state.key, key), row=put(state.row, row), prompt=put(state.prompt, rep(prompt)),
-        prompt_len=put(state.prompt_len, rep(lens)))
-    return cache, state
-
-  def _decode(self, params, cache, state, version, refill_at):
-    """Up to `chunk_steps` decode steps for every running slot, on device.
-
-    Exits early when no slot is running or when `refill_at` slots are free (done), so queued
-    prompts get slots without waiting for the chunk's end. Returns (cache, state, steps run,
-    tokens produced = useful slot-steps).
-    """
-    self.num_traces += 1
-    model = merge_params(self.sampler._graphdef, params)
-    S, R = state.cur.shape[0], self.R
-    slots = jnp.arange(S)
-
-    def cond(c):
-      i, _, st, _ = c
-      return (i < self.chunk_steps) & ~jnp.all(st.done) & (jnp.sum(st.done) < refill_at)
-
-    def body(c):
-      i, cache, st, useful = c
-      running = ~st.done
-      x, cache = model.hidden_states(st.cur[:, None], st.pos[:, None], cache.replace(index=st.pos))
-      token, logprob = self._sample(token_keys(st.key, st.n_gen, st.row), model.logits(x[:, 0]))
-      col = jnp.where(running, st.n_gen, R)  # finished slots write out of range: dropped
-      n_gen = st.n_gen + running
-      stop = running & self._is_stop(token)
-      st = st.replace(
-          cur=jnp.where(running, token, st.cur), pos=st.pos + running, n_gen=n_gen,
-          done=st.done | stop | (n_gen >= R), stopped=st.stopped | stop,
-          tokens=st.tokens.at[slots, col].set(token, mode="drop"),
-          logprobs=st.logprobs.at[slots, col].set(logprob, mode="drop"),
-          versions=st.versions.at[slots, col].set(version, mode="drop"))
-      return i + 1, cache, st, useful + jnp.sum(running, dtype=jnp.int32)
-
-    steps, cache, state, useful = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state, jnp.int32(0)))
-    return cache, state, steps, useful
-
-  def _recompute(self, params, cache, state):
-    """A fresh KV cache from every slot's prompt + sampled tokens under `params` (one full prefill).
-
-    Slot s holds prompt[:L] then tokens[:n_gen] at positions 0.. (cur included: the next decode step
-    writes the same keys/values for it again); positions past that hold values never attended.
-    """
-    self.num_traces += 1
-    model = merge_params(self.sampler._graphdef, params)
-    S, Pm = state.prompt.shape
-    T = cache.max_len
-    j = jnp.arange(T)[None, :]
-    L = state.prompt_len[:, None]
-    resp = jnp.take_along_axis(state.tokens, jnp.clip(j - L, 0, self.R - 1), axis=1)
-    prompt = jnp.pad(state.prompt, ((0, 0), (0, T - Pm)), constant_values=self.pad_id)
-    seq = jnp.where(j < L, prompt, resp)
-    fresh = KVCache.init(self.config, S, T)
-    _, fresh = model.hidden_states(seq, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (S, T)), fresh)
-    return fresh.replace(index=cache.index)

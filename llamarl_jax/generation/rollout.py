@@ -67,14 +67,28 @@ class ScoredBatch:
   def batch_size(self) -> int:
     return self.rollout.batch_size
 
+  def train_arrays(self) -> dict[str, np.ndarray]:
+    """The fields the trainer reads (`TRAIN_FIELDS`), as host arrays in its dtypes: what a batch
+    transfer between processes moves."""
+    r = self.rollout
+    arrays = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask, "response_tokens": r.response_tokens,
+              "response_mask": r.response_mask, "behaviour_logprobs": r.behaviour_logprobs,
+              "advantages": self.advantages}
+    return {k: np.asarray(arrays[k], dtype) for k, dtype in TRAIN_FIELDS.items()}
 
-def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
-  """Stack host batches along the batch axis (all must share P and R); group ids stay distinct."""
-  offset, fixed = 0, []
-  for b in batches:
-    fixed.append(b.replace(group_ids=np.asarray(b.group_ids) + offset))
-    offset += int(np.max(b.group_ids)) + 1 if b.batch_size else 0
-  return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *fixed)
+  @classmethod
+  def from_train_arrays(cls, arrays: dict) -> "ScoredBatch":
+    """A batch holding only the `TRAIN_FIELDS` (others None): what a trainer process receives."""
+    rollout = RolloutBatch(**{k: arrays[k] for k in TRAIN_FIELDS if k != "advantages"}, lengths=None,
+                           finish_reason=None, group_ids=None, policy_version=None, token_versions=None)
+    return cls(rollout=rollout, rewards=None, advantages=arrays["advantages"])
+
+
+# The one batch schema of training: the fields (and dtypes) the trainer's step reads. ScoredBatch's
+# `train_arrays` / `from_train_arrays`, the trainer's batch shardings and the cross-process batch
+# transfer (multiprocess/protocol.py) all use it.
+TRAIN_FIELDS = {"prompt_tokens": np.int32, "prompt_mask": np.int32, "response_tokens": np.int32,
+                "response_mask": np.int32, "behaviour_logprobs": np.float32, "advantages": np.float32}
 
 
 def sequence_layout(prompt_tokens, prompt_mask, response_tokens, response_mask):

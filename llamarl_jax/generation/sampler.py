@@ -38,12 +38,11 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import parallel
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
-from llamarl_jax.model.llama import KVCache, Llama, ModelConfig, merge_params, split_params
+from llamarl_jax.model.llama import KVCache, Llama, ModelConfig, abstract_model, merge_params, split_params
 
 Array = jax.Array
 
@@ -188,12 +187,12 @@ class Sampler:
     self.batch_multiple = math.lcm(divisor, int(batch_multiple or divisor))
     self.rules = dict(rules)
 
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    self._graphdef, shapes = split_params(abstract)
+    abstract = abstract_model(config)
+    self.graphdef, shapes = split_params(abstract)
     self.param_shardings = parallel.param_shardings(shapes, parallel.logical_axes(abstract), self.mesh, rules)
     kv_spec = parallel.logical_to_spec((None, None, "kv_heads", "head_dim"),
                                        (1, 1, config.num_kv_heads, config.head_dim), self.mesh, rules)
-    self._cache_sharding = NamedSharding(self.mesh, P(parallel.BATCH_AXES, *kv_spec[1:]))
+    self.cache_sharding = NamedSharding(self.mesh, P(parallel.BATCH_AXES, *kv_spec[1:]))
     self._batch1 = parallel.batch_sharding(self.mesh, 1)
     self._batch2 = parallel.batch_sharding(self.mesh, 2)
     self._repl = parallel.replicated(self.mesh)
@@ -300,8 +299,8 @@ class Sampler:
     """(prefill, decode) jitted for `static`; jit itself caches per shapes (P bucket, batch)."""
     if static not in self._fns:
       b1, b2, repl = self._batch1, self._batch2, self._repl
-      cache_sh = KVCache(k=(self._cache_sharding,) * self.config.num_layers,
-                         v=(self._cache_sharding,) * self.config.num_layers, index=repl)
+      cache_sh = KVCache(k=(self.cache_sharding,) * self.config.num_layers,
+                         v=(self.cache_sharding,) * self.config.num_layers, index=repl)
       prefill = jax.jit(
           lambda *a: self._prefill(static, *a),
           in_shardings=(self.param_shardings, b2, b2, repl, repl, repl),
@@ -325,12 +324,12 @@ class Sampler:
   def _prefill(self, static: _Static, params, tokens, prompt_mask, key, temperature, top_p):
     """Prompts `[B, P]` -> (KV cache of length P + R, first tokens [B], their logprobs [B])."""
     self.num_traces += 1
-    model = merge_params(self._graphdef, params)
+    model = merge_params(self.graphdef, params)
     B, Pb = tokens.shape
     cache = KVCache.init(self.config, B, Pb + static.max_new_tokens)
     cache = jax.lax.with_sharding_constraint(
-        cache, KVCache(k=(self._cache_sharding,) * self.config.num_layers,
-                       v=(self._cache_sharding,) * self.config.num_layers, index=self._repl))
+        cache, KVCache(k=(self.cache_sharding,) * self.config.num_layers,
+                       v=(self.cache_sharding,) * self.config.num_layers, index=self._repl))
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
     x, cache = model.hidden_states(tokens, positions, cache, self._cache_mask(prompt_mask, static.max_new_tokens))
     logits = model.logits(x[:, -1])  # only the last position's logits are needed
@@ -345,7 +344,7 @@ class Sampler:
     and the final cache (returned so the donated input buffer is reused in place, not copied).
     """
     self.num_traces += 1
-    model = merge_params(self._graphdef, params)
+    model = merge_params(self.graphdef, params)
     R = static.max_new_tokens
     B = first_token.shape[0]
     cache_mask = self._cache_mask(prompt_mask, R)

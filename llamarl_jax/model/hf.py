@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from llamarl_jax import parallel
-from llamarl_jax.model.llama import FAMILIES, ROPE_TYPES, Llama, ModelConfig, split_params
+from llamarl_jax.model.llama import FAMILIES, ROPE_TYPES, Llama, ModelConfig, abstract_model, split_params
 
 
 class CheckpointError(ValueError):
@@ -247,7 +247,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, compute_dt
   config = config_from_hf(hf_config, source=str(config_file), dtype=dtype, compute_dtype=compute_dtype)
   files = _safetensors_index(path)
 
-  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  abstract = abstract_model(config)
   graphdef, shapes = split_params(abstract)
   axes = parallel.logical_axes(abstract)
   shardings = None if mesh is None else parallel.param_shardings(shapes, axes, mesh, rules)

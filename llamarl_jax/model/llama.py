@@ -409,3 +409,9 @@ def split_params(model: Llama):
 def merge_params(graphdef, params) -> Llama:
   """Inverse of `split_params`; cheap inside jit (trace time only)."""
   return nnx.merge(graphdef, params)
+
+
+def abstract_model(config: ModelConfig) -> Llama:
+  """The model with shape/dtype stand-ins instead of arrays (nnx.eval_shape: nothing allocated or
+  computed): for graphdefs, parameter shapes, logical axes and abstract inputs of lowered programs."""
+  return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))

@@ -1,6 +1,5 @@
 """Many processes: trainer and generator as separate process groups of one jax.distributed job.
 
-protocol.py           the order of cross-process transfers, the facts shared through the store
-trainer_process.py    `Controller.run` in a trainer process
-generator_process.py  `Controller.run` in a generator process
+protocol.py           the transfers between the groups, the facts shared through the store
+The loops of each group are in `llamarl_jax/runners/` (trainer_process.py, generator_process.py).
 """

@@ -9,7 +9,7 @@ the generator processes (`distributed.derive_roles`). Two kinds of cross-process
   R(k)  scored batch k, generator -> trainer, straight into the trainer's batch shardings (`RowPlan`)
 
 With the 'fixed' version schedule every version the generator uses is known in advance, so the
-order of transfers is a pure function of (start step, steps, max_policy_lag): `transfer_schedule`.
+order of transfers is a pure function of (start step, steps, max_policy_lag): `schedule.transfer_schedule`.
 W(v) goes just before R(v + max(lag - 1, 0)): late enough that the trainer has trained step v - 1
 (it needs R(v - 1), earlier in the order), early enough that the generator has it when batch
 v + lag starts. Each process walks that list in one transfer thread, so sends and receives always
@@ -34,38 +34,8 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
-from llamarl_jax.executors.generator import scheduled_version
-
-BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask", "behaviour_logprobs",
-                "advantages")
-
-
-def transfer_schedule(start: int, num_steps: int, max_policy_lag: int,
-                      first_version: int | None = None) -> list[tuple[str, int]]:
-  """The order of every cross-process transfer of a run of `num_steps` steps from step `start`:
-  [("W", version) | ("R", batch index)], every version the 'fixed' schedule uses, each once.
-
-  first_version: the schedule's v0 (default `start`). After an exact resume it is older than `start`:
-  versions v(start) .. start - 1 then come from the checkpoint and go first, with `start`'s.
-  """
-  if num_steps <= 0:
-    return []
-  first = start if first_version is None else first_version
-  lo = scheduled_version(start, max_policy_lag, first)
-  hi = scheduled_version(start + num_steps - 1, max_policy_lag, first)
-  keyed = [((start - 1, 0, v), ("W", v)) for v in range(lo, min(start, hi) + 1)]
-  keyed += [((v + max(max_policy_lag - 1, 0), 0, v), ("W", v)) for v in range(max(start + 1, lo), hi + 1)]
-  keyed += [((k, 1, 0), ("R", k)) for k in range(start, start + num_steps)]
-  return [op for _, op in sorted(keyed)]
-
-
-def share_rows(num_prompts: int, num_shares: int, share: int) -> slice:
-  """Prompts of generator process number `share` (of `num_shares`) when the rewards are split."""
-  per, extra = divmod(num_prompts, num_shares)
-  lo = share * per + min(share, extra)
-  return slice(lo, lo + per + (share < extra))
+from llamarl_jax.generation.rollout import TRAIN_FIELDS
 
 
 class Facts:
@@ -122,8 +92,28 @@ class RemoteWeights:
     self._current = (version, params)
     return params, version
 
+  @property
+  def version(self) -> int:
+    """The newest version received (-1: none yet)."""
+    with self._cond:
+      return self._newest()
+
+  def _newest(self) -> int:
+    return max(max(self._landed, default=-1), self._current[0] if self._current is not None else -1)
+
+  def latest(self) -> tuple[Any, int]:
+    """The newest received version's (params, version); finishes its landing if needed."""
+    newest = self.version
+    if newest < 0:
+      raise RuntimeError("no policy version has been received yet")
+    got = self.take(newest, timeout=0)
+    return got if got is not None else (self._current[1], self._current[0])
+
   def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
-    raise NotImplementedError("the 'latest' version schedule is single-process only")
+    """Whether some version >= `version` was received within `timeout` seconds."""
+    with self._cond:
+      return bool(self._cond.wait_for(lambda: self._closed or self._newest() >= version, timeout)) and \
+          self._newest() >= version
 
   def close(self) -> None:
     with self._cond:
@@ -209,20 +199,6 @@ def join_all(threads: list[Worker], stop: threading.Event, poll_s: float = 0.1) 
   raise_failed(threads)
 
 
-# The trainer's batch fields and dtypes (TrainerExecutor._BATCH_DTYPES): R(k) moves exactly these.
-BATCH_DTYPES = {"prompt_tokens": np.int32, "prompt_mask": np.int32, "response_tokens": np.int32,
-                "response_mask": np.int32, "behaviour_logprobs": np.float32, "advantages": np.float32}
-
-
-def batch_arrays(scored) -> dict[str, np.ndarray]:
-  """The host arrays R(k) moves, in the trainer's dtypes."""
-  r = scored.rollout
-  arrays = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
-            "response_tokens": r.response_tokens, "response_mask": r.response_mask,
-            "behaviour_logprobs": r.behaviour_logprobs, "advantages": scored.advantages}
-  return {k: np.asarray(arrays[k], BATCH_DTYPES[k]) for k in BATCH_DTYPES}
-
-
 def run_key(run: int, *parts) -> str:
   return "/".join([f"run{run}", *map(str, parts)])
 
@@ -282,9 +258,9 @@ class Context:
     from llamarl_jax import parallel
     from llamarl_jax.transfer import RowPlan
 
-    key = tuple((k, tuple(shapes[k])) for k in BATCH_DTYPES)
+    key = tuple((k, tuple(shapes[k])) for k in TRAIN_FIELDS)
     if key not in self._rows:
-      structs = {k: jax.ShapeDtypeStruct(tuple(shapes[k]), BATCH_DTYPES[k]) for k in BATCH_DTYPES}
-      dst = {k: parallel.batch_sharding(self.trainer_mesh, len(shapes[k])) for k in BATCH_DTYPES}
+      structs = {k: jax.ShapeDtypeStruct(tuple(shapes[k]), TRAIN_FIELDS[k]) for k in TRAIN_FIELDS}
+      dst = {k: parallel.batch_sharding(self.trainer_mesh, len(shapes[k])) for k in TRAIN_FIELDS}
       self._rows[key] = RowPlan(structs, dst, self.generator_mesh)
     return self._rows[key]

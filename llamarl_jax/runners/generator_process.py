@@ -1,18 +1,19 @@
-"""A generator process's side of a multi-process run (the protocol: `protocol.py`).
+"""The run loop of a generator process in a multi-process run (the protocol: `multiprocess/protocol.py`).
 
   generator thread: GeneratorExecutor.run on `RemoteWeights`: batch k waits for exactly version
                     v(k), draws the k-th prompts (the same on every generator process: a pure function
                     of the seed and k; the process feeds the rows its devices hold), samples, gathers
                     the rollout to host (inside the generator mesh) -> reward thread
-  reward thread:    scores this process's share of the prompts (`share_rows`, by its rank among the
-                    generator processes) in its reward pool, publishes the share, reads the others'
+  reward thread:    scores this process's share of the prompts (`schedule.share_rows`, by its rank among
+                    the generator processes) in its reward pool, publishes the share, reads the others'
                     -> the whole ScoredBatch and its metrics (the same function as in one process)
-  transfer thread:  walks `transfer_schedule`: W(v) waits until the trainer marked v staged, then
-                    receives it; R(k) publishes batch k's facts (generator leader) and sends its arrays
+  transfer thread:  walks `schedule.transfer_schedule`: W(v) waits until the trainer marked v staged,
+                    then receives it; R(k) publishes batch k's facts (generator leader) and sends its arrays
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -20,20 +21,22 @@ import time
 import jax
 import numpy as np
 
+from llamarl_jax.config import RunConfig
 from llamarl_jax.executors.generator import Generated, Timer
 from llamarl_jax.executors.scoring import decode_responses, scored_from_rewards
-from llamarl_jax.generation.engine import version_metrics
-from llamarl_jax.multiprocess.protocol import (RemoteWeights, Slots, Stopped, Worker, batch_arrays, join_all,
-                                               run_key, share_rows, transfer_schedule, wait_key)
+from llamarl_jax.multiprocess.protocol import RemoteWeights, Slots, Stopped, Worker, join_all, run_key, wait_key
+from llamarl_jax.runners.common import Executors, RunState
+from llamarl_jax.schedule import lag_metrics, share_rows, transfer_schedule
 
 
-def run(c, num_steps: int) -> list[dict]:
-  """`Controller.run` in a generator process: generate and score batches step .. step + num_steps - 1."""
-  mp = c.mp
-  start, run_id, first = c.step, mp.new_run(), c._first_version
-  ops = transfer_schedule(start, num_steps, c.max_policy_lag, first)
-  if c.last_data_state is not None:  # as in one process: the prompts after the last trained batch
-    c.prompt_source.load_state_dict(c.last_data_state)
+def run(ex: Executors, state: RunState, config: RunConfig, num_steps: int) -> RunState:
+  """Generate and score batches state.step .. state.step + num_steps - 1; returns the state after them."""
+  mp = ex.mp
+  state = state.started()
+  start, run_id, first = state.step, mp.new_run(), state.first_version
+  ops = transfer_schedule(start, num_steps, config.schedule.max_policy_lag, first)
+  if state.data_state is not None:  # as in one process: the prompts after the last trained batch
+    ex.prompt_source.load_state_dict(state.data_state)
   last_state = {}
   last = start + num_steps - 1
   leader = mp.me == mp.roles.generator_leader
@@ -41,7 +44,7 @@ def run(c, num_steps: int) -> list[dict]:
   weights = RemoteWeights(mp.weights)
   scoring: queue.Queue = queue.Queue(maxsize=1)
   outbox = Slots()
-  timeout = c.step_timeout_s
+  timeout = config.schedule.step_timeout_s
   reward_timer = Timer()
 
   def emit(item: Generated) -> bool:
@@ -55,24 +58,24 @@ def run(c, num_steps: int) -> list[dict]:
 
   def generate() -> None:
     if num_steps > 0:
-      c.generator.run(weights, emit, stop, start_index=start, first_version=first)
+      ex.generator.run(weights, emit, stop, start_index=start, first_version=first)
 
   def score() -> None:
     for _ in range(num_steps):
       t0 = time.perf_counter()
       item = _get(scoring, stop)
       t1 = time.perf_counter()
-      scored, metrics, texts = _score_share(c, mp, run_id, item)
+      scored, metrics, texts = _score_share(ex, config, run_id, item)
       t2 = time.perf_counter()
       reward_timer.wait += t1 - t0
       reward_timer.busy += t2 - t1
-      c._timeline.append(("reward", t1, t2))
-      lag = version_metrics(item.rollout.token_versions, item.rollout.response_mask, item.index)
+      ex.mark("reward", t1, t2)
+      lag = lag_metrics(item.rollout.token_versions, item.rollout.response_mask, item.index)
       last_state["data"] = item.data_state
       meta = {"metrics": metrics, "data_state": item.data_state, "lag": lag,
               "tokens": float(np.sum(item.rollout.response_mask)), "texts": texts[:2],
-              "generator_times": list(c.generator.timer.take()), "reward_times": list(reward_timer.take())}
-      arrays = batch_arrays(scored)
+              "generator_times": list(ex.generator.timer.take()), "reward_times": list(reward_timer.take())}
+      arrays = scored.train_arrays()
       meta["shapes"] = {k: list(a.shape) for k, a in arrays.items()}
       outbox.put(item.index, (arrays, meta))
       if leader and item.index - 2 >= start:  # every generator process has read these shares by now
@@ -102,9 +105,7 @@ def run(c, num_steps: int) -> list[dict]:
   finally:
     stop.set()
     weights.close()
-  c.step = start + num_steps
-  c.last_data_state = last_state.get("data", c.last_data_state)
-  return []
+  return dataclasses.replace(state, step=start + num_steps, data_state=last_state.get("data", state.data_state))
 
 
 def _get(q: queue.Queue, stop: threading.Event):
@@ -116,26 +117,27 @@ def _get(q: queue.Queue, stop: threading.Event):
         raise Stopped() from None
 
 
-def _score_share(c, mp, run_id: int, item: Generated):
+def _score_share(ex: Executors, config: RunConfig, run_id: int, item: Generated):
   """Score this process's share of `item`'s prompts, exchange shares: (ScoredBatch, metrics, texts)."""
-  n, num_prompts = c.samples_per_prompt, len(item.examples)
+  mp = ex.mp
+  n, num_prompts = config.rollout.samples_per_prompt, len(item.examples)
   gens = mp.roles.generator
-  texts = decode_responses(c.tokenizer, item.rollout)
+  texts = decode_responses(ex.tokenizer, item.rollout)
   mine = share_rows(num_prompts, len(gens), mp.generator_rank)
   rows = slice(mine.start * n, mine.stop * n)
-  truths = [ex.ground_truth for ex in item.examples[mine] for _ in range(n)]
-  rewards, counts = (c.reward.score(texts[rows], truths) if truths
+  truths = [e.ground_truth for e in item.examples[mine] for _ in range(n)]
+  rewards, counts = (ex.reward.score(texts[rows], truths) if truths
                      else (np.zeros(0, np.float32), {}))
   counts = {k: float(v) for k, v in counts.items() if not k.startswith("time/")}
   mp.kv.set_json(run_key(run_id, "score", item.index, mp.generator_rank),
                  {"rewards": [float(r) for r in rewards], "counts": counts})
   all_rewards, total = [], {}
   for g in range(len(gens)):
-    share = mp.kv.get_json(run_key(run_id, "score", item.index, g), c.step_timeout_s) if g != mp.generator_rank \
-        else {"rewards": [float(r) for r in rewards], "counts": counts}
+    share = mp.kv.get_json(run_key(run_id, "score", item.index, g), config.schedule.step_timeout_s) \
+        if g != mp.generator_rank else {"rewards": [float(r) for r in rewards], "counts": counts}
     all_rewards += share["rewards"]
     for k, v in share["counts"].items():
       total[k] = total.get(k, 0.0) + v
   scored, metrics = scored_from_rewards(item, np.asarray(all_rewards, np.float32), total,
-                                        advantage_estimator=c.advantage_estimator)
+                                        advantage_estimator=config.rollout.advantage_estimator)
   return scored, metrics, texts

@@ -1,0 +1,344 @@
+"""The run's configuration: small frozen dataclasses, each validating its own fields once.
+
+  MeshConfig       where the trainer and the generator run (device counts per mesh axis, colocated)
+  RolloutConfig    what is sampled per step (prompts, samples, sampling parameters, advantages, seed)
+  GeneratorConfig  how it is sampled (engine, slots, chunk, dtype of the generator's weights)
+  TrainConfig      the objective and the optimizer (loss, its kwargs, KL reference, microbatches, remat,
+                   checkpoints)
+  ScheduleConfig   the asynchronous part (max_policy_lag, version schedule, buffer, stall timeout)
+  RewardConfig     the reward function and its worker pool
+  RunConfig        the six together, with the checks that need more than one of them
+
+Each field is checked in exactly one place: its class's `RULES` (applied by `__post_init__`, and by
+`config_check` to gin bindings before anything is built, so every bad binding is reported at once).
+Choice lists come from the modules that own them (losses, advantages, schedule, ...), never repeated.
+No gin here: `experiment.py` registers these classes with gin (`MeshConfig.trainer_fsdp = 2`, ...).
+Gin files written for the flat `Controller.*` keys of wave two get an error naming the new key
+(`LEGACY_KEYS`, `legacy_key_problems`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
+from llamarl_jax.schedule import VERSION_SCHEDULES
+
+Rule = Callable[[Any], "str | None"]  # a value -> None if fine, else what was expected
+
+GENERATOR_ENGINES = ("slots", "static")
+GENERATOR_DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "int8")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+class ConfigError(ValueError):
+  """A configuration value is invalid; the message names each bad field, what was expected and found."""
+
+
+def at_least(lo) -> Rule:
+  return lambda v: None if v >= lo else f">= {lo}"
+
+
+def above(lo) -> Rule:
+  return lambda v: None if v > lo else f"> {lo}"
+
+
+def between(lo, hi, *, lo_open=False) -> Rule:
+  def rule(v):
+    ok = (lo < v if lo_open else lo <= v) and v <= hi
+    return None if ok else f"in {'(' if lo_open else '['}{lo}, {hi}]"
+  return rule
+
+
+def one_of(*choices) -> Rule:
+  return lambda v: None if v in choices else f"one of {list(choices)}"
+
+
+def loss_names() -> tuple[str, ...]:
+  from llamarl_jax import losses
+
+  return tuple(losses.LOSSES)
+
+
+def _loss_rule(v):
+  return one_of(*loss_names())(v)
+
+
+class _Validated:
+  """Mixin: `__post_init__` applies the class's `RULES` ({field: rule}) and raises one `ConfigError`."""
+
+  RULES: ClassVar[dict[str, Rule]] = {}
+
+  def __post_init__(self):
+    problems = field_problems(type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+    if problems:
+      raise ConfigError(f"invalid {type(self).__name__}: " + "; ".join(problems))
+
+  def replace(self, **changes):
+    return dataclasses.replace(self, **changes)
+
+
+def field_problems(cls, values: dict[str, Any]) -> list[str]:
+  """'Class.field: expected ..., got ...' for every value of `values` that breaks `cls.RULES`."""
+  out = []
+  for name, value in values.items():
+    rule = cls.RULES.get(name)
+    if rule is None:
+      continue
+    try:
+      why = rule(value)
+    except TypeError:
+      why = "a value of the annotated type"
+    if why is not None:
+      out.append(f"{cls.__name__}.{name}: expected {why}, got {value!r}")
+  return out
+
+
+@dataclass(frozen=True)
+class MeshConfig(_Validated):
+  """Device counts of the two meshes (`parallel.make_meshes`); colocated: one mesh, taking turns."""
+  trainer_fsdp: int = 1
+  trainer_tp: int = 1
+  generator_dp: int = 1
+  generator_tp: int = 1
+  colocated: bool = False
+  RULES: ClassVar = {k: at_least(1) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp")}
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Validated):
+  """Per step: `prompts_per_step` prompts x `samples_per_prompt` samples, sampled with these settings;
+  advantages by `advantage_estimator` (advantages.py). `seed` fixes every batch's sampling noise."""
+  prompts_per_step: int = 8
+  samples_per_prompt: int = 4
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_new_tokens: int = 16
+  advantage_estimator: str = "group_mean"
+  seed: int = 0
+  RULES: ClassVar = {
+      "prompts_per_step": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0.0),
+      "top_p": between(0.0, 1.0, lo_open=True), "top_k": at_least(0), "seed": at_least(0),
+      "advantage_estimator": one_of(*ADVANTAGE_ESTIMATORS),
+      # every estimator compares the samples of one prompt
+      "samples_per_prompt": lambda v: None if v >= 2 else ">= 2 (the advantage compares a prompt's samples)"}
+
+  @property
+  def rows(self) -> int:
+    return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class GeneratorConfig(_Validated):
+  """The generator: `engine` 'slots' (a `SlotEngine`: continuous batching over `slots` KV slots,
+  default rows per step; decode chunks of `chunk_steps`; prompts up to `max_prompt_len` tokens, default
+  min(512, context - max_new_tokens); KV kept across weight swaps unless `recompute_kv`) or 'static'
+  (`Sampler.generate` per batch). `dtype` of its weights, optional int8 `quantize`; `delay_s` emulates
+  a slower remote engine per batch (benchmarks, overlap tests)."""
+  engine: str = "slots"
+  slots: int = 0
+  chunk_steps: int = 16
+  max_prompt_len: int | None = None
+  recompute_kv: bool = False
+  dtype: str = "float32"
+  quantize: str | None = None
+  delay_s: float = 0.0
+  RULES: ClassVar = {"engine": one_of(*GENERATOR_ENGINES), "slots": at_least(0), "chunk_steps": at_least(1),
+                     "max_prompt_len": lambda v: None if v is None or v >= 1 else "None or >= 1",
+                     "dtype": one_of(*GENERATOR_DTYPES), "quantize": one_of(*QUANTIZATIONS),
+                     "delay_s": at_least(0.0)}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Validated):
+  """AdamW with linear warmup, then a constant or cosine learning rate, and global-norm clipping.
+
+  The learning rate of update k (k = 0, 1, ...) is `lr * (k + 1) / warmup_steps` during warmup (the
+  first update is not wasted at lr 0), then `lr` ("constant") or a cosine from `lr` down to
+  `lr * final_lr_ratio` at `total_steps` ("cosine"; it stays there afterwards). Weight decay (decoupled)
+  applies to matrices only, not to norm scales. `max_grad_norm <= 0` disables clipping.
+  """
+  lr: float = 1e-6
+  warmup_steps: int = 0
+  schedule: str = "constant"
+  total_steps: int = 1000
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  max_grad_norm: float = 1.0
+  final_lr_ratio: float = 0.0
+  RULES: ClassVar = {"lr": at_least(0.0), "warmup_steps": at_least(0), "schedule": one_of(*LR_SCHEDULES),
+                     "total_steps": at_least(1), "weight_decay": at_least(0.0), "b1": between(0.0, 1.0),
+                     "b2": between(0.0, 1.0), "eps": above(0.0), "final_lr_ratio": between(0.0, 1.0)}
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Validated):
+  """The trainer: `loss` (losses.get_loss name) with `loss_kwargs`; a KL reference (`reference_path`,
+  an HF directory; None = the policy RL starts from) when loss_kwargs has `kl_coef`; the optimizer;
+  `microbatches` per step (gradient accumulation), `remat`; a checkpoint every `checkpoint_every`
+  steps (0: only at exit), the newest `keep_checkpoints` kept."""
+  loss: str = "aipo"
+  loss_kwargs: dict = field(default_factory=dict)
+  reference_path: str | None = None
+  optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+  microbatches: int = 1
+  remat: bool = False
+  checkpoint_every: int = 0
+  keep_checkpoints: int = 2
+  RULES: ClassVar = {"loss": _loss_rule, "microbatches": at_least(1), "checkpoint_every": at_least(0),
+                     "keep_checkpoints": at_least(1)}
+
+  def __post_init__(self):
+    super().__post_init__()
+    problems = loss_kwargs_problems(self.loss, self.loss_kwargs)
+    if problems:
+      raise ConfigError(f"invalid TrainConfig.loss_kwargs: {problems}")
+
+
+def loss_kwargs_problems(loss: str, kwargs: Any) -> str | None:
+  """Keys of `loss_kwargs` must be parameters of the chosen loss (a typo would only fail at trace)."""
+  import inspect
+
+  from llamarl_jax import losses
+
+  if not isinstance(kwargs, dict) or loss not in losses.LOSSES:
+    return None
+  params = set(inspect.signature(losses.get_loss(loss)).parameters)
+  reserved = {"logprobs", "behaviour_logprobs", "advantages", "mask", "ref_logprobs", "entropy"}
+  bad = sorted(k for k in kwargs if k not in params or k in reserved)
+  return None if not bad else (f"keyword arguments of the {loss!r} loss ({sorted(params - reserved)}); "
+                               f"unknown: {bad}")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig(_Validated):
+  """The asynchronous schedule (schedule.py): batch k trains at step k from a version at most
+  `max_policy_lag` older ('fixed': exactly max(v0, k - lag), reproducible; 'latest': the newest within
+  the bound). At most `buffer_capacity` scored batches wait for the trainer; the trainer waits at most
+  `step_timeout_s` for one (the error then names the stalled executor)."""
+  max_policy_lag: int = 1
+  version_schedule: str = "fixed"
+  buffer_capacity: int = 2
+  step_timeout_s: float = 600.0
+  RULES: ClassVar = {"max_policy_lag": at_least(0), "version_schedule": one_of(*VERSION_SCHEDULES),
+                     "buffer_capacity": at_least(1), "step_timeout_s": above(0.0)}
+
+
+@dataclass(frozen=True)
+class RewardConfig(_Validated):
+  """`fn`: a reward name (rewards.REWARD_FNS), a callable, or a `RewardExecutor` the caller owns (e.g.
+  one worker pool shared by the runs of a study); scored in `workers` processes, `timeout_s` each."""
+  fn: Any = "arithmetic"
+  workers: int = 2
+  timeout_s: float = 5.0
+  RULES: ClassVar = {"workers": at_least(1), "timeout_s": above(0.0)}
+
+  @property
+  def name(self) -> str:
+    from llamarl_jax.executors.reward import RewardExecutor
+
+    fn = self.fn
+    if isinstance(fn, RewardExecutor):
+      return fn.name
+    return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+
+
+@dataclass(frozen=True)
+class RunConfig(_Validated):
+  """Everything the Controller needs besides the model, its weights, the tokenizer and the prompts."""
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  rollout: RolloutConfig = field(default_factory=RolloutConfig)
+  generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+  train: TrainConfig = field(default_factory=TrainConfig)
+  schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+  reward: RewardConfig = field(default_factory=RewardConfig)
+
+  def check_layout(self, trainer_batch_divisor: int, num_processes: int) -> None:
+    """The checks that need the meshes or the job: rows per step split evenly over microbatches and
+    the trainer's data-parallel devices; single-process-only features."""
+    rows, mb = self.rollout.rows, self.train.microbatches
+    if rows % (mb * trainer_batch_divisor):
+      raise ConfigError(f"RolloutConfig.prompts_per_step * samples_per_prompt = {rows} rows per step must be a "
+                        f"multiple of TrainConfig.microbatches ({mb}) x trainer data*fsdp ({trainer_batch_divisor})")
+    if num_processes > 1 and self.schedule.version_schedule != "fixed":
+      raise ConfigError(f"ScheduleConfig.version_schedule={self.schedule.version_schedule!r} needs one process: "
+                        "across processes the order of weight transfers must be a pure function of the step ('fixed')")
+    if num_processes > 1 and self.generator.quantize:
+      raise ConfigError(f"GeneratorConfig.quantize={self.generator.quantize!r} is single-process only; across "
+                        "processes use quantize=None")
+
+  def record(self) -> dict:
+    """What a checkpoint records of this config (a resume compares it: checkpoint.RESUMABLE_CHANGES)."""
+    r, g = self.rollout, self.generator
+    return {
+        "optimizer": dataclasses.asdict(self.train.optimizer),
+        "loss": {"name": self.train.loss, **self.train.loss_kwargs},
+        "max_policy_lag": self.schedule.max_policy_lag, "version_schedule": self.schedule.version_schedule,
+        "rollout": {"prompts_per_step": r.prompts_per_step, "samples_per_prompt": r.samples_per_prompt,
+                    "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                    "max_new_tokens": r.max_new_tokens, "advantage_estimator": r.advantage_estimator,
+                    "seed": r.seed},
+        "generator": {"dtype": str(g.dtype), "quantize": g.quantize},
+        "reward": self.reward.name,
+        "trainer": {"microbatches": self.train.microbatches, "remat": self.train.remat},
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# The flat keys of wave two (`Controller.<key>` in gin, keyword arguments of the old Controller)
+
+SECTIONS = {"mesh": MeshConfig, "rollout": RolloutConfig, "generator": GeneratorConfig, "train": TrainConfig,
+            "schedule": ScheduleConfig, "reward": RewardConfig}
+
+LEGACY_KEYS: dict[str, tuple[str, str]] = {
+    **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated")},
+    **{k: ("rollout", k) for k in ("prompts_per_step", "samples_per_prompt", "temperature", "top_p", "top_k",
+                                   "max_new_tokens", "advantage_estimator", "seed")},
+    "generator_engine": ("generator", "engine"), "engine_slots": ("generator", "slots"),
+    "engine_chunk_steps": ("generator", "chunk_steps"), "engine_max_prompt_len": ("generator", "max_prompt_len"),
+    "engine_recompute_kv": ("generator", "recompute_kv"), "generator_dtype": ("generator", "dtype"),
+    "quantize": ("generator", "quantize"), "generator_delay_s": ("generator", "delay_s"),
+    **{k: ("train", k) for k in ("loss", "loss_kwargs", "reference_path", "optimizer", "microbatches", "remat",
+                                 "checkpoint_every", "keep_checkpoints")},
+    **{k: ("schedule", k) for k in ("max_policy_lag", "version_schedule", "buffer_capacity", "step_timeout_s")},
+    "reward_fn": ("reward", "fn"), "reward_workers": ("reward", "workers"), "reward_timeout_s": ("reward", "timeout_s"),
+}
+
+
+def new_key(legacy: str) -> str:
+  """'prompts_per_step' -> 'RolloutConfig.prompts_per_step' (KeyError for an unknown key)."""
+  section, name = LEGACY_KEYS[legacy]
+  return f"{SECTIONS[section].__name__}.{name}"
+
+
+def run_config(base: RunConfig | None = None, **flat) -> RunConfig:
+  """A RunConfig from wave two's flat keyword names (`max_policy_lag=2, generator_engine='static'`),
+  over `base` (default: all defaults). Convenient in tests and scripts; unknown names raise."""
+  unknown = sorted(k for k in flat if k not in LEGACY_KEYS)
+  if unknown:
+    raise ConfigError(f"unknown run setting(s) {unknown}; known: {sorted(LEGACY_KEYS)}")
+  base = base or RunConfig()
+  changes: dict[str, dict] = {}
+  for key, value in flat.items():
+    section, name = LEGACY_KEYS[key]
+    changes.setdefault(section, {})[name] = value
+  return dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kw) for s, kw in changes.items()})
+
+
+_LEGACY_BINDING = re.compile(r"(?<![\w.])Controller\.(\w+)\s*=")
+
+
+def legacy_key_problems(text: str) -> list[str]:
+  """One line per `Controller.<key> = ...` binding in gin text (the flat keys of wave two), naming its new key."""
+  out = []
+  for key in dict.fromkeys(_LEGACY_BINDING.findall(text)):
+    target = new_key(key) if key in LEGACY_KEYS else "no setting of that name (see llamarl_jax/config.py)"
+    out.append(f"Controller.{key} is now {target}")
+  return out

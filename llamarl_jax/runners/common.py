@@ -1,0 +1,153 @@
+"""What every runner takes and returns: the typed executors, the run's state, the step recorder.
+
+A runner is one loop (`single_process.run`, `trainer_process.run`, `generator_process.run`) that takes
+(Executors, RunState, StepRecorder, RunConfig) and returns the new RunState with the steps' metrics.
+Runners never see the Controller: what they may touch is in these types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
+
+from llamarl_jax.schedule import prune_kept
+
+_KEEP = 10_000  # entries kept in per-step histories and timelines (a long run must not grow without bound)
+
+
+class WeightSource(Protocol):
+  """Where the generator takes policy weights from: `WeightSync` (one process: the trainer pushes into
+  it) or `multiprocess.protocol.RemoteWeights` (a generator process: the transfer thread receives into it).
+  Versions are the trainer's step counts; `take` hands out exactly one version ('fixed' schedule),
+  `latest`/`wait_for_version` the newest ('latest' schedule)."""
+
+  def take(self, version: int, timeout: float | None = None) -> tuple[Any, int] | None: ...
+  def latest(self) -> tuple[Any, int]: ...
+  def wait_for_version(self, version: int, timeout: float | None = None) -> bool: ...
+  @property
+  def version(self) -> int: ...
+  def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunState:
+  """The run's position, what a checkpoint holds besides the trainer state, and what a run continues from.
+
+  step: optimizer steps taken (= the trainer's policy version). first_version: v0 of the 'fixed'
+  schedule (None: the next run starts the schedule at `step`). data_state: the prompt source's position
+  after the last trained batch. kept: generator weights (generator layout and dtype) of the versions
+  older than `step` that the next batches are generated with (schedule.versions_kept).
+  """
+  step: int = 0
+  first_version: int | None = None
+  data_state: dict | None = None
+  kept: Mapping[int, Any] = field(default_factory=dict)
+
+  def replace(self, **changes) -> "RunState":
+    return dataclasses.replace(self, **changes)
+
+  def started(self) -> "RunState":
+    """This state with the schedule's v0 fixed (a run that starts the schedule starts it at `step`)."""
+    return self if self.first_version is not None else dataclasses.replace(self, first_version=self.step)
+
+  def keep(self, version: int, weights: Any, max_policy_lag: int) -> "RunState":
+    """With `version`'s generator weights kept, and the ones no later checkpoint can need dropped."""
+    return dataclasses.replace(self, kept=prune_kept({**self.kept, version: weights}, version, max_policy_lag))
+
+
+@dataclass
+class Executors:
+  """The typed parts a runner drives. In one process all are present; a trainer process has no
+  generator, sampler or reward pool, a generator process no trainer (their fields are None).
+
+  weights: the single-process `WeightSync` (None across processes, where `mp` moves weights).
+  mp: the multi-process `Context` (roles, store, transfer plans), None in one process.
+  device_turn: a lock the generator and the trainer share in colocated mode (one mesh, taking turns).
+  timeline: ("generate" | "reward" | "train", start, end) perf_counter intervals of real work.
+  """
+  trainer: Any = None       # executors.trainer.TrainerExecutor
+  generator: Any = None     # executors.generator.GeneratorExecutor
+  reward: Any = None        # executors.reward.RewardExecutor
+  weights: Any = None       # executors.weight_sync.WeightSync
+  mp: Any = None            # multiprocess.protocol.Context
+  tokenizer: Any = None
+  prompt_source: Any = None
+  device_turn: Any = field(default_factory=contextlib.nullcontext)
+  timeline: list = field(default_factory=list)
+
+  def mark(self, what: str, start: float, end: float) -> None:
+    self.timeline.append((what, start, end))
+    if len(self.timeline) > 2 * _KEEP:
+      del self.timeline[:-_KEEP]
+
+
+# Metrics that measure time or depend on thread timing (how far ahead the generator ran); everything
+# else in a step's metrics is a pure function of (config, seed) under the 'fixed' version schedule.
+TIMING_KEYS = ("time/", "throughput/", "sync/seconds", "sync/gbps", "buffer/occupancy",
+               "reward/worker_")  # worker restarts/recycles/RSS: timeouts and memory, not the schedule
+
+
+def schedule_metrics(metrics: dict) -> dict:
+  """The per-step metrics that the 'fixed' schedule makes reproducible (timings dropped)."""
+  return {k: v for k, v in metrics.items() if not k.startswith(TIMING_KEYS)}
+
+
+class StepRecorder:
+  """One step's metrics (the same keys in every runner), their history, logging and periodic checkpoints.
+
+  save(state): write a checkpoint of `state` (the Controller's; trainer processes only).
+  latest_saved(): the newest complete checkpoint step, so a run's end does not write it twice.
+  """
+
+  def __init__(self, *, logger=None, checkpoint_every: int = 0, save: Callable[[RunState], None] | None = None,
+               latest_saved: Callable[[], int | None] = lambda: None):
+    self.logger = logger
+    self.checkpoint_every = checkpoint_every
+    self.save = save
+    self.latest_saved = latest_saved
+    self.history: list[dict] = []
+    self.state: RunState | None = None  # the state after the last recorded step (also when a run raised)
+
+  def record(self, state: RunState, *, batch: dict, train: dict, sync: dict, lag: dict, train_tokens: float,
+             times: tuple[float, float, float, float], generator_times: tuple, reward_times: tuple,
+             dropped: int, occupancy: int) -> dict:
+    """state: after the step. times: (asked for a batch, got it, trained, synced) perf_counter stamps."""
+    t0, t1, t2, t3 = times
+    self.state = state
+    metrics = {**batch, **train, **sync, **lag,
+               "buffer/dropped_stale": float(dropped), "buffer/occupancy": float(occupancy),
+               "time/step": t3 - t0, "time/trainer_wait": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
+               "time/generate": generator_times[0], "time/generator_wait": generator_times[1],
+               "time/reward": reward_times[0], "time/reward_wait": reward_times[1],
+               "throughput/train_tokens_per_s": train_tokens / max(t2 - t1, 1e-9)}
+    self.history.append(metrics)
+    if len(self.history) > 2 * _KEEP:
+      del self.history[:-_KEEP]
+    if self.logger is not None:
+      self.logger.log(state.step, metrics)
+    if self.save is not None and self.checkpoint_every and state.step % self.checkpoint_every == 0:
+      self.save(state)
+    return metrics
+
+  def finish(self, state: RunState, *, interrupted: bool = False) -> None:
+    """At a run's end (always on an interrupt): a checkpoint of the last finished step unless just saved."""
+    if self.save is not None and (self.checkpoint_every or interrupted) and self.latest_saved() != state.step:
+      self.save(state)
+
+
+def progress_bar(show: bool, num_steps: int):
+  if not show:
+    return None
+  from tqdm.auto import tqdm
+  return tqdm(total=num_steps, desc="RL", dynamic_ncols=True)
+
+
+def show_progress(bar, metrics: dict) -> None:
+  if bar is None:
+    return
+  bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}",
+                  lag=f"{metrics['policy/lag_mean']:.1f}",
+                  gen_tok_s=f"{metrics.get('throughput/gen_tokens_per_s', 0):.0f}")
+  bar.update(1)
