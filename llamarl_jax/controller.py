@@ -38,7 +38,7 @@ import numpy as np
 
 from llamarl_jax import distributed, parallel
 from llamarl_jax.checkpoint import Checkpointer
-from llamarl_jax.config import ConfigError, RunConfig
+from llamarl_jax.config import RunConfig
 from llamarl_jax.executors.generator import GeneratorExecutor, encode_prompts
 from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.executors.scoring import decode_responses
@@ -47,8 +47,9 @@ from llamarl_jax.executors.weight_sync import WeightSync
 from llamarl_jax.generation.engine import SlotEngine
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.metrics import MetricsLogger
+from llamarl_jax.model import hf
 from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
-from llamarl_jax.runners.common import Executors, RunState, StepRecorder, schedule_metrics  # noqa: F401
+from llamarl_jax.runners.common import Executors, RunState, StepRecorder, overlap_seconds, schedule_metrics  # noqa: F401
 from llamarl_jax.runners.single_process import ExecutorFailed  # noqa: F401  (re-exported)
 from llamarl_jax.schedule import versions_kept
 
@@ -92,7 +93,7 @@ class Controller:
     if self.is_trainer:
       ref_params = None
       if t.loss_kwargs.get("kl_coef"):
-        ref_params = params if t.reference_path is None else _reference_params(t.reference_path, model_config)
+        ref_params = params if t.reference_path is None else hf.load_reference_params(t.reference_path, model_config)
       ex.trainer = TrainerExecutor(model_config, self.trainer_mesh, params, optimizer=t.optimizer, loss=t.loss,
                                    loss_kwargs=t.loss_kwargs, microbatches=t.microbatches, remat=t.remat,
                                    temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
@@ -349,27 +350,5 @@ class Controller:
       self.checkpointer.close()
 
 
-def _reference_params(path: str, config: ModelConfig) -> Any:
-  """Params of the KL reference policy from an HF checkpoint directory (same architecture as the policy)."""
-  from llamarl_jax.model import hf
-
-  ref_config, model = hf.load_hf_checkpoint(path)
-  fields = [f.name for f in dataclasses.fields(config) if f.name not in ("param_dtype", "dtype")]
-  diff = [f"{f}: policy {getattr(config, f)}, reference {getattr(ref_config, f)}" for f in fields
-          if getattr(config, f) != getattr(ref_config, f)]
-  if diff:
-    raise ConfigError(f"the KL reference {path} does not have the policy's architecture ({'; '.join(diff)}); "
-                      "give a checkpoint of the same model, or leave TrainConfig.reference_path unset to use "
-                      "the initial policy")
-  return split_params(model)[1]
-
-
 def _round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
-
-
-def overlap_seconds(timeline: Sequence[tuple[str, float, float]], a: str, b: str) -> float:
-  """Seconds during which an `a` interval and a `b` interval of `timeline` ran at the same time."""
-  spans_a = [(s, e) for name, s, e in timeline if name == a]
-  spans_b = [(s, e) for name, s, e in timeline if name == b]
-  return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in spans_a for s2, e2 in spans_b)

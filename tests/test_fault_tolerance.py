@@ -223,7 +223,6 @@ def test_a_reference_of_another_architecture_is_refused(tmp_path):
   """Controller(reference_path=...) loads the KL reference with this check before building the trainer."""
   from flax import nnx
 
-  from llamarl_jax.controller import _reference_params
   from llamarl_jax.model import hf
   from llamarl_jax.model.llama import Llama, ModelConfig
 
@@ -232,13 +231,13 @@ def test_a_reference_of_another_architecture_is_refused(tmp_path):
   hf.save_hf_checkpoint(Llama(other, rngs=nnx.Rngs(params=0)), other, tmp_path / "ref")
   with pytest.raises(ValueError, match=r"KL reference .*ref does not have the policy's architecture \(vocab_size: "
                                        r"policy 67, reference 16; hidden_size: policy 32, reference 16"):
-    _reference_params(str(tmp_path / "ref"), other.replace(vocab_size=67, hidden_size=32, intermediate_size=32))
+    hf.load_reference_params(str(tmp_path / "ref"), other.replace(vocab_size=67, hidden_size=32, intermediate_size=32))
   import jax
 
   from llamarl_jax.model.llama import split_params
 
   model = Llama(other, rngs=nnx.Rngs(params=0))
-  same = _reference_params(str(tmp_path / "ref"), other)  # the same architecture loads: the saved weights
+  same = hf.load_reference_params(str(tmp_path / "ref"), other)  # the same architecture loads: the saved weights
   for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(split_params(model)[1])):
     assert a.shape == b.shape and float(abs(a - b).max()) == 0.0
 

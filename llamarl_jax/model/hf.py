@@ -11,6 +11,7 @@ that `transformers.AutoModelForCausalLM.from_pretrained` loads, atomically (temp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -360,3 +361,16 @@ def check_tokenizer_matches(tokenizer, config: ModelConfig) -> None:
   if n > config.vocab_size:
     raise CheckpointError(f"tokenizer has {n} tokens but the model's vocab_size is {config.vocab_size}: "
                           "tokenizer/model mismatch")
+
+
+def load_reference_params(path: str, config: ModelConfig) -> Any:
+  """Params of the KL reference policy from an HF checkpoint directory (same architecture as the policy)."""
+  ref_config, model = load_hf_checkpoint(path)
+  fields = [f.name for f in dataclasses.fields(config) if f.name not in ("param_dtype", "dtype")]
+  diff = [f"{f}: policy {getattr(config, f)}, reference {getattr(ref_config, f)}" for f in fields
+          if getattr(config, f) != getattr(ref_config, f)]
+  if diff:
+    raise ValueError(f"the KL reference {path} does not have the policy's architecture ({'; '.join(diff)}); "
+                     "give a checkpoint of the same model, or leave TrainConfig.reference_path unset to use "
+                     "the initial policy")
+  return split_params(model)[1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from llamarl_jax.schedule import prune_kept
 
@@ -151,3 +151,10 @@ def show_progress(bar, metrics: dict) -> None:
                   lag=f"{metrics['policy/lag_mean']:.1f}",
                   gen_tok_s=f"{metrics.get('throughput/gen_tokens_per_s', 0):.0f}")
   bar.update(1)
+
+
+def overlap_seconds(timeline: Sequence[tuple[str, float, float]], a: str, b: str) -> float:
+  """Seconds during which an `a` interval and a `b` interval of `timeline` ran at the same time."""
+  spans_a = [(s, e) for name, s, e in timeline if name == a]
+  spans_b = [(s, e) for name, s, e in timeline if name == b]
+  return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in spans_a for s2, e2 in spans_b)
