@@ -78,7 +78,7 @@ RANGES: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "top_k": at_least(0), "reward_timeout_s": above(0.0), "checkpoint_every": at_least(0),
         "generator_delay_s": at_least(0.0), "step_timeout_s": above(0.0), "seed": at_least(0),
         "generator_dtype": one_of("float32", "bfloat16", "float16"), "quantize": one_of(None, "int8"),
-        "loss": one_of("aipo", "ppo_clip"),
+        "loss": one_of("aipo", "ppo_clip", "gspo", "cispo", "seq_tis", "mis"),
         "advantage_estimator": one_of("group_mean", "grpo", "rloo"),
         "version_schedule": one_of("fixed", "latest"), "loss_kwargs": _loss_kwargs_rule,
     },
