@@ -54,7 +54,7 @@ from llamarl_jax.checkpoint import Checkpointer
 from llamarl_jax.executors.generator import (VERSION_SCHEDULES, Generated, GeneratorExecutor, Timer,
                                              encode_prompts, scheduled_version)
 from llamarl_jax.executors.reward import RewardExecutor
-from llamarl_jax.executors.scoring import decode_responses, score_generated
+from llamarl_jax.executors.scoring import OverlongShaping, decode_responses, score_generated
 from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
 from llamarl_jax.executors.weight_sync import WeightSync
 from llamarl_jax.generation.engine import SlotEngine, version_metrics
@@ -103,6 +103,7 @@ class Controller:
                top_k: int = 0,
                max_new_tokens: int = 16,
                advantage_estimator: str = "group_mean",
+               overlong: OverlongShaping | None = None,
                loss: str = "aipo",
                loss_kwargs: dict | None = None,
                reference_path: str | None = None,
@@ -156,6 +157,10 @@ class Controller:
     self.prompts_per_step = prompts_per_step
     self.samples_per_prompt = samples_per_prompt
     self.advantage_estimator = advantage_estimator
+    self.overlong = overlong or OverlongShaping()  # DAPO's length penalty / truncation mask; off by default
+    if self.overlong.buffer_len > max_new_tokens:
+      raise ValueError(f"OverlongShaping.buffer_len ({self.overlong.buffer_len}) must be <= max_new_tokens "
+                       f"({max_new_tokens}): the penalty zone is the last buffer_len tokens before the limit")
     self.seed = seed
     self.checkpoint_every = checkpoint_every
     self.step_timeout_s = step_timeout_s
@@ -314,7 +319,9 @@ class Controller:
         self._reward_status = (f"scoring batch {item.index}", time.monotonic())
         scored, metrics, texts = score_generated(item, self.reward, self.tokenizer,
                                                  samples_per_prompt=self.samples_per_prompt,
-                                                 advantage_estimator=self.advantage_estimator)
+                                                 advantage_estimator=self.advantage_estimator,
+                                                 overlong=self.overlong,
+                                                 max_new_tokens=self.sampling.max_new_tokens)
         t2 = time.perf_counter()
         with self._lock:
           self._reward_timer.wait += t1 - t0
@@ -347,7 +354,8 @@ class Controller:
         "rollout": {"prompts_per_step": self.prompts_per_step, "samples_per_prompt": self.samples_per_prompt,
                     "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
                     "top_k": self.sampling.top_k, "max_new_tokens": self.sampling.max_new_tokens,
-                    "advantage_estimator": self.advantage_estimator, "seed": self.seed},
+                    "advantage_estimator": self.advantage_estimator, "seed": self.seed,
+                    **({"overlong": dataclasses.asdict(self.overlong)} if self.overlong.enabled else {})},
         "generator": {"dtype": str(self.generator_dtype), "quantize": self.quantize},
         "reward": self.reward_name,
         "mesh": {"trainer": dict(self.trainer_mesh.shape), "generator": dict(self.generator_mesh.shape),

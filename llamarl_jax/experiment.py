@@ -24,6 +24,7 @@ from llamarl_jax.checkpoint import latest_complete_step
 from llamarl_jax.config_check import check_bindings
 from llamarl_jax.controller import Controller
 from llamarl_jax.data import PromptSource
+from llamarl_jax.executors.scoring import OverlongShaping
 from llamarl_jax.executors.trainer import OptimizerConfig, token_logprobs
 from llamarl_jax.metrics import START, MetricsLogger
 from llamarl_jax.model import hf
@@ -32,6 +33,7 @@ from llamarl_jax.model.llama import Llama, ModelConfig, split_params
 gin.external_configurable(ModelConfig, "ModelConfig")
 gin.external_configurable(PromptSource, "PromptSource")
 gin.external_configurable(OptimizerConfig, "OptimizerConfig")
+gin.external_configurable(OverlongShaping, "OverlongShaping")
 
 
 def configured_prompt_source() -> PromptSource:

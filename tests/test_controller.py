@@ -266,3 +266,24 @@ def test_slot_engine_swaps_weights_mid_sequence_within_the_lag_bound(policy, tok
   assert [m["policy/lag_max"] for m in steps] == [0, 1, 1]
   assert steps[2]["generate/swaps_per_sequence"] > 0 and 0 < steps[2]["policy/lag_mean"] < 1
   assert all(m["buffer/dropped_stale"] == 0 for m in steps)
+
+
+def test_overlong_shaping_and_a_sequence_level_loss_through_the_controller(policy, tokenizer, tmp_path):
+  """DAPO's length penalty and truncation mask reach the rewards, the trainer's tokens and the
+  metrics; a new loss (GSPO) is chosen by name. The tiny random policy rarely stops before
+  max_new_tokens = 6, so most rows are truncated (all masked is allowed: loss and gradient 0)."""
+  from llamarl_jax.executors.scoring import OverlongShaping
+
+  c, steps = run(policy, tokenizer, tmp_path, 2, max_policy_lag=0, loss="gspo",
+                 loss_kwargs={"eps_low": 0.2, "eps_high": 0.28},
+                 overlong=OverlongShaping(buffer_len=3, mask_truncated=True))
+  for m in steps:
+    assert m["reward/frac_truncated_masked"] == m["generate/frac_truncated"]
+    np.testing.assert_allclose(m["reward/shaped_mean"], m["reward/mean"] + m["reward/overlong_penalty_mean"],
+                               rtol=1e-6, atol=1e-7)
+    assert m["reward/overlong_penalty_mean"] <= -m["generate/frac_truncated"] + 1e-7  # truncated: -1 each
+    assert np.isfinite(m["loss/total"]) and "policy/frac_clipped" in m
+    assert m["policy/num_tokens"] == m["train/tokens"]
+  assert c.run_config()["rollout"]["overlong"] == {"buffer_len": 3, "penalty_factor": 1.0, "mask_truncated": True}
+  with pytest.raises(ValueError, match=r"buffer_len \(7\) must be <= max_new_tokens \(6\)"):
+    make_controller(policy, tokenizer, tmp_path, overlong=OverlongShaping(buffer_len=7))

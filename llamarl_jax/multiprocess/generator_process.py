@@ -67,10 +67,10 @@ def run(c, num_steps: int) -> list[dict]:
       reward_timer.wait += t1 - t0
       reward_timer.busy += t2 - t1
       c._timeline.append(("reward", t1, t2))
-      lag = version_metrics(item.rollout.token_versions, item.rollout.response_mask, item.index)
+      lag = version_metrics(scored.rollout.token_versions, scored.rollout.response_mask, item.index)
       last_state["data"] = item.data_state
       meta = {"metrics": metrics, "data_state": item.data_state, "lag": lag,
-              "tokens": float(np.sum(item.rollout.response_mask)), "texts": texts[:2],
+              "tokens": float(np.sum(scored.rollout.response_mask)), "texts": texts[:2],
               "generator_times": list(c.generator.timer.take()), "reward_times": list(reward_timer.take())}
       arrays = batch_arrays(scored)
       meta["shapes"] = {k: list(a.shape) for k, a in arrays.items()}
@@ -137,5 +137,6 @@ def _score_share(c, mp, run_id: int, item: Generated):
     for k, v in share["counts"].items():
       total[k] = total.get(k, 0.0) + v
   scored, metrics = scored_from_rewards(item, np.asarray(all_rewards, np.float32), total,
-                                        advantage_estimator=c.advantage_estimator)
+                                        advantage_estimator=c.advantage_estimator, overlong=c.overlong,
+                                        max_new_tokens=c.sampling.max_new_tokens)
   return scored, metrics, texts
