@@ -88,6 +88,7 @@ RANGES: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "b2": between(0.0, 1.0), "eps": above(0.0), "final_lr_ratio": between(0.0, 1.0),
     },
     "OverlongShaping": {"buffer_len": at_least(0), "penalty_factor": at_least(0.0)},
+    "DynamicSampling": {"max_draws": at_least(1)},
     "run_experiment": {"rl_steps": at_least(0), "eval_size": at_least(0),  # eval_size 0 skips the evaluations
                        "eval_every": at_least(0), "eval_samples": at_least(0), "eval_window": at_least(1)},
     "supervised_warmstart": {"steps": at_least(0), "batch_size": at_least(1), "learning_rate": above(0.0),

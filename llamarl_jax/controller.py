@@ -51,8 +51,8 @@ import numpy as np
 from llamarl_jax import distributed, parallel
 from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
 from llamarl_jax.checkpoint import Checkpointer
-from llamarl_jax.executors.generator import (VERSION_SCHEDULES, Generated, GeneratorExecutor, Timer,
-                                             encode_prompts, scheduled_version)
+from llamarl_jax.executors.generator import (VERSION_SCHEDULES, DynamicSampling, Generated, GeneratorExecutor,
+                                             Timer, encode_prompts, scheduled_version)
 from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.executors.scoring import OverlongShaping, decode_responses, score_generated
 from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
@@ -104,6 +104,7 @@ class Controller:
                max_new_tokens: int = 16,
                advantage_estimator: str = "group_mean",
                overlong: OverlongShaping | None = None,
+               dynamic_sampling: DynamicSampling | None = None,
                loss: str = "aipo",
                loss_kwargs: dict | None = None,
                reference_path: str | None = None,
@@ -157,6 +158,7 @@ class Controller:
     self.prompts_per_step = prompts_per_step
     self.samples_per_prompt = samples_per_prompt
     self.advantage_estimator = advantage_estimator
+    self.dynamic_sampling = dynamic_sampling  # DAPO's: redraw groups whose rewards are all equal; off by default
     self.overlong = overlong or OverlongShaping()  # DAPO's length penalty / truncation mask; off by default
     if self.overlong.buffer_len > max_new_tokens:
       raise ValueError(f"OverlongShaping.buffer_len ({self.overlong.buffer_len}) must be <= max_new_tokens "
@@ -258,7 +260,9 @@ class Controller:
                                          prompts_per_step=prompts_per_step, max_policy_lag=max_policy_lag,
                                          version_schedule=version_schedule, seed=seed,
                                          delay_s=generator_delay_s,
-                                         device_turn=self._device_turn if colocated else None, engine=self.engine)
+                                         device_turn=self._device_turn if colocated else None, engine=self.engine,
+                                         dynamic_sampling=dynamic_sampling,
+                                         score=self.reward.score if dynamic_sampling else None)
     self.history: list[dict] = []
     # (executor, start, end) perf_counter intervals of real work: "reward", "train" (train includes the
     # weight sync); `timeline` adds the generator's "generate" intervals. Tests and
@@ -355,7 +359,9 @@ class Controller:
                     "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
                     "top_k": self.sampling.top_k, "max_new_tokens": self.sampling.max_new_tokens,
                     "advantage_estimator": self.advantage_estimator, "seed": self.seed,
-                    **({"overlong": dataclasses.asdict(self.overlong)} if self.overlong.enabled else {})},
+                    **({"overlong": dataclasses.asdict(self.overlong)} if self.overlong.enabled else {}),
+                    **({"dynamic_sampling": dataclasses.asdict(self.dynamic_sampling)}
+                       if self.dynamic_sampling else {})},
         "generator": {"dtype": str(self.generator_dtype), "quantize": self.quantize},
         "reward": self.reward_name,
         "mesh": {"trainer": dict(self.trainer_mesh.shape), "generator": dict(self.generator_mesh.shape),

@@ -24,6 +24,7 @@ from llamarl_jax.checkpoint import latest_complete_step
 from llamarl_jax.config_check import check_bindings
 from llamarl_jax.controller import Controller
 from llamarl_jax.data import PromptSource
+from llamarl_jax.executors.generator import DynamicSampling
 from llamarl_jax.executors.scoring import OverlongShaping
 from llamarl_jax.executors.trainer import OptimizerConfig, token_logprobs
 from llamarl_jax.metrics import START, MetricsLogger
@@ -34,6 +35,7 @@ gin.external_configurable(ModelConfig, "ModelConfig")
 gin.external_configurable(PromptSource, "PromptSource")
 gin.external_configurable(OptimizerConfig, "OptimizerConfig")
 gin.external_configurable(OverlongShaping, "OverlongShaping")
+gin.external_configurable(DynamicSampling, "DynamicSampling")
 
 
 def configured_prompt_source() -> PromptSource:

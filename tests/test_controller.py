@@ -287,3 +287,52 @@ def test_overlong_shaping_and_a_sequence_level_loss_through_the_controller(polic
   assert c.run_config()["rollout"]["overlong"] == {"buffer_len": 3, "penalty_factor": 1.0, "mask_truncated": True}
   with pytest.raises(ValueError, match=r"buffer_len \(7\) must be <= max_new_tokens \(6\)"):
     make_controller(policy, tokenizer, tmp_path, overlong=OverlongShaping(buffer_len=7))
+
+
+def _parity(response_text, ground_truth):
+  """A reward with signal for an untrained policy: 1 for an odd response length."""
+  return float(len(response_text) % 2)
+
+
+def test_dynamic_sampling_trains_informative_groups_and_resumes_exactly(policy, tokenizer, tmp_path):
+  """DAPO's dynamic sampling (static engine, lag 1): every trained batch holds prompts_per_step groups,
+  informative ones first (all of them unless max_draws ran out), the metrics say how many were dropped,
+  and a run resumed from its step-2 checkpoint repeats the uninterrupted run's metrics exactly (the
+  extra draws' prompts, seeds and versions are a function of the batch index)."""
+  from llamarl_jax.executors.generator import DynamicSampling
+
+  kw = dict(max_policy_lag=1, seed=3, generator_engine="static", dynamic_sampling=DynamicSampling(max_draws=3))
+  reward = lambda: RewardExecutor(_parity, inline=True)  # noqa: E731
+  c = make_controller(policy, tokenizer, tmp_path / "full", reward=reward(), **kw)
+  batches = []
+  step = c.trainer.step
+  c.trainer.step = lambda b: (batches.append(b), step(b))[1]
+  try:
+    full = c.run(4)
+  finally:
+    c.close()
+  for m, b in zip(full, batches):
+    r = np.asarray(b.rewards).reshape(4, 2)
+    informative = r.max(1) > r.min(1)
+    assert informative.sum() == 4 * (1 - m["dynamic_sampling/frac_groups_uninformative"])
+    assert list(informative) == sorted(informative, reverse=True)  # informative groups come first
+    assert 1 <= m["dynamic_sampling/draws"] <= 3 and 0 <= m["dynamic_sampling/drop_rate"] < 1
+  assert any(m["dynamic_sampling/drop_rate"] > 0 for m in full)  # the parity reward leaves some groups flat
+  assert any(m["dynamic_sampling/draws"] > 1 for m in full)
+  assert c.run_config()["rollout"]["dynamic_sampling"] == {"max_draws": 3}
+
+  first = make_controller(policy, tokenizer, tmp_path / "resumed", reward=reward(), checkpoint_every=2, **kw)
+  try:
+    head = first.run(2)
+  finally:
+    first.close()
+  second = make_controller(policy, tokenizer, tmp_path / "resumed", reward=reward(), checkpoint_every=2, **kw)
+  try:
+    assert second.restore_checkpoint() == 2
+    rest = second.run(2)
+  finally:
+    second.close()
+  for a, b in zip(full, head + rest):
+    assert schedule_metrics(a) == schedule_metrics(b)
+  with pytest.raises(ValueError, match="dynamic sampling needs the static engine"):
+    make_controller(policy, tokenizer, tmp_path / "slots", dynamic_sampling=DynamicSampling())

@@ -1,4 +1,5 @@
-"""The reward step's DAPO options: overlong reward shaping and masking truncated responses.
+"""The data path's DAPO options: overlong reward shaping, masking truncated responses, and dynamic
+sampling's pure parts (which groups are informative, which are kept, how a batch is assembled).
 
 Pure host numpy; no model. Rewards and advantages are float32; "exactly" means ==.
 """
@@ -7,7 +8,8 @@ import numpy as np
 import pytest
 
 from llamarl_jax.advantages import compute_advantages
-from llamarl_jax.executors.generator import Generated
+from llamarl_jax.executors.generator import (DynamicSampling, Generated, batch_seed, draw_seed,
+                                             informative_groups, pick_groups, take_groups)
 from llamarl_jax.executors.scoring import OverlongShaping, overlong_penalty, scored_from_rewards
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 
@@ -118,3 +120,43 @@ def test_length_penalty_needs_the_sampling_limit():
   with pytest.raises(ValueError, match="needs max_new_tokens"):
     scored_from_rewards(generated(LENGTHS, FINISH), REWARDS, {}, advantage_estimator="group_mean",
                         overlong=OverlongShaping(buffer_len=2))
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+
+
+def test_informative_groups_are_those_whose_rewards_differ():
+  rewards = [1, 1, 0, 1, 0.5, 0.5, 0, 0]  # 4 groups of 2
+  np.testing.assert_array_equal(informative_groups(rewards, 4, 2), [False, True, False, False])
+
+
+def test_pick_groups_takes_informative_groups_in_draw_order_then_fills():
+  draws = [np.array([False, True, False]), np.array([True, True, False])]
+  assert pick_groups(draws, 2) == [(0, 1), (1, 0)]
+  # Not enough informative groups after the last draw: the uninformative ones complete the batch.
+  assert pick_groups(draws, 5) == [(0, 1), (1, 0), (1, 1), (0, 0), (0, 2)]
+
+
+def test_take_groups_assembles_rows_renumbers_groups_and_left_pads_prompts():
+  a = generated([3, 8, 7, 5], [S, L, S, S]).rollout                # 2 groups, prompt width 2
+  b = generated([1, 2, 3, 4, 5, 6], [S] * 6, rewards_groups=3).rollout
+  b = b.replace(prompt_tokens=np.full((6, 4), 9, np.int32), prompt_mask=np.ones((6, 4), np.int32))
+  out = take_groups([a, b], [(1, 2), (0, 0)], samples_per_prompt=2, pad_id=0)
+  np.testing.assert_array_equal(out.lengths, [5, 6, 3, 8])
+  np.testing.assert_array_equal(out.group_ids, [0, 0, 1, 1])
+  np.testing.assert_array_equal(out.prompt_tokens[2:], [[0, 0, 1, 1]] * 2)  # width 2 -> 4, left-padded
+  np.testing.assert_array_equal(out.prompt_mask[2:], [[0, 0, 1, 1]] * 2)
+  np.testing.assert_array_equal(out.response_mask[:2], b.response_mask[4:])
+  np.testing.assert_array_equal(out.finish_reason, [S, S, S, L])
+
+
+def test_draw_seeds_are_the_batch_seed_then_distinct():
+  assert draw_seed(3, 7, 0) == batch_seed(3, 7)  # draw 0 samples what a run without dynamic sampling does
+  seeds = {draw_seed(3, k, d) for k in range(50) for d in range(4)}
+  assert len(seeds) == 200 and max(seeds) < 2**31
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_dynamic_sampling_validates(value):
+  with pytest.raises(ValueError, match="max_draws must be an int >= 1"):
+    DynamicSampling(max_draws=value)

@@ -71,8 +71,11 @@ def score_generated(item, reward, tokenizer, *, samples_per_prompt: int, advanta
                     max_new_tokens: int | None = None) -> tuple[ScoredBatch, dict, list[str]]:
   """Score a `Generated` batch with a RewardExecutor: (ScoredBatch, reward metrics, decoded texts)."""
   texts = decode_responses(tokenizer, item.rollout)
-  truths = [ex.ground_truth for ex in item.examples for _ in range(samples_per_prompt)]
-  rewards, reward_metrics = reward.score(texts, truths)
+  if item.rewards is not None:  # scored in the generator loop (dynamic sampling)
+    rewards, reward_metrics = item.rewards, item.reward_metrics
+  else:
+    truths = [ex.ground_truth for ex in item.examples for _ in range(samples_per_prompt)]
+    rewards, reward_metrics = reward.score(texts, truths)
   scored, metrics = scored_from_rewards(item, rewards, reward_metrics, advantage_estimator=advantage_estimator,
                                         overlong=overlong, max_new_tokens=max_new_tokens)
   return scored, metrics, texts

@@ -121,6 +121,11 @@ def _score_share(c, mp, run_id: int, item: Generated):
   n, num_prompts = c.samples_per_prompt, len(item.examples)
   gens = mp.roles.generator
   texts = decode_responses(c.tokenizer, item.rollout)
+  if item.rewards is not None:  # dynamic sampling: every generator process scored every row already
+    scored, metrics = scored_from_rewards(item, item.rewards, item.reward_metrics,
+                                          advantage_estimator=c.advantage_estimator, overlong=c.overlong,
+                                          max_new_tokens=c.sampling.max_new_tokens)
+    return scored, metrics, texts
   mine = share_rows(num_prompts, len(gens), mp.generator_rank)
   rows = slice(mine.start * n, mine.stop * n)
   truths = [ex.ground_truth for ex in item.examples[mine] for _ in range(n)]
