@@ -78,7 +78,8 @@ class DynamicSampling:
   Every draw of batch k uses batch k's policy version and the seed `draw_seed(seed, k, draw)`; prompts
   come from the one prompt source in order, so the run stays a pure function of the seed, and the
   data position recorded with batch k is the one after its last draw (resume). Rewards are scored in
-  the generator loop (every generator process scores every row) and travel with the batch.
+  the generator loop (every generator process scores every row; the time counts as generation) and
+  travel with the batch. Draws follow one another: a draw starts once the previous one is scored.
   """
 
   max_draws: int = 4
@@ -109,7 +110,8 @@ def take_groups(rollouts: list, picks: list[tuple[int, int]], samples_per_prompt
   n = samples_per_prompt
   parts = []
   for new_id, (d, g) in enumerate(picks):
-    r = jax.tree.map(lambda x: np.asarray(x)[g * n:(g + 1) * n], rollouts[d])
+    rows = slice(g * n, (g + 1) * n)
+    r = jax.tree.map(lambda x, rows=rows: np.asarray(x)[rows], rollouts[d])
     extra = width - r.prompt_tokens.shape[1]
     r = r.replace(prompt_tokens=np.pad(r.prompt_tokens, ((0, 0), (extra, 0)), constant_values=pad_id),
                   prompt_mask=np.pad(r.prompt_mask, ((0, 0), (extra, 0))),
