@@ -43,6 +43,10 @@ def at_least(lo) -> Rule:
   return lambda v: None if v >= lo else f">= {lo}"
 
 
+def int_at_least(lo) -> Rule:
+  return lambda v: None if isinstance(v, int) and not isinstance(v, bool) and v >= lo else f"an int >= {lo}"
+
+
 def above(lo) -> Rule:
   return lambda v: None if v > lo else f"> {lo}"
 
@@ -110,9 +114,51 @@ class MeshConfig(_Validated):
 
 
 @dataclass(frozen=True)
+class OverlongShaping(_Validated):
+  """DAPO's overlong reward shaping and overlong filtering (Yu et al. 2025, arXiv:2503.14476, sec. 3.4).
+
+  buffer_len: L_cache, the soft-penalty zone: responses longer than max_new_tokens - buffer_len get
+    `scoring.overlong_penalty` added to their reward (0 = off). DAPO used L_max = 20480, L_cache = 4096.
+  penalty_factor: scales the penalty (verl's `overlong_buffer.penalty_factor`; DAPO: 1).
+  mask_truncated: responses cut at max_new_tokens (finish reason "length") get a zero response mask,
+    so they carry no loss and do not count in its normaliser (DAPO's overlong filtering); they still
+    count in their group's advantage statistics. Lag metrics are then over the trained tokens.
+  The default is off: rewards and masks unchanged.
+  """
+  buffer_len: int = 0
+  penalty_factor: float = 1.0
+  mask_truncated: bool = False
+  RULES: ClassVar = {"buffer_len": int_at_least(0), "penalty_factor": at_least(0.0)}
+
+  @property
+  def enabled(self) -> bool:
+    return self.buffer_len > 0 or self.mask_truncated
+
+
+@dataclass(frozen=True)
+class DynamicSampling(_Validated):
+  """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, eq. 11): drop the groups whose
+  rewards are all equal (zero advantage under group-relative estimators: no signal) and keep drawing
+  prompts until the batch holds prompts_per_step informative groups.
+
+  max_draws: draws of prompts_per_step prompts per batch at most (the first included, >= 1). When they
+    run out, the batch is completed with uninformative groups in draw order (the trainer's shapes are
+    fixed), counted in dynamic_sampling/frac_groups_uninformative.
+  Every draw of batch k uses batch k's policy version and the seed `draw_seed(seed, k, draw)`; prompts
+  come from the one prompt source in order, so the run stays a pure function of the seed, and the
+  data position recorded with batch k is the one after its last draw (resume). Rewards are scored in
+  the generator loop (every generator process scores every row; the time counts as generation) and
+  travel with the batch. Draws follow one another: a draw starts once the previous one is scored.
+  """
+  max_draws: int = 4
+  RULES: ClassVar = {"max_draws": int_at_least(1)}
+
+
+@dataclass(frozen=True)
 class RolloutConfig(_Validated):
   """Per step: `prompts_per_step` prompts x `samples_per_prompt` samples, sampled with these settings;
-  advantages by `advantage_estimator` (advantages.py). `seed` fixes every batch's sampling noise."""
+  advantages by `advantage_estimator` (advantages.py). `seed` fixes every batch's sampling noise.
+  DAPO's `overlong` reward shaping and `dynamic_sampling` (None: off) shape what a batch holds."""
   prompts_per_step: int = 8
   samples_per_prompt: int = 4
   temperature: float = 1.0
@@ -121,6 +167,8 @@ class RolloutConfig(_Validated):
   max_new_tokens: int = 16
   advantage_estimator: str = "group_mean"
   seed: int = 0
+  overlong: OverlongShaping = field(default_factory=OverlongShaping)
+  dynamic_sampling: DynamicSampling | None = None
   RULES: ClassVar = {
       "prompts_per_step": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0.0),
       "top_p": between(0.0, 1.0, lo_open=True), "top_k": at_least(0), "seed": at_least(0),
@@ -131,6 +179,13 @@ class RolloutConfig(_Validated):
   @property
   def rows(self) -> int:
     return self.prompts_per_step * self.samples_per_prompt
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.overlong.buffer_len > self.max_new_tokens:
+      raise ConfigError(f"OverlongShaping.buffer_len ({self.overlong.buffer_len}) must be <= "
+                        f"RolloutConfig.max_new_tokens ({self.max_new_tokens}): the penalty zone is the last "
+                        "buffer_len tokens before the limit")
 
 
 @dataclass(frozen=True)
@@ -284,7 +339,9 @@ class RunConfig(_Validated):
         "rollout": {"prompts_per_step": r.prompts_per_step, "samples_per_prompt": r.samples_per_prompt,
                     "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                     "max_new_tokens": r.max_new_tokens, "advantage_estimator": r.advantage_estimator,
-                    "seed": r.seed},
+                    "seed": r.seed,
+                    **({"overlong": dataclasses.asdict(r.overlong)} if r.overlong.enabled else {}),
+                    **({"dynamic_sampling": dataclasses.asdict(r.dynamic_sampling)} if r.dynamic_sampling else {})},
         "generator": {"dtype": str(g.dtype), "quantize": g.quantize},
         "reward": self.reward.name,
         "trainer": {"microbatches": self.train.microbatches, "remat": self.train.remat},
@@ -300,7 +357,7 @@ SECTIONS = {"mesh": MeshConfig, "rollout": RolloutConfig, "generator": Generator
 LEGACY_KEYS: dict[str, tuple[str, str]] = {
     **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated")},
     **{k: ("rollout", k) for k in ("prompts_per_step", "samples_per_prompt", "temperature", "top_p", "top_k",
-                                   "max_new_tokens", "advantage_estimator", "seed")},
+                                   "max_new_tokens", "advantage_estimator", "seed", "overlong", "dynamic_sampling")},
     "generator_engine": ("generator", "engine"), "engine_slots": ("generator", "slots"),
     "engine_chunk_steps": ("generator", "chunk_steps"), "engine_max_prompt_len": ("generator", "max_prompt_len"),
     "engine_recompute_kv": ("generator", "recompute_kv"), "generator_dtype": ("generator", "dtype"),

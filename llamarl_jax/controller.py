@@ -120,7 +120,8 @@ class Controller:
                                        max_policy_lag=config.schedule.max_policy_lag,
                                        version_schedule=config.schedule.version_schedule, seed=r.seed,
                                        delay_s=g.delay_s, device_turn=ex.device_turn if config.mesh.colocated else None,
-                                       engine=engine)
+                                       engine=engine, dynamic_sampling=r.dynamic_sampling,
+                                       score=ex.reward.score if r.dynamic_sampling else None)
     if multi:
       from llamarl_jax.multiprocess.protocol import Context
       from llamarl_jax.transfer import WeightPlan

@@ -32,7 +32,7 @@ from llamarl_jax.model.llama import Llama, ModelConfig, abstract_model, split_pa
 
 gin.external_configurable(ModelConfig, "ModelConfig")
 gin.external_configurable(PromptSource, "PromptSource")
-for _cls in (*cfg.SECTIONS.values(), cfg.OptimizerConfig):  # MeshConfig, RolloutConfig, ..., OptimizerConfig
+for _cls in (*cfg.SECTIONS.values(), cfg.OptimizerConfig, cfg.OverlongShaping, cfg.DynamicSampling):
   gin.external_configurable(_cls, _cls.__name__)
 
 

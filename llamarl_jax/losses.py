@@ -33,8 +33,11 @@ valid tokens only, and are 0 when there is none):
   loss/kl                 kl_coef * aggregated KL-to-reference      (only with ref_logprobs)
   loss/entropy            -entropy_coef * aggregated entropy        (only with entropy)
   policy/ratio_mean|max|min  statistics of the importance ratio the loss truncates or clips
-                          (pi/mu for aipo and ppo_clip, pi/pi_prox for decoupled_ppo)
-  policy/frac_truncated   fraction of tokens whose weight hit rho_max (aipo, decoupled_ppo)
+                          (pi/mu for aipo, ppo_clip, cispo, seq_tis and mis; pi/pi_prox for
+                          decoupled_ppo; the sequence ratio s_i of each token's sequence for gspo)
+  policy/frac_truncated   fraction of tokens whose weight hit its upper bound (aipo, decoupled_ppo,
+                          cispo: 1 + eps_high, seq_tis: the sequence weight hit is_threshold)
+  policy/frac_truncated_low  fraction of tokens whose weight was raised to 1 - eps_low (cispo)
   policy/frac_clipped     fraction of tokens where the PPO clip is active, i.e. zero gradient
                           (ppo_clip, decoupled_ppo); split into policy/frac_clipped_low (A < 0,
                           ratio < 1 - eps_low) and policy/frac_clipped_high (A > 0, ratio > 1 + eps_high)
@@ -44,6 +47,15 @@ valid tokens only, and are 0 when there is none):
   policy/entropy          mean per-token entropy                    (only with entropy)
   policy/num_tokens       number of valid tokens
   policy/num_seqs         number of sequences with at least one valid token
+  rollout_corr/*          the rollout-correction statistics of seq_tis and mis, named as verl's
+                          `rollout_corr` metrics (see those functions)
+
+Every metric above is a mean over valid tokens, a max / min, or a count, except the names in
+`SEQUENCE_METRICS`: means over the sequences with at least one valid token (to combine
+microbatches, weight those by policy/num_seqs, the others by policy/num_tokens).
+
+Sequence-level quantities (gspo, seq_tis, mis) reduce over the `seq` axis of each row, so a row must
+never be split across microbatches (splitting the batch axis is fine).
 
 For numerical safety, log-ratios are clipped to +-20 before exponentiation (a ratio beyond
 e^20 ~ 5e8 is treated as e^20; its gradient is then 0 in the ratio-through-clamp/PPO forms).
@@ -65,6 +77,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 AIPO_FORMS = ("detached", "clamped")
 DEFAULT_RHO_MAX = 2.0
 LOG_RATIO_LIMIT = 20.0
+MIS_LEVELS = ("token", "sequence", "geometric")
+# Metrics that are means over sequences (not tokens): combine microbatches weighted by policy/num_seqs.
+SEQUENCE_METRICS = frozenset({"rollout_corr/rollout_rs_seq_masked_fraction"})
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -243,6 +258,24 @@ def _reduce_token_metrics(stats: dict[str, tuple[str, Array]], valid: Array) -> 
   return out
 
 
+def _sequence_log_ratio(log_ratio: Array, valid: Array, *, geometric: bool) -> Array:
+  """Per row `[B, 1]`: log prod_t r_t (sum over valid tokens) or, geometric, its mean over them.
+
+  Clipped to +-LOG_RATIO_LIMIT like every log-ratio here; rows without valid tokens give 0 (ratio 1).
+  """
+  total = jnp.sum(jnp.where(valid, log_ratio, 0.0), axis=-1, keepdims=True)
+  if geometric:
+    total = total / jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)
+  return jnp.clip(total, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def _sequence_mean(values: Array, valid: Array) -> Array:
+  """Mean of per-row `values` `[B]` over the rows with at least one valid token; 0 when none."""
+  has = jnp.any(valid, axis=-1)
+  values = jax.lax.stop_gradient(jnp.asarray(values, jnp.float32))
+  return jnp.sum(jnp.where(has, values, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+
 def _ratio_stats(log_ratio: Array) -> dict[str, tuple[str, Array]]:
   ratio = jnp.exp(log_ratio)
   return {"policy/ratio_mean": ("mean", ratio), "policy/ratio_max": ("max", ratio),
@@ -417,13 +450,233 @@ def decoupled_ppo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: A
                  loss_norm_constant=loss_norm_constant)
 
 
+def gspo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
+              eps_low: float = 3e-4,
+              eps_high: float = 4e-4,
+              ref_logprobs: Array | None = None,
+              kl_coef: float = 0.0,
+              kl_estimator: str = "k3",
+              entropy: Array | None = None,
+              entropy_coef: float = 0.0,
+              aggregation: str = "token_mean",
+              loss_norm_constant: float | None = None) -> tuple[Array, dict[str, Array]]:
+  """GSPO, Group Sequence Policy Optimization (Zheng et al., Qwen 2025, arXiv:2507.18071).
+
+  One importance ratio per sequence, the geometric mean of its token ratios (length-normalised):
+      s_i = (pi(y_i) / mu(y_i))^(1/|y_i|) = exp( (1/|y_i|) sum_{t valid} log(pi_t / mu_t) )
+  clipped per sequence PPO-style. We use the paper's GSPO-token form (its eq. for per-token
+  advantages), s_{i,t} = sg(s_i) * pi_t / sg(pi_t) (equal to s_i in value):
+      l_t = -min(s_{i,t} A_t, clip(s_{i,t}, 1 - eps_low, 1 + eps_high) A_t)
+  so every token of sequence i has the gradient -s_i A_t grad log pi_t (times the aggregation
+  weight), or 0 when sequence i is clipped (A > 0 and s_i > 1 + eps_high, or A < 0 and
+  s_i < 1 - eps_low). With advantages constant over a sequence (per-sequence [B] advantages) this
+  is exactly the gradient of the sequence-level GSPO objective. The paper's setting:
+  eps_low = 3e-4, eps_high = 4e-4 (the defaults: the ratio is a per-token geometric mean, so the
+  range is tiny), aggregation="seq_mean_token_mean" (1/G sum_i over sequences; the default
+  "token_mean" weights each sequence by its length). mu is the behaviour policy (with one
+  optimizer step per batch, the paper's pi_old).
+
+  KL/entropy terms, shapes and aggregation: see `aipo_loss` and the module docstring. Metrics:
+  policy/ratio_* describe s_i (token-weighted mean; max and min over sequences), policy/frac_clipped*
+  the fraction of tokens whose sequence is clipped.
+  """
+  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
+                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
+                       loss_norm_constant=loss_norm_constant, loss_name="gspo_loss")
+  token_log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
+  log_s = _sequence_log_ratio(token_log_ratio, tokens.valid, geometric=True)  # [B, 1]
+  log_s_token = (jax.lax.stop_gradient(log_s)
+                 + tokens.logprobs - jax.lax.stop_gradient(tokens.logprobs))  # value log s_i
+  pg, clip_stats = _clipped_surrogate(log_s_token, tokens.advantages, eps_low, eps_high)
+  stats = {**_ratio_stats(jnp.broadcast_to(log_s, token_log_ratio.shape)), **clip_stats}
+  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                 entropy_coef=entropy_coef, aggregation=aggregation,
+                 loss_norm_constant=loss_norm_constant)
+
+
+def cispo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
+               eps_low: float = 1.0,
+               eps_high: float = 1.0,
+               ref_logprobs: Array | None = None,
+               kl_coef: float = 0.0,
+               kl_estimator: str = "k3",
+               entropy: Array | None = None,
+               entropy_coef: float = 0.0,
+               aggregation: str = "token_mean",
+               loss_norm_constant: float | None = None) -> tuple[Array, dict[str, Array]]:
+  """CISPO, Clipped IS-weight Policy Optimization (MiniMax-M1, 2025, arXiv:2506.13585, eq. 4).
+
+  Clip the importance-sampling weight itself, stop its gradient, and keep every token's gradient:
+      w_t = clip(pi_t / mu_t, 1 - eps_low, 1 + eps_high)
+      l_t = -stop_gradient(w_t) * A_t * log pi_t
+  Unlike PPO / GSPO no token ever loses its gradient (-w_t A_t grad log pi_t always).
+  The paper normalises by the total token count of the group, 1 / sum_i |o_i| (our "token_mean",
+  the default), "did not impose a lower bound on the IS weight" (eps_low large: eps_low = 1 puts
+  the bound at 0, i.e. none; the default) and tuned only eps_high.
+
+  How it differs from `aipo_loss(form="detached")` (LlamaRL's AIPO, w_t = min(pi/mu, rho_max)):
+  the per-token update has the same shape; CISPO bounds the weight on both sides: the upper bound
+  1 + eps_high plays rho_max's role, and eps_low < 1 adds a lower bound 1 - eps_low > 0 that raises
+  the weight of tokens the current policy now finds much less likely than the sampler did (AIPO
+  lets such weights go to 0). The papers also normalise differently: CISPO by the token count of
+  the whole group (token_mean), AIPO's paper states the per-token update and leaves the
+  normaliser open (here both use `aggregation`). So cispo_loss(eps_low=1, eps_high=rho_max - 1)
+  equals aipo_loss(form="detached", rho_max=rho_max) (the defaults: rho_max = 2).
+  eps_low in (0, 1]; eps_high > 0 (float("inf") disables the upper bound).
+
+  KL/entropy terms, shapes, aggregation and metrics: see `aipo_loss` and the module docstring;
+  policy/frac_truncated and policy/frac_truncated_low are the fractions of tokens whose weight hit
+  1 + eps_high and 1 - eps_low.
+  """
+  _check_positive("eps_low", eps_low)
+  _check_positive("eps_high", eps_high)
+  if isinstance(eps_low, (int, float)) and eps_low > 1:
+    raise ValueError(f"eps_low must be in (0, 1] (the weight's lower bound 1 - eps_low >= 0; 1 means "
+                     f"no lower bound), got {eps_low}")
+  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
+                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
+                       loss_norm_constant=loss_norm_constant, loss_name="cispo_loss")
+  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
+  ratio = jnp.exp(log_ratio)
+  low, high = 1.0 - jnp.asarray(eps_low, ratio.dtype), 1.0 + jnp.asarray(eps_high, ratio.dtype)
+  weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))
+  pg = -weight * tokens.advantages * tokens.logprobs
+  stats = {**_ratio_stats(log_ratio), "policy/frac_truncated": ("mean", ratio > high),
+           "policy/frac_truncated_low": ("mean", ratio < low)}
+  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                 entropy_coef=entropy_coef, aggregation=aggregation,
+                 loss_norm_constant=loss_norm_constant)
+
+
+def seq_tis_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
+                 is_threshold: float = 2.0,
+                 ref_logprobs: Array | None = None,
+                 kl_coef: float = 0.0,
+                 kl_estimator: str = "k3",
+                 entropy: Array | None = None,
+                 entropy_coef: float = 0.0,
+                 aggregation: str = "token_mean",
+                 loss_norm_constant: float | None = None) -> tuple[Array, dict[str, Array]]:
+  """Sequence-level truncated importance sampling (verl `rollout_corr`: rollout_is="sequence" with
+  the pure policy-gradient loss, its `pure_is` preset; Liu, Li et al. 2025, "When Speed Kills
+  Stability").
+
+  One weight per sequence, the truncated product of its token ratios (in log space):
+      w_i = min( prod_{t valid} pi_t / mu_t , C ),   C = is_threshold
+      l_t = -stop_gradient(w_i) * A_t * log pi_t
+  Unbiased up to the truncation for sequence-level rewards (the product is the likelihood ratio of
+  the whole response), but its variance grows with length: use it when mu and pi are close (small
+  lag, same precision). The token-level version (rollout_is="token", w_t = min(pi_t/mu_t, C)) is
+  `aipo_loss(form="detached", rho_max=C)`.
+
+  Metrics (verl's names): rollout_corr/rollout_is_mean (the truncated weight, token-weighted),
+  rollout_corr/rollout_is_max|min (the untruncated sequence ratio), rollout_corr/
+  rollout_is_ratio_fraction_high|low (fraction of tokens whose sequence ratio is above C / below
+  1/C; verl counts sequences); policy/frac_truncated = rollout_is_ratio_fraction_high; the rest as
+  in `aipo_loss` (policy/ratio_* describe the token ratios pi/mu).
+  """
+  _check_positive("is_threshold", is_threshold)
+  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
+                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
+                       loss_norm_constant=loss_norm_constant, loss_name="seq_tis_loss")
+  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
+  log_seq = jnp.broadcast_to(_sequence_log_ratio(log_ratio, tokens.valid, geometric=False),
+                             log_ratio.shape)
+  log_c = jnp.log(jnp.asarray(is_threshold, log_ratio.dtype))
+  weight = jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_seq, log_c)))
+  pg = -weight * tokens.advantages * tokens.logprobs
+  seq_ratio = jnp.exp(log_seq)
+  stats = {**_ratio_stats(log_ratio), "policy/frac_truncated": ("mean", log_seq > log_c),
+           "rollout_corr/rollout_is_mean": ("mean", weight),
+           "rollout_corr/rollout_is_max": ("max", seq_ratio),
+           "rollout_corr/rollout_is_min": ("min", seq_ratio),
+           "rollout_corr/rollout_is_ratio_fraction_high": ("mean", log_seq > log_c),
+           "rollout_corr/rollout_is_ratio_fraction_low": ("mean", log_seq < -log_c)}
+  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                 entropy_coef=entropy_coef, aggregation=aggregation,
+                 loss_norm_constant=loss_norm_constant)
+
+
+def mis_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
+             level: str = "sequence",
+             rs_threshold: float = 2.0,
+             rs_threshold_lower: float | None = None,
+             ref_logprobs: Array | None = None,
+             kl_coef: float = 0.0,
+             kl_estimator: str = "k3",
+             entropy: Array | None = None,
+             entropy_coef: float = 0.0,
+             aggregation: str = "token_mean",
+             loss_norm_constant: float | None = None) -> tuple[Array, dict[str, Array]]:
+  """Masked importance sampling: reject the samples whose ratio leaves a band, weight the rest.
+
+  verl `rollout_corr` rejection sampling (rollout_rs = "token" | "sequence" | "geometric",
+  thresholds rollout_rs_threshold / rollout_rs_threshold_lower, default lower = 1/upper) on the
+  pure policy-gradient loss; "MIS" of Liu, Li et al. 2025 ("When Speed Kills Stability"):
+  w * 1{lower <= rho <= upper} instead of TIS's min(w, C). With lo, hi the band:
+      level="token":     rho_t = pi_t / mu_t;                   weight_t = rho_t * keep_t
+      level="sequence":  rho_i = prod_{t valid} pi_t / mu_t;    weight_t = rho_i * keep_i
+      level="geometric": rho_i = (prod_t pi_t / mu_t)^(1/|y_i|); weight_t = keep_i (rejection only,
+                         no IS weight, as verl's geo_rs; use a tight band, e.g. [0.999, 1.001])
+      keep = 1{lo <= rho <= hi};   l_t = -stop_gradient(weight_t) * A_t * log pi_t
+  Rejected tokens get weight 0 but stay in the aggregation's normaliser (the MIS estimator
+  E_mu[rho 1{..} ...]; verl instead drops them from the response mask, which rescales the kept
+  tokens by N / N_kept); this keeps microbatch accumulation exact.
+
+  Metrics (verl's names): rollout_corr/rollout_rs_mean|max|min (rho before masking; mean
+  token-weighted), rollout_corr/rollout_rs_ratio_fraction_high|low (fraction of tokens whose rho is
+  above hi / below lo; verl counts sequences for the sequence levels),
+  rollout_corr/rollout_rs_masked_fraction (tokens rejected) and
+  rollout_corr/rollout_rs_seq_masked_fraction (sequences with a rejected token, a per-sequence mean);
+  the rest as in `aipo_loss` (policy/ratio_* describe the token ratios pi/mu).
+  """
+  _check_choice("level", level, MIS_LEVELS)
+  _check_positive("rs_threshold", rs_threshold)
+  if rs_threshold_lower is None:
+    rs_threshold_lower = 1.0 / rs_threshold
+  _check_positive("rs_threshold_lower", rs_threshold_lower)
+  if (isinstance(rs_threshold, (int, float)) and isinstance(rs_threshold_lower, (int, float))
+      and rs_threshold_lower > rs_threshold):
+    raise ValueError(f"rs_threshold_lower ({rs_threshold_lower}) must be <= rs_threshold ({rs_threshold})")
+  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
+                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
+                       loss_norm_constant=loss_norm_constant, loss_name="mis_loss")
+  valid = tokens.valid
+  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
+  log_rho = log_ratio if level == "token" else jnp.broadcast_to(
+      _sequence_log_ratio(log_ratio, valid, geometric=level == "geometric"), log_ratio.shape)
+  log_rho = jax.lax.stop_gradient(log_rho)
+  log_hi = jnp.log(jnp.asarray(rs_threshold, log_rho.dtype))
+  log_lo = jnp.log(jnp.asarray(rs_threshold_lower, log_rho.dtype))
+  high, low = log_rho > log_hi, log_rho < log_lo
+  keep = ~(high | low)
+  rho = jnp.exp(log_rho)
+  weight = jnp.where(keep, 1.0 if level == "geometric" else rho, 0.0)
+  pg = -weight * tokens.advantages * tokens.logprobs
+  stats = {**_ratio_stats(log_ratio),
+           "rollout_corr/rollout_rs_mean": ("mean", rho),
+           "rollout_corr/rollout_rs_max": ("max", rho),
+           "rollout_corr/rollout_rs_min": ("min", rho),
+           "rollout_corr/rollout_rs_ratio_fraction_high": ("mean", high),
+           "rollout_corr/rollout_rs_ratio_fraction_low": ("mean", low),
+           "rollout_corr/rollout_rs_masked_fraction": ("mean", ~keep)}
+  total, metrics = _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                           entropy_coef=entropy_coef, aggregation=aggregation,
+                           loss_norm_constant=loss_norm_constant)
+  seq_rejected = jnp.any(valid & ~keep, axis=-1)
+  metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = _sequence_mean(seq_rejected, valid)
+  return total, metrics
+
+
 # Read-only name -> loss table (for configs: Controller(loss="aipo", loss_kwargs={...})).
 LOSSES = types.MappingProxyType({"aipo": aipo_loss, "ppo_clip": ppo_clip_loss,
-                                 "decoupled_ppo": decoupled_ppo_loss})
+                                 "decoupled_ppo": decoupled_ppo_loss, "gspo": gspo_loss,
+                                 "cispo": cispo_loss, "seq_tis": seq_tis_loss, "mis": mis_loss})
 
 
 def get_loss(name: str) -> Callable[..., tuple[Array, dict[str, Array]]]:
-  """The loss function registered under `name` ("aipo", "ppo_clip", "decoupled_ppo")."""
+  """The loss function registered under `name`: "aipo", "ppo_clip", "decoupled_ppo", "gspo",
+  "cispo", "seq_tis" (sequence-level truncated IS) or "mis" (masked IS / rejection sampling)."""
   if name not in LOSSES:
     raise ValueError(f"unknown loss {name!r}; expected one of {tuple(LOSSES)}")
   return LOSSES[name]

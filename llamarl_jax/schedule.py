@@ -6,7 +6,7 @@ from it, is a pure function of a few integers, so that every runner (one process
 generator processes) and every process of a job computes the same answer without talking:
 
   scheduled_version(k)        the version that generates batch k ('fixed': max(v0, k - lag))
-  batch_seed(seed, k)         batch k's sampling seed
+  batch_seed(seed, k)         batch k's sampling seed (draw_seed: of its redraws under dynamic sampling)
   versions_kept(...)          generator weights a checkpoint at step r must hold (r - lag .. r - 1)
   kept_for_checkpoint(...)    whether the weights of a version must be kept for a later checkpoint
   transfer_schedule(...)      the order of cross-process transfers (weights W(v), batches R(k))
@@ -36,6 +36,15 @@ def scheduled_version(index: int, max_policy_lag: int, first_version: int = 0) -
 def batch_seed(seed: int, index: int) -> int:
   """The sampling seed of batch `index` (a pure function, so any process can recompute it)."""
   return seed * 1_000_003 + index
+
+
+def draw_seed(seed: int, index: int, draw: int) -> int:
+  """The sampling seed of draw `draw` of batch `index` under dynamic sampling: the batch's own seed for
+  the first draw (so draw 0 samples exactly what a run without dynamic sampling samples), then seeds
+  derived from (index, draw) (a pure function; kept below 2**31)."""
+  if draw == 0:
+    return batch_seed(seed, index)
+  return (batch_seed(seed, index) * 7_919 + draw * 104_729) % (2**31 - 1)
 
 
 def versions_kept(step: int, max_policy_lag: int, first_version: int, version_schedule: str = "fixed") -> list[int]:

@@ -97,3 +97,18 @@ def test_each_config_class_validates_its_fields_once_when_built_from_python():
   for key in cfg.LEGACY_KEYS:
     section, name = cfg.LEGACY_KEYS[key]
     assert name in {f.name for f in __import__("dataclasses").fields(cfg.SECTIONS[section])}, key
+
+
+def test_new_objectives_and_overlong_shaping_from_gin(parse):
+  """GSPO / CISPO / the rollout corrections are chosen by name with their own keyword arguments;
+  DAPO's overlong shaping is a configurable whose bad values are named."""
+  for loss, kwargs in [("gspo", "{'eps_low': 3e-4, 'eps_high': 4e-4}"), ("cispo", "{'eps_high': 1.0}"),
+                       ("seq_tis", "{'is_threshold': 2.0}"), ("mis", "{'level': 'geometric', 'rs_threshold': 1.01}")]:
+    parse("tiny_cpu.gin", f"TrainConfig.loss = '{loss}'", f"TrainConfig.loss_kwargs = {kwargs}",
+          "RolloutConfig.overlong = @OverlongShaping()", "OverlongShaping.buffer_len = 4",
+          "OverlongShaping.mask_truncated = True")
+    assert binding_problems() == [], loss
+  parse("tiny_cpu.gin", "TrainConfig.loss = 'gspo'", "TrainConfig.loss_kwargs = {'rho_max': 2.0}",
+        "RolloutConfig.overlong = @OverlongShaping()", "OverlongShaping.buffer_len = -1")
+  problems = "\n".join(binding_problems())
+  assert "unknown: ['rho_max']" in problems and "OverlongShaping.buffer_len = -1: expected an int >= 0" in problems

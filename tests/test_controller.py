@@ -266,3 +266,73 @@ def test_slot_engine_swaps_weights_mid_sequence_within_the_lag_bound(policy, tok
   assert [m["policy/lag_max"] for m in steps] == [0, 1, 1]
   assert steps[2]["generate/swaps_per_sequence"] > 0 and 0 < steps[2]["policy/lag_mean"] < 1
   assert all(m["buffer/dropped_stale"] == 0 for m in steps)
+
+
+def test_overlong_shaping_and_a_sequence_level_loss_through_the_controller(policy, tokenizer, tmp_path):
+  """DAPO's length penalty and truncation mask reach the rewards, the trainer's tokens and the
+  metrics; a new loss (GSPO) is chosen by name. The tiny random policy rarely stops before
+  max_new_tokens = 6, so most rows are truncated (all masked is allowed: loss and gradient 0)."""
+  from llamarl_jax.executors.scoring import OverlongShaping
+
+  c, steps = run(policy, tokenizer, tmp_path, 2, max_policy_lag=0, loss="gspo",
+                 loss_kwargs={"eps_low": 0.2, "eps_high": 0.28},
+                 overlong=OverlongShaping(buffer_len=3, mask_truncated=True))
+  for m in steps:
+    assert m["reward/frac_truncated_masked"] == m["generate/frac_truncated"]
+    np.testing.assert_allclose(m["reward/shaped_mean"], m["reward/mean"] + m["reward/overlong_penalty_mean"],
+                               rtol=1e-6, atol=1e-7)
+    assert m["reward/overlong_penalty_mean"] <= -m["generate/frac_truncated"] + 1e-7  # truncated: -1 each
+    assert np.isfinite(m["loss/total"]) and "policy/frac_clipped" in m
+    assert m["policy/num_tokens"] == m["train/tokens"]
+  assert c.run_config()["rollout"]["overlong"] == {"buffer_len": 3, "penalty_factor": 1.0, "mask_truncated": True}
+  with pytest.raises(ValueError, match=r"buffer_len \(7\) must be <= RolloutConfig.max_new_tokens \(6\)"):
+    make_controller(policy, tokenizer, tmp_path, overlong=OverlongShaping(buffer_len=7))
+
+
+def _parity(response_text, ground_truth):
+  """A reward with signal for an untrained policy: 1 for an odd response length."""
+  return float(len(response_text) % 2)
+
+
+def test_dynamic_sampling_trains_informative_groups_and_resumes_exactly(policy, tokenizer, tmp_path):
+  """DAPO's dynamic sampling (static engine, lag 1): every trained batch holds prompts_per_step groups,
+  informative ones first (all of them unless max_draws ran out), the metrics say how many were dropped,
+  and a run resumed from its step-2 checkpoint repeats the uninterrupted run's metrics exactly (the
+  extra draws' prompts, seeds and versions are a function of the batch index)."""
+  from llamarl_jax.executors.generator import DynamicSampling
+
+  kw = dict(max_policy_lag=1, seed=3, generator_engine="static", dynamic_sampling=DynamicSampling(max_draws=3))
+  reward = lambda: RewardExecutor(_parity, inline=True)  # noqa: E731
+  c = make_controller(policy, tokenizer, tmp_path / "full", reward=reward(), **kw)
+  batches = []
+  step = c.trainer.step
+  c.trainer.step = lambda b: (batches.append(b), step(b))[1]
+  try:
+    full = c.run(4)
+  finally:
+    c.close()
+  for m, b in zip(full, batches):
+    r = np.asarray(b.rewards).reshape(4, 2)
+    informative = r.max(1) > r.min(1)
+    assert informative.sum() == 4 * (1 - m["dynamic_sampling/frac_groups_uninformative"])
+    assert list(informative) == sorted(informative, reverse=True)  # informative groups come first
+    assert 1 <= m["dynamic_sampling/draws"] <= 3 and 0 <= m["dynamic_sampling/drop_rate"] < 1
+  assert any(m["dynamic_sampling/drop_rate"] > 0 for m in full)  # the parity reward leaves some groups flat
+  assert any(m["dynamic_sampling/draws"] > 1 for m in full)
+  assert c.run_config()["rollout"]["dynamic_sampling"] == {"max_draws": 3}
+
+  first = make_controller(policy, tokenizer, tmp_path / "resumed", reward=reward(), checkpoint_every=2, **kw)
+  try:
+    head = first.run(2)
+  finally:
+    first.close()
+  second = make_controller(policy, tokenizer, tmp_path / "resumed", reward=reward(), checkpoint_every=2, **kw)
+  try:
+    assert second.restore_checkpoint() == 2
+    rest = second.run(2)
+  finally:
+    second.close()
+  for a, b in zip(full, head + rest):
+    assert schedule_metrics(a) == schedule_metrics(b)
+  with pytest.raises(ValueError, match="dynamic sampling needs the static engine"):
+    make_controller(policy, tokenizer, tmp_path / "slots", dynamic_sampling=DynamicSampling())

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from llamarl_jax import losses
-from llamarl_jax.losses import (aggregate, aipo_loss, decoupled_ppo_loss, entropy_from_logits,
-                                get_loss, kl_estimate, ppo_clip_loss)
+from llamarl_jax.losses import (aggregate, aipo_loss, cispo_loss, decoupled_ppo_loss,
+                                entropy_from_logits, get_loss, gspo_loss, kl_estimate, mis_loss,
+                                ppo_clip_loss, seq_tis_loss)
 
 RTOL = 1e-6
 ATOL = 1e-7
@@ -73,6 +74,12 @@ LOSS_CASES = {
     "aipo_clamped": (aipo_loss, dict(rho_max=2.0, form="clamped")),
     "ppo_clip": (ppo_clip_loss, dict(eps_low=0.2, eps_high=0.28)),
     "decoupled_ppo": (decoupled_ppo_loss, dict(eps_low=0.2, eps_high=0.28, rho_max=2.0)),
+    "gspo": (gspo_loss, dict(eps_low=0.2, eps_high=0.28)),
+    "cispo": (cispo_loss, dict(eps_low=0.5, eps_high=1.0)),
+    "seq_tis": (seq_tis_loss, dict(is_threshold=2.0)),
+    "mis_token": (mis_loss, dict(level="token", rs_threshold=2.0)),
+    "mis_sequence": (mis_loss, dict(level="sequence", rs_threshold=4.0)),
+    "mis_geometric": (mis_loss, dict(level="geometric", rs_threshold=1.2)),
 }
 
 
@@ -333,6 +340,238 @@ def test_decoupled_ppo_truncates_the_behaviour_weight():
   np.testing.assert_allclose(metrics["policy/ratio_mean"], 1.0, rtol=RTOL)
 
 
+# ----------------------------------------------------------------------------- GSPO
+
+
+def test_gspo_hand_values():
+  # Row 0: token ratios 1.21 and 1 -> s_0 = sqrt(1.21) = 1.1 (the masked 7 does not count); A = 1,
+  # inside [0.8, 1.2]: per-token loss -1.1, gradient -1.1 per token times the aggregation weight.
+  # Row 1: s_1 = 0.5, A = -1, below 0.8: clipped, loss -min(-0.5, -0.8) = 0.8, gradient 0.
+  ratio = np.array([[1.21, 1.0, 7.0], [0.5, 7.0, 7.0]])
+  lp, adv = with_ratio(BEHAVIOUR, ratio), np.array([1.0, -1.0])
+  loss, metrics, grad = run(gspo_loss, lp, BEHAVIOUR, adv, MASK, eps_low=0.2, eps_high=0.2)
+  np.testing.assert_allclose(loss, (-1.1 * 2 + 0.8) / 3, rtol=RTOL)
+  np.testing.assert_allclose(grad, [[-1.1 / 3, -1.1 / 3, 0], [0, 0, 0]], rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(metrics["policy/frac_clipped"], 1 / 3, rtol=RTOL)
+  np.testing.assert_allclose(metrics["policy/frac_clipped_low"], 1 / 3, rtol=RTOL)
+  np.testing.assert_allclose(metrics["policy/ratio_max"], 1.1, rtol=RTOL)
+  np.testing.assert_allclose(metrics["policy/ratio_min"], 0.5, rtol=RTOL)
+  np.testing.assert_allclose(metrics["policy/ratio_mean"], (1.1 * 2 + 0.5) / 3, rtol=RTOL)  # per token
+  # The paper's aggregation, 1/G sum over sequences: (-1.1 + 0.8) / 2; each row-0 token -1.1 / 2 / 2.
+  loss, _, grad = run(gspo_loss, lp, BEHAVIOUR, adv, MASK, eps_low=0.2, eps_high=0.2,
+                      aggregation="seq_mean_token_mean")
+  np.testing.assert_allclose(loss, -0.15, rtol=1e-5)
+  np.testing.assert_allclose(grad, [[-0.275, -0.275, 0], [0, 0, 0]], rtol=RTOL, atol=ATOL)
+
+
+def test_gspo_clips_whole_sequences_and_survives_extreme_ratios():
+  # Row 0: token log-ratios +30 and -30 (each clipped to +-20) -> s_0 = 1, not clipped: gradient -A.
+  # Row 1: log-ratio +30 -> s_1 = e^20 with A > 0: clipped, loss -(1 + eps_high) A, gradient 0.
+  log_ratio = np.array([[30.0, -30.0, 0.0], [30.0, 0.0, 0.0]])
+  lp = (BEHAVIOUR + log_ratio).astype(np.float32)
+  loss, metrics, grad = run(gspo_loss, lp, BEHAVIOUR, np.array([2.0, 1.0]), MASK,
+                            eps_low=3e-4, eps_high=4e-4)
+  assert np.isfinite(loss) and np.all(np.isfinite(grad))
+  np.testing.assert_allclose(grad, [[-2 / 3, -2 / 3, 0], [0, 0, 0]], rtol=RTOL)
+  np.testing.assert_allclose(loss, (-2.0 * 2 - 1.0004) / 3, rtol=RTOL)
+  np.testing.assert_allclose(metrics["policy/ratio_max"], math.exp(20.0), rtol=1e-5)
+
+
+def numpy_gspo_objective(lp, blp, adv, mask, eps_low, eps_high):
+  """The GSPO paper's sequence-level loss in float64: -(1/G) sum_i min(s_i A_i, clip(s_i) A_i), with
+  s_i = exp(mean of log(pi/mu) over sequence i's valid tokens), G = sequences with a valid token."""
+  lp, blp, m = (np.asarray(x, np.float64) for x in (lp, blp, mask))
+  count = m.sum(-1)
+  s = np.exp(np.sum(m * (lp - blp), -1) / np.maximum(count, 1))
+  term = np.minimum(s * adv, np.clip(s, 1 - eps_low, 1 + eps_high) * adv)
+  return -np.sum(np.where(count > 0, term, 0)) / max(np.sum(count > 0), 1)
+
+
+def central_differences(f, x, h):
+  """d f / d x by central differences, one coordinate at a time (float64)."""
+  x = np.asarray(x, np.float64)
+  grad = np.zeros_like(x)
+  for idx in np.ndindex(x.shape):
+    step = np.zeros_like(x)
+    step[idx] = h
+    grad[idx] = (f(x + step) - f(x - step)) / (2 * h)
+  return grad
+
+
+def test_gspo_matches_the_papers_sequence_objective_and_its_finite_difference_gradient():
+  # GSPO-token with per-sequence advantages has GSPO's value and gradient. Reference: the paper's
+  # sequence objective in NumPy float64, differentiated by central differences (h = 1e-6: truncation
+  # error ~h^2, round-off ~1e-16 / h = 1e-10). Our float32 gradient: a few ulps of exp/log/sums, so
+  # rtol 1e-5 with atol 1e-7 (entries are O(0.1)).
+  lp, blp, adv, mask = random_batch(np.random.default_rng(11), 4, 6, mask_p=0.8)
+  mask[0] = 0  # an empty row counts in no normaliser
+  loss, _, grad = run(gspo_loss, lp, blp, adv, mask, eps_low=0.2, eps_high=0.28,
+                      aggregation="seq_mean_token_mean")
+  f = lambda x: numpy_gspo_objective(x, blp, adv, mask, 0.2, 0.28)  # noqa: E731
+  np.testing.assert_allclose(loss, f(lp), rtol=1e-5)
+  np.testing.assert_allclose(grad, central_differences(f, lp, 1e-6), rtol=1e-5, atol=1e-7)
+  assert np.any(grad != 0) and np.all(grad[mask == 0] == 0)
+
+
+def test_gspo_gradient_equals_finite_differences_of_itself_in_float64():
+  # GSPO has no detached weight in its gradient (the token form's sg terms cancel in value), so the
+  # jax gradient must equal central differences of the jax loss. float64: agreement to ~1e-8.
+  lp, blp, adv, mask = random_batch(np.random.default_rng(12), 3, 5, mask_p=0.8)
+  with jax.enable_x64(True):
+    lp64, blp64 = np.asarray(lp, np.float64), np.asarray(blp, np.float64)
+    loss_fn = jax.jit(lambda x: gspo_loss(x, blp64, adv, mask, eps_low=0.2, eps_high=0.28,
+                                          aggregation="token_mean")[0])
+    grad = np.asarray(jax.jit(jax.grad(loss_fn))(lp64))
+    numeric = central_differences(lambda x: float(loss_fn(x)), lp64, 1e-6)
+  assert grad.dtype == np.float64
+  np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-9)
+  assert np.any(grad != 0)
+
+
+# ----------------------------------------------------------------------------- CISPO
+
+
+def test_cispo_hand_values_bound_the_weight_on_both_sides():
+  # Valid ratios 0.3, 1.5, 4.0 with eps_low = 0.5, eps_high = 1.0: weights 0.5, 1.5, 2.0 (detached);
+  # gradient -w A / 3 on every valid token: none is dropped.
+  ratio = np.array([[0.3, 1.5, 9.0], [4.0, 9.0, 9.0]])
+  lp, adv = with_ratio(BEHAVIOUR, ratio), np.array([2.0, -1.0])
+  loss, metrics, grad = run(cispo_loss, lp, BEHAVIOUR, adv, MASK, eps_low=0.5, eps_high=1.0)
+  np.testing.assert_allclose(grad, [[-1 / 3, -1.0, 0], [2 / 3, 0, 0]], rtol=RTOL)
+  want = -(0.5 * 2 * lp[0, 0] + 1.5 * 2 * lp[0, 1] + 2.0 * -1 * lp[1, 0]) / 3
+  np.testing.assert_allclose(loss, want, rtol=RTOL)
+  np.testing.assert_allclose(metrics["policy/frac_truncated"], 1 / 3, rtol=RTOL)
+  np.testing.assert_allclose(metrics["policy/frac_truncated_low"], 1 / 3, rtol=RTOL)
+
+
+def test_cispo_keeps_the_gradient_where_ppo_clip_drops_it():
+  # pi/mu = e^25 (log-ratio clipped to 20) with A > 0: PPO's clip zeroes the gradient, CISPO keeps
+  # (1 + eps_high) A per token.
+  lp = (BEHAVIOUR + 25.0).astype(np.float32)
+  adv = np.array([1.0, 3.0])
+  _, _, ppo = run(ppo_clip_loss, lp, BEHAVIOUR, adv, MASK, eps_low=0.2, eps_high=0.28)
+  loss, _, cispo = run(cispo_loss, lp, BEHAVIOUR, adv, MASK, eps_low=0.5, eps_high=0.28)
+  assert np.all(ppo == 0.0) and np.isfinite(loss)
+  np.testing.assert_allclose(cispo, -1.28 * np.array([[1, 1, 0], [3, 0, 0]]) / 3, rtol=RTOL)
+
+
+def test_cispo_without_lower_bound_is_aipo_detached():
+  # eps_low = 1 (the paper's "no lower bound") and 1 + eps_high = rho_max: the same update.
+  lp, blp, adv, mask = random_batch(np.random.default_rng(13), 4, 8)
+  a = run(aipo_loss, lp, blp, adv, mask, form="detached", rho_max=1.5)
+  c = run(cispo_loss, lp, blp, adv, mask, eps_low=1.0, eps_high=0.5)
+  np.testing.assert_allclose(c[0], a[0], rtol=1e-6)  # exp(log 1.5) vs 1.5: an ulp
+  np.testing.assert_allclose(c[2], a[2], rtol=1e-6, atol=ATOL)
+  assert c[1]["policy/frac_truncated"] == a[1]["policy/frac_truncated"]
+  assert c[1]["policy/frac_truncated_low"] == 0.0
+
+
+# ----------------------------------------------------------------------------- rollout corrections
+
+
+def test_seq_tis_hand_values():
+  # Row 0: ratios 2 and 0.5 -> product 1, weight 1. Row 1: ratio 3 -> weight min(3, 2) = 2.
+  ratio = np.array([[2.0, 0.5, 9.0], [3.0, 9.0, 9.0]])
+  lp, adv = with_ratio(BEHAVIOUR, ratio), np.array([1.0, 1.0])
+  loss, metrics, grad = run(seq_tis_loss, lp, BEHAVIOUR, adv, MASK, is_threshold=2.0)
+  np.testing.assert_allclose(grad, [[-1 / 3, -1 / 3, 0], [-2 / 3, 0, 0]], rtol=RTOL)
+  np.testing.assert_allclose(loss, -(lp[0, 0] + lp[0, 1] + 2 * lp[1, 0]) / 3, rtol=RTOL)
+  m = metrics
+  np.testing.assert_allclose(m["rollout_corr/rollout_is_mean"], 4 / 3, rtol=RTOL)  # (1 + 1 + 2) / 3
+  np.testing.assert_allclose(m["rollout_corr/rollout_is_max"], 3.0, rtol=RTOL)
+  np.testing.assert_allclose(m["rollout_corr/rollout_is_min"], 1.0, rtol=RTOL)
+  np.testing.assert_allclose(m["rollout_corr/rollout_is_ratio_fraction_high"], 1 / 3, rtol=RTOL)
+  assert m["rollout_corr/rollout_is_ratio_fraction_low"] == 0.0
+  np.testing.assert_allclose(m["policy/frac_truncated"], 1 / 3, rtol=RTOL)
+
+
+# (level, per-token weight on the 3 valid tokens of the standard problem, tokens rejected, sequences
+# rejected) for token ratios (2, 0.5 | 3) and the band [0.5, 2] (inclusive):
+MIS_TABLE = [
+    ("token", [2.0, 0.5, 0.0], 1 / 3, 1 / 2),      # 3 is outside: that token only
+    ("sequence", [1.0, 1.0, 0.0], 1 / 3, 1 / 2),   # products 1 and 3: row 1 rejected
+    ("geometric", [1.0, 1.0, 0.0], 1 / 3, 1 / 2),  # geometric means 1 and 3; kept rows weigh 1
+]
+
+
+@pytest.mark.parametrize("level,weights,token_frac,seq_frac", MIS_TABLE)
+def test_mis_hand_values(level, weights, token_frac, seq_frac):
+  ratio = np.array([[2.0, 0.5, 9.0], [3.0, 9.0, 9.0]])
+  lp, adv = with_ratio(BEHAVIOUR, ratio), np.array([1.0, -2.0])
+  loss, metrics, grad = run(mis_loss, lp, BEHAVIOUR, adv, MASK, level=level, rs_threshold=2.0)
+  w = np.array([[weights[0], weights[1], 0], [weights[2], 0, 0]])
+  np.testing.assert_allclose(grad, -w * np.array([[1.0], [-2.0]]) / 3, rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(loss, -np.sum(w * np.array([[1.0], [-2.0]]) * lp) / 3, rtol=RTOL)
+  np.testing.assert_allclose(metrics["rollout_corr/rollout_rs_masked_fraction"], token_frac, rtol=RTOL)
+  np.testing.assert_allclose(metrics["rollout_corr/rollout_rs_seq_masked_fraction"], seq_frac, rtol=RTOL)
+  np.testing.assert_allclose(metrics["rollout_corr/rollout_rs_max"], 3.0, rtol=RTOL)
+  np.testing.assert_allclose(metrics["rollout_corr/rollout_rs_ratio_fraction_high"], 1 / 3, rtol=RTOL)
+  assert metrics["policy/num_tokens"] == 3  # rejected tokens stay in the normaliser
+
+
+def test_mis_rejects_extreme_ratios_without_overflow():
+  # log-ratios +40 / -40 (clipped to +-20) on the first token of each row, 0 on row 0's second.
+  # Sequence level: both products (e^20, e^-20) leave [0.1, 10]: loss 0, gradient 0. Token level:
+  # only the ratio-1 token survives, with weight 1.
+  lp = (BEHAVIOUR + np.array([[40.0, 0, 0], [-40.0, 0, 0]])).astype(np.float32)
+  want = {"sequence": np.zeros((2, 3)), "token": np.array([[0, -1 / 3, 0], [0, 0, 0]])}
+  for level, want_grad in want.items():
+    loss, metrics, grad = run(mis_loss, lp, BEHAVIOUR, np.array([1.0, 1.0]), MASK, level=level,
+                              rs_threshold=10.0)
+    np.testing.assert_allclose(grad, want_grad, rtol=RTOL, err_msg=level)
+    assert np.isfinite(loss) and all(np.isfinite(v) for v in metrics.values()), level
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == 1.0, level
+  np.testing.assert_allclose(metrics["rollout_corr/rollout_rs_max"], math.exp(20.0), rtol=1e-5)
+
+
+def numpy_corrected_pg(lp, blp, adv, mask, kind, **kw):
+  """(loss, gradient) in float64 of -sum_t w_t A_t log pi_t / (valid tokens) with w held fixed, w
+  from the public formulas (verl rollout_corr docs; MiniMax-M1 eq. 4), written independently here."""
+  lp, blp, m = (np.asarray(x, np.float64) for x in (lp, blp, mask))
+  r = np.exp(lp - blp)
+  log_seq = np.sum(m * (lp - blp), -1, keepdims=True)
+  if kind == "cispo":
+    w = np.clip(r, 1 - kw["eps_low"], 1 + kw["eps_high"])
+  elif kind == "seq_tis":
+    w = np.broadcast_to(np.minimum(np.exp(log_seq), kw["c"]), r.shape)
+  else:  # mis, levels token / sequence / geometric with band [lo, hi]
+    lo, hi = kw["lo"], kw["hi"]
+    rho = {"token": r, "sequence": np.broadcast_to(np.exp(log_seq), r.shape),
+           "geometric": np.broadcast_to(np.exp(log_seq / np.maximum(m.sum(-1, keepdims=True), 1)), r.shape)
+           }[kw["level"]]
+    keep = (rho >= lo) & (rho <= hi)
+    w = np.where(keep, 1.0 if kw["level"] == "geometric" else rho, 0.0)
+  n = max(m.sum(), 1)
+  a = np.broadcast_to(np.asarray(adv, np.float64)[:, None], r.shape)
+  loss = lambda x: -np.sum(m * w * a * x) / n  # noqa: E731
+  raw = {"cispo": r, "seq_tis": np.broadcast_to(np.exp(log_seq), r.shape)}.get(kind, np.ones_like(r))
+  changed = np.sum(m * (~np.isclose(w, raw) if kind != "mis" else w == 0)) / n  # tokens the bounds touch
+  return loss(lp), central_differences(loss, lp, 1e-3), changed  # linear in x: differences are exact
+
+
+NUMPY_CASES = [
+    ("cispo", cispo_loss, dict(eps_low=0.3, eps_high=0.2), dict(eps_low=0.3, eps_high=0.2)),
+    ("seq_tis", seq_tis_loss, dict(is_threshold=1.5), dict(c=1.5)),
+    ("mis_token", mis_loss, dict(level="token", rs_threshold=1.1, rs_threshold_lower=0.8),
+     dict(level="token", lo=0.8, hi=1.1)),
+    ("mis_sequence", mis_loss, dict(level="sequence", rs_threshold=1.5), dict(level="sequence", lo=1 / 1.5, hi=1.5)),
+    ("mis_geometric", mis_loss, dict(level="geometric", rs_threshold=1.1), dict(level="geometric", lo=1 / 1.1, hi=1.1)),
+]
+
+
+@pytest.mark.parametrize("name,fn,kwargs,np_kwargs", NUMPY_CASES, ids=[c[0] for c in NUMPY_CASES])
+def test_detached_weight_losses_match_an_independent_numpy_implementation(name, fn, kwargs, np_kwargs):
+  # float32 against float64: relative 1e-5 covers the exp / log / sum round-off of float32.
+  lp, blp, adv, mask = random_batch(np.random.default_rng(14), 6, 5, mask_p=0.8)
+  lp = (blp + 0.3 * (lp - blp)).astype(np.float32)  # products of ratios near 1: some kept, some not
+  loss, _, grad = run(fn, lp, blp, adv, mask, **kwargs)
+  kind = "mis" if name.startswith("mis") else name
+  want_loss, want_grad, changed = numpy_corrected_pg(lp, blp, adv, mask, kind, **np_kwargs)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+  assert 0.1 < changed < 0.9, (name, changed)  # the bounds are active on some tokens, not all
+
+
 # ----------------------------------------------------------------------------- KL and entropy
 
 
@@ -433,7 +672,12 @@ def test_entropy_bonus_term_and_gradient():
 def test_metric_names():
   results = jax.device_get(all_losses(*random_problem(np.random.default_rng(5), 4, 8)))
   for (case, _), (_, metrics, _) in results.items():
-    clip_or_trunc = {"policy/frac_truncated"} if case.startswith("aipo") else {"policy/frac_clipped"}
+    clip_or_trunc = {"aipo_detached": {"policy/frac_truncated"}, "aipo_clamped": {"policy/frac_truncated"},
+                     "cispo": {"policy/frac_truncated", "policy/frac_truncated_low"},
+                     "seq_tis": {"policy/frac_truncated", "rollout_corr/rollout_is_mean"},
+                     }.get(case, {"rollout_corr/rollout_rs_masked_fraction",
+                                  "rollout_corr/rollout_rs_seq_masked_fraction"}
+                           if case.startswith("mis") else {"policy/frac_clipped"})
     optional = {"loss/kl", "policy/kl_ref", "loss/entropy", "policy/entropy"}
     assert REQUIRED_METRICS | clip_or_trunc | optional <= set(metrics), case
     assert all(v.shape == () and v.dtype == jnp.float32 for v in metrics.values())
@@ -446,6 +690,10 @@ def test_get_loss():
   assert get_loss("aipo") is aipo_loss
   assert get_loss("ppo_clip") is ppo_clip_loss
   assert get_loss("decoupled_ppo") is decoupled_ppo_loss
+  assert get_loss("gspo") is gspo_loss
+  assert get_loss("cispo") is cispo_loss
+  assert get_loss("seq_tis") is seq_tis_loss
+  assert get_loss("mis") is mis_loss
   with pytest.raises(ValueError, match="unknown loss 'grpo'"):
     get_loss("grpo")
 
@@ -508,6 +756,20 @@ def test_decoupled_ppo_checks_the_proximal_shape():
   x = np.zeros((2, 3), np.float32)
   with pytest.raises(AssertionError, match="proximal_logprobs must have the shape of logprobs"):
     decoupled_ppo_loss(x, x, np.zeros(2, np.float32), x, proximal_logprobs=x[:, :2])
+
+
+@pytest.mark.parametrize("fn,kwargs,message", [
+    (cispo_loss, dict(eps_low=1.5), "eps_low must be in \\(0, 1\\]"),
+    (cispo_loss, dict(eps_high=0.0), "eps_high must be > 0"),
+    (gspo_loss, dict(eps_low=-1e-4), "eps_low must be > 0"),
+    (seq_tis_loss, dict(is_threshold=0.0), "is_threshold must be > 0"),
+    (mis_loss, dict(level="batch"), "level must be one of"),
+    (mis_loss, dict(rs_threshold=2.0, rs_threshold_lower=3.0), "rs_threshold_lower .* must be <="),
+])
+def test_new_losses_bad_options_raise_value_error(fn, kwargs, message):
+  x = np.zeros((2, 3), np.float32)
+  with pytest.raises(ValueError, match=message):
+    fn(x, x, np.zeros(2, np.float32), x, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -190,3 +190,21 @@ def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process
   for one, resumed in zip(one_process_run, steps):
     assert schedule_metrics(one) == schedule_metrics(resumed)
   shutil.rmtree(run_dir)
+
+
+def test_dynamic_sampling_two_processes_give_the_one_process_metrics(tmp_path):
+  """DAPO's dynamic sampling (static engine): the generator process redraws batch k's flat groups
+  (the untrained policy scores 0 everywhere, so every batch takes max_draws draws) with batch k's
+  version and derived seeds, scores them itself, and the run matches the one-process run."""
+  extra = ["--gin_param=GeneratorConfig.engine = 'static'",
+           "--gin_param=RolloutConfig.dynamic_sampling = @DynamicSampling()", "--gin_param=DynamicSampling.max_draws = 2"]
+  try:
+    _script("train").main(_args(tmp_path / "one", 3, *extra))
+  finally:
+    gin.clear_config()
+  status, out = _launch(2, _args(tmp_path / "two", 3, *extra), timeout_s=240)
+  assert status == 0, out
+  one, two = _steps(tmp_path / "one"), _steps(tmp_path / "two")
+  assert len(one) == len(two) == 3 and all(m["dynamic_sampling/draws"] == 2 for m in one)
+  for a, b in zip(one, two):
+    assert schedule_metrics(a) == schedule_metrics(b)

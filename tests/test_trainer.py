@@ -302,3 +302,31 @@ def test_ppo_clip_with_reference_kl(bf16_ppo_run, model_params):
   assert "policy/frac_clipped" in m1 and "policy/frac_truncated" not in m1  # PPO's metrics, not AIPO's
   with pytest.raises(ValueError, match="unknown loss"):
     TrainerExecutor(CONFIG, one_device_mesh(), model_params[1], loss="decoupled_ppo")
+
+
+def test_sequence_level_correction_accumulates_exactly_over_microbatches(model_params):
+  """MIS rejects whole sequences (a row never straddles microbatches): 4 microbatches give the
+  one-batch loss and gradient norm, and the per-sequence rejection rate is weighted by sequences.
+
+  Expected values come from `losses.mis_loss` on the full batch with the initial policy's log-probs;
+  the batch's random behaviour log-probs put some sequences outside the band and some inside.
+  """
+  from llamarl_jax import losses
+
+  graphdef, params = model_params
+  batch = make_batch(2)  # behaviour log-probs uniform in [-5, -1]: off-policy
+  kw = {"level": "geometric", "rs_threshold": 0.22, "rs_threshold_lower": 0.15}
+  r = batch.rollout
+  lp = logprobs_fn(graphdef, params, r.prompt_tokens, r.prompt_mask, r.response_tokens, r.response_mask,
+                   temperature=1.0)[0]
+  want_loss, want = losses.mis_loss(lp, r.behaviour_logprobs, batch.advantages, r.response_mask, **kw)
+  frac = float(want["rollout_corr/rollout_rs_seq_masked_fraction"])
+  assert 0 < frac < 1, frac  # the test needs both kinds of rows
+  runs = [TrainerExecutor(CONFIG, one_device_mesh(), params, optimizer=OPT, loss="mis", loss_kwargs=kw,
+                          microbatches=mb).step(batch) for mb in (1, 4)]
+  for m in runs:
+    np.testing.assert_allclose(m["loss/total"], want_loss, rtol=1e-5)
+    np.testing.assert_allclose(m["rollout_corr/rollout_rs_seq_masked_fraction"], frac, rtol=1e-6)
+    np.testing.assert_allclose(m["rollout_corr/rollout_rs_masked_fraction"],
+                               want["rollout_corr/rollout_rs_masked_fraction"], rtol=1e-6)
+  np.testing.assert_allclose(runs[1]["train/grad_norm"], runs[0]["train/grad_norm"], rtol=1e-5)

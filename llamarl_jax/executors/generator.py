@@ -37,12 +37,46 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups
 from llamarl_jax.generation.rollout import FINISH_LENGTH
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
-from llamarl_jax.schedule import batch_seed, scheduled_version
+from llamarl_jax.config import DynamicSampling
+from llamarl_jax.schedule import batch_seed, draw_seed, scheduled_version
+
+
+def informative_groups(rewards, num_groups: int, samples_per_prompt: int) -> np.ndarray:
+  """Per group `[num_groups]` bool: do its rewards (contiguous `[num_groups * samples_per_prompt]`) differ?"""
+  r = np.asarray(rewards, np.float64).reshape(num_groups, samples_per_prompt)
+  return r.max(axis=1) > r.min(axis=1)
+
+
+def pick_groups(informative: list[np.ndarray], wanted: int) -> list[tuple[int, int]]:
+  """(draw, group) of the batch's groups: the first `wanted` informative groups in draw order, then (if
+  there are not enough) the uninformative ones in draw order. Pure; `informative[d]` is draw d's mask."""
+  order = [(d, g) for d, mask in enumerate(informative) for g in np.flatnonzero(mask)]
+  order += [(d, g) for d, mask in enumerate(informative) for g in np.flatnonzero(~np.asarray(mask))]
+  return [(int(d), int(g)) for d, g in order[:wanted]]
+
+
+def take_groups(rollouts: list, picks: list[tuple[int, int]], samples_per_prompt: int, pad_id: int):
+  """One host `RolloutBatch` of the picked groups (group ids renumbered 0..), prompts left-padded to the
+  widest draw's width."""
+  width = max(np.shape(r.prompt_tokens)[1] for r in rollouts)
+  n = samples_per_prompt
+  parts = []
+  for new_id, (d, g) in enumerate(picks):
+    rows = slice(g * n, (g + 1) * n)
+    r = jax.tree.map(lambda x, rows=rows: np.asarray(x)[rows], rollouts[d])
+    extra = width - r.prompt_tokens.shape[1]
+    r = r.replace(prompt_tokens=np.pad(r.prompt_tokens, ((0, 0), (extra, 0)), constant_values=pad_id),
+                  prompt_mask=np.pad(r.prompt_mask, ((0, 0), (extra, 0))),
+                  group_ids=np.full(n, new_id, np.int32))
+    parts.append(r)
+  return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts)
+
 
 @dataclass
 class Timer:
@@ -64,6 +98,8 @@ class Generated:
   examples: list
   data_state: dict
   metrics: dict = field(default_factory=dict)
+  rewards: Any = None  # [B] when scored in the generator loop (dynamic sampling), else None
+  reward_metrics: dict = field(default_factory=dict)  # the reward executor's metrics of those rewards
 
 
 def encode_prompts(tokenizer, examples) -> list[list[int]]:
@@ -78,11 +114,18 @@ class GeneratorExecutor:
   device_turn: a lock shared with the trainer in colocated mode (one mesh, taking turns); None otherwise.
   delay_s: an emulated extra generation time per batch (holds the devices like real work); benchmarks.
   engine: a `SlotEngine` (built with `sampling`) to stream batches through; None = static batches.
+  dynamic_sampling: a `DynamicSampling` (static batches only), with `score(texts, ground_truths) ->
+    (rewards, metrics)` (a `RewardExecutor.score`); None = every drawn group is kept.
   """
 
   def __init__(self, sampler: Sampler, tokenizer, prompt_source, sampling: SamplingParams, *,
                prompts_per_step: int, max_policy_lag: int, version_schedule: str = "fixed", seed: int = 0,
-               delay_s: float = 0.0, device_turn: Any = None, engine: SlotEngine | None = None):
+               delay_s: float = 0.0, device_turn: Any = None, engine: SlotEngine | None = None,
+               dynamic_sampling: DynamicSampling | None = None, score: Callable | None = None):
+    if dynamic_sampling is not None and (engine is not None or score is None):
+      raise ValueError("dynamic sampling needs the static engine (GeneratorConfig.engine='static') and a score "
+                       "function; the slot engine streams batches and cannot redraw one yet")
+    self.dynamic_sampling, self.score = dynamic_sampling, score
     if engine is not None and dataclasses.replace(engine.sampling, seed=0) != dataclasses.replace(sampling, seed=0):
       raise ValueError(f"the SlotEngine samples with {engine.sampling}, the generator with {sampling}; build the "
                        "engine with the generator's SamplingParams")
@@ -115,9 +158,27 @@ class GeneratorExecutor:
   def generate(self, index: int, params: Any, version: int) -> Generated:
     """Draw the next prompts and sample batch `index` with `params` (policy `version`)."""
     t1 = time.perf_counter()
+    if self.dynamic_sampling is not None:
+      item = self.generate_informative(index, params, version)
+      t2 = time.perf_counter()
+      self.timer.busy += t2 - t1
+      tokens = item.metrics.pop("generate/tokens")
+      item.metrics["throughput/gen_tokens_per_s"] = tokens / max(t2 - t1, 1e-9)
+      return item
     examples = self.prompt_source.next_batch(self.prompts_per_step)
     data_state = self.prompt_source.state_dict()
-    sampling = dataclasses.replace(self.sampling, seed=batch_seed(self.seed, index))
+    rollout = self._sample(examples, batch_seed(self.seed, index), params, version)
+    t2 = time.perf_counter()
+    self.timer.busy += t2 - t1
+    counters = self.prompt_source.counters()  # data/truncated_prompts, data/skipped_rows
+    return Generated(index, rollout, examples, data_state, {
+        "throughput/gen_tokens_per_s": float(np.sum(rollout.lengths)) / max(t2 - t1, 1e-9),
+        "generate/response_length_mean": float(np.mean(rollout.lengths)),
+        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)), **counters})
+
+  def _sample(self, examples, seed: int, params: Any, version: int):
+    """One `Sampler.generate` call on the generator's devices -> host RolloutBatch."""
+    sampling = dataclasses.replace(self.sampling, seed=seed)
     with self.device_turn:
       t_dev = time.perf_counter()
       rollout = self.sampler.generate(params, encode_prompts(self.tokenizer, examples), sampling,
@@ -125,15 +186,51 @@ class GeneratorExecutor:
       if self.delay_s:
         time.sleep(self.delay_s)
       t2 = time.perf_counter()
-    self.timer.busy += t2 - t1
     self.timeline.append(("generate", t_dev, t2))
     if len(self.timeline) > 20_000:  # bounded over a long run
       del self.timeline[:-10_000]
-    counters = self.prompt_source.counters()  # data/truncated_prompts, data/skipped_rows
-    return Generated(index, rollout, examples, data_state, {
-        "throughput/gen_tokens_per_s": float(np.sum(rollout.lengths)) / max(t2 - t1, 1e-9),
+    return rollout
+
+  def generate_informative(self, index: int, params: Any, version: int) -> Generated:
+    """Batch `index` under DAPO's dynamic sampling (see `DynamicSampling`): draw prompts_per_step prompts,
+    sample and score them, keep the groups whose rewards differ; repeat (same version, seeds
+    `draw_seed(seed, index, d)`) until prompts_per_step informative groups or max_draws draws."""
+    from llamarl_jax.executors.scoring import decode_responses  # scoring imports this module's users
+
+    pps, n = self.prompts_per_step, self.sampling.n
+    rollouts, examples, rewards, informative, reward_metrics = [], [], [], [], {}
+    for d in range(self.dynamic_sampling.max_draws):
+      drawn = self.prompt_source.next_batch(pps)
+      if len(drawn) < pps and d > 0:  # a finite source ran out: keep what the earlier draws have
+        break
+      rollout = self._sample(drawn, draw_seed(self.seed, index, d), params, version)
+      texts = decode_responses(self.tokenizer, rollout)
+      r, m = self.score(texts, [ex.ground_truth for ex in drawn for _ in range(n)])
+      for k, v in m.items():  # counts add up over the draws; a peak memory is a max
+        reward_metrics[k] = max(reward_metrics.get(k, v), v) if k.endswith("_mb") else reward_metrics.get(k, 0) + v
+      rollouts.append(rollout)
+      examples.append(drawn)
+      rewards.append(np.asarray(r, np.float32))
+      informative.append(informative_groups(r, len(drawn), n))
+      if sum(int(np.sum(x)) for x in informative) >= pps:
+        break
+    data_state = self.prompt_source.state_dict()
+    picks = pick_groups(informative, pps)
+    rollout = take_groups(rollouts, picks, n, self.sampler.pad_id)
+    batch_rewards = np.concatenate([rewards[d][g * n:(g + 1) * n] for d, g in picks])
+    drawn_groups = sum(len(x) for x in informative)
+    kept_informative = sum(bool(informative[d][g]) for d, g in picks)
+    counters = self.prompt_source.counters()
+    metrics = {
+        "generate/tokens": float(sum(np.sum(r.lengths) for r in rollouts)),
         "generate/response_length_mean": float(np.mean(rollout.lengths)),
-        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)), **counters})
+        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)),
+        "dynamic_sampling/draws": float(len(rollouts)),
+        "dynamic_sampling/drop_rate": float(1 - sum(int(np.sum(x)) for x in informative) / drawn_groups),
+        "dynamic_sampling/frac_groups_uninformative": float(1 - kept_informative / len(picks)),
+        **counters}
+    return Generated(index, rollout, [examples[d][g] for d, g in picks], data_state, metrics,
+                     rewards=batch_rewards, reward_metrics=reward_metrics)
 
   def run(self, weights, emit: Callable[[Generated], bool], stop: threading.Event, *, start_index: int,
           first_version: int) -> None:

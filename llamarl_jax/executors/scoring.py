@@ -6,10 +6,29 @@ processes in a multi-process run), so it is one function both call.
 
 from __future__ import annotations
 
+
 import numpy as np
 
 from llamarl_jax.advantages import compute_advantages
-from llamarl_jax.generation.rollout import ScoredBatch
+from llamarl_jax.config import OverlongShaping
+from llamarl_jax.generation.rollout import FINISH_LENGTH, ScoredBatch
+
+
+def overlong_penalty(lengths, max_len: int, buffer_len: int, penalty_factor: float = 1.0) -> np.ndarray:
+  """DAPO's soft overlong punishment (eq. 13) per response `[B]` -> `[B]` float32, in [-factor, 0].
+
+  With L_max = max_len, L_cache = buffer_len and |y| = lengths:
+      0                               if |y| <= L_max - L_cache
+      ((L_max - L_cache) - |y|) / L_cache   if L_max - L_cache < |y| <= L_max
+      -1                              if |y| > L_max
+  times penalty_factor. buffer_len must be in [1, max_len].
+  """
+  if not 1 <= buffer_len <= max_len:
+    raise ValueError(f"overlong buffer_len must be in [1, max_new_tokens={max_len}], got {buffer_len}")
+  lengths = np.asarray(lengths, np.float64)
+  expected = max_len - buffer_len
+  penalty = np.clip((expected - lengths) / buffer_len, -1.0, 0.0)
+  return (penalty_factor * penalty).astype(np.float32)
 
 
 def decode_responses(tokenizer, rollout) -> list[str]:
@@ -18,29 +37,62 @@ def decode_responses(tokenizer, rollout) -> list[str]:
   return [tokenizer.decode(toks[i, :lengths[i]].tolist(), skip_special_tokens=True) for i in range(len(lengths))]
 
 
-def score_generated(item, reward, tokenizer, *, samples_per_prompt: int,
-                    advantage_estimator: str) -> tuple[ScoredBatch, dict, list[str]]:
+def score_generated(item, reward, tokenizer, *, samples_per_prompt: int, advantage_estimator: str,
+                    overlong: OverlongShaping | None = None,
+                    max_new_tokens: int | None = None) -> tuple[ScoredBatch, dict, list[str]]:
   """Score a `Generated` batch with a RewardExecutor: (ScoredBatch, reward metrics, decoded texts)."""
   texts = decode_responses(tokenizer, item.rollout)
-  truths = [ex.ground_truth for ex in item.examples for _ in range(samples_per_prompt)]
-  rewards, reward_metrics = reward.score(texts, truths)
-  scored, metrics = scored_from_rewards(item, rewards, reward_metrics, advantage_estimator=advantage_estimator)
+  if item.rewards is not None:  # scored in the generator loop (dynamic sampling)
+    rewards, reward_metrics = item.rewards, item.reward_metrics
+  else:
+    truths = [ex.ground_truth for ex in item.examples for _ in range(samples_per_prompt)]
+    rewards, reward_metrics = reward.score(texts, truths)
+  scored, metrics = scored_from_rewards(item, rewards, reward_metrics, advantage_estimator=advantage_estimator,
+                                        overlong=overlong, max_new_tokens=max_new_tokens)
   return scored, metrics, texts
 
 
-def scored_from_rewards(item, rewards, reward_metrics: dict, *,
-                        advantage_estimator: str) -> tuple[ScoredBatch, dict]:
+def scored_from_rewards(item, rewards, reward_metrics: dict, *, advantage_estimator: str,
+                        overlong: OverlongShaping | None = None,
+                        max_new_tokens: int | None = None) -> tuple[ScoredBatch, dict]:
   """Rewards `[B]` of a `Generated` batch -> (ScoredBatch with advantages, the batch's metrics).
 
   Shared by one process (all rewards scored here) and many (each generator process scores a share
   of the prompts; the shares' rewards are concatenated and their counts summed first).
+  `overlong` (with `max_new_tokens`, the sampling limit): DAPO's length penalty is added to the
+  rewards before the advantages, and truncated responses may be masked out of the loss (see
+  `OverlongShaping`). reward/mean, std and accuracy stay those of the verifier's rewards.
   """
   rewards = np.asarray(rewards, np.float32)
-  adv = np.asarray(compute_advantages(rewards, item.rollout.group_ids, len(item.examples),
+  rollout = item.rollout
+  shaped, shaping_metrics = rewards, {}
+  if overlong is not None and overlong.enabled:
+    shaped, rollout, shaping_metrics = _apply_overlong(rewards, rollout, overlong, max_new_tokens)
+  adv = np.asarray(compute_advantages(shaped, rollout.group_ids, len(item.examples),
                                       advantage_estimator), np.float32)
   metrics = dict(item.metrics)
   metrics.update({k: v for k, v in reward_metrics.items() if not k.startswith("time/")})
   metrics.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                   "reward/accuracy": float(np.mean(rewards >= 1.0)),
-                  "advantage/abs_mean": float(np.abs(adv).mean())})
-  return ScoredBatch(rollout=item.rollout, rewards=rewards, advantages=adv), metrics
+                  "advantage/abs_mean": float(np.abs(adv).mean()), **shaping_metrics})
+  return ScoredBatch(rollout=rollout, rewards=shaped, advantages=adv), metrics
+
+
+def _apply_overlong(rewards: np.ndarray, rollout, overlong: OverlongShaping, max_new_tokens: int | None):
+  """(shaped rewards, rollout with truncated rows masked if asked, metrics) of `OverlongShaping`."""
+  metrics = {}
+  if overlong.buffer_len:
+    if max_new_tokens is None:
+      raise ValueError("overlong reward shaping needs max_new_tokens (the sampling limit L_max)")
+    penalty = overlong_penalty(rollout.lengths, max_new_tokens, overlong.buffer_len, overlong.penalty_factor)
+    rewards = (rewards + penalty).astype(np.float32)
+    metrics.update({"reward/overlong_penalty_mean": float(penalty.mean()),
+                    "reward/frac_overlong": float(np.mean(penalty < 0)),
+                    "reward/shaped_mean": float(rewards.mean())})
+  if overlong.mask_truncated:
+    truncated = np.asarray(rollout.finish_reason) == FINISH_LENGTH
+    mask = np.asarray(rollout.response_mask)
+    rollout = rollout.replace(response_mask=np.where(truncated[:, None], 0, mask).astype(mask.dtype))
+    metrics.update({"reward/frac_truncated_masked": float(truncated.mean()),
+                    "reward/frac_tokens_masked": float(np.sum(mask * truncated[:, None]) / max(np.sum(mask), 1))})
+  return rewards, rollout, metrics

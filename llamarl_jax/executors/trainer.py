@@ -123,7 +123,7 @@ def token_logprobs(graphdef, params, prompt_tokens, prompt_mask, response_tokens
 # The trainer's losses, by name (functions in `llamarl_jax.losses`). decoupled_ppo is left out on
 # purpose: with one optimizer step per batch its proximal policy is the current policy, and then its
 # gradient is exactly AIPO's.
-TRAINER_LOSSES = ("aipo", "ppo_clip")
+TRAINER_LOSSES = ("aipo", "ppo_clip", "gspo", "cispo", "seq_tis", "mis")
 
 
 def get_loss(name: str) -> Callable:
@@ -409,9 +409,11 @@ def _combine_metrics(micro: Mapping[str, Array], shares: Array) -> dict[str, Arr
   """Per-microbatch metrics `[M]` -> the full batch's.
 
   loss/*: share-weighted sums (like the loss); policy/num_*: sums; *_max / *_min: max / min over
-  microbatches with valid tokens; every other metric is a per-token mean: token-weighted.
+  microbatches with valid tokens; `losses.SEQUENCE_METRICS` are per-sequence means: weighted by
+  sequences; every other metric is a per-token mean: token-weighted.
   """
   tokens = micro["policy/num_tokens"]
+  seqs = micro["policy/num_seqs"]
   has = tokens > 0
   out = {}
   for k, v in micro.items():
@@ -423,6 +425,8 @@ def _combine_metrics(micro: Mapping[str, Array], shares: Array) -> dict[str, Arr
       out[k] = jnp.where(jnp.any(has), jnp.max(jnp.where(has, v, -jnp.inf)), 0.0)
     elif k.endswith("_min"):
       out[k] = jnp.where(jnp.any(has), jnp.min(jnp.where(has, v, jnp.inf)), 0.0)
+    elif k in losses.SEQUENCE_METRICS:
+      out[k] = jnp.sum(seqs * v) / jnp.maximum(jnp.sum(seqs), 1.0)
     else:
       out[k] = jnp.sum(tokens * v) / jnp.maximum(jnp.sum(tokens), 1.0)
   return out

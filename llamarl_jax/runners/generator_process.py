@@ -70,10 +70,10 @@ def run(ex: Executors, state: RunState, config: RunConfig, num_steps: int) -> Ru
       reward_timer.wait += t1 - t0
       reward_timer.busy += t2 - t1
       ex.mark("reward", t1, t2)
-      lag = lag_metrics(item.rollout.token_versions, item.rollout.response_mask, item.index)
+      lag = lag_metrics(scored.rollout.token_versions, scored.rollout.response_mask, item.index)
       last_state["data"] = item.data_state
       meta = {"metrics": metrics, "data_state": item.data_state, "lag": lag,
-              "tokens": float(np.sum(item.rollout.response_mask)), "texts": texts[:2],
+              "tokens": float(np.sum(scored.rollout.response_mask)), "texts": texts[:2],
               "generator_times": list(ex.generator.timer.take()), "reward_times": list(reward_timer.take())}
       arrays = scored.train_arrays()
       meta["shapes"] = {k: list(a.shape) for k, a in arrays.items()}
@@ -123,6 +123,12 @@ def _score_share(ex: Executors, config: RunConfig, run_id: int, item: Generated)
   n, num_prompts = config.rollout.samples_per_prompt, len(item.examples)
   gens = mp.roles.generator
   texts = decode_responses(ex.tokenizer, item.rollout)
+  rollout_cfg = config.rollout
+  if item.rewards is not None:  # dynamic sampling: every generator process scored every row already
+    scored, metrics = scored_from_rewards(item, item.rewards, item.reward_metrics,
+                                          advantage_estimator=rollout_cfg.advantage_estimator,
+                                          overlong=rollout_cfg.overlong, max_new_tokens=rollout_cfg.max_new_tokens)
+    return scored, metrics, texts
   mine = share_rows(num_prompts, len(gens), mp.generator_rank)
   rows = slice(mine.start * n, mine.stop * n)
   truths = [e.ground_truth for e in item.examples[mine] for _ in range(n)]
@@ -139,5 +145,6 @@ def _score_share(ex: Executors, config: RunConfig, run_id: int, item: Generated)
     for k, v in share["counts"].items():
       total[k] = total.get(k, 0.0) + v
   scored, metrics = scored_from_rewards(item, np.asarray(all_rewards, np.float32), total,
-                                        advantage_estimator=config.rollout.advantage_estimator)
+                                        advantage_estimator=config.rollout.advantage_estimator,
+                                        overlong=config.rollout.overlong, max_new_tokens=config.rollout.max_new_tokens)
   return scored, metrics, texts

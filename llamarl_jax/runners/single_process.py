@@ -91,7 +91,9 @@ class _Pipeline:
         self.reward_status = (f"scoring batch {item.index}", time.monotonic())
         scored, metrics, texts = score_generated(item, self.ex.reward, self.ex.tokenizer,
                                                  samples_per_prompt=rollout_cfg.samples_per_prompt,
-                                                 advantage_estimator=rollout_cfg.advantage_estimator)
+                                                 advantage_estimator=rollout_cfg.advantage_estimator,
+                                                 overlong=rollout_cfg.overlong,
+                                                 max_new_tokens=rollout_cfg.max_new_tokens)
         t2 = time.perf_counter()
         with self.lock:
           self.reward_timer.wait += t1 - t0
