@@ -79,7 +79,7 @@ def test_train_py_stops_before_building_anything(tmp_path):
 
 def test_new_objectives_and_overlong_shaping_from_gin(parse):
   """GSPO / CISPO / the rollout corrections are chosen by name with their own keyword arguments;
-  DAPO's overlong shaping is a configurable whose bad values are named."""
+  DAPO's overlong shaping and dynamic sampling are configurables whose bad values are named."""
   for loss, kwargs in [("gspo", "{'eps_low': 3e-4, 'eps_high': 4e-4}"), ("cispo", "{'eps_high': 1.0}"),
                        ("seq_tis", "{'is_threshold': 2.0}"), ("mis", "{'level': 'geometric', 'rs_threshold': 1.01}")]:
     parse("tiny_cpu.gin", f"Controller.loss = '{loss}'", f"Controller.loss_kwargs = {kwargs}",
@@ -87,6 +87,11 @@ def test_new_objectives_and_overlong_shaping_from_gin(parse):
           "OverlongShaping.mask_truncated = True")
     assert binding_problems() == [], loss
   parse("tiny_cpu.gin", "Controller.loss = 'gspo'", "Controller.loss_kwargs = {'rho_max': 2.0}",
-        "Controller.overlong = @OverlongShaping()", "OverlongShaping.buffer_len = -1")
+        "Controller.overlong = @OverlongShaping()", "OverlongShaping.buffer_len = -1",
+        "Controller.dynamic_sampling = @DynamicSampling()", "DynamicSampling.max_draws = 0")
   problems = "\n".join(binding_problems())
   assert "unknown: ['rho_max']" in problems and "OverlongShaping.buffer_len = -1: expected >= 0" in problems
+  assert "DynamicSampling.max_draws = 0: expected >= 1" in problems
+  parse("tiny_cpu.gin", "Controller.generator_engine = 'static'", "Controller.dynamic_sampling = @DynamicSampling()",
+        "DynamicSampling.max_draws = 3")
+  assert binding_problems() == []
