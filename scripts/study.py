@@ -19,6 +19,10 @@
    issue; tables as markdown/JSON/CSV and PNG plots (OUT/report/, `--docs` also copies the plots to
    docs/).
 
+Issue 30's off-policy grid (`OFF_POLICY_CELLS`: lag 4 and 8 x AIPO / CISPO / GSPO / sequence TIS /
+sequence MIS x with and without DAPO dynamic sampling, all on the static engine) is defined but not in
+the default grid, and has not been run: `--cells op_lag4_aipo,op_lag4_aipo_dyn,...` with its own --out.
+
 Resumable: each finished (cell, seed) writes OUT/runs/<cell>/seed<k>/result.json and is skipped next
 time; an unfinished one starts over. The settings are stored in OUT/study.json and a later call with
 different settings is refused (use a new --out). `--report_only` rebuilds the report from disk.
@@ -54,12 +58,42 @@ CELLS: dict[str, tuple[str, dict]] = {
                                                   "loss_kwargs": {"eps_low": 0.2, "eps_high": 0.2}}),
     "lag0_colocated": ("lag 0, colocated (one mesh)", {"max_policy_lag": 0, "colocated": True}),
 }
+
+
+def _off_policy_cells() -> dict[str, tuple[str, dict]]:
+  """Issue 30's grid (not in the default study; select with --cells, in its own --out): at lag 4 and 8,
+  AIPO detached vs CISPO vs GSPO vs sequence-level TIS vs sequence-level MIS, each without and with
+  DAPO dynamic sampling. All on the static engine (dynamic sampling needs it), so the pairs differ
+  only in the objective or the sampling. Defined, not run yet: 20 cells x 5 seeds ~ 1.5 h of 2 cores.
+  `dynamic_sampling` is given as DynamicSampling's fields (`run_one` builds it)."""
+  objectives = {
+      "aipo": ("AIPO detached rho 2", "aipo", {"rho_max": 2.0}),
+      "cispo": ("CISPO weight in [0.5, 2]", "cispo", {"eps_low": 0.5, "eps_high": 1.0}),
+      "gspo": ("GSPO eps 3e-4/4e-4, seq mean", "gspo",
+               {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq_mean_token_mean"}),
+      "seq_tis": ("sequence TIS C 2", "seq_tis", {"is_threshold": 2.0}),
+      "mis": ("sequence MIS [0.5, 2]", "mis", {"level": "sequence", "rs_threshold": 2.0}),
+  }
+  cells = {}
+  for lag in (4, 8):
+    for key, (desc, loss, kwargs) in objectives.items():
+      for dyn in (False, True):
+        overrides = {"max_policy_lag": lag, "loss": loss, "loss_kwargs": dict(kwargs), "generator_engine": "static"}
+        if dyn:
+          overrides["dynamic_sampling"] = {"max_draws": 4}
+        cells[f"op_lag{lag}_{key}{'_dyn' if dyn else ''}"] = (
+            f"lag {lag}, {desc}, static engine{', dynamic sampling' if dyn else ''}", overrides)
+  return cells
+
+
+OFF_POLICY_CELLS = _off_policy_cells()
+ALL_CELLS = {**CELLS, **OFF_POLICY_CELLS}
 LAG_CELLS = ("lag0", "lag1", "lag2", "lag4")
 LAG4_CELLS = ("lag4", "lag4_clamped", "lag4_no_trunc", "lag4_ppo_clip")
 # Per-step metrics kept in result.json (the full set is in each run's metrics.jsonl).
 KEPT = ("reward/mean", "reward/accuracy", "policy/kl_behaviour", "policy/frac_truncated", "policy/frac_clipped",
         "policy/ratio_max", "policy/lag_mean", "time/step", "time/train", "time/generate", "time/trainer_wait",
-        "generate/response_length_mean")
+        "generate/response_length_mean", "rollout_corr/rollout_rs_masked_fraction", "dynamic_sampling/drop_rate")
 
 
 def _parse(argv):
@@ -68,7 +102,8 @@ def _parse(argv):
   p.add_argument("--gin_param", action="append", default=[], help="extra gin binding (changes the study)")
   p.add_argument("--out", default="runs/study", help="study directory (results, SFT checkpoint, report)")
   p.add_argument("--seeds", type=int, default=5, help="seeds 0..S-1 per cell")
-  p.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated subset of {list(CELLS)}")
+  p.add_argument("--cells", default=",".join(CELLS),
+                 help=f"comma-separated subset of {list(CELLS)} (the default), or of issue 30's {list(OFF_POLICY_CELLS)}")
   p.add_argument("--threshold", type=float, default=0.5,
                  help="training-reward threshold for 'steps to threshold' (trailing mean, see --threshold_window)")
   p.add_argument("--threshold_window", type=int, default=5, help="trailing window (steps) of that mean")
@@ -77,9 +112,9 @@ def _parse(argv):
   p.add_argument("--docs", action="store_true", help="also copy the plots to docs/study_*.png")
   args = p.parse_args(argv)
   args.gin_file = args.gin_file or [str(ROOT / "configs" / "study.gin")]
-  unknown = [c for c in args.cells.split(",") if c not in CELLS]
+  unknown = [c for c in args.cells.split(",") if c not in ALL_CELLS]
   if unknown:
-    p.error(f"unknown cell(s) {unknown}; choose from {list(CELLS)}")
+    p.error(f"unknown cell(s) {unknown}; choose from {list(ALL_CELLS)}")
   args.cells = args.cells.split(",")
   if args.seeds < 2:
     p.error("--seeds must be >= 2: an interval over seeds needs at least two")
@@ -90,7 +125,7 @@ def _parse(argv):
 # settings: what makes two results comparable
 
 
-def _settings() -> dict:
+def _settings(cells=()) -> dict:
   """Everything that determines a run's result besides (cell, seed): the effective gin bindings of the
   configurables a run uses (not the files' text, so comments or unrelated bindings may change) and
   the cells' definitions."""
@@ -101,7 +136,11 @@ def _settings() -> dict:
                         "RewardConfig", "OptimizerConfig", "ModelConfig", "PromptSource", "supervised_warmstart",
                         "build_policy")}
   bound["study"] = repr(sorted(_study_knobs().items()))
-  return {"bindings": bound, "cells": {name: repr(CELLS[name]) for name in CELLS}}
+  settings = {"bindings": bound, "cells": {name: repr(CELLS[name]) for name in CELLS}}
+  extra = {name: repr(OFF_POLICY_CELLS[name]) for name in cells if name in OFF_POLICY_CELLS}
+  if extra:  # only when selected: studies of the default cells keep their settings
+    settings["off_policy_cells"] = extra
+  return settings
 
 
 def _check_settings(out: Path, settings: dict) -> None:
@@ -198,7 +237,11 @@ def run_one(cell: str, seed: int, *, out: Path, config, params, tokenizer, base_
   if result_path.exists():
     return json.loads(result_path.read_text())
   shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run starts over
-  overrides = dict(CELLS[cell][1])
+  overrides = dict(ALL_CELLS[cell][1])
+  if "dynamic_sampling" in overrides:
+    from llamarl_jax.executors.generator import DynamicSampling
+
+    overrides["dynamic_sampling"] = DynamicSampling(**overrides["dynamic_sampling"])
   overrides.setdefault("buffer_capacity", max(2, overrides["max_policy_lag"]))
   logger = MetricsLogger(run_dir, tensorboard=False)
   # Seed s: its own prompt stream (the SFT used offset 1) and sampling noise, the same in every cell.
@@ -294,7 +337,10 @@ def run_scalars(r: dict, *, eval_window: int, threshold: float, threshold_window
   s = r["steps"]
   evals = [e for e in r["evals"] if e["step"] > 0]
   reached = stats.steps_to_threshold(s["reward/mean"], threshold, threshold_window)
-  frac = s["policy/frac_clipped"] if not all(map(math.isnan, s["policy/frac_clipped"])) else s["policy/frac_truncated"]
+  # The fraction of tokens the objective clips, rejects or truncates (whichever it reports).
+  nan = [math.nan] * len(s["reward/mean"])
+  frac = next((s[k] for k in ("policy/frac_clipped", "rollout_corr/rollout_rs_masked_fraction")
+               if not all(map(math.isnan, s.get(k, nan)))), s["policy/frac_truncated"])
   return {
       "heldout": 100 * stats.window_mean([e["eval/accuracy"] for e in evals], eval_window),
       "pass1": 100 * stats.window_mean([e.get("eval/pass1_sampled", math.nan) for e in evals], eval_window),
@@ -315,7 +361,7 @@ def summarise(results: dict[str, list[dict]], *, eval_window: int, threshold: fl
   for cell, rs in results.items():
     per_run = [run_scalars(r, eval_window=eval_window, threshold=threshold, threshold_window=threshold_window)
                for r in rs]
-    row = {"cell": cell, "description": CELLS[cell][0], "seeds": [r["seed"] for r in rs]}
+    row = {"cell": cell, "description": ALL_CELLS[cell][0], "seeds": [r["seed"] for r in rs]}
     for key in ("heldout", "pass1", "auc", "kl_behaviour", "frac_truncated", "step_seconds"):
       values = [p[key] for p in per_run]  # pass1 is NaN when the study ran without sampled evaluations
       row[key] = stats.t_interval([v for v in values if not math.isnan(v)]).as_dict()
@@ -572,7 +618,7 @@ def main(argv=None) -> Path:
 
   experiment.parse_gin(args.gin_file, args.gin_param)
   out = Path(args.out)
-  _check_settings(out, _settings())
+  _check_settings(out, _settings(args.cells))
   if not args.report_only:
     t0 = time.perf_counter()
     run_grid(args, out)

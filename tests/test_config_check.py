@@ -101,7 +101,7 @@ def test_each_config_class_validates_its_fields_once_when_built_from_python():
 
 def test_new_objectives_and_overlong_shaping_from_gin(parse):
   """GSPO / CISPO / the rollout corrections are chosen by name with their own keyword arguments;
-  DAPO's overlong shaping is a configurable whose bad values are named."""
+  DAPO's overlong shaping and dynamic sampling are configurables whose bad values are named."""
   for loss, kwargs in [("gspo", "{'eps_low': 3e-4, 'eps_high': 4e-4}"), ("cispo", "{'eps_high': 1.0}"),
                        ("seq_tis", "{'is_threshold': 2.0}"), ("mis", "{'level': 'geometric', 'rs_threshold': 1.01}")]:
     parse("tiny_cpu.gin", f"TrainConfig.loss = '{loss}'", f"TrainConfig.loss_kwargs = {kwargs}",
@@ -109,6 +109,11 @@ def test_new_objectives_and_overlong_shaping_from_gin(parse):
           "OverlongShaping.mask_truncated = True")
     assert binding_problems() == [], loss
   parse("tiny_cpu.gin", "TrainConfig.loss = 'gspo'", "TrainConfig.loss_kwargs = {'rho_max': 2.0}",
-        "RolloutConfig.overlong = @OverlongShaping()", "OverlongShaping.buffer_len = -1")
+        "RolloutConfig.overlong = @OverlongShaping()", "OverlongShaping.buffer_len = -1",
+        "RolloutConfig.dynamic_sampling = @DynamicSampling()", "DynamicSampling.max_draws = 0")
   problems = "\n".join(binding_problems())
   assert "unknown: ['rho_max']" in problems and "OverlongShaping.buffer_len = -1: expected an int >= 0" in problems
+  assert "DynamicSampling.max_draws = 0: expected an int >= 1" in problems
+  parse("tiny_cpu.gin", "GeneratorConfig.engine = 'static'", "RolloutConfig.dynamic_sampling = @DynamicSampling()",
+        "DynamicSampling.max_draws = 3")
+  assert binding_problems() == []

@@ -193,3 +193,31 @@ def test_runs_that_never_reach_the_threshold_count_as_the_budget():
   assert table["lag1"]["steps_to_threshold"]["mean"] == 20 and table["lag1"]["steps_to_threshold"]["reached"] == 0
   d = study.compare(table, "lag1", "lag0", "steps_to_threshold")  # paired on the censored values
   assert d["mean"] == pytest.approx(20 - np.mean(hits))
+
+
+def test_off_policy_cells_are_opt_in_and_report_their_rejected_fraction():
+  """Issue 30's cells are selectable but not part of the default study (whose recorded settings stay
+  unchanged); an MIS run's rejected-token fraction is what the table's dropped/clipped column shows."""
+  study = _study_module()
+  assert set(study.OFF_POLICY_CELLS).isdisjoint(study.CELLS) and len(study.OFF_POLICY_CELLS) == 20
+  assert study._parse([]).cells == list(study.CELLS)
+  assert study._parse(["--cells", "lag0,op_lag8_gspo_dyn"]).cells == ["lag0", "op_lag8_gspo_dyn"]
+  assert study.OFF_POLICY_CELLS["op_lag8_gspo_dyn"][1]["dynamic_sampling"] == {"max_draws": 4}
+  r = _fake_result("op_lag4_mis", 0, 0.8)
+  r["steps"]["policy/frac_truncated"] = [math.nan] * 20
+  r["steps"]["rollout_corr/rollout_rs_masked_fraction"] = [0.25] * 20
+  scalars = study.run_scalars(r, eval_window=3, threshold=0.7, threshold_window=2)
+  assert scalars["frac_truncated"] == pytest.approx(0.25)
+  old = study.run_scalars(_fake_result("lag1", 0, 0.8), eval_window=3, threshold=0.7, threshold_window=2)
+  assert old["frac_truncated"] == pytest.approx(0.001)  # results written before these keys existed
+  import gin
+
+  from llamarl_jax import experiment  # noqa: F401  (registers the configurables _settings reads)
+
+  gin.clear_config()
+  try:
+    default = study._settings(study.CELLS)
+    assert set(default) == {"bindings", "cells"} and set(default["cells"]) == set(study.CELLS)
+    assert study._settings(["lag0", "op_lag4_mis"])["off_policy_cells"].keys() == {"op_lag4_mis"}
+  finally:
+    gin.clear_config()
