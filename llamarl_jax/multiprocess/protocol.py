@@ -211,7 +211,8 @@ def join_all(threads: list[Worker], stop: threading.Event, poll_s: float = 0.1) 
 
 # The trainer's batch fields and dtypes (TrainerExecutor._BATCH_DTYPES): R(k) moves exactly these.
 BATCH_DTYPES = {"prompt_tokens": np.int32, "prompt_mask": np.int32, "response_tokens": np.int32,
-                "response_mask": np.int32, "behaviour_logprobs": np.float32, "advantages": np.float32}
+                "response_mask": np.int32, "behaviour_logprobs": np.float32, "advantages": np.float32,
+                "token_versions": np.int32}
 
 
 def batch_arrays(scored) -> dict[str, np.ndarray]:
@@ -219,7 +220,8 @@ def batch_arrays(scored) -> dict[str, np.ndarray]:
   r = scored.rollout
   arrays = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
             "response_tokens": r.response_tokens, "response_mask": r.response_mask,
-            "behaviour_logprobs": r.behaviour_logprobs, "advantages": scored.advantages}
+            "behaviour_logprobs": r.behaviour_logprobs, "advantages": scored.advantages,
+            "token_versions": r.token_versions}
   return {k: np.asarray(arrays[k], BATCH_DTYPES[k]) for k in BATCH_DTYPES}
 
 

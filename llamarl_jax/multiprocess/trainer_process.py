@@ -74,7 +74,8 @@ def run(c, num_steps: int) -> list[dict]:
       rollout = RolloutBatch(prompt_tokens=arrays["prompt_tokens"], prompt_mask=arrays["prompt_mask"],
                              response_tokens=arrays["response_tokens"], response_mask=arrays["response_mask"],
                              behaviour_logprobs=arrays["behaviour_logprobs"], lengths=None, finish_reason=None,
-                             group_ids=None, policy_version=None, token_versions=None)
+                             group_ids=None, policy_version=None,
+                             token_versions=arrays["token_versions"])
       train_metrics = c.trainer.step(ScoredBatch(rollout=rollout, rewards=None, advantages=arrays["advantages"]))
       t2 = time.perf_counter()
       c.step = s + 1
