@@ -136,6 +136,9 @@ def trainer_section(cfg, env, args) -> dict:
                           steps=cfg["train_steps"])
   peak = args.peak_tflops or (env["peak_flops"] or 0) / 1e12 or bench_train.default_peak_tflops()[0]
   row = bench_train.bench(cfg["size"], ns, peak)
+  vocab, d, f, layers, heads, kv, tied = bench_train.SIZES[cfg["size"]]
+  row["shape"] = dict(name=cfg["size"], layers=layers, hidden=d, heads=heads, kv_heads=kv, intermediate=f,
+                      vocab=vocab, tied=tied)  # for perf_model --calibrate
   row["peak_tflops"] = peak
   row["peak_memory_gib"] = _gib(peak_memory_bytes())
   return row
@@ -262,7 +265,10 @@ def decode_section(cfg, env, args) -> dict:
     frac = (bench_generate.decode_roofline(config, B, P, R, step, jnp.dtype(args.dtype).itemsize, peak_bw)
             if peak_bw else None)
     rows.append({"batch": B, "step_ms": step * 1e3, "tokens_per_s": B / step, "roofline": frac})
-  return {"model": name, "params": config.num_params(), "prompt_len": P, "new_tokens": R, "rows": rows}
+  vocab, d, f, layers, heads, kv = bench_generate.SIZES[name]
+  shape = dict(name=name, layers=layers, hidden=d, heads=heads, kv_heads=kv, intermediate=f, vocab=vocab, tied=False)
+  return {"model": name, "params": config.num_params(), "prompt_len": P, "new_tokens": R, "rows": rows,
+          "shape": shape}
 
 
 def transformers_section(cfg, env, args) -> dict:
