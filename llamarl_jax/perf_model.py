@@ -642,7 +642,8 @@ def controller_bindings(model: ModelShape, pred: StepPrediction, work: Workload,
   """`llamarl_jax.controller.Controller` arguments realising an async prediction in this repo.
 
   The repo's meshes are fsdp x tp (no pp); its slot engine streams each replica's share through as
-  many KV slots as fit beside the weights (`engine_slots`, over all replicas); its trainer pads every row
+  many KV slots as fit beside the weights (`engine_slots` over all replicas, set when fewer than all rows
+  fit: the Controller's default gives every row a slot); its trainer pads every row
   to prompt + `response_max` tokens, so `microbatches` keeps a rank's microbatch within
   `work.microbatch_tokens` padded tokens. Raises ValueError for layouts it cannot run.
   """
@@ -656,10 +657,12 @@ def controller_bindings(model: ModelShape, pred: StepPrediction, work: Workload,
   rows = work.sequences // pred.trainer.fsdp  # per trainer rank
   per_micro = max([d for d in range(1, rows + 1) if rows % d == 0 and d * work.max_len <= work.microbatch_tokens]
                   or [1])
-  return dict(trainer_fsdp=pred.trainer.fsdp, trainer_tp=pred.trainer.tp, generator_dp=pred.generator.replicas,
-              generator_tp=pred.generator.tp, microbatches=rows // per_micro, prompts_per_step=work.prompts,
-              samples_per_prompt=work.samples, max_new_tokens=work.response_max, generator_engine="slots",
-              engine_slots=slots * pred.generator.replicas)
+  out = dict(trainer_fsdp=pred.trainer.fsdp, trainer_tp=pred.trainer.tp, generator_dp=pred.generator.replicas,
+             generator_tp=pred.generator.tp, microbatches=rows // per_micro, prompts_per_step=work.prompts,
+             samples_per_prompt=work.samples, max_new_tokens=work.response_max)
+  if slots < math.ceil(work.sequences / pred.generator.replicas):  # the default (0) gives every row a slot
+    out["engine_slots"] = slots * pred.generator.replicas
+  return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -13,6 +15,7 @@ def _load(name):
   return module
 
 
+@pytest.mark.devices(4)
 def test_bench_async_reports_each_lag_with_its_bound(capsys):
   rows = _load("bench_async").main(["--lags", "0,1", "--delays", "0.2", "--hidden", "32", "--layers", "2",
                                     "--prompts", "4", "--samples", "2", "--max_new_tokens", "4",
@@ -34,8 +37,6 @@ def test_bench_verify_reports_per_category_and_false_positives(capsys):
 
 def test_bench_gpu_fails_fast_without_a_gpu():
   """On a CPU-only machine it stops before any work, saying what is missing and what to do."""
-  import pytest
-
   with pytest.raises(SystemExit, match=r"needs a GPU, but JAX's backend is 'cpu'.*\[cuda12\].*--dry_run"):
     _load("bench_gpu").main(["--out", "/nonexistent/never/written"])
 

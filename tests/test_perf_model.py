@@ -149,20 +149,18 @@ def test_controller_bindings_split_rows_evenly_and_size_the_slot_engine():
   rows_per_micro = work.sequences // (b["trainer_fsdp"] * b["microbatches"])
   assert work.sequences % (b["trainer_fsdp"] * b["microbatches"]) == 0
   assert rows_per_micro * work.max_len <= work.microbatch_tokens
-  assert b["generator_engine"] == "slots" and b["engine_slots"] % b["generator_dp"] == 0
-  per_replica = b["engine_slots"] // b["generator_dp"]
+  share = work.sequences // b["generator_dp"]
+  per_replica = b.get("engine_slots", share * b["generator_dp"]) // b["generator_dp"]  # default: every row
   budget = 80e9 * pm.CALIBRATED.usable_memory
-  kv = pm.kv_bytes_per_sequence(model, pred.generator, work)
-  assert pm.gen_weight_bytes(model, pred.generator) + per_replica * kv <= budget  # the slots fit ...
-  assert per_replica >= min(work.sequences // b["generator_dp"], 1)
-  assert (per_replica == work.sequences // b["generator_dp"]  # ... and are all that fit (or all rows)
-          or pm.gen_weight_bytes(model, pred.generator) + (per_replica + 1) * kv > budget)
-
-
-def test_main_prints_the_table(capsys):
-  pm.main([])
-  out = capsys.readouterr().out
-  assert "| 405b | 1024 |" in out and "(635.8)" in out and "DOES NOT FIT" not in out
+  weights, kv = pm.gen_weight_bytes(model, pred.generator), pm.kv_bytes_per_sequence(model, pred.generator, work)
+  assert weights + per_replica * kv <= budget  # the slots fit ...
+  assert per_replica == share or weights + (per_replica + 1) * kv > budget  # ... and are all that fit
+  # a longer response budget caps the slots below the rows: the bindings then size the engine
+  long = dataclasses.replace(work, response_max=32768)
+  capped = pm.controller_bindings(model, pm.async_step(model, pred.trainer, pred.generator, long), long)
+  slots = capped["engine_slots"] // capped["generator_dp"]
+  kv_long = pm.kv_bytes_per_sequence(model, pred.generator, long)
+  assert 0 < slots < share and weights + slots * kv_long <= budget < weights + (slots + 1) * kv_long
 
 
 def test_controller_bindings_refuse_what_this_repo_cannot_run():
@@ -174,10 +172,18 @@ def test_controller_bindings_refuse_what_this_repo_cannot_run():
 
 
 def test_this_repo_models_the_slot_engine(capsys):
-  """`--this_repo` plans with streaming generation (the slot engine), not one static batch per replica."""
-  pm.main(["--size", "8b", "--gpus", "8", "--this_repo"])
-  out = capsys.readouterr().out
-  assert "'generator_engine': 'slots'" in out and "'engine_slots':" in out
+  """`--this_repo` plans with streaming generation (the slot engine: a batch costs its mean response
+  length), not one static batch per replica (its longest)."""
+  pm.main(["--size", "8b", "--gpus", "8", "--this_repo", "--prompts", "64", "--response_mean", "512",
+           "--response_max", "1024"])
+  line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("async:"))
+  printed = float(line.split("generate ")[1].split(",")[0])
+  work = pm.Workload(prompts=64, response_mean=512, response_max=1024, packed=False)
+  pred = pm.choose_layout("8b", 8, work, quantize="bf16", max_pp=1, streaming=True)
+  slots = pm.kv_slots(pm.LLAMA3["8b"], pred.generator, work, 72e9 - pm.gen_weight_bytes(pm.LLAMA3["8b"], pred.generator))
+  stream, static = (pm.generate_seconds(pm.LLAMA3["8b"], pred.generator, work, streaming=s, slots=slots)
+                    for s in (True, False))
+  assert printed == pytest.approx(stream, abs=0.05) and static > 1.5 * stream
 
 
 # -- calibration from measurements ------------------------------------------------------------------
