@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # The legacy CPU emitters compile about twice as fast as the fusion emitters; tests compile a lot.
 TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"
 
-.PHONY: install run test bench study clean
+.PHONY: install install-gpu run test test-gpu bench bench-gpu study clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,11 +17,25 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# On a CUDA machine: JAX's CUDA 12 wheels beside the test extras.
+install-gpu: install
+	$(BIN)/python -m pip install -q -e '.[test,cuda12]'
+
 run: install
 	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin --run_dir=runs/tiny_cpu_$$(date +%Y%m%d_%H%M%S) $(ARGS)
 
 test: install
 	$(TEST_ENV) $(BIN)/python -m pytest -q $(ARGS)
+
+# The suite on the GPU: tests whose meshes need more devices than present skip, saying so; tests/gpu/ run.
+# No preallocation: the multi-process tests start several interpreters on the one GPU.
+test-gpu: install-gpu
+	JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false $(BIN)/python -m pytest -q $(ARGS)
+
+# One command for the GPU numbers (~8 min on one H100): results/bench_gpu/bench_gpu.{md,json}; the JSON
+# calibrates the step-time model: python -m llamarl_jax.perf_model --calibrate results/bench_gpu/bench_gpu.json
+bench-gpu: install-gpu
+	$(BIN)/python scripts/bench_gpu.py --out results/bench_gpu $(ARGS)
 
 bench: install
 	$(TEST_ENV) $(BIN)/python scripts/bench_generate.py
@@ -39,4 +53,4 @@ study: install
 	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study --seeds 5 $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs results .pytest_cache

@@ -49,15 +49,22 @@ the 405B baseline's 10x is mostly the cross-node tensor parallelism of its bf16 
 training engine decoding without CUDA graphs) a two-node all-reduce costs 0.3 ms, 252 of them a token.
 
 This repo's implementation is modelled with `--this_repo` (`quantize="bf16", max_pp=1,
-streaming=False`, `Workload(packed=False)`): its trainer pads responses to `max_new_tokens`, its
-Sampler decodes each replica's whole share as one static batch (whose KV cache must fit), its meshes
-have no pipeline axis, and it quantises to int8 rather than fp8.
+streaming=True`, `Workload(packed=False)`): its trainer pads responses to `max_new_tokens`, its
+generator is the slot engine (continuous batching over as many KV slots as the memory left holds:
+`controller_bindings` sets `engine_slots`), its meshes have no pipeline axis, and it quantises to int8
+rather than fp8.
+
+Measured calibration: `python -m llamarl_jax.perf_model --calibrate results.json` reads the JSON of
+`make bench-gpu` (scripts/bench_gpu.py) and replaces the assumed efficiencies with the measured ones
+(`calibrate`: training MFU, decode bandwidth efficiency and per-step overhead, weight-push link
+efficiency when it crossed devices), then predicts the paper's configurations with them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -169,6 +176,9 @@ class Efficiency:
 
 
 CALIBRATED = Efficiency()
+
+# Llama 3.2 1B (tied embeddings): the size scripts/bench_gpu.py measures on one GPU
+LLAMA32_1B = ModelShape("llama3.2-1b", layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192, tied=True)
 
 
 @dataclass(frozen=True)
@@ -379,7 +389,8 @@ def generator_memory(model: ModelShape, gen: GeneratorLayout, work: Workload, hw
 
   `resident`: a colocated trainer's plan; its params, grads and optimizer state stay on the GPUs while
   generating (its activations are freed), and the KV cache gets what is left. `whole_share`: the
-  replica decodes its whole share of the batch at once (this repo's Sampler), fitting or not.
+  replica decodes its whole share of the batch at once (a static sampler, e.g. this repo's
+  `generator_engine='static'`), fitting or not.
   """
   budget = hw.hbm_bytes * eff.usable_memory
   kept = dict(params=resident.params, grads=resident.grads, optimizer=resident.optimizer) if resident else {}
@@ -525,8 +536,9 @@ def async_step(model: ModelShape, trainer: TrainerLayout, gen: GeneratorLayout, 
   """LlamaRL with policy lag 1: generator and trainer on disjoint GPUs at the same time; the step is
   max(generate, train) + the weight sync (exposed: the generator waits for the new weights).
 
-  streaming=False models this repo's Sampler instead: each replica decodes its whole share as one
-  static batch (bound by the longest response), so the whole share's KV cache must fit.
+  streaming=False models a static sampler instead (this repo's `generator_engine='static'`): each
+  replica decodes its whole share as one static batch (bound by the longest response), so the whole
+  share's KV cache must fit. This repo's default slot engine streams (streaming=True).
   """
   train_mem = trainer_memory(model, trainer, work, hw, eff)
   gen_mem = generator_memory(model, gen, work, hw, eff, whole_share=not streaming)
@@ -590,7 +602,7 @@ def choose_async_layout(model: ModelShape, gpus: int, work: Workload = PAPER_WOR
   fastest fitting fsdp x tp x pp. Returns the fastest async step whose memory plans fit.
 
   quantize: the generator's weights, "fp8" (LlamaRL's quantised generator) or "bf16". streaming: see
-  `async_step` (False for this repo's static-batch Sampler).
+  `async_step` (False for a static-batch sampler; this repo's slot engine streams).
   """
   node = hw.gpus_per_node
   tps = _powers_of_two(node) + ([2 * node] if quantize == "bf16" else [])
@@ -629,20 +641,121 @@ def controller_bindings(model: ModelShape, pred: StepPrediction, work: Workload,
                         eff: Efficiency = CALIBRATED) -> dict:
   """`llamarl_jax.controller.Controller` arguments realising an async prediction in this repo.
 
-  The repo's meshes are fsdp x tp (no pp), its Sampler holds a replica's whole share of the batch, and
-  its trainer pads every row to prompt + `response_max` tokens, so `microbatches` keeps a rank's
-  microbatch within `work.microbatch_tokens` padded tokens. Raises ValueError for layouts it cannot run.
+  The repo's meshes are fsdp x tp (no pp); its slot engine streams each replica's share through as
+  many KV slots as fit beside the weights (`engine_slots` over all replicas, set when fewer than all rows
+  fit: the Controller's default gives every row a slot); its trainer pads every row
+  to prompt + `response_max` tokens, so `microbatches` keeps a rank's microbatch within
+  `work.microbatch_tokens` padded tokens. Raises ValueError for layouts it cannot run.
   """
   if pred.trainer.pp > 1 or pred.trainer.dp > 1 or pred.generator.pp > 1:
     raise ValueError(f"this repo's meshes are fsdp x tp only; got trainer {pred.trainer}, generator "
                      f"{pred.generator} (choose with max_pp=1, or --this_repo)")
-  generator_memory(model, pred.generator, work, hw, eff, whole_share=True).check()
+  gen_mem = generator_memory(model, pred.generator, work, hw, eff).check()
+  slots = kv_slots(model, pred.generator, work, gen_mem.budget - gen_mem.gen_weights)
+  if slots < 1:
+    raise ValueError(f"generator {pred.generator}: no KV slot of {work.max_len} tokens fits beside the weights")
   rows = work.sequences // pred.trainer.fsdp  # per trainer rank
   per_micro = max([d for d in range(1, rows + 1) if rows % d == 0 and d * work.max_len <= work.microbatch_tokens]
                   or [1])
-  return dict(trainer_fsdp=pred.trainer.fsdp, trainer_tp=pred.trainer.tp, generator_dp=pred.generator.replicas,
-              generator_tp=pred.generator.tp, microbatches=rows // per_micro, prompts_per_step=work.prompts,
-              samples_per_prompt=work.samples, max_new_tokens=work.response_max)
+  out = dict(trainer_fsdp=pred.trainer.fsdp, trainer_tp=pred.trainer.tp, generator_dp=pred.generator.replicas,
+             generator_tp=pred.generator.tp, microbatches=rows // per_micro, prompts_per_step=work.prompts,
+             samples_per_prompt=work.samples, max_new_tokens=work.response_max)
+  if slots < math.ceil(work.sequences / pred.generator.replicas):  # the default (0) gives every row a slot
+    out["engine_slots"] = slots * pred.generator.replicas
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# calibration from measurements
+
+
+def shape_from_json(d: dict) -> ModelShape:
+  """A ModelShape from the `shape` dict bench_gpu records with each measurement."""
+  fields = {f.name for f in dataclasses.fields(ModelShape)}
+  return ModelShape(**{k: v for k, v in d.items() if k in fields})
+
+
+def _trainer_mfu(tr: dict, hw: Hardware, eff: Efficiency, devices: int) -> float:
+  """The `Efficiency.mfu` at which `train_seconds` reproduces the measured step `tr["step_s"]`.
+
+  train_seconds = C / mfu + A on one FSDP group (C: the FLOPs, remat recompute included; A: the Adam
+  update and other terms independent of mfu), so two evaluations give C and A, and mfu = C / (step - A).
+  """
+  model = shape_from_json(tr["shape"])
+  rows = tr["B"]
+  work = Workload(prompts=rows, samples=1, prompt_len=tr["P"], response_mean=tr["R"], response_max=tr["R"],
+                  microbatch_tokens=-(-rows // devices) * (tr["P"] + tr["R"]) // max(tr.get("mb", 1), 1))
+  layout = TrainerLayout(fsdp=devices)
+  remat = bool(tr.get("remat", True))
+  at = lambda m: train_seconds(model, layout, work, hw, dataclasses.replace(eff, mfu=m), remat=remat)
+  c = at(0.5) - at(1.0)
+  a = at(1.0) - c
+  if tr["step_s"] <= a:
+    raise ValueError(f"measured train step {tr['step_s']:.3f} s is below the model's floor {a:.3f} s")
+  return c / (tr["step_s"] - a)
+
+
+def _decode_fit(dec: dict, hw: Hardware) -> tuple[float, float]:
+  """(hbm efficiency, per-step overhead s) from decode steps at several batch sizes: the least-squares
+  line step = bytes / (peak bandwidth x hbm) + overhead, with bytes = bf16 weights + the mean valid KV
+  cache as `decode_step_seconds` counts them (one replica, tp 1)."""
+  model = shape_from_json(dec["shape"])
+  context = dec["prompt_len"] + dec["new_tokens"] / 2
+  pts = [(model.matmul_params * 2 + r["batch"] * context * model.kv_bytes_per_token(2), r["step_ms"] / 1e3)
+         for r in dec["rows"]]
+  if len(pts) < 2:
+    raise ValueError("the decode fit needs steps at two batch sizes at least")
+  mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+  slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+  overhead = my - slope * mx
+  if slope <= 0 or overhead < 0:  # noisy or flat: all the time is bandwidth, no fixed part
+    slope, overhead = sum(x * y for x, y in pts) / sum(x * x for x, _ in pts), 0.0
+  return min(1.0, 1 / (slope * hw.hbm_bandwidth)), overhead
+
+
+def calibrate(results: dict, base: Efficiency = CALIBRATED) -> tuple[Efficiency, Hardware, list[str]]:
+  """`base` with the efficiencies a `bench_gpu` JSON measured; the measured device's peaks; one note per
+  value saying where it came from (or why it kept the assumed value).
+
+  mfu (counts the remat recompute, as `Efficiency.mfu` does): fitted so `train_seconds` gives the
+  measured trainer step. hbm and decode_overhead: `_decode_fit`. link: the weight push's bytes/s over
+  the NVLink peak when it crossed devices (one GPU pushes in place: nothing crosses, link is kept).
+  """
+  sections, env = results.get("sections"), results.get("environment") or {}
+  if not isinstance(sections, dict) or not sections:
+    raise ValueError("not a bench_gpu result: no 'sections' (write one with `make bench-gpu`)")
+  if env.get("dry_run"):
+    raise ValueError("this is a --dry_run (toy sizes, maybe on CPU): it does not calibrate a GPU model; "
+                     "run `make bench-gpu` on the GPU")
+  hw = Hardware(peak_flops=env.get("peak_flops") or Hardware.peak_flops,
+                hbm_bandwidth=env.get("peak_bandwidth") or Hardware.hbm_bandwidth)
+  eff, notes = base, []
+  dec = sections.get("decode") or {}
+  if dec.get("rows") and "shape" in dec:
+    hbm, overhead = _decode_fit(dec, hw)
+    eff = dataclasses.replace(eff, hbm=hbm, decode_overhead=overhead)
+    notes.append(f"hbm {base.hbm:.2f} -> {hbm:.3f}, decode_overhead {base.decode_overhead * 1e3:.2f} -> "
+                 f"{overhead * 1e3:.3f} ms: decode of {dec['shape'].get('name', '?')} at batches "
+                 f"{[r['batch'] for r in dec['rows']]}")
+  else:
+    notes.append(f"hbm {base.hbm:.2f}, decode_overhead {base.decode_overhead * 1e3:.2f} ms kept: no decode section")
+  tr = sections.get("trainer") or {}
+  if "step_s" in tr and "shape" in tr:
+    mfu = _trainer_mfu(tr, hw, eff, int(env.get("device_count", 1)))
+    eff = dataclasses.replace(eff, mfu=mfu)
+    notes.append(f"mfu {base.mfu:.2f} -> {mfu:.3f} (remat recompute counted; the bench's model-FLOPs MFU was "
+                 f"{tr['mfu']:.1%}): trainer {tr['B']} x ({tr['P']}+{tr['R']}), {tr['step_s'] * 1e3:.0f} ms/step")
+  else:
+    notes.append(f"mfu {base.mfu:.2f} kept: no trainer section")
+  push = sections.get("weight_push") or {}
+  if "push_gbps" in push and "disjoint" in push.get("layout", ""):
+    link = min(1.0, push["push_gbps"] * GB / hw.nvlink_bandwidth)
+    eff = dataclasses.replace(eff, link=link)
+    notes.append(f"link {base.link:.2f} -> {link:.3f}: weight push {push['push_gbps']:.1f} GB/s ({push['layout']})")
+  elif "push_gbps" in push:
+    notes.append(f"link {base.link:.2f} kept: the weight push ran on one device ({push['push_gbps']:.1f} GB/s, "
+                 f"{push['push_s'] / push['copy_s']:.1f}x a plain copy), nothing crossed a link")
+  return eff, hw, notes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -703,32 +816,47 @@ def main(argv=None) -> None:
   parser.add_argument("--quantize", default="fp8", choices=("fp8", "bf16"), help="async generator weights")
   parser.add_argument("--this_repo", action="store_true",
                       help="model this repo's implementation: bf16 generator, fsdp x tp meshes (no pp), "
-                           "static-batch generation of a replica's whole share, rows padded to the max")
+                           "the slot engine's streaming generation, rows padded to the max")
+  parser.add_argument("--calibrate", metavar="RESULTS_JSON",
+                      help="the JSON of `make bench-gpu`: measured efficiencies replace the assumed ones, "
+                           "then the paper's configurations are predicted with them")
   for f in dataclasses.fields(Workload):
     if f.type in ("int", int):
       parser.add_argument(f"--{f.name}", type=int, default=f.default)
   args = parser.parse_args(argv)
+  eff = CALIBRATED
+  if args.calibrate:
+    with open(args.calibrate) as fh:
+      results = json.load(fh)
+    try:
+      eff, measured_hw, notes = calibrate(results)
+    except (ValueError, KeyError) as e:
+      parser.error(f"--calibrate {args.calibrate}: {e}")
+    env = results.get("environment", {})
+    print(f"calibrated from {args.calibrate} ({env.get('device', '?')}, {results.get('date', '?')}):")
+    print("\n".join(f"  {n}" for n in notes))
+    print("(fractions of the measured device's peaks; the predictions below apply them to H100 nodes)\n")
   work = Workload(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Workload) if f.type in ("int", int)},
                   packed=not args.this_repo)
   print(f"workload: {work} ({work.sequences} sequences, {work.train_tokens / 1e6:.2f}M train tokens)")
-  print(f"hardware: {Hardware()}\ncalibration: {CALIBRATED}\n")
+  print(f"hardware: {Hardware()}\ncalibration: {eff}\n")
   if args.size:
     if not args.gpus:
       parser.error("--size needs --gpus")
     model = MODELS[args.size]
     print(f"{model.name} ({model.params / 1e9:.1f}B params) on {args.gpus} GPUs")
-    repo = dict(quantize="bf16", max_pp=1, streaming=False) if args.this_repo else dict(quantize=args.quantize)
+    repo = dict(quantize="bf16", max_pp=1, streaming=True) if args.this_repo else dict(quantize=args.quantize)
     for mode, kw in (("async", repo), ("sync", {})):
       try:
-        pred = choose_layout(model, args.gpus, work, mode=mode, **kw)
+        pred = choose_layout(model, args.gpus, work, mode=mode, eff=eff, **kw)
       except ValueError as e:
         print(f"{mode}: {e}")
         continue
       print(describe(pred))
       if mode == "async" and args.this_repo:
-        print("  run bindings:", controller_bindings(model, pred, work))
+        print("  run bindings:", controller_bindings(model, pred, work, eff=eff))
     return
-  rows = compare_with_paper(work)
+  rows = compare_with_paper(work, eff=eff)
   print(paper_table(rows))
   for r in rows:
     print(f"\n{LLAMA3[r.size].name} on {r.gpus} GPUs")

@@ -53,7 +53,8 @@ def run_one(args, lag: int, delay: float, engine: str = "slots") -> dict:
                      samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
                      trainer_fsdp=args.trainer_fsdp, generator_dp=args.generator_dp, generator_tp=args.generator_tp,
                      optimizer=OptimizerConfig(lr=1e-4), generator_delay_s=delay, buffer_capacity=max(lag, 1) + 1,
-                     generator_engine=engine, engine_max_prompt_len=16, seed=0)
+                     generator_engine=engine, engine_max_prompt_len=16, seed=0,
+                     colocated=getattr(args, "colocated", False))
     c = Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir, config=run,
                    progress=False)
     try:

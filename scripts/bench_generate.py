@@ -207,7 +207,8 @@ def main(argv=None):
 
 
 def engine_table(config, model, args, name):
-  """Slot engine vs static sampler on the same weights, prompts and seeds; prints one row per workload."""
+  """Slot engine vs static sampler on the same weights, prompts and seeds; prints one row per workload
+  and returns them as dicts."""
   import jax
   import numpy as np
 
@@ -223,6 +224,7 @@ def engine_table(config, model, args, name):
   print("| workload | lengths mean / max (max/mean) | static tok/s | slots tok/s | slots / static | "
         "slot utilization | static utilization | same tokens |")
   print("|---|---|---|---|---|---|---|---|")
+  rows = []
   for workload in args.engine_workloads.split(","):
     if workload not in ("longtail", "equal"):
       raise SystemExit(f"unknown engine workload {workload!r}; expected longtail or equal")
@@ -260,6 +262,11 @@ def engine_table(config, model, args, name):
     print(f"| {workload} | {lengths.mean():.1f} / {lengths.max()} ({lengths.max() / lengths.mean():.1f}) | "
           f"{useful / t_static:,.0f} | {useful / t_slots:,.0f} | {t_static / t_slots:.2f}x | {util:.1%} | "
           f"{(useful - N) / (static_steps * S):.1%} | {same:.0%} |", flush=True)
+    rows.append({"workload": workload, "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
+                 "static_tokens_per_s": useful / t_static, "slots_tokens_per_s": useful / t_slots,
+                 "speedup": t_static / t_slots, "slot_utilization": float(util),
+                 "static_utilization": (useful - N) / (static_steps * S), "same_tokens": float(same)})
+  return rows
 
 
 if __name__ == "__main__":

@@ -1,11 +1,20 @@
-"""Test setup: 8 fake CPU devices for mesh tests, CPU-only JAX, shared tiny-model fixtures."""
+"""Test setup: 8 fake CPU devices for mesh tests, CPU-only JAX unless told otherwise, fp32 matmuls at
+full precision, tests that need more devices (or a GPU) than present skipped with the reason, shared
+tiny-model fixtures."""
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # `make test-gpu` sets JAX_PLATFORMS=cuda
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+# fp32 parity tests (logits vs transformers, cached decode vs full forward, sharded vs one device) hold
+# fp32 to ~1e-6-relative tolerances. A GPU's default precision multiplies fp32 matrices in TF32 (10
+# mantissa bits, ~5e-4 relative per product), which those bounds do not allow; "highest" makes fp32
+# mean fp32 on every backend, so the same tolerances hold on CPU and GPU. CPU ignores the setting (its
+# results are bit-identical either way); bf16 matmuls are unaffected. An environment variable, so the
+# executor threads and the interpreters the multi-process tests start get it too.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 # A persistent compilation cache shared by every test of this session (and by the interpreters the
 # multi-process tests start, which inherit the environment): many tests jit new closures whose XLA
@@ -25,6 +34,47 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
+
+
+DEVICES_HINT = ("`make test` fakes 8 CPU devices: JAX_PLATFORMS=cpu "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+def pytest_collection_modifyitems(config, items):
+  """`@pytest.mark.devices(n)`: skip with fewer than n JAX devices; `@pytest.mark.gpu`: skip without a GPU.
+
+  Each skip says what was needed and what is present, so a one-device run reports which cases it could
+  not run instead of failing in mesh construction (or passing by checking less)."""
+  import jax
+
+  available = jax.devices()
+  on_gpu = jax.default_backend() == "gpu"
+  for item in items:
+    if item.get_closest_marker("gpu") is not None and not on_gpu:
+      item.add_marker(pytest.mark.skip(reason=(
+          f"needs a GPU; JAX's backend is {jax.default_backend()!r} (on a GPU machine: "
+          "pip install -e '.[cuda12]' and `make test-gpu`)")))
+    mark = item.get_closest_marker("devices")
+    if mark is not None and mark.args[0] > len(available):
+      item.add_marker(pytest.mark.skip(reason=(
+          f"needs {mark.args[0]} devices for its mesh, {len(available)} available "
+          f"({available[0].platform}); {DEVICES_HINT}")))
+
+
+def mesh_at_most(*, data=1, fsdp=1, tp=1):
+  """`parallel.make_mesh` with these axes, shrunk to the devices present: axes are halved (tp, then
+  fsdp, then data) until the mesh fits. For fixtures whose tests check a result, not a layout; tests
+  that check sharding itself ask for their devices with `@pytest.mark.devices(n)`."""
+  import jax
+
+  from llamarl_jax import parallel
+
+  axes = {"data": data, "fsdp": fsdp, "tp": tp}
+  for name in ("tp", "fsdp", "data"):
+    while axes["data"] * axes["fsdp"] * axes["tp"] > len(jax.devices()) and axes[name] > 1:
+      axes[name] //= 2
+  n = axes["data"] * axes["fsdp"] * axes["tp"]
+  return parallel.make_mesh(jax.devices()[:n], **axes)
 
 
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),

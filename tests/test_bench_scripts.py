@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -13,6 +15,7 @@ def _load(name):
   return module
 
 
+@pytest.mark.devices(4)
 def test_bench_async_reports_each_lag_with_its_bound(capsys):
   rows = _load("bench_async").main(["--lags", "0,1", "--delays", "0.2", "--hidden", "32", "--layers", "2",
                                     "--prompts", "4", "--samples", "2", "--max_new_tokens", "4",
@@ -30,3 +33,30 @@ def test_bench_verify_reports_per_category_and_false_positives(capsys):
   assert summary["cases"] == 60 and summary["ours"]["false_positives"] == 0
   out = capsys.readouterr().out
   assert "| gsm8k_hash |" in out and "ours accepted" in out and "calls/s" in out
+
+
+def test_bench_gpu_fails_fast_without_a_gpu():
+  """On a CPU-only machine it stops before any work, saying what is missing and what to do."""
+  with pytest.raises(SystemExit, match=r"needs a GPU, but JAX's backend is 'cpu'.*\[cuda12\].*--dry_run"):
+    _load("bench_gpu").main(["--out", "/nonexistent/never/written"])
+
+
+def test_bench_gpu_dry_run_writes_the_report_and_json(tmp_path):
+  """--dry_run on CPU at toy sizes: the sections that run write their numbers to the JSON and the
+  markdown; cuDNN is reported as skipped, not silently dropped. (The other sections' dry run, ~1 min on
+  2 cores, is recorded in BENCHMARKS.md; each reuses another bench script's tested functions.)"""
+  import json
+
+  results = _load("bench_gpu").main(["--dry_run", "--out", str(tmp_path),
+                                     "--sections", "trainer,attention,weight_push"])
+  saved = json.loads((tmp_path / "bench_gpu.json").read_text())
+  assert saved["sections"].keys() == {"trainer", "attention", "weight_push"} == results["sections"].keys()
+  trainer = saved["sections"]["trainer"]
+  assert trainer["step_s"] > 0 and 0 < trainer["mfu"] < 1 and trainer["B"] * (trainer["P"] + trainer["R"]) == 256
+  attention = {r["implementation"]: r for r in saved["sections"]["attention"]["rows"]}
+  assert attention["cudnn, causal + lengths"]["skipped"] == "cuDNN needs a GPU"
+  assert attention["xla, causal + lengths"]["ms"] > 0
+  push = saved["sections"]["weight_push"]
+  assert push["bytes"] == 2 * push["params"]  # fp32 -> bf16: two bytes a parameter cross
+  report = (tmp_path / "bench_gpu.md").read_text()
+  assert "DRY RUN" in report and "| xla, causal + lengths |" in report and "push GB/s" in report

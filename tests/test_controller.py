@@ -10,6 +10,8 @@ scored inline (the process pool has its own tests) unless a test needs the pool.
 import numpy as np
 import pytest
 
+from llamarl_jax.mismatch import MISMATCH_LAGS
+
 from llamarl_jax.controller import Controller, ExecutorFailed, overlap_seconds, schedule_metrics
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.reward import RewardExecutor
@@ -31,6 +33,10 @@ def policy(tokenizer):
                        num_heads=4, num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
   _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
   return config, params
+
+
+# trainer fsdp=2 beside generator dp=2 (make_controller's default layout): 4 devices unless a test says
+pytestmark = pytest.mark.devices(4)
 
 
 def make_controller(policy, tokenizer, tmp_path, *, source=None, reward=None, **kw):
@@ -63,9 +69,26 @@ def test_policy_lag_never_exceeds_bound(policy, tokenizer, tmp_path, lag):
     assert max(lags) >= 1
   assert [m["train/step"] for m in steps] == [1, 2, 3, 4, 5, 6]
   assert steps[-1]["sync/version"] == 6
+  for m in steps:  # the mismatch metrics' split by lag counts the tokens the controller counts
+    split = {k: m.get(f"rollout_corr/lag{k}/num_tokens", 0.0) for k in range(MISMATCH_LAGS)}
+    assert sum(split.values()) == m["rollout_corr/num_tokens"] == m["policy/num_tokens"]
+    assert split[0] / m["rollout_corr/num_tokens"] == pytest.approx(m["policy/frac_tokens_lag0"])
+    assert max(k for k, n in split.items() if n) == m["policy/lag_max"]
+  if lag == 0:  # same weights, fp32 generator and trainer: only summation order differs (see below)
+    assert_lag0_mismatch_is_numerics(steps)
   for key in ("buffer/occupancy", "buffer/dropped_stale", "time/generate", "time/train", "time/sync",
               "sync/gbps", "throughput/gen_tokens_per_s", "policy/ratio_mean", "policy/kl_behaviour"):
     assert key in steps[-1], key
+
+
+def assert_lag0_mismatch_is_numerics(steps):
+  """fp32 KV-cache decode vs fp32 full forward of the same weights: the log-probs agree to 1e-4
+  (test_sampler's bound; ~1e-6 measured), so per token |d| <= 1e-4, k3 ~ d^2 / 2 <= 5e-9, and the
+  ratios and the multiplicative error are 1 within 1e-4 (1.5e-4 allowed: e^1e-4 rounding)."""
+  for m in steps:
+    assert m["rollout_corr/lag0/kl_k3"] <= 5e-9
+    assert abs(m["rollout_corr/lag0/ratio_mean"] - 1) <= 1.5e-4 and m["rollout_corr/lag0/ratio_max"] <= 1 + 1.5e-4
+    assert m["rollout_corr/lag0/token_mult_prob_error"] <= 1 + 1.5e-4
 
 
 def test_generator_and_trainer_overlap_only_when_async(policy, tokenizer, tmp_path):
@@ -98,6 +121,9 @@ def test_int8_generator_shows_in_importance_ratios(policy, tokenizer, tmp_path):
     assert abs(m["policy/kl_behaviour"]) < 1e-5
   assert max(abs(m["policy/ratio_max"] - 1) for m in quant) > 1e-3
   assert max(m["policy/kl_behaviour"] for m in quant) > 1e-6
+  assert_lag0_mismatch_is_numerics(exact)  # and the mismatch metrics see int8 where fp32 shows nothing
+  assert max(m["rollout_corr/lag0/kl_k3"] for m in quant) > 100 * 5e-9
+  assert max(m["rollout_corr/lag0/token_mult_prob_error"] for m in quant) > 1 + 1.5e-4
   assert quant[0]["sync/bytes"] < 0.5 * exact[0]["sync/bytes"]  # int8 + scales vs fp32
 
 
@@ -173,6 +199,7 @@ def _always_raises(response_text, ground_truth):
   raise ZeroDivisionError("verifier bug")
 
 
+@pytest.mark.devices(2)
 def test_colocated_mode_alternates_on_one_mesh(policy, tokenizer, tmp_path):
   c, steps = run(policy, tokenizer, tmp_path, 3, colocated=True, trainer_fsdp=2, generator_dp=2,
                  max_policy_lag=1)
@@ -265,6 +292,8 @@ def test_slot_engine_swaps_weights_mid_sequence_within_the_lag_bound(policy, tok
   _, steps = run(policy, tokenizer, tmp_path, 3, max_policy_lag=1, engine_slots=16, engine_chunk_steps=2)
   assert [m["policy/lag_max"] for m in steps] == [0, 1, 1]
   assert steps[2]["generate/swaps_per_sequence"] > 0 and 0 < steps[2]["policy/lag_mean"] < 1
+  assert 0 < steps[2]["rollout_corr/lag0/num_tokens"] < steps[2]["rollout_corr/num_tokens"]  # both lags
+  assert steps[2]["rollout_corr/lag1/num_tokens"] > 0
   assert all(m["buffer/dropped_stale"] == 0 for m in steps)
 
 

@@ -252,6 +252,7 @@ def test_compile_count_is_bounded(model, greedy_engine):
     eng.submit([[1] * 17])
 
 
+@pytest.mark.devices(4)
 def test_sharded_slots_give_the_same_samples(model, sampling_engine, prompts):
   """Slots over data=2, params over tp=2: the same tokens and log-probs as one device."""
   mesh = parallel.make_mesh(jax.devices()[:4], data=2, tp=2)
@@ -262,9 +263,15 @@ def test_sharded_slots_give_the_same_samples(model, sampling_engine, prompts):
   np.testing.assert_allclose(four.behaviour_logprobs, one.behaviour_logprobs, atol=1e-5, rtol=0)
 
 
-def test_bad_input_errors(model, greedy_engine):
+@pytest.mark.devices(2)
+def test_slots_must_divide_over_the_data_axes(model):
   with pytest.raises(ValueError, match="num_slots must be a positive multiple"):
     SlotEngine(model[0], parallel.make_mesh(jax.devices()[:2], data=2), num_slots=3)
+
+
+def test_bad_input_errors(model, greedy_engine):
+  with pytest.raises(ValueError, match="num_slots must be a positive multiple"):
+    SlotEngine(model[0], num_slots=0)
   with pytest.raises(ValueError, match="samples per prompt need as many slots"):
     SlotEngine(model[0], num_slots=2, sampling=SamplingParams(n=4))
   with pytest.raises(ValueError, match="only the seed"):

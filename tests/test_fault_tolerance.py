@@ -121,6 +121,7 @@ def _train_script():
   return module
 
 
+@pytest.mark.devices(4)
 def test_changed_config_resume_names_every_difference_and_touches_nothing(runs):
   """In this process (the check needs no compiled step): another model width, lag and learning rate."""
   _, broken, _ = runs
@@ -190,6 +191,7 @@ def kl_run(tmp_path_factory):
     c.close()
 
 
+@pytest.mark.devices(4)
 def test_kl_coef_from_the_config_uses_the_initial_policy_as_reference(kl_run):
   """The reference is the initial policy: KL(pi || ref) is 0 at the first step and > 0 once the policy
   moved; it is checkpointed and restored (a resume must not re-anchor it to the resumed policy)."""
@@ -208,6 +210,7 @@ def test_kl_coef_from_the_config_uses_the_initial_policy_as_reference(kl_run):
     np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.devices(4)
 def test_a_stalled_executor_is_named_when_the_step_times_out(kl_run):
   c, _ = kl_run  # compiled already: the stall below is the reward function's alone
   import time
@@ -242,6 +245,7 @@ def test_a_reference_of_another_architecture_is_refused(tmp_path):
     assert a.shape == b.shape and float(abs(a - b).max()) == 0.0
 
 
+@pytest.mark.devices(4)
 def test_ctrl_c_during_the_warm_start_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
   from llamarl_jax import experiment
 

@@ -221,9 +221,9 @@ def test_num_params_counts_every_family_parameter(family):
   assert hasattr(attn, "bq") == (family == "qwen2") and hasattr(attn, "q_norm") == (family == "qwen3")
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("family,fsdp,tp", [("llama", 4, 1), ("qwen2", 2, 2)])
 def test_sharded_logits_equal_single_device(make_hf_model, family, fsdp, tp):
-  assert len(jax.devices()) >= 4, "conftest sets 8 fake CPU devices"
   _, path = make_hf_model(family=family, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                           vocab_size=68)
   _, single = load_hf_checkpoint(path)
@@ -241,6 +241,7 @@ def test_sharded_logits_equal_single_device(make_hf_model, family, fsdp, tp):
                              atol=1e-5, rtol=0)
 
 
+@pytest.mark.devices(8)
 def test_make_meshes_disjoint_and_colocated():
   trainer, generator = parallel.make_meshes(trainer_fsdp=2, trainer_tp=2, generator_dp=2, generator_tp=2)
   assert set(trainer.devices.flat).isdisjoint(generator.devices.flat)
@@ -248,5 +249,8 @@ def test_make_meshes_disjoint_and_colocated():
   assert dict(generator.shape) == {"data": 2, "fsdp": 1, "tp": 2}
   t, g = parallel.make_meshes(trainer_fsdp=4, generator_dp=2, generator_tp=2, colocated=True)
   assert set(t.devices.flat) == set(g.devices.flat)
-  with pytest.raises(ValueError, match="need 16 devices"):
+
+
+def test_make_meshes_names_the_devices_it_needs():
+  with pytest.raises(ValueError, match=f"need 16 devices, only {len(jax.devices())} available"):
     parallel.make_meshes(trainer_fsdp=8, generator_dp=8)

@@ -119,6 +119,7 @@ def one_process_run(tmp_path_factory):
   return _steps(run_dir)
 
 
+@pytest.mark.devices(8)
 def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
   """1 trainer process (fsdp2 x tp2) + 1 generator process (dp2 x tp2), launched as a user types it.
   With held-out evaluations (greedy + sampled) before RL, at step 2 and after step 3: across processes
@@ -143,6 +144,7 @@ def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
     assert r["eval/pass1_sampled"] * 8 == round(r["eval/pass1_sampled"] * 8)
 
 
+@pytest.mark.devices(8)
 def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):
   """Trainer FSDP over processes 0-1 (tp inside each), generator data-parallel over processes 2-3."""
   status, out = _launch(4, _args(tmp_path / "run", 3), timeout_s=240)
@@ -154,6 +156,7 @@ def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):
     assert schedule_metrics(one) == schedule_metrics(four)
 
 
+@pytest.mark.devices(8)
 def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process_run, tmp_path, monkeypatch):
   """Kill the generator process after the step-2 checkpoint: the trainer exits non-zero within
   seconds naming it; the last checkpoint is intact, and --resume finishes the run from it with the

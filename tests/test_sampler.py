@@ -183,6 +183,7 @@ def test_greedy_step_is_argmax_with_model_logprob():
 # -- invariances ---------------------------------------------------------------------------------
 
 
+@pytest.mark.devices(4)
 def test_dp_tp_mesh_gives_same_outputs_as_one_device(model, sampler, prompts):
   mesh = parallel.make_mesh(jax.devices()[:4], data=2, tp=2)
   sharded = Sampler(model[0], mesh, batch_multiple=8)

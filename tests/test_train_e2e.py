@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.devices(4)  # configs/tiny_cpu.gin: trainer fsdp=2 beside generator dp=2
 SMALL = [
     "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
     "supervised_warmstart.steps = 10", "supervised_warmstart.batch_size = 16",
@@ -59,6 +60,22 @@ def test_the_run_trains_checkpoints_logs_and_exports(finished_run):
   assert any("sft/nll" in r for r in rows)
   assert all(np.isfinite(r["loss/total"]) for r in rows if "loss/total" in r)
   assert list((run_dir / "tb").glob("events.out.tfevents.*")) or list(run_dir.rglob("events.out.tfevents.*"))
+
+
+def test_mismatch_metrics_are_logged_every_step(finished_run):
+  """rollout_corr/* (llamarl_jax.mismatch) in metrics.jsonl and TensorBoard at every RL step, split by lag."""
+  from test_checkpoint import _tb_events
+
+  run_dir = finished_run[0]
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in rows if "reward/mean" in r]
+  names = ("kl_k3", "ratio_mean", "ratio_max", "token_mult_prob_error")
+  for r in rl:
+    assert all(np.isfinite(r[f"rollout_corr/{n}"]) for n in names), r["step"]
+    assert r["rollout_corr/num_tokens"] == sum(r.get(f"rollout_corr/lag{k}/num_tokens", 0) for k in (0, 1))
+  assert any("rollout_corr/lag0/kl_k3" in r for r in rl)
+  tags = {tag for _, tag in _tb_events(run_dir / "tb")}
+  assert {f"rollout_corr/{n}" for n in names} <= tags and "rollout_corr/lag0/kl_k3" in tags
 
 
 def test_held_out_evaluations_are_logged_at_the_step_they_were_taken(finished_run):

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import mesh_at_most
 from llamarl_jax import parallel
 from llamarl_jax.executors.trainer import (OptimizerConfig, TrainerExecutor, lr_schedule, make_optimizer,
                                            token_logprobs)
 from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch, sequence_layout
+from llamarl_jax.mismatch import MISMATCH_LAGS
 from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -44,6 +46,11 @@ def one_device_mesh():
 
 def fsdp_mesh(fsdp, tp=1):
   return parallel.make_mesh(jax.devices()[:fsdp * tp], fsdp=fsdp, tp=tp)
+
+
+# What the tests below that check sharding itself need (`test_sharded_step_matches_single_device`);
+# the fixtures that merely run on a mesh shrink to the devices present (`mesh_at_most`).
+SHARDED_DEVICES = 4
 
 
 def make_batch(seed, params=None, graphdef=None, nan_row=None) -> ScoredBatch:
@@ -129,9 +136,10 @@ def reference_run(model_params, fixed_batch):
 
 @pytest.fixture(scope="module")
 def shared_trainer(model_params, fixed_batch):
-  """fsdp=2 x tp=2 fake devices, 2 microbatches; its first 3 steps (on `fixed_batch`) are recorded
-  for the sharding test, then the NaN, compile-count and checkpoint tests keep stepping it."""
-  trainer = TrainerExecutor(CONFIG, fsdp_mesh(2, tp=2), model_params[1], optimizer=OPT,
+  """fsdp=2 x tp=2 fake devices (fewer where fewer are present), 2 microbatches; its first 3 steps (on
+  `fixed_batch`) are recorded for the sharding test, then the NaN, compile-count and checkpoint tests
+  keep stepping it."""
+  trainer = TrainerExecutor(CONFIG, mesh_at_most(fsdp=2, tp=2), model_params[1], optimizer=OPT,
                             loss_kwargs=LOSS_KW, microbatches=2)
   trainer.first_steps = run_steps(trainer, fixed_batch, 3)
   return trainer
@@ -139,8 +147,8 @@ def shared_trainer(model_params, fixed_batch):
 
 @pytest.fixture(scope="module")
 def bf16_ppo_run(model_params, fixed_batch):
-  """bf16 compute, PPO-clip loss, KL to a reference (the initial params) on the same fsdp=2 mesh."""
-  trainer = TrainerExecutor(CONFIG.replace(dtype="bfloat16"), fsdp_mesh(2), model_params[1],
+  """bf16 compute, PPO-clip loss, KL to a reference (the initial params) on an fsdp=2 mesh (or fewer)."""
+  trainer = TrainerExecutor(CONFIG.replace(dtype="bfloat16"), mesh_at_most(fsdp=2), model_params[1],
                             optimizer=OptimizerConfig(lr=1e-2), loss="ppo_clip",
                             loss_kwargs={"eps_high": 0.28}, ref_params=model_params[1], kl_coef=0.1)
   metrics, states = run_steps(trainer, fixed_batch, 2)
@@ -207,6 +215,32 @@ def test_overfit_moves_loglik_with_advantage_sign(reference_run, fixed_batch):
   assert reference_run["trainer"].busy_seconds >= sum(x["time/train_step"] for x in m)
 
 
+def test_mismatch_metrics_split_by_lag(reference_run, fixed_batch):
+  """Every step trains `fixed_batch` (token versions 0), so step k (params version k) sees lag k only:
+  its tokens all fall in `rollout_corr/lag{k}` (k < MISMATCH_LAGS = 4; lag 4 is in the totals only).
+  At lag 0 the behaviour log-probs are the trainer's own function of the same params, computed in
+  another program: they agree to ~1e-7 (the 1e-5 of test_token_logprobs_match_full_forward bounds
+  it), so k3 <= (1e-5)^2 / 2 = 5e-11 and the ratios are 1 within 1e-5."""
+  m = reference_run["metrics"]
+  tokens = float(fixed_batch.rollout.response_mask.sum())
+  for k, step in enumerate(m):
+    lag_keys = {key.split("/")[1] for key in step if key.startswith("rollout_corr/lag")}
+    assert lag_keys == ({f"lag{k}"} if k < MISMATCH_LAGS else set()), (k, lag_keys)
+    assert step["rollout_corr/num_tokens"] == tokens
+    if k < MISMATCH_LAGS:
+      assert step[f"rollout_corr/lag{k}/num_tokens"] == tokens
+      assert step[f"rollout_corr/lag{k}/kl_k3"] == step["rollout_corr/kl_k3"]
+  assert m[0]["rollout_corr/lag0/kl_k3"] < 5e-11
+  assert abs(m[0]["rollout_corr/lag0/ratio_max"] - 1) < 1e-5
+  assert m[0]["rollout_corr/lag0/token_mult_prob_error"] - 1 < 1e-5
+  # the policy moved: later lags see a real mismatch, growing with the steps taken on this batch
+  kl = [step["rollout_corr/kl_k3"] for step in m]
+  assert kl[1] > 1e-6 and all(b > a for a, b in zip(kl[1:], kl[2:])), kl
+  # the same estimator as the loss's off-policyness metric (k3 of KL(mu || pi)), over the same tokens
+  np.testing.assert_allclose([s["rollout_corr/kl_k3"] for s in m], [s["policy/kl_behaviour"] for s in m],
+                             rtol=1e-4, atol=1e-12)
+
+
 def test_grad_accumulation_equals_one_big_batch(model_params, fixed_batch, reference_run):
   """4 microbatches (with remat) of unequal token counts give the full batch's gradient and update.
 
@@ -227,6 +261,7 @@ def test_grad_accumulation_equals_one_big_batch(model_params, fixed_batch, refer
   assert_trees_close(acc.params, ref_state["params"], atol=1e-5)
 
 
+@pytest.mark.devices(SHARDED_DEVICES)
 def test_sharded_step_matches_single_device(model_params, fixed_batch, reference_run, shared_trainer):
   """3 steps on fsdp=4, and on fsdp=2 x tp=2 with 2 microbatches, give the single-device params."""
   fsdp4 = TrainerExecutor(CONFIG, fsdp_mesh(4), model_params[1], optimizer=OPT, loss_kwargs=LOSS_KW)

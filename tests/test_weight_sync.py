@@ -17,6 +17,10 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_la
                      max_position_embeddings=32)
 
 
+# the `setup` meshes: trainer fsdp=4 beside generator tp=4 (tests that need fewer say so)
+pytestmark = pytest.mark.devices(8)
+
+
 @pytest.fixture(scope="module")
 def setup():
   """(trainer params on an fsdp=4 mesh, generator shardings on a disjoint tp=4 mesh, the two meshes)."""
@@ -90,6 +94,7 @@ def test_int8_error_within_half_a_step_per_channel(setup):
   assert 0.25 * fp32 < metrics["sync/bytes"] < 0.3 * fp32
 
 
+@pytest.mark.devices(4)
 def test_int8_quantises_matrices_only_given_the_logical_axes():
   """Qwen2's q/k/v biases are `[heads, head_dim]` but vectors: given the params' logical axes only the
   matrices (an `embed` axis) are quantised and the biases arrive exact; by rank alone they would not."""
@@ -107,6 +112,7 @@ def test_int8_quantises_matrices_only_given_the_logical_axes():
   assert not np.array_equal(np.asarray(by_rank.latest()[0]["bq"]), host["bq"])
 
 
+@pytest.mark.devices(1)
 def test_quantize_int8_round_trip_on_a_known_matrix():
   w = jnp.array([[1.0, -0.5], [-2.0, 0.25], [0.0, 0.0]])  # channel max: 2.0 and 0.5
   q, scale = quantize_int8(w)

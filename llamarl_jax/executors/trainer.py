@@ -10,6 +10,8 @@
           and its gradient, accumulated in fp32 on the parameter shardings (reduce-scatter under
           FSDP); then global-norm clipping and AdamW. A non-finite loss or gradient norm keeps the
           old params and optimizer state (an elementwise select) and bumps `train/skipped_nonfinite`.
+          The step's log pi against the batch's log mu gives the trainer-generator mismatch metrics
+          (`rollout_corr/*`, `llamarl_jax.mismatch`), split by the tokens' policy lag.
 
 Microbatching is exact, not an approximation: the loss of a microbatch is weighted by its share of
 the batch's normaliser (valid tokens for `token_mean`, valid sequences for `seq_mean_token_mean`,
@@ -33,9 +35,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from llamarl_jax import losses, parallel
+from llamarl_jax import losses, mismatch, parallel
 from llamarl_jax.config import OptimizerConfig
-from llamarl_jax.generation.rollout import ScoredBatch, sequence_layout
+from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch, sequence_layout
 from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
 
 Array = jax.Array
@@ -135,10 +137,7 @@ def get_loss(name: str) -> Callable:
 # --------------------------------------------------------------------------------------------------
 # the executor
 
-_BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask",
-                 "behaviour_logprobs", "advantages")
-_BATCH_DTYPES = {"prompt_tokens": np.int32, "prompt_mask": np.int32, "response_tokens": np.int32,
-                 "response_mask": np.int32, "behaviour_logprobs": np.float32, "advantages": np.float32}
+_BATCH_DTYPES = TRAIN_FIELDS  # rollout.py: the one batch schema of training
 
 
 class TrainerExecutor:
@@ -210,7 +209,7 @@ class TrainerExecutor:
     if ref_params is not None:
       self._ref_params = self._place(ref_params, jnp.dtype(config.dtype))
 
-    batch_sh = {k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in _BATCH_FIELDS}
+    batch_sh = {k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in _BATCH_DTYPES}
     self._batch_shardings = batch_sh
     ref_sh = None if self._ref_params is None else self.param_shardings
     self._train_step = jax.jit(
@@ -289,7 +288,7 @@ class TrainerExecutor:
     arrays = self._put_batch(batch)
     self._params, self._opt_state, self._step, self._skipped, metrics = self._train_step(
         self._params, self._opt_state, self._step, self._skipped, arrays, self._ref_params)
-    metrics = {k: float(_local_value(v)) for k, v in metrics.items()}  # waits for the step
+    metrics = mismatch.drop_empty_lags({k: float(_local_value(v)) for k, v in metrics.items()})  # waits
     elapsed = time.perf_counter() - start
     self.busy_seconds += elapsed
     metrics["time/train_step"] = elapsed
@@ -299,7 +298,10 @@ class TrainerExecutor:
     r = batch.rollout
     host = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
             "response_tokens": r.response_tokens, "response_mask": r.response_mask,
-            "behaviour_logprobs": r.behaviour_logprobs, "advantages": batch.advantages}
+            "behaviour_logprobs": r.behaviour_logprobs, "advantages": batch.advantages,
+            # the version of each token's weights, for the mismatch metrics' split by lag (-1: unknown)
+            "token_versions": (np.full(np.shape(r.response_tokens), -1, np.int32) if r.token_versions is None
+                               else r.token_versions)}
     B = np.shape(host["prompt_tokens"])[0]
     multiple = self.microbatches * parallel.batch_divisor(self.mesh)
     if B % multiple:
@@ -308,7 +310,8 @@ class TrainerExecutor:
                        "with rows whose response_mask is 0")
     expected = {"prompt_tokens": (B, None), "prompt_mask": np.shape(host["prompt_tokens"]),
                 "response_tokens": (B, None), "response_mask": np.shape(host["response_tokens"]),
-                "behaviour_logprobs": np.shape(host["response_tokens"]), "advantages": (B,)}
+                "behaviour_logprobs": np.shape(host["response_tokens"]), "advantages": (B,),
+                "token_versions": np.shape(host["response_tokens"])}
     out = {}
     for k, v in host.items():
       shape = np.shape(v)
@@ -336,7 +339,7 @@ class TrainerExecutor:
           mask, temperature=self.temperature))
     loss, metrics = self.loss_fn(logprobs, mb["behaviour_logprobs"], mb["advantages"], mask, **kw)
     share = _loss_share(mask, totals, kw.get("aggregation", "token_mean"))
-    return loss * share, (share, metrics)
+    return loss * share, (share, metrics, logprobs)
 
   def _train_step_impl(self, params, opt_state, step, skipped, batch, ref_params):
     self.trace_count += 1
@@ -355,15 +358,20 @@ class TrainerExecutor:
     grad_fn = jax.value_and_grad(self._microbatch_loss, has_aux=True)
 
     def accumulate(grads, mb):
-      (loss_part, (share, metrics)), g = grad_fn(params, ref_params, mb, totals)
+      (loss_part, (share, metrics, logprobs)), g = grad_fn(params, ref_params, mb, totals)
       grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
       grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
-      return grads, (loss_part, share, metrics)
+      return grads, (loss_part, share, metrics, logprobs)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, (loss_parts, shares, micro_metrics) = jax.lax.scan(accumulate, zeros, micro)
+    grads, (loss_parts, shares, micro_metrics, logprobs) = jax.lax.scan(accumulate, zeros, micro)
     total_loss = jnp.sum(loss_parts)
     metrics = _combine_metrics(micro_metrics, shares)
+    # log pi of the params this step starts from (version `step`: the n-th step's params are version n)
+    # vs log mu, over the whole batch ([M, B/M, R] like `micro`), split by each token's lag
+    versions = micro["token_versions"]
+    lags = jnp.where(versions >= 0, step - versions, -1)
+    metrics.update(mismatch.mismatch_metrics(logprobs, micro["behaviour_logprobs"], micro["response_mask"], lags))
 
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(total_loss) & jnp.isfinite(grad_norm)

@@ -71,16 +71,18 @@ class ScoredBatch:
     """The fields the trainer reads (`TRAIN_FIELDS`), as host arrays in its dtypes: what a batch
     transfer between processes moves."""
     r = self.rollout
+    versions = (np.full(np.shape(r.response_tokens), -1, np.int32) if r.token_versions is None  # -1: unknown
+                else r.token_versions)
     arrays = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask, "response_tokens": r.response_tokens,
               "response_mask": r.response_mask, "behaviour_logprobs": r.behaviour_logprobs,
-              "advantages": self.advantages}
+              "advantages": self.advantages, "token_versions": versions}
     return {k: np.asarray(arrays[k], dtype) for k, dtype in TRAIN_FIELDS.items()}
 
   @classmethod
   def from_train_arrays(cls, arrays: dict) -> "ScoredBatch":
     """A batch holding only the `TRAIN_FIELDS` (others None): what a trainer process receives."""
     rollout = RolloutBatch(**{k: arrays[k] for k in TRAIN_FIELDS if k != "advantages"}, lengths=None,
-                           finish_reason=None, group_ids=None, policy_version=None, token_versions=None)
+                           finish_reason=None, group_ids=None, policy_version=None)
     return cls(rollout=rollout, rewards=None, advantages=arrays["advantages"])
 
 
@@ -88,7 +90,8 @@ class ScoredBatch:
 # `train_arrays` / `from_train_arrays`, the trainer's batch shardings and the cross-process batch
 # transfer (multiprocess/protocol.py) all use it.
 TRAIN_FIELDS = {"prompt_tokens": np.int32, "prompt_mask": np.int32, "response_tokens": np.int32,
-                "response_mask": np.int32, "behaviour_logprobs": np.float32, "advantages": np.float32}
+                "response_mask": np.int32, "behaviour_logprobs": np.float32, "advantages": np.float32,
+                "token_versions": np.int32}  # the mismatch metrics' split by policy lag (-1: unknown)
 
 
 def sequence_layout(prompt_tokens, prompt_mask, response_tokens, response_mask):

@@ -1,0 +1,502 @@
+#!/usr/bin/env python
+"""The GPU benchmark in one command (`make bench-gpu`): the numbers that matter, as a markdown table
+and a JSON file (the input of `python -m llamarl_jax.perf_model --calibrate`). About 6-8 minutes on
+one H100 (each section prints its own seconds).
+
+Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
+  trainer     `TrainerExecutor.step` at RL shapes (8 x (256 + 768), 4 microbatches, remat): step time,
+              MFU = 6 N B (P + R) / step / peak, peak device memory (scripts/bench_train.bench)
+  torch_peer  the same shapes in PyTorch (transformers Llama, sdpa, bf16 autocast, AdamW, gradient
+              checkpointing): step, MFU, peak memory. Only when torch sees CUDA (skipped otherwise)
+  attention   `jax.nn.dot_product_attention` forward + backward, causal with per-row lengths
+              (B4, T2048, 32/8 heads, head dim 64): XLA with a mask, XLA causal, cuDNN causal
+  decode      greedy decode per step at B16 / B64 / B256 (prompt 128) vs the HBM roofline
+              (scripts/bench_generate: weights + mean valid KV bytes per step / step / peak bandwidth)
+  transformers the same weights in transformers (bf16, `generate`, dynamic cache, no torch.compile),
+              decode per step at B64; skipped when torch has no CUDA
+  engine      slot engine vs static sampler on a long-tail workload: tokens/s, slot utilization
+              (scripts/bench_generate.engine_table)
+  weight_push `WeightSync.push` (fp32 trainer params -> bf16 generator layout) in GB/s against a plain
+              copy of the same bytes: device to device between disjoint meshes with 2+ GPUs
+              (scripts/bench_weight_sync.bench_one), an on-device copy with one GPU (colocated mode)
+  e2e         a short asynchronous run through the Controller (tiny model on the arithmetic task,
+              colocated on one GPU): seconds per step at lag 0 and 1 (scripts/bench_async.run_one)
+
+It checks its environment first and stops with a clear message when JAX sees no GPU. `--dry_run` runs
+every section at toy sizes on whatever backend is present (CPU included), cuDNN and the PyTorch CUDA
+parts skipped, so the script itself is tested (tests/test_bench_scripts.py).
+
+  make bench-gpu                                    # = python scripts/bench_gpu.py --out results/bench_gpu
+  python scripts/bench_gpu.py --sections decode,trainer --out /tmp/bench
+  JAX_PLATFORMS=cpu python scripts/bench_gpu.py --dry_run --out /tmp/dry
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU; peak memory is real
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # before bench_weight_sync's 8
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_async  # noqa: E402
+import bench_generate  # noqa: E402
+import bench_train  # noqa: E402
+import bench_weight_sync  # noqa: E402
+
+SECTIONS = ("trainer", "torch_peer", "attention", "decode", "transformers", "engine", "weight_push", "e2e")
+# device kind substring: (dense bf16 peak FLOP/s, HBM bytes/s)
+DEVICE_PEAKS = {"H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12),
+                "A100": (312e12, 2.0e12), "L4": (121e12, 0.3e12)}
+
+# what each section runs at: full size on a GPU, toy size for --dry_run
+FULL = dict(size="1b", train_B=8, train_P=256, train_R=768, microbatches=4, train_warmup=2, train_steps=3,
+            attn=(4, 2048, 32, 8, 64), decode_batches=(16, 64, 256), prompt_len=128, decode_R=64, hf_batch=64,
+            engine_slots=64, engine_prompts=256, engine_R=512, push_size="1b", e2e=dict(hidden=512, layers=4,
+            prompts=16, samples=8, max_new_tokens=64, warmup=2, steps=5), repeats=3)
+DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_warmup=1, train_steps=1,
+           attn=(1, 64, 4, 2, 16), decode_batches=(2,), prompt_len=8, decode_R=4, hf_batch=2,
+           engine_slots=4, engine_prompts=8, engine_R=8, push_size="1m", e2e=dict(hidden=32, layers=2,
+           prompts=2, samples=2, max_new_tokens=4, warmup=1, steps=1), repeats=1)
+DRY_DECODE_SIZE = "5m"  # bench_generate's smallest
+
+
+class SkipSection(Exception):
+  """A section that cannot run here (its reason goes into the report)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# environment
+
+
+def check_environment(dry_run: bool) -> dict:
+  """What this machine is; SystemExit with what to do when there is no GPU (and not --dry_run)."""
+  try:
+    import jax
+
+    devices = jax.devices()
+  except RuntimeError as e:  # e.g. JAX_PLATFORMS=cuda without a driver / plugin
+    raise SystemExit(f"bench_gpu: JAX could not start its backend ({e}). On a CUDA machine: "
+                     "pip install -e '.[cuda12]' (or jax[cuda12]) and run `make bench-gpu`.") from e
+  backend = jax.default_backend()
+  if backend != "gpu" and not dry_run:
+    raise SystemExit(
+        f"bench_gpu needs a GPU, but JAX's backend is {backend!r} ({devices[0].device_kind}, "
+        f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}). On a CUDA machine: "
+        "pip install -e '.[cuda12]' and run `make bench-gpu` (without JAX_PLATFORMS=cpu). "
+        "To exercise this script on CPU at toy sizes: --dry_run.")
+  missing = [m for m in ("gin", "tensorboardX", "transformers") if not _importable(m)]
+  if missing:
+    raise SystemExit(f"bench_gpu: missing packages {missing}: pip install -e '.[test,cuda12]'")
+  kind = devices[0].device_kind
+  peak_flops, peak_bw = next((v for k, v in DEVICE_PEAKS.items() if k in kind), (None, None))
+  torch_cuda = False
+  if _importable("torch"):
+    import torch
+
+    torch_cuda = bool(torch.cuda.is_available())
+  return {"backend": backend, "device": kind, "device_count": len(devices), "jax": jax.__version__,
+          "torch_cuda": torch_cuda, "peak_flops": peak_flops, "peak_bandwidth": peak_bw, "dry_run": dry_run}
+
+
+def _importable(name: str) -> bool:
+  import importlib.util
+
+  return importlib.util.find_spec(name) is not None
+
+
+def peak_memory_bytes() -> float | None:
+  """The device's peak bytes in use so far (None where the backend keeps no statistics, e.g. CPU)."""
+  import jax
+
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+# ------------------------------------------------------------------------------------------------
+# sections
+
+
+def trainer_section(cfg, env, args) -> dict:
+  ns = argparse.Namespace(dtype=args.dtype, microbatches=cfg["microbatches"], remat=True, tp=1, batch=cfg["train_B"],
+                          prompt_len=cfg["train_P"], resp_len=cfg["train_R"], warmup=cfg["train_warmup"],
+                          steps=cfg["train_steps"])
+  peak = args.peak_tflops or (env["peak_flops"] or 0) / 1e12 or bench_train.default_peak_tflops()[0]
+  row = bench_train.bench(cfg["size"], ns, peak)
+  vocab, d, f, layers, heads, kv, tied = bench_train.SIZES[cfg["size"]]
+  row["shape"] = dict(name=cfg["size"], layers=layers, hidden=d, heads=heads, kv_heads=kv, intermediate=f,
+                      vocab=vocab, tied=tied)  # for perf_model --calibrate
+  row["peak_tflops"] = peak
+  row["peak_memory_gib"] = _gib(peak_memory_bytes())
+  return row
+
+
+def torch_peer_section(cfg, env, args) -> dict:
+  """transformers' Llama at the trainer section's shapes: fp32 master weights, bf16 autocast on CUDA,
+  sdpa attention, gradient checkpointing, AdamW; the loss uses the response positions' log-probs."""
+  import torch
+  import transformers
+
+  on_cuda = env["torch_cuda"]
+  if not on_cuda and not env["dry_run"]:
+    raise SkipSection("torch has no CUDA")
+  device = "cuda" if on_cuda else "cpu"
+  vocab, d, f, layers, heads, kv, tied = bench_train.SIZES[cfg["size"]]
+  hf = transformers.LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_hidden_layers=layers,
+                                num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
+                                max_position_embeddings=8192, rope_theta=500000.0, attn_implementation="sdpa")
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(hf).to(device)
+  model.gradient_checkpointing_enable()
+  model.train()
+  opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+  B, P, R, M = cfg["train_B"], cfg["train_P"], cfg["train_R"], cfg["microbatches"]
+  g = torch.Generator().manual_seed(0)
+  tokens = torch.randint(1, vocab, (B, P + R), generator=g).to(device)
+  adv = (torch.randint(0, 2, (B,), generator=g).float() * 2 - 1).to(device)
+
+  def step():
+    opt.zero_grad(set_to_none=True)
+    for mb in range(M):
+      rows = slice(mb * B // M, (mb + 1) * B // M)
+      with torch.autocast(device, dtype=torch.bfloat16, enabled=on_cuda):
+        hidden = model.model(input_ids=tokens[rows]).last_hidden_state[:, P - 1:-1]
+        logits = model.lm_head(hidden).float()
+      logp = torch.log_softmax(logits, -1).gather(-1, tokens[rows, P:, None])[..., 0]
+      loss = -(adv[rows, None] * logp).mean() / M
+      loss.backward()
+    opt.step()
+    if on_cuda:
+      torch.cuda.synchronize()
+
+  for _ in range(cfg["train_warmup"]):
+    step()
+  if on_cuda:
+    torch.cuda.reset_peak_memory_stats()
+  times = []
+  for _ in range(cfg["train_steps"]):
+    t = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t)
+  step_s = statistics.median(times)
+  n = sum(p.numel() for p in model.parameters()) - (0 if tied else vocab * d)
+  peak = args.peak_tflops or (env["peak_flops"] or 0) / 1e12 or bench_train.default_peak_tflops()[0]
+  tflops = 6 * n * B * (P + R) / step_s / 1e12
+  return {"size": cfg["size"], "B": B, "P": P, "R": R, "mb": M, "step_s": step_s, "tflops": tflops,
+          "mfu": tflops / peak, "peak_memory_gib": _gib(torch.cuda.max_memory_allocated()) if on_cuda else None,
+          "device": device}
+
+
+def attention_section(cfg, env, args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  B, T, N, K, H = cfg["attn"]
+  dtype = jnp.dtype(args.dtype)
+  rng = np.random.RandomState(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, H)), dtype) for n in (N, K, K))
+  lengths = jnp.asarray(np.linspace(T, T // 2, B).astype(np.int32))
+  positions = np.arange(T)
+  valid = positions[None, :] < np.asarray(lengths)[:, None]
+  mask = jnp.asarray((positions[:, None] >= positions[None, :])[None, None] & valid[:, None, None, :])
+
+  variants = {
+      "xla, boolean mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla"),
+      "xla, causal + lengths": lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation="xla"),
+      "cudnn, causal + lengths": lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+          implementation="cudnn"),
+  }
+  flops = 3.5 * 2 * B * N * T * T * H  # causal forward 2BNT^2H (half of 4BNT^2H), backward 2.5x the forward
+  rows = []
+  for name, fn in variants.items():
+    if name.startswith("cudnn") and env["backend"] != "gpu":
+      rows.append({"implementation": name, "skipped": "cuDNN needs a GPU"})
+      continue
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+    run = lambda: jax.block_until_ready(grad(q, k, v))
+    run()
+    (t,) = bench_generate.best_times([run], max(cfg["repeats"], 3))
+    rows.append({"implementation": name, "ms": t * 1e3, "tflops": flops / t / 1e12})
+  return {"shape": {"B": B, "T": T, "heads": N, "kv_heads": K, "head_dim": H, "dtype": dtype.name}, "rows": rows}
+
+
+def _decode_model(cfg, args, env):
+  import jax.numpy as jnp
+
+  from llamarl_jax.model import init_model
+  from llamarl_jax.model.hf import config_from_hf
+
+  name = DRY_DECODE_SIZE if env["dry_run"] else cfg["size"]
+  config = config_from_hf(bench_generate.hf_config(name).to_dict(), dtype=jnp.dtype(args.dtype))
+  return name, config, init_model(config, seed=0)
+
+
+def decode_section(cfg, env, args) -> dict:
+  import jax.numpy as jnp
+  import numpy as np
+
+  name, config, model = _decode_model(cfg, args, env)
+  P, R = cfg["prompt_len"], cfg["decode_R"]
+  peak_bw = args.peak_bandwidth or env["peak_bandwidth"] or 0.0
+  rng = np.random.RandomState(0)
+  rows = []
+  for B in cfg["decode_batches"]:
+    prompts = rng.randint(1, config.vocab_size, (B, P)).tolist()
+    ours = bench_generate.our_runner(config, model, prompts)
+    ours(R), ours(1)  # compile both lengths
+    full, one = bench_generate.best_times([lambda: ours(R), lambda: ours(1)], cfg["repeats"])
+    step = (full - one) / (R - 1)
+    frac = (bench_generate.decode_roofline(config, B, P, R, step, jnp.dtype(args.dtype).itemsize, peak_bw)
+            if peak_bw else None)
+    rows.append({"batch": B, "step_ms": step * 1e3, "tokens_per_s": B / step, "roofline": frac})
+  vocab, d, f, layers, heads, kv = bench_generate.SIZES[name]
+  shape = dict(name=name, layers=layers, hidden=d, heads=heads, kv_heads=kv, intermediate=f, vocab=vocab, tied=False)
+  return {"model": name, "params": config.num_params(), "prompt_len": P, "new_tokens": R, "rows": rows,
+          "shape": shape}
+
+
+def transformers_section(cfg, env, args) -> dict:
+  """Our decode and transformers' `generate` on the same weights (ours exported with
+  `save_hf_checkpoint`), greedy, B = hf_batch; per-step time with prefill subtracted on both sides."""
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  import transformers
+
+  from llamarl_jax.model import save_hf_checkpoint
+
+  on_cuda = env["torch_cuda"]
+  if not on_cuda and not env["dry_run"]:
+    raise SkipSection("torch has no CUDA")
+  device = "cuda" if on_cuda else "cpu"
+  name, config, model = _decode_model(cfg, args, env)
+  B, P, R = cfg["hf_batch"], cfg["prompt_len"], cfg["decode_R"]
+  prompts = np.random.RandomState(1).randint(1, config.vocab_size, (B, P))
+  with tempfile.TemporaryDirectory() as tmp:
+    save_hf_checkpoint(model, config, tmp)
+    torch_dtype = torch.bfloat16 if jnp.dtype(args.dtype) == jnp.bfloat16 else torch.float32
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=torch_dtype).to(device).eval()
+  ids = torch.tensor(prompts, device=device)
+
+  def theirs(r):
+    with torch.inference_mode():
+      out = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r,
+                         min_new_tokens=r, pad_token_id=0)
+    if on_cuda:
+      torch.cuda.synchronize()
+    return out
+
+  ours = bench_generate.our_runner(config, model, prompts.tolist())
+  ours(R), ours(1), theirs(R), theirs(1)
+  t = bench_generate.best_times([lambda: ours(R), lambda: ours(1), lambda: theirs(R), lambda: theirs(1)],
+                                cfg["repeats"])
+  ours_step, theirs_step = (t[0] - t[1]) / (R - 1), (t[2] - t[3]) / (R - 1)
+  return {"model": name, "batch": B, "ours_step_ms": ours_step * 1e3, "transformers_step_ms": theirs_step * 1e3,
+          "speedup": theirs_step / ours_step, "torch_device": device}
+
+
+def engine_section(cfg, env, args) -> dict:
+  name, config, model = _decode_model(cfg, args, env)
+  ns = argparse.Namespace(slots=cfg["engine_slots"], engine_max_new_tokens=cfg["engine_R"],
+                          engine_prompts=cfg["engine_prompts"], prompt_len=cfg["prompt_len"], stop_fraction=1 / 256,
+                          chunk_steps=16, repeats=1, engine_workloads="longtail")
+  rows = bench_generate.engine_table(config, model, ns, name)
+  return {"model": name, "slots": ns.slots, "prompts": ns.engine_prompts, "max_new_tokens": ns.engine_max_new_tokens,
+          "rows": rows}
+
+
+def weight_push_section(cfg, env, args) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  from llamarl_jax import parallel
+  from llamarl_jax.executors.weight_sync import WeightSync, tree_bytes
+
+  config = bench_weight_sync.model_config(cfg["push_size"])
+  n = len(jax.devices())
+  repeats = max(cfg["repeats"], 3)
+  if n >= 2:  # disjoint meshes: trainer fsdp over half the devices, generator tp over the other half
+    trainer_mesh, gen_mesh = parallel.make_meshes(trainer_fsdp=n // 2, generator_tp=n // 2)
+    params, axes = bench_weight_sync.trainer_params(config, trainer_mesh)
+    r = bench_weight_sync.bench_one(params, axes, trainer_mesh, gen_mesh, "fp32 -> bf16", repeats)
+    layout = f"trainer fsdp{n // 2} -> generator tp{n // 2} (disjoint devices)"
+  else:  # colocated: the push casts on the device; the baseline is an on-device copy of the same bytes
+    mesh = parallel.make_mesh(jax.devices()[:1])
+    params, axes = bench_weight_sync.trainer_params(config, mesh)
+    shapes = jax.eval_shape(lambda p: p, params)
+    sync = WeightSync(parallel.param_shardings(shapes, axes, mesh), dtype=jnp.bfloat16, axes=axes)
+    sync.push(params, 0)
+    push = statistics.median(sync.push(params, v + 1)["sync/seconds"] for v in range(repeats))
+    moved = jax.block_until_ready(sync._cast(params))
+    copy_fn = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
+    jax.block_until_ready(copy_fn(moved))
+    (copy,) = bench_generate.best_times([lambda: jax.block_until_ready(copy_fn(moved))], repeats)
+    r = {"params": sum(x.size for x in jax.tree.leaves(params)), "mode": "fp32 -> bf16", "bytes": tree_bytes(moved),
+         "push": push, "copy": copy}
+    layout = "colocated on one device (cast in place; copy = on-device copy of the bf16 tree)"
+  return {"size": cfg["push_size"], "layout": layout, "params": r["params"], "mode": r["mode"], "bytes": r["bytes"],
+          "push_s": r["push"], "copy_s": r["copy"], "push_gbps": r["bytes"] / r["push"] / 1e9,
+          "copy_gbps": r["bytes"] / r["copy"] / 1e9}
+
+
+def e2e_section(cfg, env, args) -> dict:
+  import jax
+
+  e = cfg["e2e"]
+  n = len(jax.devices())
+  ns = argparse.Namespace(**e, trainer_fsdp=max(n // 2, 1), generator_dp=max(n // 2, 1), generator_tp=1,
+                          colocated=n < 2)
+  rows = []
+  for lag in (0, 1):
+    r = bench_async.run_one(ns, lag, 0.0, "slots")
+    rows.append({"lag": lag, "step_s": r["wall_per_step"], "gen_busy": r["busy"]["generate"],
+                 "train_busy": r["busy"]["train"], "lag_max": r["lag_max"], "slot_util": r["slot_util"]})
+  return {"model": f"hidden {e['hidden']} x {e['layers']} layers", "colocated": ns.colocated,
+          "batch": f"{e['prompts']} x {e['samples']}", "max_new_tokens": e["max_new_tokens"], "steps": e["steps"],
+          "rows": rows}
+
+
+RUNNERS = {"trainer": trainer_section, "torch_peer": torch_peer_section, "attention": attention_section,
+           "decode": decode_section, "transformers": transformers_section, "engine": engine_section,
+           "weight_push": weight_push_section, "e2e": e2e_section}
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+def _gib(nbytes):
+  return None if nbytes is None else nbytes / 2**30
+
+
+def _f(x, fmt):
+  return "-" if x is None else format(x, fmt)
+
+
+def markdown(results: dict) -> str:
+  """The report: one small table per section that ran, a line for each skipped or failed one."""
+  env, s = results["environment"], results["sections"]
+  lines = [f"# bench_gpu: {env['device']} x{env['device_count']} ({env['backend']}), jax {env['jax']}, "
+           f"{results['date']}" + (" (DRY RUN: toy sizes)" if env["dry_run"] else ""),
+           f"command: `{results['command']}`; {results['total_s']:.0f} s in all", ""]
+
+  def note(name):
+    r = s.get(name, {})
+    if "skipped" in r:
+      return f"- {name}: skipped ({r['skipped']})"
+    if "error" in r:
+      return f"- {name}: FAILED ({r['error']})"
+    return None
+
+  for name in SECTIONS:
+    if name not in s:
+      continue
+    r = s[name]
+    if note(name):
+      lines += [note(name), ""]
+      continue
+    lines.append(f"## {name} ({r['seconds']:.0f} s)")
+    if name in ("trainer", "torch_peer"):
+      lines += ["| B x (P+R) | microbatches | step ms | TFLOP/s | MFU | peak memory GiB |", "|---|---|---|---|---|---|",
+                f"| {r['B']} x ({r['P']}+{r['R']}) | {r['mb']} | {r['step_s'] * 1e3:.1f} | {r['tflops']:.1f} | "
+                f"{r['mfu']:.1%} | {_f(r['peak_memory_gib'], '.1f')} |"]
+    elif name == "attention":
+      sh = r["shape"]
+      lines += [f"B{sh['B']} T{sh['T']} {sh['heads']}/{sh['kv_heads']} heads x {sh['head_dim']}, {sh['dtype']}, "
+                "forward + backward", "| implementation | ms | TFLOP/s |", "|---|---|---|"]
+      lines += [f"| {x['implementation']} | " + (f"skipped ({x['skipped']}) | |" if "skipped" in x else
+                                                  f"{x['ms']:.2f} | {x['tflops']:.1f} |") for x in r["rows"]]
+    elif name == "decode":
+      lines += [f"{r['model']} ({r['params'] / 1e9:.2f}B), prompt {r['prompt_len']}, {r['new_tokens']} new tokens, "
+                "greedy", "| batch | step ms | tokens/s | HBM roofline |", "|---|---|---|---|"]
+      lines += [f"| {x['batch']} | {x['step_ms']:.2f} | {x['tokens_per_s']:,.0f} | {_f(x['roofline'], '.0%')} |"
+                for x in r["rows"]]
+    elif name == "transformers":
+      lines += ["| model | batch | ours step ms | transformers step ms | ours faster by |", "|---|---|---|---|---|",
+                f"| {r['model']} | {r['batch']} | {r['ours_step_ms']:.2f} | {r['transformers_step_ms']:.2f} | "
+                f"{r['speedup']:.2f}x |"]
+    elif name == "engine":
+      lines += [f"{r['model']}, {r['prompts']} prompts, {r['slots']} slots, up to {r['max_new_tokens']} new tokens",
+                "| workload | length mean / max | slots / static | slot utilization | static utilization |",
+                "|---|---|---|---|---|"]
+      lines += [f"| {x['workload']} | {x['length_mean']:.0f} / {x['length_max']} | {x['speedup']:.2f}x | "
+                f"{x['slot_utilization']:.1%} | {x['static_utilization']:.1%} |" for x in r["rows"]]
+    elif name == "weight_push":
+      lines += [r["layout"], "| params | mode | bytes | push GB/s | copy GB/s | push / copy time |",
+                "|---|---|---|---|---|---|",
+                f"| {r['params'] / 1e9:.2f}B | {r['mode']} | {r['bytes'] / 1e9:.2f} GB | {r['push_gbps']:.1f} | "
+                f"{r['copy_gbps']:.1f} | {r['push_s'] / r['copy_s']:.1f}x |"]
+    elif name == "e2e":
+      lines += [f"{r['model']}, {r['batch']} rows, {r['max_new_tokens']} new tokens, {r['steps']} timed steps, "
+                f"colocated={r['colocated']}", "| max_policy_lag | s / step | generator busy | trainer busy |",
+                "|---|---|---|---|"]
+      lines += [f"| {x['lag']} | {x['step_s']:.3f} | {x['gen_busy']:.0%} | {x['train_busy']:.0%} |" for x in r["rows"]]
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", default="results/bench_gpu", help="directory for bench_gpu.md and bench_gpu.json")
+  parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {SECTIONS}")
+  parser.add_argument("--dry_run", action="store_true", help="toy sizes on any backend (tests the script)")
+  parser.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16; float32 with --dry_run)")
+  parser.add_argument("--peak_tflops", type=float, default=None, help="override the device's dense bf16 peak")
+  parser.add_argument("--peak_bandwidth", type=float, default=None, help="override the device's HBM bytes/s")
+  args = parser.parse_args(argv)
+  sections = args.sections.split(",")
+  unknown = [s for s in sections if s not in SECTIONS]
+  if unknown:
+    parser.error(f"unknown sections {unknown}; choose from {SECTIONS}")
+  env = check_environment(args.dry_run)
+  args.dtype = args.dtype or ("float32" if args.dry_run else "bfloat16")
+  cfg = DRY if args.dry_run else FULL
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  command = "python scripts/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+  results = {"date": datetime.date.today().isoformat(), "command": command.strip(), "environment": env,
+             "sections": {}, "total_s": 0.0}
+  print(f"bench_gpu: {env['device']} ({env['backend']}), sections {sections}", flush=True)
+  start = time.perf_counter()
+  for name in sections:
+    t0 = time.perf_counter()
+    try:
+      r = RUNNERS[name](cfg, env, args)
+    except SkipSection as e:
+      r = {"skipped": str(e)}
+    except Exception as e:  # a failed section is reported; the others still run
+      traceback.print_exc()
+      r = {"error": f"{type(e).__name__}: {e}"}
+    r["seconds"] = time.perf_counter() - t0
+    results["sections"][name] = r
+    results["total_s"] = time.perf_counter() - start
+    print(f"  {name}: {r['seconds']:.0f} s" + (f" ({r.get('skipped') or r.get('error')})"
+                                              if "skipped" in r or "error" in r else ""), flush=True)
+    (out / "bench_gpu.json").write_text(json.dumps(results, indent=1))  # after every section: partial runs count
+  report = markdown(results)
+  (out / "bench_gpu.md").write_text(report)
+  print("\n" + report)
+  failed = [n for n, r in results["sections"].items() if "error" in r]
+  if failed:
+    raise SystemExit(f"bench_gpu: sections {failed} failed (see above); the others are in {out}")
+  return results
+
+
+if __name__ == "__main__":
+  main()
