@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -50,10 +51,23 @@ def payloads(sentinel: str) -> list[str]:
 
 
 @pytest.fixture
-def sentinel(tmp_path):
-  path = tmp_path / "SENTINEL"
+def sentinel():
+  """A path the payloads try to create. Letters only: the payloads embed it, and a digit in it (pytest's
+  tmp_path is .../pytest-42/...) would be read as the payload's numeric answer."""
+  import random
+  import shutil
+  import string
+  import tempfile
+
+  name = "".join(random.choices(string.ascii_lowercase, k=16))
+  directory = Path(tempfile.gettempdir()) / f"llamarl_sentinel_{name}"
+  assert not any(ch.isdigit() for ch in str(directory)), f"{directory}: the temp dir path holds a digit"
+  directory.mkdir()
+  path = directory / "SENTINEL"
   yield path
-  assert not path.exists(), "a payload created the sentinel file: model text was executed"
+  created = path.exists()
+  shutil.rmtree(directory, ignore_errors=True)
+  assert not created, "a payload created the sentinel file: model text was executed"
 
 
 @pytest.mark.parametrize("verifier,truth", VERIFIERS)
