@@ -48,10 +48,11 @@ SIZES = {
 }
 
 
-def model_config(name, dtype):
+def model_config(name, dtype, layers=None):
   from llamarl_jax.model.llama import ModelConfig
 
-  vocab, d, f, layers, heads, kv, tied = SIZES[name]
+  vocab, d, f, size_layers, heads, kv, tied = SIZES[name]
+  layers = layers or size_layers
   return ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=heads,
                      num_kv_heads=kv, max_position_embeddings=8192, rope_theta=500000.0,
                      tie_word_embeddings=tied, dtype=dtype)
@@ -182,7 +183,7 @@ def lower(name, args):
 
   from llamarl_jax import parallel
 
-  config = model_config(name, args.dtype)
+  config = model_config(name, args.dtype, args.layers)
   devices = jax.devices()
   mesh = parallel.make_mesh(devices, fsdp=len(devices) // args.tp, tp=args.tp)
   row = {"size": name, "B": args.batch, "P": args.prompt_len, "R": args.resp_len, "dtype": args.dtype,
@@ -234,7 +235,7 @@ def bench(name, args, peak_tflops):
 
   from llamarl_jax import parallel
 
-  config = model_config(name, args.dtype)
+  config = model_config(name, args.dtype, args.layers)
   devices = jax.devices()
   mesh = parallel.make_mesh(devices, fsdp=len(devices) // args.tp, tp=args.tp)
   trainer = make_trainer(config, mesh, args)
@@ -265,6 +266,7 @@ def main(argv=None):
   parser.add_argument("--resp_len", type=int, default=64)
   parser.add_argument("--dtype", default="float32", help="compute dtype (params stay fp32)")
   parser.add_argument("--microbatches", type=int, default=1)
+  parser.add_argument("--layers", type=int, default=None, help="override the size's number of layers")
   parser.add_argument("--remat", nargs="?", const="full", default="none", choices=("none", "matmuls", "full"),
                       help="activation recomputation: none, matmuls (save matmul outputs), full (--remat alone)")
   parser.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
