@@ -205,6 +205,9 @@ def lower(name, args):
     print(f"  custom calls: {calls or 'none'}")
     fused = [k for k in calls if k.startswith("__cudnn$fmha")]
     print(f"  cuDNN fused attention: {', '.join(sorted(fused)) or 'NOT FOUND'}")
+    if not fused and "CustomSPMDPartitioning" in calls:
+      print("  (on a mesh of several devices the attention kernel sits inside custom partitioning and is "
+            "named only after SPMD partitioning: lower on one device to see it)")
     if largest:
       print(f"  largest vocabulary-sized array: {largest[1]} = {largest[0]:,} elements "
             f"({largest[0] / 2 ** 28:.3f} x 2^28)")
