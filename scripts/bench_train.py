@@ -162,9 +162,10 @@ def custom_calls(hlo_text: str) -> dict[str, int]:
   return found
 
 
-def largest_vocab_array(hlo_text: str, vocab: int, pad: int = 1024) -> tuple[int, str] | None:
+def largest_vocab_array(hlo_text: str, vocab: int) -> tuple[int, str] | None:
   """(elements, type) of the largest tensor type whose shape has a vocabulary-sized dimension:
-  `vocab` itself or a padded vocabulary (vocab <= d < vocab + pad)."""
+  `vocab` itself or a padded vocabulary (vocab <= d < vocab + pad, pad = vocab / 16 capped at 1024)."""
+  pad = max(1, min(1024, vocab // 16))
   best = None
   for dims, dtype in set(re.findall(r"tensor<((?:\d+x)+)(\w+)>", hlo_text)):
     shape = [int(d) for d in dims.rstrip("x").split("x")]

@@ -325,6 +325,7 @@ class TrainerExecutor:
   def lower_step(self, batch_size: int, prompt_len: int, resp_len: int):
     """The train step lowered for `self.platform` from abstract shapes (`jax.stages.Lowered`: `.as_text()`
     is its StableHLO, `.compile()` compiles it on this backend). Nothing is allocated or run."""
+    self._check_batch_size(batch_size)
     batch = {k: jax.ShapeDtypeStruct((batch_size,) if k == "advantages" else
                                      (batch_size, prompt_len if k.startswith("prompt") else resp_len),
                                      _BATCH_DTYPES[k], sharding=self._batch_shardings[k])
@@ -349,17 +350,20 @@ class TrainerExecutor:
     metrics["time/train_step"] = elapsed
     return metrics
 
+  def _check_batch_size(self, B: int) -> None:
+    multiple = self.microbatches * parallel.batch_divisor(self.mesh)
+    if B % multiple:
+      raise ValueError(f"batch size {B} must be a multiple of microbatches ({self.microbatches}) x "
+                       f"data*fsdp ({parallel.batch_divisor(self.mesh)}) = {multiple}; pad the batch "
+                       "with rows whose response_mask is 0")
+
   def _put_batch(self, batch: ScoredBatch) -> dict[str, Array]:
     r = batch.rollout
     host = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
             "response_tokens": r.response_tokens, "response_mask": r.response_mask,
             "behaviour_logprobs": r.behaviour_logprobs, "advantages": batch.advantages}
     B = np.shape(host["prompt_tokens"])[0]
-    multiple = self.microbatches * parallel.batch_divisor(self.mesh)
-    if B % multiple:
-      raise ValueError(f"batch size {B} must be a multiple of microbatches ({self.microbatches}) x "
-                       f"data*fsdp ({parallel.batch_divisor(self.mesh)}) = {multiple}; pad the batch "
-                       "with rows whose response_mask is 0")
+    self._check_batch_size(B)
     expected = {"prompt_tokens": (B, None), "prompt_mask": np.shape(host["prompt_tokens"]),
                 "response_tokens": (B, None), "response_mask": np.shape(host["response_tokens"]),
                 "behaviour_logprobs": np.shape(host["response_tokens"]), "advantages": (B,)}
