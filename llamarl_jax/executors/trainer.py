@@ -443,9 +443,19 @@ class TrainerExecutor:
     metrics.update({
         "loss/total": total_loss, "train/grad_norm": grad_norm, "train/lr": lr,
         "train/tokens": jnp.sum(mask).astype(jnp.float32), "train/skipped_nonfinite": skipped,
+        "train/padding_fraction": _padding_fraction(batch),
         "train/step": step, "train/update_applied": finite.astype(jnp.float32),
     })
     return params, opt_state, step, skipped, metrics
+
+
+def _padding_fraction(batch: Mapping[str, Array]) -> Array:
+  """Padded positions of the trainer's rows per real token: (B * (P + R) - sum of row lengths) / sum
+  of row lengths, rows as `trainer_layout` lays them out (real prompt + response up to its end)."""
+  _, lengths, _ = trainer_layout(batch["prompt_tokens"], batch["prompt_mask"], batch["response_tokens"],
+                                 batch["response_mask"])
+  real = jnp.sum(lengths).astype(jnp.float32)
+  return (batch["prompt_tokens"].size + batch["response_tokens"].size - real) / real
 
 
 def _stacked_shardings(param_shardings, mesh: Mesh):
