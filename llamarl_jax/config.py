@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
+from llamarl_jax.model.llama import ATTENTION_IMPLEMENTATIONS, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
 from llamarl_jax.schedule import VERSION_SCHEDULES
 
 Rule = Callable[[Any], "str | None"]  # a value -> None if fine, else what was expected
@@ -237,18 +238,25 @@ class OptimizerConfig(_Validated):
 class TrainConfig(_Validated):
   """The trainer: `loss` (losses.get_loss name) with `loss_kwargs`; a KL reference (`reference_path`,
   an HF directory; None = the policy RL starts from) when loss_kwargs has `kl_coef`; the optimizer;
-  `microbatches` per step (gradient accumulation), `remat`; a checkpoint every `checkpoint_every`
-  steps (0: only at exit), the newest `keep_checkpoints` kept."""
+  `microbatches` per step (gradient accumulation), `remat` ('none' | 'matmuls': save matmul outputs |
+  'full'; True = 'full'); a checkpoint every `checkpoint_every` steps (0: only at exit), the newest
+  `keep_checkpoints` kept. `attention`: the trainer's kernel ('auto': cuDNN fused attention on a GPU
+  in bf16/fp16, XLA elsewhere; 'cudnn' where it cannot run is an error at start; 'xla');
+  `logprob_chunk`: positions per chunk of the lm_head + log-prob (None: unchunked)."""
   loss: str = "aipo"
   loss_kwargs: dict = field(default_factory=dict)
   reference_path: str | None = None
   optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
   microbatches: int = 1
-  remat: bool = False
+  remat: bool | str = False
   checkpoint_every: int = 0
   keep_checkpoints: int = 2
+  attention: str = "auto"
+  logprob_chunk: int | None = DEFAULT_LOGPROB_CHUNK
   RULES: ClassVar = {"loss": _loss_rule, "microbatches": at_least(1), "checkpoint_every": at_least(0),
-                     "keep_checkpoints": at_least(1)}
+                     "keep_checkpoints": at_least(1),
+                     "remat": one_of(False, True, *REMAT_POLICIES), "attention": one_of(*ATTENTION_IMPLEMENTATIONS),
+                     "logprob_chunk": lambda v: None if v is None or v >= 1 else "None or >= 1"}
 
   def __post_init__(self):
     super().__post_init__()

@@ -131,9 +131,10 @@ def peak_memory_bytes() -> float | None:
 
 
 def trainer_section(cfg, env, args) -> dict:
-  ns = argparse.Namespace(dtype=args.dtype, microbatches=cfg["microbatches"], remat=True, tp=1, batch=cfg["train_B"],
-                          prompt_len=cfg["train_P"], resp_len=cfg["train_R"], warmup=cfg["train_warmup"],
-                          steps=cfg["train_steps"])
+  ns = bench_train.build_parser().parse_args([])  # bench_train's defaults (attention auto, lm_head chunks)
+  ns.__dict__.update(dtype=args.dtype, microbatches=cfg["microbatches"], remat="full", tp=1, batch=cfg["train_B"],
+                     prompt_len=cfg["train_P"], resp_len=cfg["train_R"], warmup=cfg["train_warmup"],
+                     steps=cfg["train_steps"])
   peak = args.peak_tflops or (env["peak_flops"] or 0) / 1e12 or bench_train.default_peak_tflops()[0]
   row = bench_train.bench(cfg["size"], ns, peak)
   vocab, d, f, layers, heads, kv, tied = bench_train.SIZES[cfg["size"]]

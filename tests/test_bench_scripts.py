@@ -60,3 +60,17 @@ def test_bench_gpu_dry_run_writes_the_report_and_json(tmp_path):
   assert push["bytes"] == 2 * push["params"]  # fp32 -> bf16: two bytes a parameter cross
   report = (tmp_path / "bench_gpu.md").read_text()
   assert "DRY RUN" in report and "| xla, causal + lengths |" in report and "push GB/s" in report
+
+
+def test_bench_train_lowers_the_step_and_finds_the_largest_vocab_array(tmp_path, capsys):
+  """--lower writes the step's StableHLO and names its largest vocabulary-sized array: with the
+  lm_head in chunks of 4 positions that is the tied [100, 128] embedding, unchunked it is the
+  [8, 64, 100] logits (8 rows: one per device of the test's 8-device mesh)."""
+  bench = _load("bench_train")
+  args = ["--sizes", "tiny", "--batch", "8", "--prompt_len", "8", "--resp_len", "64", "--lower", "cpu"]
+  chunked = bench.main(args + ["--logprob_chunk", "4", "--dump_hlo", str(tmp_path / "step.mlir")])[0]
+  assert chunked["largest_vocab"][0] == 100 * 128  # the embedding, [100, 128] or its transpose
+  assert "tensor<8x64x100xf32>" not in (tmp_path / "step.mlir").read_text()
+  assert chunked["attention"] == "xla" and "largest vocabulary-sized array" in capsys.readouterr().out
+  unchunked = bench.main(args + ["--logprob_chunk", "0"])[0]
+  assert unchunked["largest_vocab"] == (8 * 64 * 100, "tensor<8x64x100xf32>")

@@ -4,12 +4,17 @@
 
   host:   the `ScoredBatch` (numpy, fixed shapes [B, P] / [B, R]) is cast to fixed dtypes and put on
           the mesh with the batch sharding (rows over `data` x `fsdp`).
-  device: one jitted call (params and optimizer state donated, explicit in/out shardings):
-          a `lax.scan` over `microbatches` slices of the batch, each a forward over prompt+response,
-          response-token log-probs (`token_logprobs`), the chosen loss (`LOSSES`, AIPO by default)
-          and its gradient, accumulated in fp32 on the parameter shardings (reduce-scatter under
-          FSDP); then global-norm clipping and AdamW. A non-finite loss or gradient norm keeps the
-          old params and optimizer state (an elementwise select) and bumps `train/skipped_nonfinite`.
+  device: one jitted call (params and optimizer state donated, explicit in/out shardings): the
+          params are cast to the compute dtype with the layers stacked (`prepare_params`), once per
+          step; then a `lax.scan` over `microbatches` slices of the batch, each a forward over the
+          rows of `trainer_layout` (prompt + response from position 0, right-padded; the layers
+          under `lax.scan`, causal attention with per-row lengths: cuDNN's fused kernel on a GPU),
+          response-token log-probs with the lm_head in chunks of `logprob_chunk` positions (no
+          [B, R, V] logits), the chosen loss (`LOSSES`, AIPO by default) and its gradient w.r.t. the
+          compute copy, accumulated in fp32 on the parameter shardings (reduce-scatter under FSDP);
+          then global-norm clipping and AdamW on the fp32 masters. A non-finite loss or gradient
+          norm keeps the old params and optimizer state (an elementwise select) and bumps
+          `train/skipped_nonfinite`.
           The step's log pi against the batch's log mu gives the trainer-generator mismatch metrics
           (`rollout_corr/*`, `llamarl_jax.mismatch`), split by the tokens' policy lag.
 
@@ -18,13 +23,14 @@ the batch's normaliser (valid tokens for `token_mean`, valid sequences for `seq_
 rows for the fixed-normaliser modes), so the summed gradient equals the full-batch gradient.
 
 Params are fp32 masters, sharded by `parallel.RULES` (FSDP over `fsdp`; TP over `tp` when the mesh
-has tp > 1). The model casts them to `config.dtype` inside each matmul, so `dtype='bfloat16'` gives
-bf16 compute with fp32 master weights and fp32 logits/log-probs.
+has tp > 1). `config.dtype` is the compute dtype: 'bfloat16' gives bf16 compute with fp32 master
+weights and fp32 logits/log-probs. `remat` chooses what the backward recomputes: 'none', 'matmuls'
+(matmul outputs saved), 'full' (only each layer's input saved).
 """
 
 from __future__ import annotations
 
-import math
+import functools
 import time
 from typing import Any, Callable, Mapping
 
@@ -37,8 +43,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import losses, mismatch, parallel
 from llamarl_jax.config import OptimizerConfig
-from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch, sequence_layout
-from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
+from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch, trainer_layout
+from llamarl_jax.model.llama import (DEFAULT_LOGPROB_CHUNK, Llama, ModelConfig, chunked_token_logprobs,
+                                     lm_head_weight, merge_params, prepare_params, remat_policy,
+                                     resolve_attention, scan_hidden_states, split_params, unstack_layers)
 
 Array = jax.Array
 
@@ -92,30 +100,42 @@ def _applied_updates(opt_state) -> Array:
 
 
 def token_logprobs(graphdef, params, prompt_tokens, prompt_mask, response_tokens, response_mask, *,
-                   temperature: float = 1.0, remat: bool = False, with_entropy: bool = False):
+                   temperature: float = 1.0, remat="none", with_entropy: bool = False,
+                   attention: str = "xla", logprob_chunk: int | None = None):
   """Log-probs `[B, R]` (fp32) of the response tokens under the policy at `temperature`.
 
-  One forward over the left-padded prompt `[B, P]` + right-padded response `[B, R]`
-  (`sequence_layout`); the hidden states at indices P-1 .. P+R-2 (which predict response tokens
-  0 .. R-1) are sliced *before* the vocabulary projection, so the prompt's logits are never built.
-  Positions where `response_mask` is 0 are 0. With `with_entropy=True` also returns the entropy
-  `[B, R]` of the tempered next-token distribution (0 where masked).
+  params: the model's `split_params` dict (any dtype; cast to the compute dtype here). See
+  `policy_logprobs` for the computation. With `with_entropy=True` also returns the entropy `[B, R]`
+  of the tempered next-token distribution (0 where masked).
   """
-  model = merge_params(graphdef, params)
-  P_len, R = prompt_tokens.shape[1], response_tokens.shape[1]
-  tokens, positions, attention_mask = sequence_layout(prompt_tokens, prompt_mask, response_tokens,
-                                                      response_mask)
-  hidden, _ = model.hidden_states(tokens, positions, attention_mask=attention_mask, remat=remat)
-  hidden = jax.lax.slice_in_dim(hidden, P_len - 1, P_len - 1 + R, axis=1)
-  logits = model.logits(hidden) / temperature  # fp32 [B, R, V]
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.take_along_axis(logits, response_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  config = merge_params(graphdef, params).config
+  prepared = prepare_params(params, config.dtype)
+  return policy_logprobs(config, prepared, prompt_tokens, prompt_mask, response_tokens, response_mask,
+                         temperature=temperature, remat=remat, with_entropy=with_entropy,
+                         attention=attention, logprob_chunk=logprob_chunk)
+
+
+def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, response_tokens,
+                    response_mask, *, temperature: float = 1.0, remat="none", with_entropy: bool = False,
+                    attention: str = "xla", logprob_chunk: int | None = None):
+  """`token_logprobs` on params already prepared (`prepare_params`: cast, layers stacked).
+
+  One forward over the rows of `trainer_layout` (real prompt tokens from position 0, then the
+  response, right-padded) with the layers under scan (`scan_hidden_states`); the hidden states that
+  predict response tokens (`predict` `[B, R]`) are gathered *before* the vocabulary projection, which
+  then runs `logprob_chunk` positions at a time (`chunked_token_logprobs`: no `[B, R, V]` array when
+  the chunk is smaller than R). Positions where `response_mask` is 0 are 0.
+  """
+  tokens, lengths, predict = trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask)
+  hidden = scan_hidden_states(config, prepared, tokens, lengths, attention=attention, remat=remat)
+  hidden = jnp.take_along_axis(hidden, predict[..., None], axis=1)  # [B, R, E]
+  logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), response_tokens,
+                                             temperature=temperature, chunk=logprob_chunk,
+                                             with_entropy=with_entropy)
   valid = response_mask.astype(bool)
-  logprobs = jnp.where(valid, picked - log_z, 0.0)
+  logprobs = jnp.where(valid, logprobs, 0.0)
   if not with_entropy:
     return logprobs
-  probs = jax.nn.softmax(logits, axis=-1)
-  entropy = log_z - jnp.sum(probs * logits, axis=-1)
   return logprobs, jnp.where(valid, entropy, 0.0)
 
 
@@ -157,9 +177,10 @@ class TrainerExecutor:
 
   def __init__(self, config: ModelConfig, mesh: Mesh, params: Any, *,
                optimizer: OptimizerConfig | None = None, loss: str = "aipo",
-               loss_kwargs: Mapping[str, Any] | None = None, microbatches: int = 1, remat: bool = False,
+               loss_kwargs: Mapping[str, Any] | None = None, microbatches: int = 1, remat: bool | str = False,
                temperature: float = 1.0, ref_params: Any = None, kl_coef: float = 0.0,
-               reference_is_initial: bool = False,
+               reference_is_initial: bool = False, attention: str = "auto",
+               logprob_chunk: int | None = DEFAULT_LOGPROB_CHUNK, platform: str | None = None,
                rules: Mapping[str, str | None] = parallel.RULES):
     if microbatches < 1:
       raise ValueError(f"microbatches must be >= 1, got {microbatches}")
@@ -182,8 +203,15 @@ class TrainerExecutor:
         raise ValueError(f"kl_coef given twice: {kl_coef} and loss_kwargs {self.loss_kwargs['kl_coef']}")
       self.loss_kwargs["kl_coef"] = kl_coef
     self._with_entropy = bool(self.loss_kwargs.get("entropy_coef", 0.0))
+    if logprob_chunk is not None and logprob_chunk < 1:
+      raise ValueError(f"logprob_chunk must be a positive number of positions (or None: unchunked), got "
+                       f"{logprob_chunk}")
     self.microbatches = microbatches
-    self.remat = remat
+    self.remat = remat_policy(remat)
+    self.logprob_chunk = logprob_chunk
+    # The platform the step is compiled for: the mesh's, or another one to lower for (`lower_step`).
+    self.platform = platform or mesh.devices.flat[0].platform
+    self.attention = resolve_attention(attention, self.platform, config.dtype)
     self.reference_is_initial = reference_is_initial
     self.temperature = float(temperature)
     self.busy_seconds = 0.0
@@ -201,13 +229,23 @@ class TrainerExecutor:
     self.opt_shardings = optax.tree_map_params(
         self.tx, lambda _, sharding: sharding, opt_shapes, self.param_shardings,
         transform_non_params=lambda _: self._replicated)
-    self._params = self._place(params, jnp.float32)
-    self._opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self._params)
-    self._step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
-    self._skipped = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
-    self._ref_params = None
-    if ref_params is not None:
-      self._ref_params = self._place(ref_params, jnp.dtype(config.dtype))
+    self.compute_shardings = _stacked_shardings(self.param_shardings, mesh)
+    self.abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    if self.abstract:  # shapes only: a trainer for `lower_step` (nothing allocated, `step` refuses)
+      sds = lambda x, sh, dt=None: jax.ShapeDtypeStruct(x.shape, dt or x.dtype, sharding=sh)
+      self._params = jax.tree.map(lambda x, sh: sds(x, sh, jnp.float32), shapes, self.param_shardings)
+      self._opt_state = jax.tree.map(sds, opt_shapes, self.opt_shardings)
+      self._step = self._skipped = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
+      self._ref_params = None if ref_params is None else jax.tree.map(
+          lambda x, sh: sds(x, sh, jnp.dtype(config.dtype)), shapes, self.param_shardings)
+    else:
+      self._params = self._place(params, jnp.float32)
+      self._opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self._params)
+      self._step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+      self._skipped = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+      self._ref_params = None
+      if ref_params is not None:
+        self._ref_params = self._place(ref_params, jnp.dtype(config.dtype))
 
     batch_sh = {k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in _BATCH_DTYPES}
     self._batch_shardings = batch_sh
@@ -282,8 +320,24 @@ class TrainerExecutor:
   # ------------------------------------------------------------------------------------------------
   # the step
 
+  def lower_step(self, batch_size: int, prompt_len: int, resp_len: int):
+    """The train step lowered for `self.platform` from abstract shapes (`jax.stages.Lowered`: `.as_text()`
+    is its StableHLO, `.compile()` compiles it on this backend). Nothing is allocated or run."""
+    self._check_batch_size(batch_size)
+    batch = {k: jax.ShapeDtypeStruct((batch_size,) if k == "advantages" else
+                                     (batch_size, prompt_len if k.startswith("prompt") else resp_len),
+                                     _BATCH_DTYPES[k], sharding=self._batch_shardings[k])
+             for k in _BATCH_DTYPES}
+    shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    args = jax.tree.map(shape_of, (self._params, self._opt_state, self._step, self._skipped, batch,
+                                   self._ref_params))
+    return self._train_step.trace(*args).lower(lowering_platforms=(self.platform,))
+
   def step(self, batch: ScoredBatch) -> dict[str, float]:
     """One optimizer step on `batch` (host numpy or device arrays); returns scalar metrics."""
+    if self.abstract:
+      raise RuntimeError("this TrainerExecutor was built from abstract params (shapes only): it can "
+                         "`lower_step` but not `step`; pass real params to train")
     start = time.perf_counter()
     arrays = self._put_batch(batch)
     self._params, self._opt_state, self._step, self._skipped, metrics = self._train_step(
@@ -294,6 +348,13 @@ class TrainerExecutor:
     metrics["time/train_step"] = elapsed
     return metrics
 
+  def _check_batch_size(self, B: int) -> None:
+    multiple = self.microbatches * parallel.batch_divisor(self.mesh)
+    if B % multiple:
+      raise ValueError(f"batch size {B} must be a multiple of microbatches ({self.microbatches}) x "
+                       f"data*fsdp ({parallel.batch_divisor(self.mesh)}) = {multiple}; pad the batch "
+                       "with rows whose response_mask is 0")
+
   def _put_batch(self, batch: ScoredBatch) -> dict[str, Array]:
     r = batch.rollout
     host = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
@@ -303,11 +364,7 @@ class TrainerExecutor:
             "token_versions": (np.full(np.shape(r.response_tokens), -1, np.int32) if r.token_versions is None
                                else r.token_versions)}
     B = np.shape(host["prompt_tokens"])[0]
-    multiple = self.microbatches * parallel.batch_divisor(self.mesh)
-    if B % multiple:
-      raise ValueError(f"batch size {B} must be a multiple of microbatches ({self.microbatches}) x "
-                       f"data*fsdp ({parallel.batch_divisor(self.mesh)}) = {multiple}; pad the batch "
-                       "with rows whose response_mask is 0")
+    self._check_batch_size(B)
     expected = {"prompt_tokens": (B, None), "prompt_mask": np.shape(host["prompt_tokens"]),
                 "response_tokens": (B, None), "response_mask": np.shape(host["response_tokens"]),
                 "behaviour_logprobs": np.shape(host["response_tokens"]), "advantages": (B,),
@@ -325,18 +382,18 @@ class TrainerExecutor:
       out[k] = jax.device_put(v, self._batch_shardings[k])
     return out
 
-  def _microbatch_loss(self, params, ref_params, mb, totals):
-    """This microbatch's share of the full-batch loss (see `_loss_share`), and its metrics."""
+  def _microbatch_loss(self, compute, ref_compute, mb, totals):
+    """This microbatch's share of the full-batch loss (see `_loss_share`), and its metrics.
+    compute / ref_compute: params prepared by `prepare_params` (compute dtype, layers stacked)."""
     mask = mb["response_mask"]
     kw = dict(self.loss_kwargs)
-    out = token_logprobs(self.graphdef, params, mb["prompt_tokens"], mb["prompt_mask"],
-                         mb["response_tokens"], mask, temperature=self.temperature, remat=self.remat,
-                         with_entropy=self._with_entropy)
+    logprobs_of = functools.partial(policy_logprobs, self.config, temperature=self.temperature,
+                                    attention=self.attention, logprob_chunk=self.logprob_chunk)
+    args = (mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"], mask)
+    out = logprobs_of(compute, *args, remat=self.remat, with_entropy=self._with_entropy)
     logprobs, kw["entropy"] = out if self._with_entropy else (out, None)
-    if ref_params is not None:
-      kw["ref_logprobs"] = jax.lax.stop_gradient(token_logprobs(
-          self.graphdef, ref_params, mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"],
-          mask, temperature=self.temperature))
+    if ref_compute is not None:
+      kw["ref_logprobs"] = jax.lax.stop_gradient(logprobs_of(ref_compute, *args))
     loss, metrics = self.loss_fn(logprobs, mb["behaviour_logprobs"], mb["advantages"], mask, **kw)
     share = _loss_share(mask, totals, kw.get("aggregation", "token_mean"))
     return loss * share, (share, metrics, logprobs)
@@ -356,15 +413,22 @@ class TrainerExecutor:
 
     micro = jax.tree.map(split, batch)
     grad_fn = jax.value_and_grad(self._microbatch_loss, has_aux=True)
+    # Params cast to the compute dtype and the layers stacked once per step (not per microbatch or
+    # per use); gradients are taken w.r.t. this copy and accumulated in fp32 in its layout.
+    dtype = jnp.dtype(self.config.dtype)
+    prepare = lambda p: jax.lax.with_sharding_constraint(prepare_params(p, dtype), self.compute_shardings)
+    compute = prepare(params)
+    ref_compute = None if ref_params is None else prepare(ref_params)
 
     def accumulate(grads, mb):
-      (loss_part, (share, metrics, logprobs)), g = grad_fn(params, ref_params, mb, totals)
+      (loss_part, (share, metrics, logprobs)), g = grad_fn(compute, ref_compute, mb, totals)
       grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-      grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
+      grads = jax.lax.with_sharding_constraint(grads, self.compute_shardings)
       return grads, (loss_part, share, metrics, logprobs)
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), compute)
     grads, (loss_parts, shares, micro_metrics, logprobs) = jax.lax.scan(accumulate, zeros, micro)
+    grads = jax.lax.with_sharding_constraint(unstack_layers(grads), self.param_shardings)
     total_loss = jnp.sum(loss_parts)
     metrics = _combine_metrics(micro_metrics, shares)
     # log pi of the params this step starts from (version `step`: the n-th step's params are version n)
@@ -386,9 +450,27 @@ class TrainerExecutor:
     metrics.update({
         "loss/total": total_loss, "train/grad_norm": grad_norm, "train/lr": lr,
         "train/tokens": jnp.sum(mask).astype(jnp.float32), "train/skipped_nonfinite": skipped,
+        "train/padding_fraction": _padding_fraction(batch),
         "train/step": step, "train/update_applied": finite.astype(jnp.float32),
     })
     return params, opt_state, step, skipped, metrics
+
+
+def _padding_fraction(batch: Mapping[str, Array]) -> Array:
+  """Padded positions of the trainer's rows per real token: (B * (P + R) - sum of row lengths) / sum
+  of row lengths, rows as `trainer_layout` lays them out (real prompt + response up to its end)."""
+  _, lengths, _ = trainer_layout(batch["prompt_tokens"], batch["prompt_mask"], batch["response_tokens"],
+                                 batch["response_mask"])
+  real = jnp.sum(lengths).astype(jnp.float32)
+  return (batch["prompt_tokens"].size + batch["response_tokens"].size - real) / real
+
+
+def _stacked_shardings(param_shardings, mesh: Mesh):
+  """Shardings of `prepare_params`' layout: each layer leaf's sharding with a replicated leading
+  `[num_layers]` axis; the other leaves as they are."""
+  layer0 = param_shardings["layers"][0]
+  stacked = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), layer0)
+  return {**{k: v for k, v in param_shardings.items() if k != "layers"}, "layers": stacked}
 
 
 def _local_value(x: Array) -> np.ndarray:

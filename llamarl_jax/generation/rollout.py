@@ -104,3 +104,31 @@ def sequence_layout(prompt_tokens, prompt_mask, response_tokens, response_mask):
   mask = jnp.concatenate([prompt_mask, response_mask], axis=1).astype(jnp.int32)
   positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
   return tokens, positions, mask
+
+
+def trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask):
+  """The trainer's rows: each row's real prompt tokens from position 0, then its response, right-padded.
+
+  prompt_tokens/prompt_mask `[B, P]` (padded on either side), response_tokens/response_mask `[B, R]`
+  (right-padded). Returns tokens `[B, P+R]` (0 past each row's end), lengths `[B]` int32 (real prompt
+  tokens + the response up to its last valid token; at least 1) and predict `[B, R]` int32: the index
+  whose hidden state predicts response token t (prompt length - 1 + t). Token i of a row sits at
+  position i, as the sampler assigned positions (0 at the first real prompt token), so log-probs line
+  up token for token with the generator's; this is the layout cuDNN's fused attention takes (causal,
+  per-row lengths, right padding).
+  """
+  B, P = prompt_tokens.shape
+  R = response_tokens.shape[1]
+  real = prompt_mask > 0
+  order = jnp.argsort(~real, axis=1, stable=True)  # real prompt tokens first, in their order
+  prompt = jnp.take_along_axis(prompt_tokens, order, axis=1)
+  p_len = jnp.sum(real, axis=1).astype(jnp.int32)[:, None]  # [B, 1]
+  i = jnp.arange(P + R, dtype=jnp.int32)[None]
+  src = jnp.clip(jnp.where(i < p_len, i, P + i - p_len), 0, P + R - 1)
+  tokens = jnp.take_along_axis(jnp.concatenate([prompt, response_tokens], axis=1), src, axis=1)
+  t = jnp.arange(R, dtype=jnp.int32)[None]
+  r_len = jnp.max(jnp.where(response_mask > 0, t + 1, 0), axis=1)
+  lengths = jnp.maximum(p_len[:, 0] + r_len, 1).astype(jnp.int32)
+  tokens = jnp.where(i < lengths[:, None], tokens, 0)
+  predict = jnp.maximum(p_len - 1 + t, 0).astype(jnp.int32)
+  return tokens, lengths, predict

@@ -30,6 +30,7 @@ produces the same continuation as the same prompt alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 from typing import Any
@@ -229,9 +230,14 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis,))
 
   def __call__(self, x: Array) -> Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...].astype(x.dtype) * xf.astype(x.dtype)
+    return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+  """RMSNorm of x `[..., D]` with scale `[D]`: fp32 statistics, the result in x's dtype."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return scale.astype(x.dtype) * xf.astype(x.dtype)
 
 
 def decode_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
@@ -269,8 +275,13 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim")
       self.k_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim")
 
-  def __call__(self, x, positions, inv_freq, mask, layer_cache):
-    """x `[B, T, E]`; mask `[B, T, S]` bool; layer_cache None or (k, v, index)."""
+  def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla"):
+    """x `[B, T, E]`; mask `[B, T, S]` bool; layer_cache None or (k, v, index).
+
+    With `lengths` `[B]` (and mask None, no cache) the rows are right-padded sequences from position
+    0: causal attention with per-row lengths by `jax.nn.dot_product_attention(implementation=...)`,
+    the form cuDNN's fused kernel takes ('cudnn'), or XLA's ('xla'). Outputs past a row's length
+    are not meaningful."""
     dt, c = x.dtype, self.config
     q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt))
     k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dt))
@@ -291,7 +302,10 @@ class Attention(nnx.Module):
         write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (i, 0, 0)))
         k, v = write(ck, k.astype(ck.dtype), index), write(cv, v.astype(cv.dtype), index)
       new_cache = (k, v)
-    if q.shape[1] == 1 and layer_cache is not None:  # one new token per row: the decode step
+    if lengths is not None:  # the trainer: right-padded rows, causal with per-row lengths
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                         key_value_seq_lengths=lengths, implementation=implementation)
+    elif q.shape[1] == 1 and layer_cache is not None:  # one new token per row: the decode step
       out = decode_attention(q, k, v, mask[:, 0])
     else:
       out = jax.nn.dot_product_attention(q, k.astype(dt), v.astype(dt), mask=mask[:, None])
@@ -320,8 +334,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
     self.mlp = MLP(config, rngs)
 
-  def __call__(self, x, positions, inv_freq, mask, layer_cache):
-    h, new_cache = self.attn(self.attn_norm(x), positions, inv_freq, mask, layer_cache)
+  def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla"):
+    h, new_cache = self.attn(self.attn_norm(x), positions, inv_freq, mask, layer_cache, lengths, implementation)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), new_cache
 
@@ -415,3 +429,146 @@ def abstract_model(config: ModelConfig) -> Llama:
   """The model with shape/dtype stand-ins instead of arrays (nnx.eval_shape: nothing allocated or
   computed): for graphdefs, parameter shapes, logical axes and abstract inputs of lowered programs."""
   return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer's forward: right-padded rows from position 0, layers under `lax.scan` over stacked
+# parameters (compile time flat in depth), fused causal attention with per-row lengths, and the
+# lm_head + log-prob + entropy in chunks of the sequence. The model, checkpoints and the sampler keep
+# the unrolled per-layer layout (decode updates each layer's cache in place); `prepare_params` stacks
+# the layers for the trainer, cast to the compute dtype in the same pass (once per step).
+
+ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "xla")
+REMAT_POLICIES = ("none", "matmuls", "full")
+# Positions per chunk of the trainer's lm_head + log-prob (`chunked_token_logprobs`): a [rows, 256,
+# vocab] fp32 block at a time (8 rows x 256 x 128256 = 0.98 x 2^28 elements); a response of at most
+# 256 tokens is one chunk, the unchunked computation.
+DEFAULT_LOGPROB_CHUNK = 256
+
+
+def resolve_attention(implementation: str, platform: str, dtype) -> str:
+  """The attention kernel the trainer runs: 'auto' is 'cudnn' on a CUDA GPU in bf16/fp16 (the only
+  dtypes cuDNN's fused kernel takes), 'xla' elsewhere. 'cudnn' where it cannot run is an error (never
+  a silent fallback). `platform`: a device platform ('cpu', 'gpu', 'cuda', 'tpu')."""
+  if implementation not in ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}")
+  gpu = platform in ("gpu", "cuda")
+  half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  if implementation == "auto":
+    return "cudnn" if gpu and half else "xla"
+  if implementation == "cudnn" and not (gpu and half):
+    raise ValueError(f"attention='cudnn' (cuDNN fused attention) needs a CUDA GPU and a bfloat16/float16 "
+                     f"compute dtype; got platform {platform!r}, dtype {jnp.dtype(dtype).name}. Use "
+                     "attention='xla', or 'auto' (cuDNN where it can run, XLA elsewhere)")
+  return implementation
+
+
+def remat_policy(remat) -> str:
+  """Normalise a remat setting: True -> 'full', False/None -> 'none', else one of REMAT_POLICIES.
+
+  'none' keeps every activation; 'matmuls' saves the outputs of the (non-batched) matmuls and
+  recomputes the rest (norms, RoPE, activations, attention); 'full' keeps only each layer's input."""
+  if remat is None or remat is False:
+    return "none"
+  if remat is True:
+    return "full"
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat must be one of {REMAT_POLICIES} (or a bool: True = 'full'), got {remat!r}")
+  return remat
+
+
+def prepare_params(params: dict, dtype) -> dict:
+  """The trainer's compute copy of `params` (the `split_params` dict): every leaf cast to `dtype` and
+  the per-layer dicts stacked on a leading `[num_layers]` axis under "layers". Differentiable: the
+  gradient w.r.t. the result maps back with `unstack_layers` (and a cast)."""
+  dtype = jnp.dtype(dtype)
+  layers = params["layers"]
+  per_layer = [layers[i] for i in range(len(layers))]
+  out = {k: jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items() if k != "layers"}
+  out["layers"] = jax.tree.map(lambda *xs: jnp.stack([x.astype(dtype) for x in xs]), *per_layer)
+  return out
+
+
+def unstack_layers(prepared: dict) -> dict:
+  """Inverse layout of `prepare_params` (dtypes unchanged): "layers" back to {0: ..., 1: ...}."""
+  num_layers = jax.tree.leaves(prepared["layers"])[0].shape[0]
+  out = {k: v for k, v in prepared.items() if k != "layers"}
+  out["layers"] = {i: jax.tree.map(lambda x: x[i], prepared["layers"]) for i in range(num_layers)}
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _block_graphdef(config: ModelConfig):
+  return nnx.split(nnx.eval_shape(lambda: Block(config, nnx.Rngs(0))))[0]
+
+
+def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengths: Array, *,
+                       attention: str = "xla", remat="none") -> Array:
+  """Final-norm hidden states `[B, T, E]` of right-padded rows, the layers under `lax.scan`.
+
+  prepared: `prepare_params(params, config.dtype)`. tokens `[B, T]`: each row's sequence from
+  position 0 (positions are 0..T-1), valid up to `lengths` `[B]`; states past a row's length are
+  not meaningful. attention: 'xla' or 'cudnn' (see `resolve_attention`); remat: see `remat_policy`.
+  The same math as `Llama.hidden_states` (the same Block code runs on each layer's slice).
+  """
+  dt = jnp.dtype(config.dtype)
+  B, T = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  inv_freq = rope_frequencies(config)
+  graphdef = _block_graphdef(config)
+  lengths = lengths.astype(jnp.int32)
+
+  def layer(x, layer_params):
+    x, _ = nnx.merge(graphdef, layer_params)(x, positions, inv_freq, None, None, lengths, attention)
+    return x, None
+
+  policy = remat_policy(remat)
+  if policy == "full":
+    layer = jax.checkpoint(layer, prevent_cse=False)
+  elif policy == "matmuls":
+    layer = jax.checkpoint(layer, prevent_cse=False,
+                           policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  x = jnp.take(prepared["embed"], tokens, axis=0).astype(dt)
+  x, _ = jax.lax.scan(layer, x, prepared["layers"])
+  return rms_norm(x, prepared["final_norm"]["scale"], config.rms_norm_eps)
+
+
+def lm_head_weight(config: ModelConfig, prepared: dict) -> Array:
+  """The `[embed, vocab]` output projection (the embedding's transpose when tied)."""
+  return prepared["embed"].T if config.tie_word_embeddings else prepared["lm_head"]
+
+
+def chunked_token_logprobs(hidden: Array, w: Array, tokens: Array, *, temperature: float = 1.0,
+                           chunk: int | None = None, with_entropy: bool = True) -> tuple[Array, Array | None]:
+  """Log-prob and entropy of `tokens` under softmax(hidden @ w / temperature), without the full logits.
+
+  hidden `[B, R, E]`, w `[E, V]`, tokens `[B, R]` int. Returns (logprobs, entropy), both fp32
+  `[B, R]` (entropy None unless `with_entropy`). With `chunk` (positions per chunk) smaller than R, the R axis is cut into chunks that a
+  `lax.scan` visits one at a time under `jax.checkpoint`: only one `[B, chunk, V]` logits array is
+  alive, in the forward and in the backward pass (which recomputes it). `chunk=None` (or >= R):
+  one piece, the plain computation. The logits are accumulated in fp32 whatever hidden's dtype.
+  """
+  B, R, _ = hidden.shape
+
+  def piece(h, t):  # h [B, c, E], t [B, c] -> logprobs, entropy [B, c]
+    logits = jnp.einsum("bce,ev->bcv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = logits / temperature
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    if not with_entropy:
+      return picked - log_z, None
+    entropy = log_z - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+    return picked - log_z, entropy
+
+  if chunk is None or chunk >= R:
+    return piece(hidden, tokens)
+  if chunk < 1:
+    raise ValueError(f"chunk must be a positive number of positions (or None), got {chunk}")
+  n = -(-R // chunk)
+  pad = n * chunk - R
+  h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, -1).swapaxes(0, 1)
+  t = jnp.pad(tokens, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+  step = jax.checkpoint(lambda carry, ht: (carry, piece(*ht)), prevent_cse=False)
+  _, (logprobs, entropy) = jax.lax.scan(step, None, (h, t))
+  unchunk = lambda x: None if x is None else x.swapaxes(0, 1).reshape(B, n * chunk)[:, :R]
+  return unchunk(logprobs), unchunk(entropy)
