@@ -546,7 +546,9 @@ def chunked_token_logprobs(hidden: Array, w: Array, tokens: Array, *, temperatur
   `[B, R]` (entropy None unless `with_entropy`). With `chunk` (positions per chunk) smaller than R, the R axis is cut into chunks that a
   `lax.scan` visits one at a time under `jax.checkpoint`: only one `[B, chunk, V]` logits array is
   alive, in the forward and in the backward pass (which recomputes it). `chunk=None` (or >= R):
-  one piece, the plain computation. The logits are accumulated in fp32 whatever hidden's dtype.
+  one piece, the plain computation. The logits are accumulated in fp32 whatever hidden's dtype; the
+  backward pass sums w's gradient over chunks in w's dtype (bf16 when the trainer computes in bf16:
+  a few chunks' partial sums, each from an fp32-accumulated matmul).
   """
   B, R, _ = hidden.shape
 
