@@ -13,9 +13,14 @@ its batch is done. `SlotEngine` keeps a fixed number of KV-cache slots (static s
   decode:  one jitted call runs up to `chunk_steps` decode steps in a `lax.while_loop` on device (no
            host round trip per token); it exits early when every slot is idle, or as soon as enough
            slots are free for the next queued prompt group.
-  harvest: between chunks the host reads the `done` flags; finished sequences leave their slots and
-           a prompt's n samples are handed out together (a `Completed` group) as soon as the last
-           of them finishes: the output streams, it does not wait for the batch.
+  harvest: each chunk's results (`ChunkResult`: done flags, tokens, log-probs, versions) leave the
+           device with `copy_to_host_async` while the next chunk runs: `chunks_in_flight` (default
+           2) chunks are dispatched before the host blocks on the oldest, so the device has the next
+           chunk queued while the host harvests. Finished sequences leave their slots and a prompt's
+           n samples are handed out together (a `Completed` group) as soon as the last of them
+           finishes: the output streams, it does not wait for the batch. A slot refilled after a
+           chunk was dispatched is not harvested from that chunk's (older) result: each slot carries
+           a generation number, and a result only counts for the generation it was dispatched with.
   swap:    between chunks `swap(params, version)` installs new weights without dropping sequences.
            The KV cache is kept by default (PipelineRL: earlier positions keep the keys/values of
            the weights that computed them); `recompute_kv=True` re-prefills every running slot's
@@ -50,9 +55,8 @@ from jax.sharding import Mesh
 from llamarl_jax import parallel
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, validate_prompts)
-from llamarl_jax.generation.slot_programs import SlotPrograms, SlotState, token_keys  # noqa: F401  (re-exported)
+from llamarl_jax.generation.slot_programs import ChunkResult, SlotPrograms, SlotState, token_keys  # noqa: F401
 from llamarl_jax.model.llama import ModelConfig
-from llamarl_jax.transfer import to_host  # device_get that also works on a mesh spread over processes
 
 Array = jax.Array
 
@@ -120,6 +124,33 @@ def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
       policy_version=first, token_versions=np.where(mask > 0, versions, first[:, None]).astype(np.int32))
 
 
+class _InFlight:
+  """A dispatched decode chunk: its `ChunkResult` on its way to the host, the slots' generation
+  numbers when it was dispatched, and the last time the host saw it still running."""
+
+  def __init__(self, result: ChunkResult, gen: np.ndarray, dispatched: float):
+    # a replicated result: every process reads its own local copy (one device's shard)
+    self.local = jax.tree.map(lambda x: x.addressable_data(0), result)
+    for x in jax.tree.leaves(self.local):
+      x.copy_to_host_async()
+    self.gen, self.seen_busy = gen, dispatched
+
+  def ready(self) -> bool:
+    """Whether the device has finished this chunk (updates `seen_busy` when it has not)."""
+    done = self.local.steps.is_ready()
+    if not done:
+      self.seen_busy = time.perf_counter()
+    return done
+
+  def get(self) -> ChunkResult:
+    """The results as host numpy, waiting for the device if needed (then it was busy until now)."""
+    waited = not self.ready()
+    out = jax.tree.map(np.asarray, self.local)
+    if waited:
+      self.seen_busy = time.perf_counter()
+    return out
+
+
 class SlotEngine:
   """Continuous-batching generator over `num_slots` KV-cache slots (see the module docstring).
 
@@ -132,6 +163,11 @@ class SlotEngine:
   max_insert: prompts prefilled per insert call at most (default: as many as the slots hold);
     calls are bucketed to powers of two up to it.
   recompute_kv: the default of `swap`: keep the KV cache (False) or recompute it.
+  chunks_in_flight: decode chunks dispatched before the host waits for the oldest one's results
+    (1 = the host waits for every chunk before dispatching the next; 2 keeps the device busy while
+    the host harvests and inserts). The samples do not depend on it (a row's keys do not depend on
+    its slot or chunk); with in-flight swaps, which version a token sees does (refills start a chunk
+    later), deterministically for a given setting.
 
   Driving it: `swap(params, version)`; `submit(prompts, seed=..., version=..., tag=...)`; then
   `step()` until `idle`; each step returns the groups that completed. `generate(params, prompts)`
@@ -141,7 +177,7 @@ class SlotEngine:
   def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, num_slots: int,
                sampling: SamplingParams = SamplingParams(), max_prompt_len: int = 128, chunk_steps: int = 16,
                pad_id: int = 0, prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
-               max_insert: int | None = None, recompute_kv: bool = False,
+               max_insert: int | None = None, recompute_kv: bool = False, chunks_in_flight: int = 2,
                rules: Mapping[str, str | None] = parallel.RULES):
     self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
@@ -153,6 +189,9 @@ class SlotEngine:
       raise ValueError(f"sampling.n = {sampling.n} samples per prompt need as many slots; num_slots is {num_slots}")
     if chunk_steps < 1:
       raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+    if chunks_in_flight < 1:
+      raise ValueError(f"chunks_in_flight must be >= 1, got {chunks_in_flight}")
+    self.chunks_in_flight = int(chunks_in_flight)
     self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
     self.R, self.n = sampling.max_new_tokens, sampling.n
     self.max_prompt_len = self.sampler.prompt_bucket(max_prompt_len)
@@ -167,6 +206,9 @@ class SlotEngine:
     self.params, self.version = None, None
     self._cache, self._state = self.programs.empty()
     self._owner: list[tuple[_Group, int] | None] = [None] * num_slots
+    self._gen = np.zeros(num_slots, np.int64)  # bumped when a slot is filled: results of older chunks skip it
+    self._inflight: collections.deque[_InFlight] = collections.deque()
+    self._last_chunk: _InFlight | None = None  # the last dispatched chunk (for the device-idle bound)
     self._queue: collections.deque[_Group] = collections.deque()
     self._uid = 0
     self.stats = collections.Counter()
@@ -213,7 +255,9 @@ class SlotEngine:
       self._uid += 1
 
   def step(self) -> list[Completed]:
-    """Admit what fits, run one decode chunk, harvest; returns the groups that completed (by submit order)."""
+    """Admit what fits, dispatch one decode chunk, and harvest the oldest chunk in flight once
+    `chunks_in_flight` are (or once nothing more can be dispatched); returns the groups that
+    completed (by submit order)."""
     if self.params is None:
       raise RuntimeError("SlotEngine has no weights: call swap(params, version) first")
     self.stats["queue_depth_sum"] += len(self._queue)
@@ -222,15 +266,20 @@ class SlotEngine:
     head = self._queue[0] if self._queue else None
     blocked = head is not None and self._needs(head)
     refill_at = self.num_slots + 1 if head is None or blocked else head.n
-    steps = useful = 0
-    if self.num_busy:
-      self._cache, self._state, steps, useful = self.programs.decode(
+    dispatched = False
+    if self.num_busy and len(self._inflight) < self.chunks_in_flight:
+      prev = self._last_chunk
+      if prev is not None and prev.ready():  # the device finished the previous chunk before this one came
+        self.stats["device_idle_s"] += time.perf_counter() - prev.seen_busy
+      self._cache, self._state, result = self.programs.decode(
           self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at))
+      self._last_chunk = _InFlight(result, self._gen.copy(), time.perf_counter())
+      self._inflight.append(self._last_chunk)
       self.stats["chunks"] += 1
-    steps, useful, done = to_host((steps, useful, self._state.done))  # the one sync per chunk
-    self.stats["decode_steps"] += int(steps)
-    self.stats["useful_slot_steps"] += int(useful)
-    return self._harvest(np.asarray(done))
+      dispatched = True
+    if self._inflight and (len(self._inflight) >= self.chunks_in_flight or not dispatched):
+      return self._harvest(self._inflight.popleft())
+    return []
 
   def run(self, on_wait: Callable[[int], None] | None = None) -> list[Completed]:
     """Step until every queued and running sequence is done; returns the completed groups in order.
@@ -274,6 +323,9 @@ class SlotEngine:
     self.params, self.version = None, None
     self._cache, self._state = self.programs.empty()
     self._owner = [None] * self.num_slots
+    self._gen[:] = 0
+    self._inflight.clear()
+    self._last_chunk = None
     self._queue.clear()
     self.stats = collections.Counter()
 
@@ -306,7 +358,7 @@ class SlotEngine:
 
   @property
   def idle(self) -> bool:
-    return not self._queue and not self.num_busy
+    return not self._queue and not self.num_busy and not self._inflight
 
   def take_metrics(self) -> dict[str, float]:
     """Engine metrics since the last call (then reset): slot utilization, tokens per decode step, ..."""
@@ -320,6 +372,10 @@ class SlotEngine:
         "generate/queue_depth_mean": s["queue_depth_sum"] / max(s["schedules"], 1),
         "generate/prefill_calls": float(s["inserts"]),
         "generate/swaps_in_flight": float(s["swaps_in_flight"]),
+        # an upper bound: from the last moment the host saw the previous chunk still running to the
+        # dispatch of the next one, summed over the chunks the device had finished before the next came
+        "generate/device_idle_s": float(s["device_idle_s"]),
+        "generate/host_wait_s": float(s["host_wait_s"]),
         "generate/tokens": float(s["first_tokens"] + s["useful_slot_steps"]),
         "time/kv_recompute": float(s["recompute_s"]),
     }
@@ -339,6 +395,7 @@ class SlotEngine:
       g.left = g.n
       for j, s in enumerate(slots):
         self._owner[s] = (g, j)
+        self._gen[s] += 1
       take.append((g, slots))
     while take:
       size = next((b for b in self.insert_sizes if b >= len(take)), self.insert_sizes[-1])
@@ -363,14 +420,19 @@ class SlotEngine:
     self.stats["inserts"] += 1
     self.stats["first_tokens"] += len(items) * self.n
 
-  def _harvest(self, done: np.ndarray) -> list[Completed]:
-    """Free the slots whose sequences finished (`done [S]`); return the groups that are now complete."""
-    finished = [s for s, o in enumerate(self._owner) if o is not None and done[s]]
+  def _harvest(self, chunk: "_InFlight") -> list[Completed]:
+    """Wait for a chunk's results; free the slots whose sequences finished in it (and were filled
+    before it was dispatched); return the groups that are now complete."""
+    t = time.perf_counter()
+    r = chunk.get()
+    self.stats["host_wait_s"] += time.perf_counter() - t
+    self.stats["decode_steps"] += int(r.steps)
+    self.stats["useful_slot_steps"] += int(r.useful)
+    finished = [s for s, o in enumerate(self._owner)
+                if o is not None and r.done[s] and self._gen[s] == chunk.gen[s]]
     if not finished:
       return []
-    st = to_host((self._state.tokens, self._state.logprobs, self._state.versions, self._state.n_gen,
-                  self._state.stopped))
-    tokens, logprobs, versions, n_gen, stopped = map(np.asarray, st)
+    tokens, logprobs, versions, n_gen, stopped = r.tokens, r.logprobs, r.versions, r.n_gen, r.stopped
     completed = []
     for s in finished:
       g, j = self._owner[s]

@@ -58,6 +58,28 @@ class SlotState:
   prompt_len: Array
 
 
+@flax.struct.dataclass
+class ChunkResult:
+  """What the host reads after a decode chunk: copies of the slot state's outputs, replicated on the
+  mesh (every process can read them), so the state itself can be donated to the next chunk while
+  these are still on their way to the host (`copy_to_host_async`).
+
+  steps, useful  int32 []      decode steps run, tokens produced (useful slot-steps)
+  done, stopped  bool  [S]
+  n_gen          int32 [S]
+  tokens, logprobs, versions   [S, R]  as in `SlotState`
+  """
+
+  steps: Array
+  useful: Array
+  done: Array
+  stopped: Array
+  n_gen: Array
+  tokens: Array
+  logprobs: Array
+  versions: Array
+
+
 def token_keys(key_data: Array, t: Array, row: Array) -> Array:
   """Per-row PRNG keys `[S]` for token index t `[S]` of row `row` `[S]` under seed keys `key_data [S, K]`.
 
@@ -98,7 +120,7 @@ class SlotPrograms:
                           out_shardings=(self.cache_sharding, self.state_sharding))
     self.decode = jax.jit(self._decode, donate_argnums=(1, 2),
                           in_shardings=(psh, self.cache_sharding, self.state_sharding, repl, repl),
-                          out_shardings=(self.cache_sharding, self.state_sharding, repl, repl))
+                          out_shardings=(self.cache_sharding, self.state_sharding, repl))
     self.recompute = jax.jit(self._recompute, donate_argnums=(1,),
                              in_shardings=(psh, self.cache_sharding, self.state_sharding),
                              out_shardings=self.cache_sharding)
@@ -165,8 +187,7 @@ class SlotPrograms:
     """Up to `chunk_steps` decode steps for every running slot, on device.
 
     Exits early when no slot is running or when `refill_at` slots are free (done), so queued
-    prompts get slots without waiting for the chunk's end. Returns (cache, state, steps run,
-    tokens produced = useful slot-steps).
+    prompts get slots without waiting for the chunk's end. Returns (cache, state, `ChunkResult`).
     """
     self.num_traces += 1
     model = merge_params(self.graphdef, params)
@@ -194,7 +215,9 @@ class SlotPrograms:
       return i + 1, cache, st, useful + jnp.sum(running, dtype=jnp.int32)
 
     steps, cache, state, useful = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state, jnp.int32(0)))
-    return cache, state, steps, useful
+    result = ChunkResult(steps=steps, useful=useful, done=state.done, stopped=state.stopped, n_gen=state.n_gen,
+                         tokens=state.tokens, logprobs=state.logprobs, versions=state.versions)
+    return cache, state, result
 
   def _recompute(self, params, cache, state):
     """A fresh KV cache from every slot's prompt + sampled tokens under `params` (one full prefill).

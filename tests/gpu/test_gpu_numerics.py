@@ -7,8 +7,10 @@
 2. At policy lag 0, the trainer's bf16 log-probs and the generator's bf16 behaviour log-probs (the
    slot engine's KV-cache decode) of the same sampled tokens stay within NeMo-RL's bar for a correct
    inference backend, on layers of Llama-3.2-1B's real size.
-3. The trainer's log-prob function in bf16 against itself in fp32 (no chunked log-prob function on
-   this branch to compare with the full one; when it lands, compare chunked against full here).
+   Checked on both trainer paths: XLA attention with full logits, and the GPU path the trainer
+   takes by default there (cuDNN fused attention, lm_head + log-prob in chunks of 256 positions).
+3. The trainer's log-prob function in bf16 against itself in fp32, and chunked against full logits
+   in bf16 (the chunked path must add no error of its own beyond summation order).
 
 Bounds, with bf16's unit roundoff u = 2^-8 (8 significant bits):
 - attention: both implementations accumulate in fp32 and round the output to bf16; cuDNN also rounds
@@ -20,6 +22,8 @@ Bounds, with bf16's unit roundoff u = 2^-8 (8 significant bits):
   trained model's spread) per-token |log pi - log mu| is ~1e-2, so KL k3 ~ d^2/2 ~ 1e-4: bound 1e-3.
   token_mult_prob_error (mean e^|d|) <= 1.05 is NeMo-RL's CI threshold for a correct backend.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -98,17 +102,19 @@ def bf16_rollout(one_b_layers):
   return engine.generate(params, prompts, sampling)
 
 
-def _trainer_logprobs(one_b_layers, batch, dtype):
+def _trainer_logprobs(one_b_layers, batch, dtype, attention="xla", logprob_chunk=None):
   """The trainer's `token_logprobs` with fp32 master params and `dtype` compute: `[B, R]`."""
   graphdef = split_params(nnx.eval_shape(lambda: Llama(ONE_B_LAYERS.replace(dtype=dtype), rngs=nnx.Rngs(0))))[0]
-  fn = jax.jit(token_logprobs, static_argnums=0)
+  fn = jax.jit(functools.partial(token_logprobs, attention=attention, logprob_chunk=logprob_chunk),
+               static_argnums=0)
   return fn(graphdef, one_b_layers[1], batch.prompt_tokens, batch.prompt_mask, batch.response_tokens,
             batch.response_mask)
 
 
-def test_bf16_trainer_and_generator_logprobs_agree_at_lag_0(one_b_layers, bf16_rollout):
+@pytest.mark.parametrize("attention,logprob_chunk", [("xla", None), ("cudnn", 256)])
+def test_bf16_trainer_and_generator_logprobs_agree_at_lag_0(one_b_layers, bf16_rollout, attention, logprob_chunk):
   batch = bf16_rollout
-  trainer = _trainer_logprobs(one_b_layers, batch, "bfloat16")
+  trainer = _trainer_logprobs(one_b_layers, batch, "bfloat16", attention, logprob_chunk)
   m = {k: float(v) for k, v in mismatch_metrics(trainer, batch.behaviour_logprobs, batch.response_mask).items()}
   assert m["rollout_corr/num_tokens"] == 8 * 128
   assert m["rollout_corr/kl_k3"] <= 1e-3, m
@@ -127,3 +133,15 @@ def test_trainer_logprobs_bf16_against_fp32(one_b_layers, bf16_rollout):
   m = {k: float(v) for k, v in mismatch_metrics(bf16, fp32, batch.response_mask).items()}
   assert 0 < m["rollout_corr/kl_k3"] <= 1e-3, m
   assert m["rollout_corr/token_mult_prob_error"] <= 1.05, m
+
+
+def test_chunked_and_full_logprobs_agree_in_bf16(one_b_layers, bf16_rollout):
+  """The trainer's chunked lm_head (chunks of 32 positions: 4 chunks of the 128-token responses) against
+  the full logits, both bf16 compute with cuDNN attention: the same fp32-accumulated logits, cut
+  differently, so the only difference is the order of the logsumexp's fp32 sums: |d| <= 1e-3 per
+  token (fp32 unit roundoff 6e-8 times a few thousand-term sum of terms <= 1, with margin)."""
+  batch = bf16_rollout
+  full = np.asarray(_trainer_logprobs(one_b_layers, batch, "bfloat16", "cudnn", None))
+  chunked = np.asarray(_trainer_logprobs(one_b_layers, batch, "bfloat16", "cudnn", 32))
+  mask = np.asarray(batch.response_mask) > 0
+  assert np.abs(full - chunked)[mask].max() <= 1e-3
