@@ -4,7 +4,8 @@ and a JSON file (the input of `python -m llamarl_jax.perf_model --calibrate`). A
 one H100 (each section prints its own seconds).
 
 Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
-  trainer     `TrainerExecutor.step` at RL shapes (8 x (256 + 768), 4 microbatches, remat): step time,
+  trainer     `TrainerExecutor.step` at issue 25's RL shapes (16 x (512 + 1536), 2 microbatches, remat
+              saving matmul outputs, cuDNN attention, lm_head in chunks): step time,
               MFU = 6 N B (P + R) / step / peak, peak device memory (scripts/bench_train.bench)
   torch_peer  the same shapes in PyTorch (transformers Llama, sdpa, bf16 autocast, AdamW, gradient
               checkpointing): step, MFU, peak memory. Only when torch sees CUDA (skipped otherwise)
@@ -63,11 +64,13 @@ DEVICE_PEAKS = {"H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200"
                 "A100": (312e12, 2.0e12), "L4": (121e12, 0.3e12)}
 
 # what each section runs at: full size on a GPU, toy size for --dry_run
-FULL = dict(size="1b", train_B=8, train_P=256, train_R=768, microbatches=4, train_warmup=2, train_steps=3,
+FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, train_remat="matmuls",
+            train_warmup=2, train_steps=3,
             attn=(4, 2048, 32, 8, 64), decode_batches=(16, 64, 256), prompt_len=128, decode_R=64, hf_batch=64,
             engine_slots=64, engine_prompts=256, engine_R=512, push_size="1b", e2e=dict(hidden=512, layers=4,
             prompts=16, samples=8, max_new_tokens=64, warmup=2, steps=5), repeats=3)
-DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_warmup=1, train_steps=1,
+DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_remat="matmuls", train_warmup=1,
+           train_steps=1,
            attn=(1, 64, 4, 2, 16), decode_batches=(2,), prompt_len=8, decode_R=4, hf_batch=2,
            engine_slots=4, engine_prompts=8, engine_R=8, push_size="1m", e2e=dict(hidden=32, layers=2,
            prompts=2, samples=2, max_new_tokens=4, warmup=1, steps=1), repeats=1)
@@ -132,7 +135,8 @@ def peak_memory_bytes() -> float | None:
 
 def trainer_section(cfg, env, args) -> dict:
   ns = bench_train.build_parser().parse_args([])  # bench_train's defaults (attention auto, lm_head chunks)
-  ns.__dict__.update(dtype=args.dtype, microbatches=cfg["microbatches"], remat="full", tp=1, batch=cfg["train_B"],
+  ns.__dict__.update(dtype=args.dtype, microbatches=cfg["microbatches"], remat=cfg["train_remat"], tp=1,
+                     batch=cfg["train_B"],
                      prompt_len=cfg["train_P"], resp_len=cfg["train_R"], warmup=cfg["train_warmup"],
                      steps=cfg["train_steps"])
   peak = args.peak_tflops or (env["peak_flops"] or 0) / 1e12 or bench_train.default_peak_tflops()[0]
