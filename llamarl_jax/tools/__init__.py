@@ -1,0 +1,7 @@
+"""Tools an episode can call (issue 28): a sandboxed Python interpreter."""
+
+from llamarl_jax.tools.sandbox import (STATUSES, SandboxCapabilities, SandboxLimits, SandboxPool, ToolResult,
+                                       capabilities, run_python)
+
+__all__ = ["STATUSES", "SandboxCapabilities", "SandboxLimits", "SandboxPool", "ToolResult", "capabilities",
+           "run_python"]
