@@ -74,3 +74,34 @@ def test_bench_train_lowers_the_step_and_finds_the_largest_vocab_array(tmp_path,
   assert chunked["attention"] == "xla" and "largest vocabulary-sized array" in capsys.readouterr().out
   unchunked = bench.main(args + ["--logprob_chunk", "0"])[0]
   assert unchunked["largest_vocab"] == (8 * 64 * 100, "tensor<8x64x100xf32>")
+
+
+def test_bench_generate_profile_traces_the_timed_calls(tmp_path):
+  """--profile DIR: one trace per table (generation, each engine workload), the timed calls named in it."""
+  import gzip
+  import json
+
+  _load("bench_generate").main(["--sizes", "5m", "--skip_hf", "--batch", "2", "--prompt_len", "8",
+                                "--max_new_tokens", "4", "--repeats", "1", "--engine_workloads", "equal",
+                                "--slots", "2", "--engine_prompts", "4", "--engine_max_new_tokens", "4",
+                                "--chunk_steps", "2", "--profile", str(tmp_path)])
+  for run, spans in [("generate_5m", {"ours R=4"}), ("engine_equal", {"static", "slots"})]:
+    (trace,) = (tmp_path / run).glob("plugins/profile/*/perfetto_trace.json.gz")
+    events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert spans <= {e.get("name") for e in events}, run
+
+
+def test_bench_generate_bytes_table_from_abstract_shapes(capsys):
+  """--bytes: one decode step's bytes (XLA cost analysis, nothing allocated) for the paged and the
+  dense layout next to the ideal; with a cache of 512 positions and 40..120 live ones the dense step
+  reads more (every cached position) and XLA's as-is count of the paged step includes the fused
+  gathers' whole-pool charge that `bytes` removes."""
+  rows = _load("bench_generate").main(["--bytes", "--sizes", "5m", "--slots", "8", "--bytes_cache", "512",
+                                       "--bytes_prompt", "32", "--bytes_live", "40,120"])
+  paged, dense = rows
+  assert (paged["layout"], dense["layout"]) == ("paged", "dense")
+  assert paged["ideal"] == dense["ideal"] and paged["bytes"] < dense["bytes"]
+  assert paged["xla_bytes"] > paged["bytes"] and paged["num_entries"] >= 8 * 2  # >= 2 blocks per row
+  out = capsys.readouterr().out
+  assert "| paged | " in out and "| dense | " in out and "bytes / ideal" in out

@@ -5,8 +5,10 @@ bounded compilation, honest utilization metrics.
 Reuses test_sampler's reference helpers (full-forward logits, the intended sampling distribution)
 and its tiny fp32 transformers Llama (vocab 68). Two engines serve the module (compilation is the
 slow part): a greedy one with 3 slots , 2-step chunks and two prompt buckets, and a sampling one (temperature 0.7,
-top-k 10, top-p 0.9, n=2) with 4 slots. Log-prob tolerance 1e-4 as in test_sampler: fp32 end to end,
-the engine's cached decode and a full forward differ only in summation order (~1e-6).
+top-k 10, top-p 0.9, n=2) with 4 slots. Both use KV blocks of 4 positions, so prompts span several
+blocks, end mid-block or on a boundary, and responses cross blocks. Log-prob tolerance 1e-4 as in
+test_sampler: fp32 end to end, the engine's cached decode and a full forward differ only in
+summation order (~1e-6).
 """
 
 import dataclasses
@@ -53,12 +55,14 @@ def static_sampler(model):
 
 @pytest.fixture(scope="module")
 def greedy_engine(model):
-  return SlotEngine(model[0], num_slots=3, sampling=GREEDY, max_prompt_len=16, chunk_steps=2, prompt_buckets=(8, 16))
+  return SlotEngine(model[0], num_slots=3, sampling=GREEDY, max_prompt_len=16, chunk_steps=2, prompt_buckets=(8, 16),
+                    kv_block_size=4)
 
 
 @pytest.fixture(scope="module")
 def sampling_engine(model):
-  return SlotEngine(model[0], num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2)
+  return SlotEngine(model[0], num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+                    kv_block_size=4)
 
 
 def hf_greedy(ref, prompts):
@@ -231,7 +235,9 @@ def test_utilization_with_a_queue_and_stops(model, sampling_engine, prompts):
 
 
 def test_compile_count_is_bounded(model, greedy_engine):
-  """Insert compiles once per (prompt bucket, insert size), decode once; new prompts reuse them."""
+  """Insert compiles once per (prompt bucket, insert size), decode once per entry bucket (the static
+  number of KV blocks a step reads; this engine's 3 slots of <= 4 prompt + 2 response blocks have
+  3 buckets: 8, 16, 24 entries), recompute once; new prompts reuse them."""
   eng = greedy_engine
   eng.generate(model[1], [[5] * 4], GREEDY)   # bucket 8, one prompt per insert
   eng.generate(model[1], [[7] * 12], GREEDY)  # bucket 16
@@ -243,20 +249,93 @@ def test_compile_count_is_bounded(model, greedy_engine):
   eng.submit([[2] * 9])  # enters beside a running sequence
   eng.run()
   assert eng.num_traces == traces
+  decode = lambda: {k for k in eng.programs.traced if k[0] == "decode"}
+  before = decode()
   eng.generate(model[1], [[5] * 3, [6] * 4], GREEDY)  # two prompts in one insert: one new program
-  assert eng.num_traces == traces + 1
+  assert eng.num_traces == traces + 1 + len(decode() - before)
   eng.generate(model[1], [[5] * 3, [6] * 13], GREEDY)  # the same in bucket 16
   eng.generate(model[1], [[8] * 2, [9] * 16], GREEDY)
-  assert eng.num_traces == traces + 2
+  new_decode = decode() - before
+  assert new_decode <= {("decode", 16)}  # 1 + 4 prompt blocks + 2 x 2 response blocks: 9 > 8 entries
+  assert eng.num_traces == traces + 2 + len(new_decode)
+  assert max(eng.programs.traced.values()) == 1  # no program traced twice
+  assert decode() <= {("decode", b) for b in eng.programs.entry_buckets} and eng.programs.entry_buckets == (8, 16, 24)
   with pytest.raises(ValueError, match="max_prompt_len=16"):
     eng.submit([[1] * 17])
+
+
+def test_a_groups_samples_share_its_prompt_region_until_all_are_harvested(model, sampling_engine, prompts):
+  """n=2: the two slots of a prompt group read one prompt region of the KV pool (one prefill, the
+  same physical blocks: `paged.live_entries` lists region blocks by the slot's region); groups alive
+  at the same time hold different regions, and a region goes to a new group only after every
+  sample of its previous group was harvested. 8 groups through 4 slots (2 groups at a time)."""
+  eng = sampling_engine
+  eng.swap(model[1], 0)
+  eng.submit(prompts * 2, seed=4, tags=list(range(8)))
+  holder, done, reused = {}, set(), 0  # region -> tag of the group holding it
+  while not eng.idle:
+    for g in eng.step():
+      done.add(g.tag)
+    region = np.asarray(eng._state.region)
+    live = {}
+    for s, owner in enumerate(eng._owner):
+      if owner is None:
+        continue
+      g = owner[0]
+      assert region[s] == g.region  # the device's region of the slot is its group's
+      assert live.setdefault(g.tag, g.region) == g.region  # the group's samples share it
+    assert len(set(live.values())) == len(live)  # live groups hold different regions
+    for tag, r in live.items():
+      if holder.get(r, tag) != tag:
+        assert holder[r] in done, f"region {r} of group {holder[r]} handed to {tag} before it finished"
+        reused += 1
+      holder[r] = tag
+  assert len(done) == 8 and reused >= 4  # 8 groups over 4 regions: regions were reused
+
+
+def test_kv_pool_is_allocated_once_and_updated_in_place(model, greedy_engine, prompts):
+  """One pool per layer of `PageLayout.num_blocks` blocks (3 slots x (4 prompt + 2 response blocks)
+  + trash = 19 blocks of 4 positions), donated to every insert and decode: the old buffers are
+  deleted, the new ones have the same shapes."""
+  eng = greedy_engine
+  eng.swap(model[1], 0)
+  cfg = model[0]
+  first = eng._cache.k[0]
+  assert first.shape == (19, 4, cfg.num_kv_heads, cfg.head_dim) and eng.programs.layout.num_blocks == 19
+  eng.submit([prompts[0]])
+  eng.step()
+  assert first.is_deleted()
+  eng.run()
+  assert [k.shape for k in eng._cache.k] == [first.shape] * cfg.num_layers
+  assert [v.shape for v in eng._cache.v] == [first.shape] * cfg.num_layers
+
+
+def test_no_recompilation_after_warm_up(model, model_b, sampling_engine, prompts):
+  """The same workload twice (queued prompts refilling slots, stops, an in-flight swap with KV
+  recompute): the second run traces nothing (every entry bucket, prompt bucket and insert size it
+  needs was compiled by the first)."""
+  eng = sampling_engine
+
+  def workload():
+    eng.swap(model[1], 0)
+    eng.submit(prompts * 2, seed=6)
+    out = eng.step()
+    eng.swap(model_b, 1, recompute_kv=True)
+    return out + eng.run()
+
+  first = workload()
+  traces = eng.num_traces
+  second = workload()
+  assert eng.num_traces == traces
+  assert [g.tokens.tolist() for g in first] == [g.tokens.tolist() for g in second]
 
 
 @pytest.mark.devices(4)
 def test_sharded_slots_give_the_same_samples(model, sampling_engine, prompts):
   """Slots over data=2, params over tp=2: the same tokens and log-probs as one device."""
   mesh = parallel.make_mesh(jax.devices()[:4], data=2, tp=2)
-  sharded = SlotEngine(model[0], mesh, num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2)
+  sharded = SlotEngine(model[0], mesh, num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+                       kv_block_size=4)
   one = sampling_engine.generate(model[1], prompts, SAMPLED)
   four = sharded.generate(model[1], prompts, SAMPLED)
   np.testing.assert_array_equal(four.response_tokens, one.response_tokens)
@@ -302,6 +381,6 @@ def test_chunks_in_flight_change_when_the_host_sees_results_not_the_samples(mode
       np.testing.assert_array_equal(a.tokens, b.tokens)
       np.testing.assert_array_equal(a.lengths, b.lengths)
       np.testing.assert_array_equal(a.logprobs, b.logprobs)
-    assert m["generate/device_idle_s"] >= 0 and m["generate/host_wait_s"] >= 0
+    assert m["time/generate_device_idle"] >= 0 and m["time/generate_host_wait"] >= 0
   with pytest.raises(ValueError, match="chunks_in_flight"):
     SlotEngine(model[0], num_slots=4, sampling=SAMPLED, chunks_in_flight=0)

@@ -3,16 +3,22 @@
 `Sampler.generate` decodes a static batch: a row that finishes early idles until the longest row of
 its batch is done. `SlotEngine` keeps a fixed number of KV-cache slots (static shapes) busy instead:
 
-  slots:   `num_slots` rows of a KV cache of length Pm + R (Pm = the largest prompt bucket, R =
-           max_new_tokens), each an independent sequence with its own write position, length,
-           finish state and, per token, the policy version that sampled it (`SlotState`).
-  insert:  queued prompts are prefilled into free slots by one jitted call (cache and slot state
-           donated): G prompts right-padded to a bucket length run through the model once, and each
-           prompt's KV is copied into its n slots (the n samples share one prefill); the first
-           response token of each slot is sampled from the prompt's last logits.
+  slots:   `num_slots` independent sequences (prompts up to Pm = the largest prompt bucket, R =
+           max_new_tokens), each with its own position, length, finish state and, per token, the
+           policy version that sampled it (`SlotState`), over a paged KV pool (`paged.PageLayout`):
+           a prompt region per group (the n samples of a prompt read the same blocks: prefix
+           sharing) and response blocks per slot, allocated once.
+  insert:  queued prompts are prefilled by one jitted call (pool and slot state donated): G prompts
+           right-padded to a bucket length run through the model once, each prompt's KV goes to its
+           group's region (one prefill for its n samples), and the first response token of each of
+           its slots is sampled from the prompt's last logits. Regions are handed out at admission
+           and freed when a group's last sample is harvested.
   decode:  one jitted call runs up to `chunk_steps` decode steps in a `lax.while_loop` on device (no
-           host round trip per token); it exits early when every slot is idle, or as soon as enough
-           slots are free for the next queued prompt group.
+           host round trip per token); each step's attention reads only the live blocks of the
+           running slots (a flat list of TB entries, TB a bucket the host picks from an upper bound
+           without reading the device), so its bytes follow the live lengths, not Pm + R. It exits
+           early when every slot is idle, or as soon as enough slots are free for the next queued
+           prompt group.
   harvest: each chunk's results (`ChunkResult`: done flags, tokens, log-probs, versions) leave the
            device with `copy_to_host_async` while the next chunk runs: `chunks_in_flight` (default
            2) chunks are dispatched before the host blocks on the oldest, so the device has the next
@@ -34,8 +40,9 @@ same as `Sampler.generate` on the same prompts and seed. A token's behaviour log
 the distribution that actually sampled it: with a kept cache after a swap, that is the new weights
 applied on top of the keys/values the old weights wrote (what AIPO's importance weight corrects).
 
-Compilation: insert compiles once per (prompt bucket, insert-group bucket), decode and recompute
-once; `num_traces` counts traces (tests assert it).
+Compilation: insert compiles once per (prompt bucket, insert-group bucket), decode once per entry
+bucket used (`paged.entry_buckets`: geometric, <= 25% apart), recompute once; `num_traces` counts
+traces (tests assert it).
 
 The device programs (insert, decode, recompute over `SlotState` and the KV cache) are
 `slot_programs.SlotPrograms`; this module is the host's scheduling around them.
@@ -88,6 +95,7 @@ class _Group:
   tag: Any
   n: int
   left: int = 0        # samples not yet finished
+  region: int = -1     # the prompt region (KV pool) its samples share, from admission until all are harvested
   out: dict = dataclasses.field(default_factory=dict)  # sample j -> (tokens, logprobs, versions, len, stopped)
 
 
@@ -163,6 +171,8 @@ class SlotEngine:
   max_insert: prompts prefilled per insert call at most (default: as many as the slots hold);
     calls are bucketed to powers of two up to it.
   recompute_kv: the default of `swap`: keep the KV cache (False) or recompute it.
+  kv_block_size: positions per block of the paged KV pool (`paged.PageLayout`); a decode step reads
+    each running row's blocks, so its bytes follow the live lengths (rounded up to blocks).
   chunks_in_flight: decode chunks dispatched before the host waits for the oldest one's results
     (1 = the host waits for every chunk before dispatching the next; 2 keeps the device busy while
     the host harvests and inserts). The samples do not depend on it (a row's keys do not depend on
@@ -178,7 +188,7 @@ class SlotEngine:
                sampling: SamplingParams = SamplingParams(), max_prompt_len: int = 128, chunk_steps: int = 16,
                pad_id: int = 0, prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
                max_insert: int | None = None, recompute_kv: bool = False, chunks_in_flight: int = 2,
-               rules: Mapping[str, str | None] = parallel.RULES):
+               kv_block_size: int = 16, rules: Mapping[str, str | None] = parallel.RULES):
     self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
     divisor = parallel.batch_divisor(self.mesh)
@@ -202,10 +212,13 @@ class SlotEngine:
       raise ValueError(f"max_insert must be >= 1, got {max_insert}")
     self.insert_sizes = sorted({min(2 ** i, self.max_insert) for i in range(self.max_insert.bit_length() + 1)})
     self.programs = SlotPrograms(config, self.sampler, num_slots=num_slots, sampling=sampling,
-                                 max_prompt_len=self.max_prompt_len, chunk_steps=self.chunk_steps, pad_id=pad_id)
+                                 max_prompt_len=self.max_prompt_len, chunk_steps=self.chunk_steps, pad_id=pad_id,
+                                 kv_block_size=kv_block_size)
     self.params, self.version = None, None
     self._cache, self._state = self.programs.empty()
     self._owner: list[tuple[_Group, int] | None] = [None] * num_slots
+    self._free_regions = list(range(num_slots))  # prompt regions of the KV pool not held by a group
+    self._since = np.zeros(num_slots, np.int64)  # decode steps dispatched since the slot's insert (paged bound)
     self._gen = np.zeros(num_slots, np.int64)  # bumped when a slot is filled: results of older chunks skip it
     self._inflight: collections.deque[_InFlight] = collections.deque()
     self._last_chunk: _InFlight | None = None  # the last dispatched chunk (for the device-idle bound)
@@ -271,8 +284,13 @@ class SlotEngine:
       prev = self._last_chunk
       if prev is not None and prev.ready():  # the device finished the previous chunk before this one came
         self.stats["device_idle_s"] += time.perf_counter() - prev.seen_busy
+      busy = np.array([o is not None for o in self._owner])
+      num_entries = self.programs.num_entries([len(o[0].prompt) for o in self._owner if o is not None],
+                                              self._since[busy])
       self._cache, self._state, result = self.programs.decode(
-          self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at))
+          self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at),
+          num_entries=num_entries)
+      self._since[busy] += self.chunk_steps
       self._last_chunk = _InFlight(result, self._gen.copy(), time.perf_counter())
       self._inflight.append(self._last_chunk)
       self.stats["chunks"] += 1
@@ -323,6 +341,8 @@ class SlotEngine:
     self.params, self.version = None, None
     self._cache, self._state = self.programs.empty()
     self._owner = [None] * self.num_slots
+    self._free_regions = list(range(self.num_slots))
+    self._since[:] = 0
     self._gen[:] = 0
     self._inflight.clear()
     self._last_chunk = None
@@ -374,8 +394,8 @@ class SlotEngine:
         "generate/swaps_in_flight": float(s["swaps_in_flight"]),
         # an upper bound: from the last moment the host saw the previous chunk still running to the
         # dispatch of the next one, summed over the chunks the device had finished before the next came
-        "generate/device_idle_s": float(s["device_idle_s"]),
-        "generate/host_wait_s": float(s["host_wait_s"]),
+        "time/generate_device_idle": float(s["device_idle_s"]),
+        "time/generate_host_wait": float(s["host_wait_s"]),
         "generate/tokens": float(s["first_tokens"] + s["useful_slot_steps"]),
         "time/kv_recompute": float(s["recompute_s"]),
     }
@@ -393,9 +413,11 @@ class SlotEngine:
       g = self._queue.popleft()
       slots, free = free[:g.n], free[g.n:]
       g.left = g.n
+      g.region = self._free_regions.pop(0)  # live groups <= busy slots <= num_slots: never empty
       for j, s in enumerate(slots):
         self._owner[s] = (g, j)
         self._gen[s] += 1
+        self._since[s] = 0
       take.append((g, slots))
     while take:
       size = next((b for b in self.insert_sizes if b >= len(take)), self.insert_sizes[-1])
@@ -409,14 +431,16 @@ class SlotEngine:
     dst = np.full((size, self.n), self.num_slots, np.int32)  # out of range: dropped by the scatter
     rows = np.zeros((size, self.n), np.int32)
     keys = np.zeros((size, self.programs.key_words), np.uint32)
+    regions = np.full(size, self.num_slots, np.int32)  # padding groups: out of range, dropped
     for i, (g, slots) in enumerate(items):
+      regions[i] = g.region
       tokens[i, :len(g.prompt)] = g.prompt
       lens[i] = len(g.prompt)
       dst[i] = slots
       rows[i] = g.row0 + np.arange(self.n)
       keys[i] = g.key
     self._cache, self._state = self.programs.insert(self.params, self._cache, self._state, tokens, lens, dst, rows, keys,
-                                               np.int32(self.version))
+                                               np.int32(self.version), regions)
     self.stats["inserts"] += 1
     self.stats["first_tokens"] += len(items) * self.n
 
@@ -441,6 +465,7 @@ class SlotEngine:
       g.left -= 1
       if g.left == 0:
         completed.append(g)
+        self._free_regions.append(g.region)  # every sample is done: no later chunk reads the region
     completed.sort(key=lambda g: g.uid)
     return [self._completed(g) for g in completed]
 

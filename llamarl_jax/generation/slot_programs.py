@@ -5,6 +5,12 @@ of the host's scheduling: which prompt goes to which slot, when to swap weights 
 are `engine.SlotEngine`'s. Each program donates the cache and the state it updates, so the KV cache
 is allocated once (`empty`) and updated in place.
 
+KV layout: a paged pool (`paged.KVPages`, `paged.PageLayout`): a prompt region per group (its n
+samples share one prefill and read the same blocks), response blocks per slot, and a trash block.
+A decode step reads only the live blocks of the running slots: a flat list of TB entries built on
+device (`paged.live_entries`), TB a static bucket the host picks per chunk (`num_entries`), so the
+bytes a step reads follow each row's length, not the cache's maximum (`decode_step_cost`).
+
 Exactness: the model code, the sampling step (`sample_logits`) and the behaviour log-probs are the
 static sampler's; token t of row r of a request with seed s draws with fold_in(fold_in(key(s), t), r)
 (`token_keys`), the key `Sampler` uses for row r of a batch sampled with seed s.
@@ -12,6 +18,7 @@ static sampler's; token t of row r of a request with seed s draws with fold_in(f
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import flax.struct
@@ -20,8 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from llamarl_jax import parallel
+from llamarl_jax.generation import paged
+from llamarl_jax.generation.paged import KVPages, PageLayout
 from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits
-from llamarl_jax.model.llama import KVCache, ModelConfig, merge_params
+from llamarl_jax.model.llama import KVCache, ModelConfig, abstract_model, merge_params, split_params
+from llamarl_jax.model.paged_attention import PagedKVCache
 
 Array = jax.Array
 
@@ -31,7 +41,7 @@ class SlotState:
   """Device state of the slots. S = num_slots, R = max_new_tokens, Pm = max prompt length, K = key words.
 
   cur         int32  [S]     the last sampled token (not yet in the KV cache)
-  pos         int32  [S]     its position = the cache slot it is written to by the next decode step
+  pos         int32  [S]     its RoPE position (prompt_len + n_gen - 1)
   n_gen       int32  [S]     response tokens sampled so far (cur included)
   done        bool   [S]     not decoding: finished (stop token or R tokens) or never filled
   stopped     bool   [S]     finished by a stop token
@@ -42,6 +52,7 @@ class SlotState:
   row         int32  [S]     the sample's row within its request (the static sampler's row index)
   prompt      int32  [S, Pm] the prompt, right-padded (read by the KV recompute)
   prompt_len  int32  [S]
+  region      int32  [S]     the prompt region (`PageLayout`) of the slot's group
   """
 
   cur: Array
@@ -56,6 +67,7 @@ class SlotState:
   row: Array
   prompt: Array
   prompt_len: Array
+  region: Array
 
 
 @flax.struct.dataclass
@@ -90,18 +102,23 @@ def token_keys(key_data: Array, t: Array, row: Array) -> Array:
 
 
 class SlotPrograms:
-  """The jitted programs over `num_slots` slots of a KV cache of `max_prompt_len + R` positions.
+  """The jitted programs over `num_slots` slots of a paged KV pool (prompts up to `max_prompt_len`,
+  R response tokens, `kv_block_size` positions per block; see `paged.PageLayout`).
 
   sampler: the `Sampler` whose model code, parameter shardings, cache sharding and prompt buckets the
   programs share (`graphdef`, `param_shardings`, `cache_sharding`). sampling: R, n, stop ids and the
-  sampling settings (compiled in). `num_traces` counts traces (tests assert compile counts).
+  sampling settings (compiled in). `num_traces` counts traces (tests assert compile counts) and
+  `traced` counts them per program: ('insert', prompt bucket, groups), ('decode', entry bucket),
+  ('recompute',): each once per shape (decode: at most len(`entry_buckets`) programs).
   """
 
   def __init__(self, config: ModelConfig, sampler: Sampler, *, num_slots: int, sampling: SamplingParams,
-               max_prompt_len: int, chunk_steps: int, pad_id: int):
+               max_prompt_len: int, chunk_steps: int, pad_id: int, kv_block_size: int = 16):
     self.config, self.graphdef, self.pad_id = config, sampler.graphdef, int(pad_id)
     self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
     self.R, self.max_prompt_len = sampling.max_new_tokens, max_prompt_len
+    self.layout = PageLayout(num_slots, max_prompt_len, self.R, int(kv_block_size))
+    self.entry_buckets = paged.entry_buckets(self.layout.max_entries)
     self.key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
     stops = sampling.stop_token_ids
     self._stop_ids = np.array(stops if stops else [-1], np.int32)
@@ -109,34 +126,47 @@ class SlotPrograms:
     mesh = sampler.mesh
     b1, b2 = parallel.batch_sharding(mesh, 1), parallel.batch_sharding(mesh, 2)
     repl = parallel.replicated(mesh)
-    cs = sampler.cache_sharding
+    cs = sampler.cache_sharding  # [batch, len, kv_heads, head_dim]: the pool keeps its head sharding
     L = config.num_layers
-    self.cache_sharding = KVCache(k=(cs,) * L, v=(cs,) * L, index=b1)
+    pool = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *cs.spec[1:]))
+    self.cache_sharding = KVPages(k=(pool,) * L, v=(pool,) * L)
     self.state_sharding = SlotState(**{f.name: (b2 if f.name in ("tokens", "logprobs", "versions", "key", "prompt")
                                                 else b1) for f in dataclasses.fields(SlotState)})
     psh = sampler.param_shardings
+    self._mesh, self._param_shardings, self._dense_cache_sharding = mesh, psh, cs
     self.insert = jax.jit(self._insert, donate_argnums=(1, 2),
-                          in_shardings=(psh, self.cache_sharding, self.state_sharding) + (repl,) * 6,
+                          in_shardings=(psh, self.cache_sharding, self.state_sharding) + (repl,) * 7,
                           out_shardings=(self.cache_sharding, self.state_sharding))
-    self.decode = jax.jit(self._decode, donate_argnums=(1, 2),
-                          in_shardings=(psh, self.cache_sharding, self.state_sharding, repl, repl),
-                          out_shardings=(self.cache_sharding, self.state_sharding, repl))
+    self._decode_jit = jax.jit(self._decode, donate_argnums=(1, 2), static_argnums=(5,),
+                               in_shardings=(psh, self.cache_sharding, self.state_sharding, repl, repl),
+                               out_shardings=(self.cache_sharding, self.state_sharding, repl))
     self.recompute = jax.jit(self._recompute, donate_argnums=(1,),
                              in_shardings=(psh, self.cache_sharding, self.state_sharding),
                              out_shardings=self.cache_sharding)
     self.num_traces = 0
+    self.traced = collections.Counter()
 
-  def empty(self) -> tuple[KVCache, SlotState]:
-    """A fresh KV cache and slot state (every slot idle), placed on the mesh: allocated once per engine."""
+  def empty(self) -> tuple[KVPages, SlotState]:
+    """A fresh KV pool and slot state (every slot idle), placed on the mesh: allocated once per engine."""
+    cache = jax.jit(lambda: self.layout.empty_pages(self.config), out_shardings=self.cache_sharding)()
+    return cache, jax.device_put(self.empty_state(), self.state_sharding)
+
+  def empty_state(self) -> SlotState:
+    """The slot state with every slot idle (host numpy)."""
     S, R, Pm = self.num_slots, self.R, self.max_prompt_len
-    cache = KVCache.init(self.config, S, Pm + R)
-    cache = cache.replace(index=jnp.zeros((S,), jnp.int32))
     zi = lambda *shape: np.zeros(shape, np.int32)
-    state = SlotState(cur=zi(S), pos=zi(S), n_gen=zi(S), done=np.ones(S, bool), stopped=np.zeros(S, bool),
-                      tokens=np.full((S, R), self.pad_id, np.int32), logprobs=np.zeros((S, R), np.float32),
-                      versions=zi(S, R), key=np.zeros((S, self.key_words), np.uint32), row=zi(S),
-                      prompt=np.full((S, Pm), self.pad_id, np.int32), prompt_len=zi(S))
-    return jax.device_put(cache, self.cache_sharding), jax.device_put(state, self.state_sharding)
+    return SlotState(cur=zi(S), pos=zi(S), n_gen=zi(S), done=np.ones(S, bool), stopped=np.zeros(S, bool),
+                     tokens=np.full((S, R), self.pad_id, np.int32), logprobs=np.zeros((S, R), np.float32),
+                     versions=zi(S, R), key=np.zeros((S, self.key_words), np.uint32), row=zi(S),
+                     prompt=np.full((S, Pm), self.pad_id, np.int32), prompt_len=zi(S), region=np.full(S, S, np.int32))
+
+  def num_entries(self, prompt_lens: np.ndarray, steps_dispatched: np.ndarray) -> int:
+    """The entry bucket (`decode(..., num_entries=)`) of the next chunk: host numpy, no device read.
+
+    prompt_lens, steps_dispatched `[busy]`: each busy slot's prompt length and decode steps
+    dispatched since its insert (`paged.live_blocks_bound`)."""
+    need = paged.live_blocks_bound(self.layout, prompt_lens, steps_dispatched, self.chunk_steps)
+    return paged.entry_bucket(need, self.entry_buckets)
 
   def _sample(self, keys, logits):
     sp = self.sampling
@@ -146,17 +176,18 @@ class SlotPrograms:
   def _is_stop(self, tokens):
     return jnp.any(tokens[:, None] == jnp.asarray(self._stop_ids)[None, :], axis=-1)
 
-  def _insert(self, params, cache, state, tokens, lens, dst, rows, keys, version):
+  def _insert(self, params, cache, state, tokens, lens, dst, rows, keys, version, regions):
     """Prefill prompts `[G, Pb]` (right-padded, lengths [G]) and start samples in slots `dst [G, n]`.
 
-    One forward over the G prompts; each prompt's KV rows [0, Pb) are copied into its n slots
-    (positions >= its length hold padding's keys, never attended: a slot attends only below its own
-    write position, and decoding overwrites them in order). Out-of-range slots (num_slots) are
-    padding groups and are dropped by the scatters.
+    One forward over the G prompts; prompt g's keys/values of positions [0, Pb) go to the first
+    ceil(Pb / bs) blocks of its prompt region `regions[g]`, which its n slots then all read (prefix
+    sharing; positions >= its length hold padding's keys, never read: entries list only L of them).
+    Out-of-range slots and regions (num_slots) are padding groups, dropped by the scatters.
     """
-    self.num_traces += 1
-    model = merge_params(self.graphdef, params)
     G, Pb = tokens.shape
+    self.num_traces += 1
+    self.traced["insert", Pb, G] += 1
+    model = merge_params(self.graphdef, params)
     n, R, Pm = dst.shape[1], self.R, self.max_prompt_len
     small = KVCache.init(self.config, G, Pb)
     x, small = model.hidden_states(tokens, jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (G, Pb)), small)
@@ -167,9 +198,16 @@ class SlotPrograms:
     key = rep(keys)
     token, logprob = self._sample(token_keys(key, jnp.zeros_like(row), row), rep(model.logits(last)))
     put = lambda old, new: old.at[flat].set(new, mode="drop")
-    cache = KVCache(k=tuple(c.at[flat, :Pb].set(rep(s), mode="drop") for c, s in zip(cache.k, small.k)),
-                    v=tuple(c.at[flat, :Pb].set(rep(s), mode="drop") for c, s in zip(cache.v, small.v)),
-                    index=cache.index)
+    bs = self.layout.block_size
+    nb = -(-Pb // bs)
+    blocks = self.layout.region_blocks(regions, nb)  # [G, nb]
+
+    def to_blocks(x):  # [G, Pb, KV, D] -> [G, nb, bs, KV, D]
+      x = jnp.pad(x, ((0, 0), (0, nb * bs - Pb), (0, 0), (0, 0)))
+      return x.reshape(G, nb, bs, *x.shape[2:])
+
+    put_blocks = lambda pool, x: pool.at[blocks].set(to_blocks(x).astype(pool.dtype), mode="drop")
+    cache = KVPages(k=tuple(map(put_blocks, cache.k, small.k)), v=tuple(map(put_blocks, cache.v, small.v)))
     stop = self._is_stop(token)
     M = flat.shape[0]
     prompt = jnp.pad(tokens, ((0, 0), (0, Pm - Pb)), constant_values=self.pad_id)
@@ -180,19 +218,54 @@ class SlotPrograms:
         logprobs=put(state.logprobs, jnp.zeros((M, R), jnp.float32).at[:, 0].set(logprob)),
         versions=put(state.versions, jnp.full((M, R), version, jnp.int32)),
         key=put(state.key, key), row=put(state.row, row), prompt=put(state.prompt, rep(prompt)),
-        prompt_len=put(state.prompt_len, rep(lens)))
+        prompt_len=put(state.prompt_len, rep(lens)), region=put(state.region, rep(regions)))
     return cache, state
 
-  def _decode(self, params, cache, state, version, refill_at):
+  def _step(self, model, cache: KVPages, st: SlotState, version, num_entries: int):
+    """One decode step of every running slot: (cache, state, running `[S]`). The step reads the
+    `num_entries` (TB) listed blocks (`paged.live_entries`) and writes each running slot's current
+    token into its response block; idle slots write to the trash block. (A dense `KVCache` of
+    `[S, Pm + R]` per layer, the layout before pages, is taken too: `decode_step_cost` compares.)"""
+    S, R = st.cur.shape[0], self.R
+    slots = jnp.arange(S)
+    running = ~st.done
+    if isinstance(cache, KVCache):  # every row attends over all Pm + R cached positions
+      x, cache = model.hidden_states(st.cur[:, None], st.pos[:, None], cache.replace(index=st.pos))
+    else:
+      write_block, write_offset = self.layout.write_location(st.n_gen, running)
+      row, block, length = paged.live_entries(self.layout, st.region, st.prompt_len, st.n_gen, running,
+                                              num_entries)
+      pages = PagedKVCache(k=cache.k, v=cache.v, write_block=write_block, write_offset=write_offset,
+                           entry_row=row, entry_block=block, entry_len=length)
+      x, pages = model.hidden_states(st.cur[:, None], st.pos[:, None], pages)
+      cache = KVPages(k=pages.k, v=pages.v)
+    token, logprob = self._sample(token_keys(st.key, st.n_gen, st.row), model.logits(x[:, 0]))
+    col = jnp.where(running, st.n_gen, R)  # finished slots write out of range: dropped
+    n_gen = st.n_gen + running
+    stop = running & self._is_stop(token)
+    st = st.replace(
+        cur=jnp.where(running, token, st.cur), pos=st.pos + running, n_gen=n_gen,
+        done=st.done | stop | (n_gen >= R), stopped=st.stopped | stop,
+        tokens=st.tokens.at[slots, col].set(token, mode="drop"),
+        logprobs=st.logprobs.at[slots, col].set(logprob, mode="drop"),
+        versions=st.versions.at[slots, col].set(version, mode="drop"))
+    return cache, st, running
+
+  def decode(self, params, cache, state, version, refill_at, *, num_entries: int):
+    """The jitted `_decode` (cache and state donated), compiled once per entry bucket `num_entries`."""
+    return self._decode_jit(params, cache, state, version, refill_at, int(num_entries))
+
+  def _decode(self, params, cache, state, version, refill_at, num_entries: int):
     """Up to `chunk_steps` decode steps for every running slot, on device.
 
     Exits early when no slot is running or when `refill_at` slots are free (done), so queued
-    prompts get slots without waiting for the chunk's end. Returns (cache, state, `ChunkResult`).
+    prompts get slots without waiting for the chunk's end. `num_entries` (static): the entry bucket
+    of the chunk (`num_entries()`: at least the blocks any of its steps reads). Returns (cache,
+    state, `ChunkResult`).
     """
     self.num_traces += 1
+    self.traced["decode", num_entries] += 1
     model = merge_params(self.graphdef, params)
-    S, R = state.cur.shape[0], self.R
-    slots = jnp.arange(S)
 
     def cond(c):
       i, _, st, _ = c
@@ -200,18 +273,7 @@ class SlotPrograms:
 
     def body(c):
       i, cache, st, useful = c
-      running = ~st.done
-      x, cache = model.hidden_states(st.cur[:, None], st.pos[:, None], cache.replace(index=st.pos))
-      token, logprob = self._sample(token_keys(st.key, st.n_gen, st.row), model.logits(x[:, 0]))
-      col = jnp.where(running, st.n_gen, R)  # finished slots write out of range: dropped
-      n_gen = st.n_gen + running
-      stop = running & self._is_stop(token)
-      st = st.replace(
-          cur=jnp.where(running, token, st.cur), pos=st.pos + running, n_gen=n_gen,
-          done=st.done | stop | (n_gen >= R), stopped=st.stopped | stop,
-          tokens=st.tokens.at[slots, col].set(token, mode="drop"),
-          logprobs=st.logprobs.at[slots, col].set(logprob, mode="drop"),
-          versions=st.versions.at[slots, col].set(version, mode="drop"))
+      cache, st, running = self._step(model, cache, st, version, num_entries)
       return i + 1, cache, st, useful + jnp.sum(running, dtype=jnp.int32)
 
     steps, cache, state, useful = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state, jnp.int32(0)))
@@ -220,15 +282,21 @@ class SlotPrograms:
     return cache, state, result
 
   def _recompute(self, params, cache, state):
-    """A fresh KV cache from every slot's prompt + sampled tokens under `params` (one full prefill).
+    """The running slots' keys/values recomputed under `params`: one dense forward of each slot's
+    prompt[:L] + tokens[:n_gen] (positions 0..), then scattered into the pool.
 
-    Slot s holds prompt[:L] then tokens[:n_gen] at positions 0.. (cur included: the next decode step
-    writes the same keys/values for it again); positions past that hold values never attended.
+    Response entries go to the slot's own blocks (cur included: the next decode step writes it again;
+    entries past n_gen hold values never read). The prompt goes to the group's region, written by
+    the group's lowest running slot only (its samples' prompt keys are the same). Slots not running
+    write nothing: their region may belong to another group by now.
     """
     self.num_traces += 1
+    self.traced["recompute",] += 1
     model = merge_params(self.graphdef, params)
+    lay = self.layout
     S, Pm = state.prompt.shape
-    T = cache.max_len
+    bs, pb, rb = lay.block_size, lay.prompt_blocks, lay.response_blocks
+    T = max(Pm + self.R, pb * bs)
     j = jnp.arange(T)[None, :]
     L = state.prompt_len[:, None]
     resp = jnp.take_along_axis(state.tokens, jnp.clip(j - L, 0, self.R - 1), axis=1)
@@ -236,4 +304,77 @@ class SlotPrograms:
     seq = jnp.where(j < L, prompt, resp)
     fresh = KVCache.init(self.config, S, T)
     _, fresh = model.hidden_states(seq, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (S, T)), fresh)
-    return fresh.replace(index=cache.index)
+
+    slots = jnp.arange(S, dtype=jnp.int32)
+    running = ~state.done
+    region = jnp.where(running, state.region, S)  # not running: no region
+    first = jax.ops.segment_min(jnp.where(running, slots, S), region, num_segments=S)  # [regions]
+    writer = running & (jnp.take(first, jnp.minimum(region, S - 1)) == slots)
+    prompt_dst = lay.region_blocks(jnp.where(writer, region, S), pb)  # [S, pb]
+    resp_dst = lay.response_block_ids(jnp.where(running, slots, S))  # [S, rb]
+    resp_at = jnp.clip(L + jnp.arange(rb * bs)[None, :], 0, T - 1)  # [S, rb * bs]: response entry -> position
+
+    def scatter(pool, x):  # x [S, T, KV, D]
+      p = x[:, :pb * bs].reshape(S, pb, bs, *x.shape[2:])
+      r = jnp.take_along_axis(x, resp_at[:, :, None, None], axis=1).reshape(S, rb, bs, *x.shape[2:])
+      pool = pool.at[prompt_dst].set(p.astype(pool.dtype), mode="drop")
+      return pool.at[resp_dst].set(r.astype(pool.dtype), mode="drop")
+
+    return KVPages(k=tuple(map(scatter, cache.k, fresh.k)), v=tuple(map(scatter, cache.v, fresh.v)))
+
+  # -- cost of one decode step (bench_generate --bytes, tests) ----------------------------------------
+
+  def decode_step_cost(self, prompt_lens, n_gen, *, layout: str = "paged") -> dict[str, float]:
+    """XLA's cost analysis of ONE decode step, lowered and compiled from abstract shapes (nothing
+    allocated), next to the ideal bytes (`paged.ideal_step_bytes`: weights + live KV).
+
+    prompt_lens, n_gen `[S]` (host ints): every slot running with this prompt length and n_gen
+    response tokens sampled; the step attends to L + n_gen positions (its live length).
+    layout: 'paged' (this engine: the step reads the entry bucket of the live blocks) or 'dense'
+    (the layout before pages: a `[S, Pm + R]` cache per layer, attention over all of it).
+    Returns {'bytes', 'xla_bytes', 'gather_overcount', 'ideal', 'weights', 'kv', 'ratio',
+    'num_entries'}: 'xla_bytes' is XLA's 'bytes accessed' on this backend as is; 'bytes' charges each
+    fused gather the bytes it gathers instead of its whole operand (`paged.fused_gather_overcount`:
+    the CPU's generic analysis charges the whole KV pool, and the embedding table, per gather);
+    'ratio' = bytes / ideal.
+    """
+    prompt_lens, n_gen = np.asarray(prompt_lens, np.int64), np.asarray(n_gen, np.int64)
+    S, R, Pm = self.num_slots, self.R, self.max_prompt_len
+    if prompt_lens.shape != (S,) or n_gen.shape != (S,):
+      raise ValueError(f"prompt_lens and n_gen must have one entry per slot ({S}), got {prompt_lens.shape}, "
+                       f"{n_gen.shape}")
+    if prompt_lens.min() < 1 or prompt_lens.max() > Pm or n_gen.min() < 1 or n_gen.max() > R - 1:
+      raise ValueError(f"need 1 <= prompt_lens <= {Pm} and 1 <= n_gen <= R - 1 = {R - 1}")
+    _, shapes = split_params(abstract_model(self.config))
+    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    params = jax.tree.map(sds, shapes)
+    state = jax.tree.map(sds, jax.eval_shape(lambda: self.empty_state()))
+    repl = parallel.replicated(self._mesh)
+    num_entries = 0
+    if layout == "paged":
+      bs = self.layout.block_size
+      num_entries = paged.entry_bucket(int(np.sum(-(-prompt_lens // bs) + -(-n_gen // bs))), self.entry_buckets)
+      cache = jax.eval_shape(lambda: self.layout.empty_pages(self.config))
+      cache_sharding = self.cache_sharding
+    elif layout == "dense":
+      cache = jax.eval_shape(lambda: KVCache.init(self.config, S, Pm + R).replace(index=jnp.zeros((S,), jnp.int32)))
+      cs = self._dense_cache_sharding
+      cache_sharding = KVCache(k=(cs,) * self.config.num_layers, v=(cs,) * self.config.num_layers,
+                               index=self.state_sharding.n_gen)
+    else:
+      raise ValueError(f"layout must be 'paged' or 'dense', got {layout!r}")
+
+    def step(params, cache, state, version):
+      return self._step(merge_params(self.graphdef, params), cache, state, version, num_entries)[:2]
+
+    compiled = jax.jit(step, donate_argnums=(1, 2),
+                       in_shardings=(self._param_shardings, cache_sharding, self.state_sharding, repl),
+                       out_shardings=(cache_sharding, self.state_sharding)).lower(
+                           params, cache, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+    cost = compiled.cost_analysis()
+    xla_bytes = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["bytes accessed"])
+    over = float(paged.fused_gather_overcount(compiled.as_text()))
+    ideal = paged.ideal_step_bytes(self.config, prompt_lens + n_gen)
+    return {"bytes": xla_bytes - over, "xla_bytes": xla_bytes, "gather_overcount": over, "ideal": ideal["total"],
+            "weights": ideal["weights"], "kv": ideal["kv"], "ratio": (xla_bytes - over) / ideal["total"],
+            "num_entries": num_entries}

@@ -24,7 +24,9 @@ is shared by all rows (the static sampler: shorter prompts are left-padded and t
 `attention_mask` marks the padded slots invalid). An `index` of shape `[batch]` gives every row its
 own write slot (the slot engine: each row is an independent sequence at its own length; the causal
 mask then follows each row's index). RoPE uses each token's own `positions`, so a left-padded prompt
-produces the same continuation as the same prompt alone.
+produces the same continuation as the same prompt alone. A `PagedKVCache` (`paged_attention.py`:
+per-layer pools of fixed-size blocks plus one step's write locations and list of live blocks) takes
+one token per row: the decode step of the slot engine, reading only each row's live blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from llamarl_jax.model.paged_attention import PagedKVCache, PagedLayer, paged_decode_attention, write_token
 
 Array = jax.Array
 
@@ -276,7 +280,9 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim")
 
   def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla"):
-    """x `[B, T, E]`; mask `[B, T, S]` bool; layer_cache None or (k, v, index).
+    """x `[B, T, E]`; mask `[B, T, S]` bool; layer_cache None, (k, v, index), or a `PagedLayer`
+    (one token per row, mask unused: the new key/value is written to its page and attention reads
+    the listed live blocks, `paged_decode_attention`).
 
     With `lengths` `[B]` (and mask None, no cache) the rows are right-padded sequences from position
     0: causal attention with per-row lengths by `jax.nn.dot_product_attention(implementation=...)`,
@@ -293,6 +299,13 @@ class Attention(nnx.Module):
     scale = rope_attention_factor(c)
     q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
     new_cache = None
+    if isinstance(layer_cache, PagedLayer):  # the slot engine's decode step over pages
+      pc = layer_cache
+      ck = write_token(pc.k, k[:, 0], pc.write_block, pc.write_offset)
+      cv = write_token(pc.v, v[:, 0], pc.write_block, pc.write_offset)
+      out = paged_decode_attention(q, ck, cv, pc.entry_row, pc.entry_block, pc.entry_len)
+      B, T, H, D = out.shape
+      return out.reshape(B, T, H * D) @ self.wo[...].astype(dt).reshape(H * D, -1), (ck, cv)
     if layer_cache is not None:
       ck, cv, index = layer_cache
       if index.ndim == 0:  # one write slot shared by every row
@@ -364,6 +377,8 @@ class Llama(nnx.Module):
     c = self.config
     dt = jnp.dtype(c.dtype)
     B, T = tokens.shape
+    if isinstance(cache, PagedKVCache):
+      return self._paged_hidden_states(tokens, positions, cache)
     offset = 0 if cache is None else cache.index
     if cache is not None and cache.index.ndim == 1:  # a write slot per row: offsets [B, 1]
       offset = cache.index[:, None]
@@ -397,6 +412,23 @@ class Llama(nnx.Module):
     if cache is not None:
       new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), index=cache.index + T)
     return x, new_cache
+
+  def _paged_hidden_states(self, tokens, positions, cache: PagedKVCache):
+    """One decode step over a paged cache: tokens, positions `[B, 1]` (positions required: a row's
+    RoPE position is not implied by where its pages are). Returns `[B, 1, E]` and the cache with the
+    new keys/values written."""
+    if tokens.shape[1] != 1 or positions is None:
+      raise ValueError(f"a paged cache takes one token per row with explicit positions; got tokens "
+                       f"{tokens.shape}, positions {None if positions is None else positions.shape}")
+    dt = jnp.dtype(self.config.dtype)
+    inv_freq = rope_frequencies(self.config)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+    new_k, new_v = [], []
+    for i, block in enumerate(self.layers):
+      x, (k, v) = block(x, positions, inv_freq, None, cache.layer(i))
+      new_k.append(k)
+      new_v.append(v)
+    return self.final_norm(x), cache.replace(k=tuple(new_k), v=tuple(new_v))
 
   def logits(self, x: Array) -> Array:
     """Project hidden states `[..., E]` to fp32 logits `[..., vocab]`."""

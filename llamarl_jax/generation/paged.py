@@ -1,0 +1,265 @@
+"""The slot engine's paged KV layout: which pool block holds what, and each decode step's live blocks.
+
+Pool (per layer, `KVPages`): k, v `[NB, bs, KV, D]`, blocks of bs = `block_size` positions:
+
+  blocks [0, S * pb)            prompt regions: region g = blocks [g * pb, (g + 1) * pb), pb = ceil(Pm / bs).
+                                A group (the n samples of one prompt) owns one region: its prompt is
+                                prefilled once and its n slots read the same blocks (prefix sharing).
+  blocks [S * pb, S * (pb + rb))  response blocks: slot s owns [S * pb + s * rb, S * pb + (s + 1) * rb),
+                                rb = ceil((R - 1) / bs): response token j (j < R - 1; the last
+                                token is never attended) is at block j // bs, offset j % bs.
+  block NB - 1                  trash: idle slots write there and padding entries point there.
+
+S = num_slots regions always suffice: a region is freed when the last sample of its group is
+harvested, so live groups <= busy slots <= S. Keys are stored after RoPE, so a response starts at
+its own block boundary whatever the prompt length (no copy of a partial prompt block).
+
+A decode step of slot s (running, n_gen = m: response tokens 0..m-1 sampled, token m-1 not yet in
+the cache) writes token m-1 at response entry m-1 and attends to its prompt's L positions and
+response entries 0..m-1: ceil(L / bs) + ceil(m / bs) blocks. `live_entries` lists those blocks of
+every running slot as a flat `[TB]` list (`paged_attention.paged_decode_attention`'s input); TB is a
+static bucket (`entry_buckets`) the host picks per decode chunk from an upper bound it computes
+without reading the device (`live_blocks_bound`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llamarl_jax.model.llama import ModelConfig
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class KVPages:
+  """The slot engine's KV pool: per layer k, v `[NB, bs, KV, D]` (see the module docstring)."""
+
+  k: tuple[Array, ...]
+  v: tuple[Array, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+  """Block arithmetic of the pool for `num_slots` slots, prompts up to `max_prompt_len` (Pm) and
+  `max_new_tokens` (R) response tokens, `block_size` (bs) positions per block."""
+
+  num_slots: int
+  max_prompt_len: int
+  max_new_tokens: int
+  block_size: int = 16
+
+  def __post_init__(self):
+    if self.block_size < 1:
+      raise ValueError(f"kv_block_size must be >= 1, got {self.block_size}")
+
+  @property
+  def prompt_blocks(self) -> int:
+    """pb: blocks of one prompt region."""
+    return -(-self.max_prompt_len // self.block_size)
+
+  @property
+  def response_blocks(self) -> int:
+    """rb: blocks of one slot's response (tokens 0..R-2 are ever written; at least one block)."""
+    return max(1, -(-(self.max_new_tokens - 1) // self.block_size))
+
+  @property
+  def response_base(self) -> int:
+    return self.num_slots * self.prompt_blocks
+
+  @property
+  def trash(self) -> int:
+    return self.response_base + self.num_slots * self.response_blocks
+
+  @property
+  def num_blocks(self) -> int:
+    """NB: prompt regions + response blocks + the trash block."""
+    return self.trash + 1
+
+  @property
+  def max_entries(self) -> int:
+    """The most blocks one decode step can read (every slot at its longest prompt and response)."""
+    return self.num_slots * (self.prompt_blocks + self.response_blocks)
+
+  def empty_pages(self, config: ModelConfig, dtype=None) -> KVPages:
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return KVPages(k=zeros(), v=zeros())
+
+  def region_blocks(self, region: Array, count: int) -> Array:
+    """Physical blocks `[..., count]` of the first `count` blocks of prompt regions `region [...]`;
+    regions out of range (>= num_slots: padding) map to NB (dropped by a scatter with mode='drop')."""
+    j = jnp.arange(count, dtype=jnp.int32)
+    blocks = region[..., None] * self.prompt_blocks + j
+    return jnp.where(region[..., None] < self.num_slots, blocks, self.num_blocks)
+
+  def response_block_ids(self, slot: Array) -> Array:
+    """Physical blocks `[..., rb]` of slots `slot [...]` (out of range -> NB, dropped by scatters)."""
+    j = jnp.arange(self.response_blocks, dtype=jnp.int32)
+    blocks = self.response_base + slot[..., None] * self.response_blocks + j
+    return jnp.where((slot[..., None] >= 0) & (slot[..., None] < self.num_slots), blocks, self.num_blocks)
+
+  def write_location(self, n_gen: Array, running: Array) -> tuple[Array, Array]:
+    """(block, offset) `[S]` where each slot's decode step writes its current token (response entry
+    n_gen - 1); slots not running write to the trash block."""
+    S = n_gen.shape[0]
+    j = jnp.maximum(n_gen - 1, 0)
+    block = self.response_base + jnp.arange(S, dtype=jnp.int32) * self.response_blocks + j // self.block_size
+    return (jnp.where(running, block, self.trash).astype(jnp.int32),
+            jnp.where(running, j % self.block_size, 0).astype(jnp.int32))
+
+
+def live_entries(layout: PageLayout, region: Array, prompt_len: Array, n_gen: Array, running: Array,
+                 num_entries: int) -> tuple[Array, Array, Array]:
+  """The flat list of blocks a decode step reads: (entry_row, entry_block, entry_len), int32 `[TB]`.
+
+  region, prompt_len, n_gen `[S]` int32, running `[S]` bool; TB = `num_entries` (static) must be >=
+  the live blocks (the host's `live_blocks_bound` guarantees it; blocks past TB would be silently
+  unread). Slot s contributes ceil(L_s / bs) prompt blocks (its group's region, shared with the
+  group's other slots) then ceil(n_gen_s / bs) response blocks, in slot order; entries past the
+  total are padding: row S (out of range), the trash block, length 0.
+  """
+  bs, S = layout.block_size, region.shape[0]
+  prompt_blocks = jnp.where(running, -(-prompt_len // bs), 0)
+  resp_blocks = jnp.where(running, -(-n_gen // bs), 0)
+  ends = jnp.cumsum(prompt_blocks + resp_blocks)  # [S] inclusive
+  e = jnp.arange(num_entries, dtype=jnp.int32)
+  row = jnp.sum(ends[None, :] <= e[:, None], axis=1, dtype=jnp.int32)  # the slot of entry e; S past the end
+  r = jnp.minimum(row, S - 1)
+  j = e - (ends[r] - prompt_blocks[r] - resp_blocks[r])  # block index within the slot's list
+  in_prompt = j < prompt_blocks[r]
+  jr = j - prompt_blocks[r]
+  block = jnp.where(in_prompt, region[r] * layout.prompt_blocks + j,
+                    layout.response_base + r * layout.response_blocks + jr)
+  length = jnp.where(in_prompt, prompt_len[r] - j * bs, n_gen[r] - jr * bs)
+  live = row < S
+  return (row, jnp.where(live, block, layout.trash).astype(jnp.int32),
+          jnp.where(live, jnp.clip(length, 0, bs), 0).astype(jnp.int32))
+
+
+def live_blocks_bound(layout: PageLayout, prompt_lens: np.ndarray, steps_dispatched: np.ndarray,
+                      chunk_steps: int) -> int:
+  """An upper bound (host numpy, no device read) on the blocks any step of the next decode chunk reads.
+
+  prompt_lens, steps_dispatched `[busy]`: each busy slot's prompt length and the decode steps
+  dispatched since its insert (chunks x chunk_steps, whether or not they ran them all). A slot
+  inserted with n_gen = 1 has n_gen <= 1 + steps_dispatched when the chunk starts, and its steps in
+  the chunk read at most min(R - 1, steps_dispatched + chunk_steps) response entries.
+  """
+  bs, R = layout.block_size, layout.max_new_tokens
+  resp = np.minimum(R - 1, np.asarray(steps_dispatched, np.int64) + chunk_steps)
+  return int(np.sum(-(-np.asarray(prompt_lens, np.int64) // bs) + -(-resp // bs)))
+
+
+def entry_buckets(max_entries: int, step: int = 8) -> tuple[int, ...]:
+  """The TB values decode programs are compiled for: multiples of `step`, each at most 25% (and at
+  least `step`) above the previous, from `step` up to the first one >= max_entries. A chunk reads
+  at most 25% padding blocks beyond its bound (or `step` blocks): KV bytes only, a few percent of a
+  step whose weights dominate; the number of programs (each a compilation of the whole decode
+  chunk, tens of seconds for a 1B model on a GPU) is logarithmic in the pool: 8 up to 64 entries,
+  then about 3.1 per doubling; 31 for Llama-3.2-1B shapes at 64 slots of 128 + 1920 positions (8,192
+  blocks of 16), where 12.5% steps made 53."""
+  out = [step]
+  while out[-1] < max_entries:
+    b = out[-1]
+    out.append(max(b + step, (b * 5 // 4) // step * step))
+  return tuple(out)
+
+
+def entry_bucket(needed: int, buckets: tuple[int, ...]) -> int:
+  """The smallest bucket >= needed (the largest bucket holds every slot at full length)."""
+  for b in buckets:
+    if b >= needed:
+      return b
+  return buckets[-1]
+
+
+def ideal_step_bytes(config: ModelConfig, live_lengths, dtype=None) -> dict[str, float]:
+  """Bytes one decode step must move at least: every weight read once (all matmul weights and the
+  lm_head; the embedding table is only gathered: one row per token, not counted) plus each row's
+  live keys and values (live positions x layers x 2 x KV x D). Returns {'weights', 'kv', 'total'}."""
+  itemsize = jnp.dtype(dtype or config.dtype).itemsize
+  c = config
+  weights = (c.num_params() - c.vocab_size * c.hidden_size) * itemsize
+  if c.tie_word_embeddings:  # the tied table is read whole as the lm_head
+    weights += c.vocab_size * c.hidden_size * itemsize
+  live = float(np.sum(np.asarray(live_lengths, np.int64)))
+  kv = live * c.num_layers * 2 * c.num_kv_heads * c.head_dim * itemsize
+  return {"weights": float(weights), "kv": kv, "total": float(weights + kv)}
+
+
+def kv_bytes_per_position(config: ModelConfig, dtype=None) -> int:
+  """Bytes of one position's keys and values over all layers."""
+  return config.num_layers * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(dtype or config.dtype).itemsize
+
+
+
+
+# -- what XLA's cost analysis charges a fused gather ---------------------------------------------------
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_SHAPE = re.compile(r"^([a-z]+[0-9]*)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+) = (\S+) ([a-z][a-z0-9-]*)\(([^)]*)\)(.*)$")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([^\s(]+) ")
+
+
+def _array_bytes(shape: str) -> int:
+  m = _SHAPE.match(shape)
+  if not m or m.group(1) not in _DTYPE_BYTES:
+    return 0
+  return _DTYPE_BYTES[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",") if d] or [1]))
+
+
+def fused_gather_overcount(hlo_text: str) -> int:
+  """Bytes XLA's generic `HloCostAnalysis` (the CPU backend's) charges for fused gathers beyond what
+  they read, in a compiled module's text (`compiled.as_text()`).
+
+  A gather reads its output's worth of its operand (`HloCostAnalysis::HandleGather` counts exactly
+  that for an unfused gather, and the GPU's analysis scales a fused operand by its utilization), but
+  the generic analysis charges a fusion parameter consumed only by gathers its whole size
+  (`FusionParameterReadBytes` special-cases slices and dynamic slices, not gathers), and the CPU
+  wraps every gather into a loop fusion. For the paged decode step that charge is the whole KV pool
+  per layer for k and v, i.e. the cache maximum the pages exist to avoid reading. Returns the sum,
+  over loop fusions whose parameter feeds only gathers (as their operand), of parameter bytes minus
+  the gathers' output bytes.
+  """
+  comps: dict[str, dict[str, tuple[str, str, list[str]]]] = {}
+  fusions: list[tuple[list[str], str]] = []  # (operands, called computation) of loop fusions
+  current = None
+  for line in hlo_text.splitlines():
+    if current is None:
+      m = _HEADER.match(line)
+      if m and line.rstrip().endswith("{"):
+        current = comps.setdefault(m.group(1), {})
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, shape, opcode, operands, rest = m.groups()
+    ops = [o.strip().lstrip("%") for o in operands.split(",") if o.strip().startswith("%")]
+    current[name] = (shape, opcode, ops + ([operands.strip()] if opcode == "parameter" else []))
+    if opcode == "fusion" and "kind=kLoop" in rest:
+      called = re.search(r"calls=%([^\s,]+)", rest)
+      if called:
+        fusions.append((ops, called.group(1)))
+  over = 0
+  for _, called in fusions:
+    body = comps.get(called, {})
+    for pname, (pshape, opcode, _) in body.items():
+      if opcode != "parameter":
+        continue
+      users = [(shape, op, ops) for shape, op, ops in body.values() if op != "parameter" and pname in ops]
+      if users and all(op == "gather" and ops[0] == pname and pname not in ops[1:] for _, op, ops in users):
+        over += _array_bytes(pshape) - sum(_array_bytes(shape) for shape, _, _ in users)
+  return max(over, 0)

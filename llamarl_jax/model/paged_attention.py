@@ -1,0 +1,180 @@
+"""Decode attention over a paged KV cache: each row reads only its live blocks.
+
+The pool (per layer) holds `k`, `v` of shape `[NB, bs, KV, D]`: NB blocks of `bs` positions. Keys
+are stored after RoPE, so where a block sits in the pool says nothing about the positions it holds:
+a row's sequence is any list of blocks, each filled from its start (a prefix of `bs` positions).
+Several rows may list the same block (the n samples of one prompt share its prompt blocks).
+
+One decode step is described by a flat list of TB entries (TB static; entries past the live ones
+are padding):
+
+  entry_row    int32 [TB]  the query row (batch index) the block is attended by; >= B for padding
+  entry_block  int32 [TB]  the physical block (padding entries point at any valid block, e.g. a trash block)
+  entry_len    int32 [TB]  valid positions in the block (a prefix of it); 0 for padding
+
+The order of the entries is free (a row's entries need not be contiguous). The gathered bytes are
+TB x bs x KV x D per layer for k and v: they follow each row's live length, rounded up to blocks,
+not the longest row and not the pool's size.
+
+Attention per entry, then a merge per row (flash-decoding's split-K with a shared row maximum):
+  scores s[e, t, h] = q[row_e, h] . k[block_e, t, kv(h)] / sqrt(D)        (fp32, t < entry_len[e])
+  M[r, h]  = max over the row's entries and positions (segment_max: exact, order-free)
+  p[e, t, h] = exp(s - M[row_e, h]);  l[e, h] = sum_t p;  o[e, h] = sum_t p v[block_e, t]
+  out[r, h] = sum_{e of r} o[e, h] / sum_{e of r} l[e, h]   (one-hot [B, TB] matmuls in fp32)
+The probabilities are the dense softmax's exp(s - max) exactly; only the summation order of the
+normaliser and the weighted values differs (fp32 rounding, ~1e-7 relative). The per-row sums are
+matmuls with a 0/1 matrix rather than a scatter-add: deterministic on every backend (no atomics).
+A row with no entries (idle) gets zeros.
+
+Two ways to form the per-entry products (`implementation`), the same math:
+  'reduce'  multiply-reduce over the gathered blocks: a GPU's XLA fuses each gather into the reduction
+            that consumes it, so every live block is read once and nothing block-sized is written.
+  'dot'     batched matmuls over the gathered blocks: the CPU's XLA materialises a gather whatever
+            consumes it, and a multiply-reduce there also materialises the products, G = H / KV
+            times the blocks; as matmuls it writes and reads each gathered block once more instead.
+  'auto'    'reduce' on accelerators, 'dot' on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+class PagedLayer(NamedTuple):
+  """One layer's view of a `PagedKVCache` (what `Attention` receives): pools and this step's plan."""
+
+  k: Array             # [NB, bs, KV, D]
+  v: Array             # [NB, bs, KV, D]
+  write_block: Array   # int32 [B]
+  write_offset: Array  # int32 [B]
+  entry_row: Array     # int32 [TB]
+  entry_block: Array   # int32 [TB]
+  entry_len: Array     # int32 [TB]
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  """A paged KV cache plus the plan of one decode step (one new token per row).
+
+  k, v          per layer `[NB, bs, KV, D]` in the compute dtype (keys after RoPE)
+  write_block   int32 [B]   block the row's new token's key/value is written to
+  write_offset  int32 [B]   its position within that block (rows that must not write point at a
+                            block nobody reads, e.g. a trash block)
+  entry_row, entry_block, entry_len   int32 [TB]   the blocks each row attends to (see the module
+                            docstring); they must include the block and position just written.
+  """
+
+  k: tuple[Array, ...]
+  v: tuple[Array, ...]
+  write_block: Array
+  write_offset: Array
+  entry_row: Array
+  entry_block: Array
+  entry_len: Array
+
+  def layer(self, i: int) -> PagedLayer:
+    return PagedLayer(self.k[i], self.v[i], self.write_block, self.write_offset, self.entry_row,
+                      self.entry_block, self.entry_len)
+
+  @property
+  def block_size(self) -> int:
+    return self.k[0].shape[1]
+
+
+def write_token(pool: Array, new: Array, block: Array, offset: Array) -> Array:
+  """The pool `[NB, bs, KV, D]` with row b's `new [B, KV, D]` written at (block[b], offset[b]).
+
+  A scatter of B positions (in place when the pool is donated). Rows sharing a target (e.g. the
+  trash block of idle rows) write in an unspecified order: point only rows nobody reads there.
+  """
+  return pool.at[block, offset].set(new.astype(pool.dtype), mode="promise_in_bounds")
+
+
+PAGED_IMPLEMENTATIONS = ("auto", "reduce", "dot")
+
+
+def resolve_paged_implementation(implementation: str = "auto", platform: str | None = None) -> str:
+  """'reduce' or 'dot' (see the module docstring); 'auto' is 'dot' on the CPU, 'reduce' elsewhere."""
+  if implementation not in PAGED_IMPLEMENTATIONS:
+    raise ValueError(f"paged attention implementation must be one of {PAGED_IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation == "auto":
+    return "dot" if (platform or jax.default_backend()) == "cpu" else "reduce"
+  return implementation
+
+
+def paged_decode_attention(q: Array, k_pool: Array, v_pool: Array, entry_row: Array, entry_block: Array,
+                           entry_len: Array, implementation: str = "auto") -> Array:
+  """Attention of one query per row over the row's listed blocks (see the module docstring).
+
+  q `[B, 1, H, D]`; k_pool, v_pool `[NB, bs, KV, D]`; entry_* int32 `[TB]`. Returns `[B, 1, H, D]`
+  in q's dtype; scores, softmax and sums in fp32. implementation: 'auto', 'reduce' or 'dot'.
+  """
+  B, _, H, D = q.shape
+  _, bs, KV, _ = k_pool.shape
+  G = H // KV
+  f32 = jnp.float32
+  hi = jax.lax.Precision.HIGHEST  # fp32 products and sums (no TF32 on a GPU)
+  dot = resolve_paged_implementation(implementation) == "dot"
+  qe = jnp.take(q.reshape(B, KV, G, D), entry_row, axis=0, mode="clip")  # [TB, KV, G, D]
+  qe = qe.astype(f32) * (1.0 / math.sqrt(D))
+  kb = jnp.take(k_pool, entry_block, axis=0, mode="clip")  # [TB, bs, KV, D]
+  vb = jnp.take(v_pool, entry_block, axis=0, mode="clip")  # [TB, bs, KV, D]
+  if dot:
+    scores = jnp.einsum("tkgd,tbkd->tbkg", qe, kb.astype(f32), precision=hi)  # [TB, bs, KV, G]
+  else:
+    scores = jnp.sum(qe[:, None] * kb[:, :, :, None, :].astype(f32), axis=-1)  # [TB, bs, KV, G]
+  valid = (jnp.arange(bs)[None, :] < entry_len[:, None])[:, :, None, None]  # [TB, bs, 1, 1]
+  scores = jnp.where(valid, scores, -jnp.inf)
+  row_max = jax.ops.segment_max(jnp.max(scores, axis=1), entry_row, num_segments=B)  # [B, KV, G]
+  m = jnp.take(row_max, entry_row, axis=0, mode="clip")[:, None]  # [TB, 1, KV, G]
+  p = jnp.where(valid, jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)  # padding / idle: 0
+  if dot:  # stale positions past entry_len are finite (the pool holds only model outputs and zeros)
+    o = jnp.einsum("tbkg,tbkd->tkgd", p, vb.astype(f32), precision=hi)  # [TB, KV, G, D]
+  else:
+    o = jnp.sum(jnp.where(valid[..., None], p[..., None] * vb[:, :, :, None, :].astype(f32), 0.0), axis=1)
+  l = jnp.sum(p, axis=1)  # [TB, KV, G]
+  onehot = (entry_row[None, :] == jnp.arange(B, dtype=entry_row.dtype)[:, None]).astype(f32)  # [B, TB]
+  TB = entry_row.shape[0]
+  num = jnp.dot(onehot, o.reshape(TB, H * D), precision=hi).reshape(B, H, D)
+  den = jnp.dot(onehot, l.reshape(TB, H), precision=hi)[..., None]  # [B, H, 1]
+  out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+  return out.reshape(B, 1, H, D).astype(q.dtype)
+
+
+def paged_attention_reference(q: Array, k_pool: Array, v_pool: Array, entry_row: Array, entry_block: Array,
+                              entry_len: Array) -> Array:
+  """The same attention the dense way (tests): each row's listed positions copied into a dense
+  `[B, TB * bs, KV, D]` sequence, then a plain masked softmax in fp32. Shapes as
+  `paged_decode_attention`; rows with no entries give zeros."""
+  B, _, H, D = q.shape
+  TB = entry_row.shape[0]
+  _, bs, KV, _ = k_pool.shape
+  G = H // KV
+  t = jnp.arange(bs)
+  valid = (t[None, :] < entry_len[:, None]) & (entry_row[:, None] < B)  # [TB, bs]
+  # each valid position's place in its row's dense sequence: entries in list order, then t
+  flat_row = jnp.broadcast_to(entry_row[:, None], (TB, bs)).reshape(-1)
+  flat_valid = valid.reshape(-1)
+  onehot = (flat_row[:, None] == jnp.arange(B)[None, :]) & flat_valid[:, None]  # [TB*bs, B]
+  place = jnp.cumsum(onehot, axis=0) - 1  # running count within each row
+  slot = jnp.where(flat_valid, jnp.take_along_axis(place, jnp.minimum(flat_row, B - 1)[:, None], 1)[:, 0], TB * bs)
+  keys = k_pool[entry_block].reshape(TB * bs, KV, D).astype(jnp.float32)
+  vals = v_pool[entry_block].reshape(TB * bs, KV, D).astype(jnp.float32)
+  dense_k = jnp.zeros((B, TB * bs, KV, D), jnp.float32).at[flat_row, slot].set(keys, mode="drop")
+  dense_v = jnp.zeros((B, TB * bs, KV, D), jnp.float32).at[flat_row, slot].set(vals, mode="drop")
+  lengths = jnp.sum(onehot, axis=0)  # [B]
+  mask = jnp.arange(TB * bs)[None, :] < lengths[:, None]  # [B, TB*bs]
+  qg = q.reshape(B, KV, G, D).astype(jnp.float32) / math.sqrt(D)
+  scores = jnp.einsum("bkgd,bskd->bkgs", qg, dense_k, precision=jax.lax.Precision.HIGHEST)
+  scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  probs = jnp.where(lengths[:, None, None, None] > 0, probs, 0.0)
+  out = jnp.einsum("bkgs,bskd->bkgd", probs, dense_v, precision=jax.lax.Precision.HIGHEST)
+  return out.reshape(B, 1, H, D).astype(q.dtype)
