@@ -5,7 +5,7 @@ CPU devices per process, a hard `timeout_s` after which the launcher kills the w
 cross-process weight push and batch transfer over JAX's CPU transfer sockets.
 
 The equality tests compare per-step metrics (all but timings: `schedule_metrics`) of 1, 2 and 4
-processes running the same tiny config, bit for bit: the 'fixed' version schedule makes each step a
+processes running the same tiny config from the same warm start (rewards not all 0), bit for bit: the 'fixed' version schedule makes each step a
 pure function of (config, seed); the meshes have the same shapes in every layout (trainer fsdp2 x tp2,
 generator dp2 x tp2), so XLA runs the same programs; every cross-device reduction has 2 participants
 (a + b is exact whichever process adds), and fp32 throughout.
@@ -29,6 +29,7 @@ import pytest
 from llamarl_jax.controller import schedule_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # every test starts 2-4 fresh JAX interpreters (`make test-quick` skips them)
 TINY = [
     "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
     "run_experiment.sft = False", "run_experiment.eval_size = 0", "run_experiment.export = False",
@@ -37,6 +38,12 @@ TINY = [
     "RewardConfig.workers = 1", "TrainConfig.checkpoint_every = 0",
     "MeshConfig.trainer_tp = 2", "MeshConfig.generator_tp = 2",  # 8 devices: trainer fsdp2 x tp2, generator dp2 x tp2
 ]
+
+
+# A warm start (a short supervised run on the task, on the trainer mesh) so that rewards, advantages,
+# losses and ratios are not all 0: the equality tests then compare a run that learns, every metric
+# but timings. 200 steps of the 2-layer model give a reward of 0.125 at step 3 (measured).
+WARM = ["--gin_param=run_experiment.sft = True", "--gin_param=supervised_warmstart.steps = 200"]
 
 
 def _script(name):
@@ -113,13 +120,16 @@ def one_process_run(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("one") / "run"
   gin.clear_config()
   try:
-    _script("train").main(_args(run_dir, 5))
+    _script("train").main(_args(run_dir, 5, *WARM))
   finally:
     gin.clear_config()
-  return _steps(run_dir)
+  steps = _steps(run_dir)
+  assert any(m["reward/mean"] > 0 for m in steps[:3]), [m["reward/mean"] for m in steps]  # compared: not all 0
+  return steps
 
 
 @pytest.mark.devices(8)
+@pytest.mark.timeout(900)  # the warm start and 2-4 interpreters on 2 cores; the launcher's own hard limit is 420 s
 def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
   """1 trainer process (fsdp2 x tp2) + 1 generator process (dp2 x tp2), launched as a user types it.
   With held-out evaluations (greedy + sampled) before RL, at step 2 and after step 3: across processes
@@ -127,9 +137,9 @@ def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
   does not evaluate)."""
   evals = [f"--gin_param={b}" for b in ("run_experiment.eval_size = 4", "run_experiment.eval_every = 2",
                                         "run_experiment.eval_samples = 2")]
-  cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--num_processes", "2", "--timeout_s", "240",
-         "--heartbeat_timeout_s", "5", "--", *_args(tmp_path / "run", 3), *evals]
-  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--num_processes", "2", "--timeout_s", "420",
+         "--heartbeat_timeout_s", "5", "--", *_args(tmp_path / "run", 3, *WARM), *evals]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
   assert done.returncode == 0, done.stdout + done.stderr
   assert "[rank 0] [llamarl] process 0/2 role=trainer" in done.stdout and "process 1/2 role=generator" in done.stdout
   steps = _steps(tmp_path / "run")
@@ -145,9 +155,10 @@ def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
 
 
 @pytest.mark.devices(8)
+@pytest.mark.timeout(900)  # the warm start and 2-4 interpreters on 2 cores; the launcher's own hard limit is 420 s
 def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):
   """Trainer FSDP over processes 0-1 (tp inside each), generator data-parallel over processes 2-3."""
-  status, out = _launch(4, _args(tmp_path / "run", 3), timeout_s=240)
+  status, out = _launch(4, _args(tmp_path / "run", 3, *WARM), timeout_s=420)
   assert status == 0, out
   assert "roles: 0=trainer, 1=trainer, 2=generator, 3=generator" in out
   steps = _steps(tmp_path / "run")
@@ -157,6 +168,7 @@ def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):
 
 
 @pytest.mark.devices(8)
+@pytest.mark.timeout(900)  # the warm start and 2-4 interpreters on 2 cores; the launcher's own hard limit is 420 s
 def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process_run, tmp_path, monkeypatch):
   """Kill the generator process after the step-2 checkpoint: the trainer exits non-zero within
   seconds naming it; the last checkpoint is intact, and --resume finishes the run from it with the
@@ -165,20 +177,20 @@ def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process
   run_dir = tmp_path / "run"
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))  # shared by the two jobs
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  args = _args(run_dir, 5, "--gin_param=TrainConfig.checkpoint_every = 1",
+  args = _args(run_dir, 5, *WARM, "--gin_param=TrainConfig.checkpoint_every = 1",
                "--gin_param=GeneratorConfig.delay_s = 0.5")  # steps slow enough to kill mid-run
   killed = {}
 
   def kill_after_checkpoint(procs):
     def watch():
-      deadline = time.monotonic() + 200
+      deadline = time.monotonic() + 380
       while time.monotonic() < deadline and not (run_dir / "checkpoints" / "2" / "MANIFEST.json").exists():
         time.sleep(0.1)
       killed["at"] = time.monotonic()
       os.kill(procs[1].pid, signal.SIGKILL)
     threading.Thread(target=watch, daemon=True).start()
 
-  status, out = _launch(2, args, timeout_s=240, on_start=kill_after_checkpoint, fail_fast=False)
+  status, out = _launch(2, args, timeout_s=420, on_start=kill_after_checkpoint, fail_fast=False)
   assert status != 0 and "at" in killed, out
   assert time.monotonic() - killed["at"] < 45, out  # 5 s heartbeat + the launcher's stop
   assert "[launch_local] rank 1 (generator) failed with signal SIGKILL" in out
@@ -186,7 +198,7 @@ def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process
   done = [m["step"] for m in _steps(run_dir)]
   assert done[:2] == [1, 2] and done[-1] < 5, done  # killed mid-run
 
-  status, out = _launch(2, args + ["--resume"], timeout_s=240)
+  status, out = _launch(2, args + ["--resume"], timeout_s=420)
   assert status == 0, out
   steps = _steps(run_dir)  # the log was rewound to the restored checkpoint, then continued
   assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
