@@ -28,9 +28,28 @@ temperature 1 over the full vocabulary.
   equal:    no stop token: every response is --engine_max_new_tokens long (the engine's overhead case).
 Useful tokens/s = response tokens (stop token included, nothing after it) / wall time; best of
 --repeats, alternating the two. Slot utilization = real tokens / (decode steps x slots).
+
+--profile DIR: a JAX profiler trace of the timed calls (after warm-up, so no compilation), one run
+per table: DIR/generate_<size> (ours, and transformers on the host) and DIR/engine_<workload>
+(static sampler and slot engine). Each call is a named span (`ours R=128`, `static`, `slots`, ...).
+Open with TensorBoard's profile plugin or XProf (`pip install tensorboard-plugin-profile`, then
+`tensorboard --logdir DIR`, Profile tab), or drop a run's `plugins/profile/*/perfetto_trace.json.gz`
+on https://ui.perfetto.dev.
+  python scripts/bench_generate.py --sizes 5m --skip_hf --repeats 2 --profile /tmp/gen_trace
+
+--bytes: one decode step's bytes, on any backend, nothing allocated (lowered and compiled from
+abstract shapes): the slot engine's paged step and the dense layout it replaced (a [slots, cache]
+cache per layer, attention over all of it), from XLA's cost analysis, next to the ideal = weights
+read (every matrix and the lm_head; the embedding table is only gathered) + each row's live KV.
+Rows get live lengths uniform in --bytes_live (prompt part up to --bytes_prompt) in a cache of
+--bytes_cache positions. "xla" is XLA's count as is; "bytes" charges a fused gather what it reads,
+not its whole operand (the CPU's generic cost analysis charges a loop fusion's gathered operand in
+full, i.e. the whole KV pool per layer; `paged.fused_gather_overcount`). No timing is run.
+  python scripts/bench_generate.py --bytes --sizes 1b --slots 64 --bytes_cache 2048 --dtype float32
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import platform
@@ -60,15 +79,32 @@ def hf_config(name):
                                   bos_token_id=None, pad_token_id=0)
 
 
-def best_times(fns, repeats):
-  """Best wall time of each callable, alternating them so background load hits all alike."""
+def best_times(fns, repeats, names=None):
+  """Best wall time of each callable, alternating them so background load hits all alike.
+
+  names: a label per callable, each call then a named span in a profiler trace (see `profiled`)."""
   times = [[] for _ in fns]
+  spans = [contextlib.nullcontext] * len(fns)
+  if names is not None:
+    import jax
+
+    spans = [lambda n=n: jax.profiler.TraceAnnotation(n) for n in names]
   for _ in range(repeats):
-    for fn, ts in zip(fns, times):
-      t = time.perf_counter()
-      fn()
-      ts.append(time.perf_counter() - t)
+    for fn, ts, span in zip(fns, times, spans):
+      with span():
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
   return [min(ts) for ts in times]
+
+
+def profiled(profile_dir, run):
+  """A JAX profiler trace of the block into `profile_dir/run` (a no-op when profile_dir is None)."""
+  if profile_dir is None:
+    return contextlib.nullcontext()
+  import jax
+
+  return jax.profiler.trace(os.path.join(profile_dir, run), create_perfetto_trace=True)
 
 
 def cpu_model():
@@ -131,6 +167,14 @@ def main(argv=None):
   parser.add_argument("--engine_max_new_tokens", type=int, default=256)
   parser.add_argument("--stop_fraction", type=float, default=1 / 32)
   parser.add_argument("--chunk_steps", type=int, default=16)
+  parser.add_argument("--profile", metavar="DIR", default=None,
+                      help="write a JAX profiler trace of the timed calls under DIR (see above)")
+  parser.add_argument("--bytes", action="store_true",
+                      help="one decode step's bytes (XLA cost analysis) vs the ideal, paged and dense (see above)")
+  parser.add_argument("--bytes_cache", type=int, default=2048, help="--bytes: cache positions per slot")
+  parser.add_argument("--bytes_prompt", type=int, default=128, help="--bytes: the longest prompt")
+  parser.add_argument("--bytes_live", default="100,500", help="--bytes: live lengths uniform in lo,hi")
+  parser.add_argument("--kv_block_size", type=int, default=16, help="slot engine KV block (positions)")
   args = parser.parse_args(argv)
   if args.device == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -147,6 +191,9 @@ def main(argv=None):
     parser.error(f"--device gpu but JAX's backend is {jax.default_backend()}")
   args.roofline = on_gpu
   dtype = jnp.dtype(args.dtype or ("bfloat16" if on_gpu else "float32"))
+  if args.bytes:  # cost analysis only: no weights, no timing
+    return [row for name in args.sizes.split(",")
+            for row in bytes_table(config_from_hf(hf_config(name).to_dict(), dtype=dtype), args, name)]
   run_hf = not (on_gpu or args.skip_hf)
   if run_hf and dtype != jnp.float32:
     parser.error("the transformers comparison runs in float32; pass --dtype float32 or --skip_hf")
@@ -180,15 +227,18 @@ def main(argv=None):
     ours = our_runner(config, model, prompts)
     R, n_tokens = args.max_new_tokens, args.batch * args.max_new_tokens
     our_tokens = np.asarray(ours(R).response_tokens)  # compile + warm up
-    fns = [lambda: ours(R)]
+    fns, names = [lambda: ours(R)], [f"ours R={R}"]
     if run_hf:
       theirs = hf_runner(ref, prompts, R)
       their_tokens = theirs()  # warm up
       fns.append(theirs)
+      names.append(f"transformers R={R}")
     if args.roofline:
       ours(1)  # prefill + one token: subtracted to isolate decode
       fns.append(lambda: ours(1))
-    times = best_times(fns, args.repeats)
+      names.append("ours R=1")
+    with profiled(args.profile, f"generate_{name}"):
+      times = best_times(fns, args.repeats, names)
     row = f"| {name} | {config.num_params() / 1e6:.1f}M | {n_tokens / times[0]:,.0f} |"
     if run_hf:
       row += f" {n_tokens / times[1]:,.0f} | {times[1] / times[0]:.2f}x |"
@@ -204,6 +254,45 @@ def main(argv=None):
     name = args.sizes.split(",")[0]
     config = config_from_hf(hf_config(name).to_dict(), dtype=dtype)
     engine_table(config, init_model(config, seed=0), args, name)
+
+
+def _gb(n):
+  return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def bytes_table(config, args, name):
+  """One decode step's bytes (XLA cost analysis, abstract shapes) vs the ideal, for the slot engine's
+  paged layout and the dense one; prints a table and returns its rows as dicts."""
+  import jax
+  import numpy as np
+
+  from llamarl_jax.generation import Sampler, SamplingParams
+  from llamarl_jax.generation.slot_programs import SlotPrograms
+
+  S, T, Pm = args.slots, args.bytes_cache, args.bytes_prompt
+  lo, hi = (int(x) for x in args.bytes_live.split(","))
+  if not 2 <= lo <= hi <= T or not 1 <= Pm < T:
+    raise SystemExit(f"need 2 <= lo <= hi <= --bytes_cache ({T}) and 1 <= --bytes_prompt < --bytes_cache; "
+                     f"got --bytes_live {lo},{hi}, --bytes_prompt {Pm}")
+  rng = np.random.RandomState(0)
+  live = rng.randint(lo, hi + 1, S)
+  prompt = np.minimum(rng.randint(max(1, Pm // 4), Pm + 1, S), live - 1)
+  sampling = SamplingParams(temperature=0, max_new_tokens=T - Pm)
+  programs = SlotPrograms(config, Sampler(config), num_slots=S, sampling=sampling, max_prompt_len=Pm,
+                          chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size)
+  dtype = jax.numpy.dtype(config.dtype).name
+  print(f"\n# one decode step's bytes: {name} {dtype}, {S} slots, cache {T} (prompt <= {Pm}), live lengths "
+        f"{lo}..{hi} (mean {live.mean():.0f}), KV blocks of {args.kv_block_size}; XLA cost analysis on "
+        f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+  print("| layout | entries | bytes/step | xla (as is) | ideal (weights + live KV) | bytes / ideal |")
+  print("|---|---|---|---|---|---|")
+  rows = []
+  for layout in ("paged", "dense"):
+    c = programs.decode_step_cost(prompt, live - prompt, layout=layout)
+    print(f"| {layout} | {c['num_entries'] or '-'} | {_gb(c['bytes'])} | {_gb(c['xla_bytes'])} | "
+          f"{_gb(c['ideal'])} ({_gb(c['weights'])} + {_gb(c['kv'])}) | {c['ratio']:.2f}x |", flush=True)
+    rows.append(dict(c, layout=layout, size=name, dtype=dtype, live_mean=float(live.mean())))
+  return rows
 
 
 def engine_table(config, model, args, name):
@@ -256,7 +345,8 @@ def engine_table(config, model, args, name):
         np.array_equal(a[1], b[1]) for a, b in zip(ref, got)])
     static_steps = sum(int(l.max()) - 1 for _, l in ref)
     engine.take_metrics()
-    t_static, t_slots = best_times([static, slots], args.repeats)
+    with profiled(getattr(args, "profile", None), f"engine_{workload}"):
+      t_static, t_slots = best_times([static, slots], args.repeats, ["static", "slots"])
     util = engine.take_metrics()["generate/slot_utilization"]
     useful = float(lengths.sum())
     print(f"| {workload} | {lengths.mean():.1f} / {lengths.max()} ({lengths.max() / lengths.mean():.1f}) | "

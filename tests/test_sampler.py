@@ -153,15 +153,18 @@ LOGITS = np.array([2.0, 1.5, 1.1, 0.4, 0.0, -0.3, -1.0, -2.5], np.float32)
 N_DRAWS = 40_000
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (0.7, 0, 1.0),   # temperature only: full-vocabulary path, no sort
-    (1.0, 3, 1.0),   # top-k only
-    (1.0, 0, 0.8),   # top-p only (mass before the 4th token 0.79 < 0.8 < 0.90 before the 5th)
-    (1.5, 5, 0.6),   # top-k then top-p on the renormalised top-k
+@pytest.mark.parametrize("temperature,top_k,top_p,candidates", [
+    (0.7, 0, 1.0, 8),   # temperature only: full-vocabulary path, no sort
+    (1.0, 3, 1.0, 8),   # top-k only
+    (1.0, 0, 0.8, 8),   # top-p only, 8 = V: sorted (mass before the 4th token 0.79 < 0.8 < 0.90 before the 5th)
+    (1.0, 0, 0.8, 4),   # the same from 4 candidates (mass 0.90 >= 0.8: they hold the nucleus)
+    (1.0, 0, 0.8, 3),   # 3 candidates hold 0.79 < 0.8: the fallback sorts the whole vocabulary
+    (1.5, 5, 0.6, 8),   # top-k then top-p on the renormalised top-k
 ])
-def test_sampled_frequencies_match_intended_distribution(temperature, top_k, top_p):
+def test_sampled_frequencies_match_intended_distribution(temperature, top_k, top_p, candidates):
   logits = jnp.broadcast_to(LOGITS, (N_DRAWS, len(LOGITS)))
-  step = jax.jit(lambda key, x: sample_logits(key, x, temperature=temperature, top_k=top_k, top_p=top_p))
+  step = jax.jit(lambda key, x: sample_logits(key, x, temperature=temperature, top_k=top_k, top_p=top_p,
+                                              top_p_candidates=candidates))
   tokens, logprobs = map(np.asarray, step(jax.random.key(0), logits))
   lp = intended_logprobs(LOGITS, temperature, top_k, top_p)
   p = np.exp(lp)
@@ -171,6 +174,48 @@ def test_sampled_frequencies_match_intended_distribution(temperature, top_k, top
   tol = 5 * np.sqrt(p * (1 - p) / N_DRAWS) + 1e-9
   assert (np.abs(freq - p) <= tol).all(), f"freq {freq.round(4)} vs p {p.round(4)} (tol {tol.round(4)})"
   np.testing.assert_allclose(logprobs, lp[tokens], atol=1e-5, rtol=0)  # the reported log mu
+
+
+# Rows of a [B, V] batch for the top-p branches: "peaked" rows (logits ~ 4 N(0, 1)) have a nucleus of
+# a few tokens at top_p 0.9; a "flat" row (0.1 N(0, 1)) needs nearly all V tokens.
+STEP_V, CANDIDATES = 512, 32
+
+
+def _step_logits(rows):
+  rng = np.random.RandomState(1)
+  scale = {"peaked": 4.0, "flat": 0.1}
+  return np.stack([scale[r] * rng.randn(STEP_V) for r in rows]).astype(np.float32)
+
+
+@pytest.mark.parametrize("rows,temperature,top_k,top_p,branch", [
+    (["peaked"] * 16, 1.0, 0, 0.9, "candidates"),                # top-p alone: the candidates hold it
+    (["peaked"] * 15 + ["flat"], 1.0, 0, 0.9, "full sort"),      # one wide nucleus sorts the batch
+    (["flat"] * 16, 1.0, 0, 0.999, "full sort"),                 # top-p near 1 on flat rows
+    (["peaked"] * 16, 0.6, 0, 0.95, "candidates"),               # temperature, then top-p: the candidates
+    (["peaked"] * 8 + ["flat"] * 8, 0.6, 0, 0.95, "full sort"),  # flat rows at 0.6: still ~480 tokens
+    (["peaked"] * 8 + ["flat"] * 8, 0.8, 40, 0.9, "top-k"),      # top-k then top-p within it
+    (["peaked"] * 8 + ["flat"] * 8, 0.7, 0, 1.0, "no filter"),   # temperature only
+])
+def test_step_logprobs_are_the_sampled_distributions(rows, temperature, top_k, top_p, branch):
+  """The reported log mu is the reference distribution's log-prob of the sampled token, on each
+  path; ranking 32 candidates draws the same tokens as sorting all 512 (same keys, same order).
+  Tolerance 1e-5: an f32 log-softmax over <= 512 logits against float64 (error ~1e-6)."""
+  logits = _step_logits(rows)
+  lp = intended_logprobs(logits, temperature, top_k, top_p)
+  nucleus = np.isfinite(lp).sum(-1)
+  if branch == "candidates":
+    assert nucleus.max() < CANDIDATES, nucleus  # the case is what it claims: no row needs the fallback
+  if branch == "full sort":
+    assert nucleus.max() > CANDIDATES, nucleus
+  step = jax.jit(lambda key, x, n: sample_logits(key, x, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                 top_p_candidates=n), static_argnums=2)
+  for seed in range(4):
+    tokens, logprobs = map(np.asarray, step(jax.random.key(seed), logits, CANDIDATES))
+    expected = np.take_along_axis(lp, tokens[:, None], -1)[:, 0]
+    assert np.isfinite(expected).all(), f"tokens outside the top-k/top-p set: {tokens[~np.isfinite(expected)]}"
+    np.testing.assert_allclose(logprobs, expected, atol=1e-5, rtol=0)
+    sorted_tokens, _ = step(jax.random.key(seed), logits, STEP_V)  # candidates = V: always the full sort
+    np.testing.assert_array_equal(tokens, sorted_tokens)
 
 
 def test_greedy_step_is_argmax_with_model_logprob():

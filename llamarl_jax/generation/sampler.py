@@ -86,9 +86,17 @@ class SamplingParams:
 # ----------------------------------------------------------------------------- sampling step
 
 
+# Top-p without top-k first ranks this many candidates (see `sample_logits`): enough for the nucleus
+# of nearly every step of a trained LLM at top_p <= 0.95 (not of a random model: near-uniform logits
+# take the fallback). On CPU `lax.top_k(x, 1024)` of [64, 128256] logits costs ~1/60 of the full
+# sort. XLA:GPU has a dedicated top-k kernel only for k <= 16 and sorts for a larger k, so there the
+# saving is the Gumbel draw and the cumsum over V rather than the sort: measure before relying on it.
+TOP_P_CANDIDATES = 1024
+
+
 def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0, top_k: int = 0,
-                  top_p: float | Array = 1.0, greedy: bool = False,
-                  use_top_p: bool | None = None) -> tuple[Array, Array]:
+                  top_p: float | Array = 1.0, greedy: bool = False, use_top_p: bool | None = None,
+                  top_p_candidates: int = TOP_P_CANDIDATES) -> tuple[Array, Array]:
   """Sample one token per row from `logits [B, V]`; returns (tokens int32 [B], logprobs f32 [B]).
 
   The distribution is softmax(logits / temperature), restricted to the `top_k` most likely tokens
@@ -96,17 +104,32 @@ def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0
   renormalised; `logprobs` is the log-probability of each sampled token under exactly that
   distribution. `greedy`: argmax, with logprobs = log_softmax(logits) at the argmax (untempered).
 
-  `greedy`, `top_k` and `use_top_p` are static; `temperature` and `top_p` may be traced.
-  `use_top_p` defaults to `top_p < 1` (pass it when `top_p` is traced). `key`: one PRNG key, and
-  row r draws with fold_in(key, r), so results do not depend on how the batch is split across
+  No path asks for the whole vocabulary sorted (`lax.top_k(x, V)`) unless it has to:
+    no filter: one Gumbel-max draw over the vocabulary; log mu = x[token] - logsumexp(x), without a
+               [B, V] log-softmax.
+    top-k:     `lax.top_k(x, k)`, top-p (if on) within the renormalised k, a draw over the k.
+    top-p:     `lax.top_k(x, top_p_candidates)` and the candidates' probabilities under the full
+               softmax. The nucleus is a prefix of the descending order that ends at the first
+               prefix of mass >= top_p, so when every row's candidates hold mass >= top_p it lies
+               inside them and the draw is over them; otherwise (`lax.cond`: only then) the whole
+               vocabulary is sorted, as before. Exact in both branches, not an approximation.
+               (Under `jax.vmap` a cond becomes a select that runs both: call it on the batch.)
+  Draws are `jax.random.categorical` (Gumbel-max) over the candidates in descending order, as
+  before. With partitionable threefry (JAX's default) the noise of candidate j depends only on
+  (row key, j), so the capped top-p draw picks the same token as the full-sort draw for the same
+  key: tokens for a seed are those of the full sort on every path (float rounding aside: a token
+  whose preceding mass equals top_p to ~1e-7 may fall on either side).
+
+  `greedy`, `top_k`, `use_top_p` and `top_p_candidates` are static; `temperature` and `top_p` may be
+  traced. `use_top_p` defaults to `top_p < 1` (pass it when `top_p` is traced). `key`: one PRNG key,
+  and row r draws with fold_in(key, r), so results do not depend on how the batch is split across
   devices; or a `[B]` array of keys, one per row (the slot engine, whose rows are unrelated sequences).
   """
   logits = logits.astype(jnp.float32)
   B, V = logits.shape
   if greedy:
     tokens = jnp.argmax(logits, axis=-1)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=-1)[:, 0]
-    return tokens.astype(jnp.int32), logprobs
+    return tokens.astype(jnp.int32), _logprob_of(logits, tokens)
   if use_top_p is None:
     use_top_p = bool(top_p < 1)
   top_k = 0 if top_k >= V else top_k
@@ -115,21 +138,61 @@ def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0
     row_keys = key
   else:
     row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B, dtype=jnp.uint32))
-  draw = jax.vmap(jax.random.categorical)
   if not top_k and not use_top_p:  # no filtering: no sort, sample over the full vocabulary
-    tokens = draw(row_keys, x)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(x), tokens[:, None], axis=-1)[:, 0]
-    return tokens.astype(jnp.int32), logprobs
-  # Candidates sorted by descending logit: the top k, or the whole vocabulary for top-p alone.
-  vals, idx = jax.lax.top_k(x, top_k or V)
-  if use_top_p:
-    probs = jax.nn.softmax(vals, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the strictly better candidates
-    vals = jnp.where(mass_before < top_p, vals, -jnp.inf)  # the best candidate always stays
-  choice = draw(row_keys, vals)
-  tokens = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
-  logprobs = jnp.take_along_axis(jax.nn.log_softmax(vals), choice[:, None], axis=-1)[:, 0]
-  return tokens.astype(jnp.int32), logprobs
+    tokens = jax.vmap(jax.random.categorical)(row_keys, x)
+    return tokens.astype(jnp.int32), _logprob_of(x, tokens)
+  if top_k:  # top-p, if on, within the renormalised top k
+    vals, idx = jax.lax.top_k(x, top_k)
+    if use_top_p:
+      vals, _ = _nucleus(vals, jax.nn.softmax(vals, axis=-1), top_p)
+    return _draw_ranked(row_keys, vals, idx)
+
+  def full_sort():
+    vals, idx = jax.lax.top_k(x, V)
+    return _draw_ranked(row_keys, _nucleus(vals, jax.nn.softmax(vals, axis=-1), top_p)[0], idx)
+
+  cap = min(int(top_p_candidates), V)
+  if cap == V:
+    return full_sort()
+  vals, idx = jax.lax.top_k(x, cap)
+  # The max from x, not vals[:, :1]: a second slice of the candidates keeps XLA (CPU) from matching
+  # top_k to its TopK kernel, and it sorts the whole row instead.
+  top = jnp.max(x, axis=-1, keepdims=True)
+  probs = jnp.exp(vals - top) / jnp.sum(jnp.exp(x - top), axis=-1, keepdims=True)  # under the full softmax
+  vals, mass = _nucleus(vals, probs, top_p)
+  held = jnp.all(mass >= top_p)  # every row's nucleus ends among the candidates
+  return jax.lax.cond(held, lambda: _draw_ranked(row_keys, vals, idx), full_sort)
+
+
+def _pick(x: Array, idx: Array) -> Array:
+  """x[b, idx[b]] for `x [B, N]`, `idx [B]`."""
+  return jnp.take_along_axis(x, idx[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+
+def _logprob_of(x: Array, tokens: Array) -> Array:
+  """log_softmax(x)[b, tokens[b]] for `x [B, N]`, from one max and one sum of exp (no [B, N] output)."""
+  m = jnp.max(x, axis=-1, keepdims=True)
+  return _pick(x - m, tokens) - jnp.log(jnp.sum(jnp.exp(x - m), axis=-1))
+
+
+def _nucleus(vals: Array, probs: Array, top_p: float | Array) -> tuple[Array, Array]:
+  """Descending candidates `vals [B, N]` masked (-inf) outside the top-p nucleus, and their mass [B].
+
+  probs `[B, N]`: their probabilities (under the full softmax, or the top-k's renormalised one). A
+  candidate stays while the mass of the strictly better ones is < top_p, so the best always stays;
+  a candidate past the N would have the mass of all N before it, so mass >= top_p means the
+  nucleus ends among them.
+  """
+  cum = jnp.cumsum(probs, axis=-1)
+  return jnp.where(cum - probs < top_p, vals, -jnp.inf), cum[:, -1]
+
+
+def _draw_ranked(row_keys: Array, vals: Array, idx: Array) -> tuple[Array, Array]:
+  """Gumbel-max draw per row among candidates `vals [B, N]` (-inf: excluded) with vocabulary ids `idx [B, N]`.
+
+  Returns (tokens int32 [B], log-probs [B] under softmax(vals): the kept set, renormalised)."""
+  choice = jax.vmap(jax.random.categorical)(row_keys, vals)
+  return _pick(idx, choice).astype(jnp.int32), _pick(jax.nn.log_softmax(vals), choice)
 
 
 # ----------------------------------------------------------------------------- the sampler
