@@ -1,4 +1,5 @@
-"""TrainerExecutor: the sharded, microbatched, NaN-safe policy-gradient step.
+"""TrainerExecutor: the sharded, microbatched, NaN-safe policy-gradient step, and its microbatches
+grouped by length.
 
 Compiling a train step dominates this file's time (a few seconds each on CPU), so trainers are
 shared: `reference_run` (one device, 5 steps on one fixed on-policy batch) is the baseline for the
@@ -10,7 +11,9 @@ Tolerances: everything is fp32; a different microbatch split or device count onl
 order (~1e-7 relative on gradients). Adam's update g / (sqrt(v) + eps) amplifies such differences for
 entries with |g| ~ eps, so the equivalence tests use eps = 1e-6 and compare (a) the first moment
 mu = (1 - b1) * clipped grad, i.e. the accumulated gradient itself, to 1e-5 of its largest entry, and
-(b) params to 1e-5 absolute, 1% of one lr-sized (1e-3) Adam step.
+(b) params to 1e-5 absolute, 1% of one lr-sized (1e-3) Adam step. Grouping rows by length changes
+which rows share a microbatch and the widths they run at (padding: exact zeros in every sum), so the
+same summation-order bounds apply.
 """
 
 import functools
@@ -23,8 +26,8 @@ from flax import nnx
 
 from conftest import mesh_at_most
 from llamarl_jax import parallel
-from llamarl_jax.executors.trainer import (OptimizerConfig, TrainerExecutor, lr_schedule, make_optimizer,
-                                           token_logprobs)
+from llamarl_jax.executors.trainer import (OptimizerConfig, TrainerExecutor, group_by_length, lr_schedule,
+                                           make_optimizer, token_logprobs, width_bucket)
 from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch, sequence_layout
 from llamarl_jax.mismatch import MISMATCH_LAGS
 from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
@@ -62,6 +65,27 @@ def make_batch(seed, params=None, graphdef=None, nan_row=None) -> ScoredBatch:
   prompt_len = rng.randint(1, P + 1, B)
   resp_len = rng.randint(1, R + 1, B)
   resp_len[0] = R
+  return rows_batch(rng, prompt_len, resp_len, P, R, params, graphdef, nan_row)
+
+
+# bench_generate.py's longtail workload: each response stops with probability 1/32 per token, capped
+LONG_P, LONG_R, LONG_MEAN = 16, 256, 32
+
+
+def long_tail_batch(seed, mean=LONG_MEAN, rows=64) -> ScoredBatch:
+  """`rows` rows shaped like bench_generate.py's `longtail` workload: response lengths geometric with
+  mean `mean` (a stop with probability 1/mean per token), capped at LONG_R; prompts of 4..LONG_P
+  tokens, left-padded; random behaviour log-probs."""
+  rng = np.random.RandomState(seed)
+  resp_len = np.minimum(rng.geometric(1 / mean, rows), LONG_R)
+  prompt_len = rng.randint(4, LONG_P + 1, rows)
+  return rows_batch(rng, prompt_len, resp_len, LONG_P, LONG_R)
+
+
+def rows_batch(rng, prompt_len, resp_len, P, R, params=None, graphdef=None, nan_row=None) -> ScoredBatch:
+  """Rows of random tokens with the given prompt (left-padded to P) and response (right-padded to R)
+  lengths; see `make_batch`."""
+  B = len(prompt_len)
   pt, pm = np.zeros((B, P), np.int32), np.zeros((B, P), np.int32)
   rt, rm = np.zeros((B, R), np.int32), np.zeros((B, R), np.int32)
   for i in range(B):
@@ -365,3 +389,119 @@ def test_sequence_level_correction_accumulates_exactly_over_microbatches(model_p
     np.testing.assert_allclose(m["rollout_corr/rollout_rs_masked_fraction"],
                                want["rollout_corr/rollout_rs_masked_fraction"], rtol=1e-6)
   np.testing.assert_allclose(runs[1]["train/grad_norm"], runs[0]["train/grad_norm"], rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# microbatches grouped by length
+
+LONG_CONFIG = CONFIG.replace(max_position_embeddings=LONG_P + LONG_R)
+ROWS_PER_MICROBATCH = 4  # what reaches <= 30% padding on the long tail (8 rows: ~35-45%)
+
+
+def trainer_rows(batch: ScoredBatch) -> np.ndarray:
+  """Each row's trainer length: real prompt tokens + response up to its last valid token."""
+  r = batch.rollout
+  return r.prompt_mask.sum(1) + r.response_mask.sum(1)  # responses here are contiguous from 0
+
+
+def test_width_bucket_and_grouping_by_hand():
+  """Widths: 4 rungs an octave from 16, capped. Rows sorted longest first (ties by index), cut into
+  M groups; group m at positions j*M + m."""
+  assert [width_bucket(n, 4096) for n in (1, 16, 17, 21, 33, 100, 1000, 1025)] == [16, 16, 20, 24, 40, 112, 1024, 1280]
+  assert width_bucket(300, 272) == 272
+  lengths = np.array([5, 40, 17, 17, 3, 100, 16, 2])
+  g = group_by_length(lengths, 2, 128)
+  # sorted: rows 5 (100), 1 (40), 2 (17), 3 (17), 6 (16), 0 (5), 4 (3), 7 (2) -> groups [5 1 2 3], [6 0 4 7]
+  np.testing.assert_array_equal(g.order, [5, 6, 1, 0, 2, 4, 3, 7])
+  assert g.widths == (112, 16)
+  assert g.padding_fraction == pytest.approx((4 * (112 + 16) - 200) / 200)  # 1.56
+  # the trainer's microbatch split of the grouped batch (position j*M + m -> microbatch m) gives the groups
+  np.testing.assert_array_equal(g.order.reshape(4, 2).T, [[5, 1, 2, 3], [6, 0, 4, 7]])
+
+
+def test_grouping_cuts_padding_below_30_percent_on_the_long_tail():
+  """64 rows like bench_generate's longtail (responses geometric, mean 32, max/mean 5.8; prompts 4..16):
+  every row padded to 16 + 256 is ~6 padded positions per real token; 16 microbatches of 4 rows, each
+  at its own width, 25%. The trainer reports this function's value (test_grouped_step_equals_ungrouped)."""
+  batch = long_tail_batch(2)
+  lengths = trainer_rows(batch)
+  responses = batch.rollout.response_mask.sum(1)
+  assert 5.5 < responses.max() / responses.mean() < 6.5  # the workload's shape (bench_generate: 6.1)
+  real = lengths.sum()
+  assert (64 * (LONG_P + LONG_R) - real) / real == pytest.approx(6.11, abs=0.01)
+  grouped = group_by_length(lengths, 64 // ROWS_PER_MICROBATCH, LONG_P + LONG_R)
+  assert grouped.padding_fraction == pytest.approx(0.248, abs=1e-3) and grouped.padding_fraction <= 0.30
+  assert group_by_length(lengths, 8, LONG_P + LONG_R).padding_fraction > 0.30  # 8 rows a microbatch: 45%
+
+
+@pytest.fixture(scope="module")
+def grouped_runs(model_params):
+  """A long-tail batch of 32 rows (responses geometric, mean 32, capped at 256; max/mean 4.3) in 8
+  microbatches, 2 steps: ungrouped (the fused step) on one device, grouped by length on fsdp=2 (or
+  fewer devices). AIPO with an entropy bonus and a KL to the initial policy, aggregated by Dr. GRPO's
+  seq_sum_norm: the normaliser a grouped step could get wrong (microbatch shares by sequences, not
+  tokens; the default constant is the batch's padded response length R, not a narrower microbatch's;
+  token_mean shares are the same code, `_loss_share`)."""
+  batch = long_tail_batch(3, rows=32)
+  kw = dict(optimizer=OPT, loss_kwargs={"rho_max": 2.0, "entropy_coef": 0.01, "aggregation": "seq_sum_norm"},
+            microbatches=32 // ROWS_PER_MICROBATCH, ref_params=model_params[1], kl_coef=0.1)
+  runs = {}
+  for name, mesh, group in [("ungrouped", one_device_mesh(), False), ("grouped", mesh_at_most(fsdp=2), True)]:
+    trainer = TrainerExecutor(LONG_CONFIG, mesh, model_params[1], group_by_length=group, **kw)
+    metrics, states = run_steps(trainer, batch, 2)
+    runs[name] = {"metrics": metrics, "states": states, "trainer": trainer}
+  return batch, runs
+
+
+@pytest.mark.timeout(900)  # 12 programs to compile: minutes on 2 busy CPU cores
+def test_grouped_step_equals_ungrouped(grouped_runs):
+  """The same loss, metrics, gradient and update with the rows grouped by length: each microbatch's
+  loss is weighted by its share of the whole batch's sequences, whichever rows it holds. Step 2
+  is off-policy (ratios != 1) with a non-zero KL. Metrics are means and sums over the same tokens in
+  another order: 1e-5 relative (atol 1e-9 for KL terms of ~1e-7). train/padding_fraction is what each
+  step computes: 6.5 padded positions per real token ungrouped, 21.6% grouped."""
+  batch, runs = grouped_runs
+  grouped, ungrouped = runs["grouped"], runs["ungrouped"]
+  for g, u in zip(grouped["metrics"], ungrouped["metrics"]):
+    assert set(g) == set(u)
+    for k in sorted(set(g) - {"time/train_step", "train/padding_fraction"}):
+      np.testing.assert_allclose(g[k], u[k], rtol=1e-5, atol=1e-9, err_msg=k)
+  assert grouped["metrics"][1]["policy/kl_ref"] > 0 and grouped["metrics"][1]["policy/ratio_max"] > 1
+  for g, u in zip(grouped["states"], ungrouped["states"]):
+    scale = max(np.abs(x).max() for x in jax.tree.leaves(mu(u["opt_state"])))
+    assert_trees_close(mu(g["opt_state"]), mu(u["opt_state"]), atol=1e-5 * scale)
+    assert_trees_close(g["params"], u["params"], atol=1e-5)
+  lengths = trainer_rows(batch)
+  real = lengths.sum()
+  np.testing.assert_allclose(ungrouped["metrics"][0]["train/padding_fraction"], (32 * (LONG_P + LONG_R) - real) / real,
+                             rtol=1e-6)
+  groups = group_by_length(lengths, 32 // ROWS_PER_MICROBATCH, LONG_P + LONG_R)
+  assert max(groups.widths) < LONG_R  # every microbatch cut: seq_sum_norm's R must come from the batch
+  assert grouped["metrics"][0]["train/padding_fraction"] == pytest.approx(groups.padding_fraction)
+  assert ungrouped["metrics"][0]["train/padding_fraction"] > 6 and grouped["metrics"][0]["train/padding_fraction"] < 0.3
+
+
+@pytest.mark.timeout(600)
+def test_grouped_compiles_one_program_per_width(grouped_runs):
+  """Batches with other length mixes compile only the widths not seen yet: one microbatch program per
+  width, the lengths, prepare and apply programs once each. Every width is a rung of the ladder (18
+  rungs up to 16 + 256: the bound on programs whatever the lengths). Here the fixture's batch uses 8
+  widths, a batch of shorter rows (mean response 16) only widths already compiled, a third adds one
+  (160)."""
+  batch, runs = grouped_runs
+  trainer = runs["grouped"]["trainer"]
+  M = 32 // ROWS_PER_MICROBATCH
+  widths = set(group_by_length(trainer_rows(batch), M, LONG_P + LONG_R).widths)
+  assert len(widths) == 8
+  for seed, new_widths in [(41, 0), (24, 1)]:
+    new = long_tail_batch(seed, 16, rows=32)
+    seen = len(widths)
+    widths |= set(group_by_length(trainer_rows(new), M, LONG_P + LONG_R).widths)
+    assert len(widths) == seen + new_widths
+    trainer.step(new)
+    assert trainer._accumulate_step._cache_size() == len(widths)
+  rungs = {width_bucket(n, LONG_P + LONG_R) for n in range(1, LONG_P + LONG_R + 1)}
+  assert widths <= rungs and len(rungs) == 18
+  assert [f._cache_size() for f in (trainer._row_lengths, trainer._prepare_step, trainer._apply_step)] == [1, 1, 1]
+  assert trainer.trace_count == 3 + len(widths)
+  assert trainer._train_step._cache_size() == 0  # the fused step is not used

@@ -22,6 +22,16 @@ Microbatching is exact, not an approximation: the loss of a microbatch is weight
 the batch's normaliser (valid tokens for `token_mean`, valid sequences for `seq_mean_token_mean`,
 rows for the fixed-normaliser modes), so the summed gradient equals the full-batch gradient.
 
+Grouping by length (`group_by_length=True`): the host reads the rows' lengths (one `[B]` int32
+transfer), sorts the rows (longest first, ties by index: `group_by_length`) and cuts them into the
+same `microbatches` slices of B/M rows, so the long rows share a microbatch and the short ones
+another. Each microbatch then runs at its own width (its longest row, rounded up to a rung of
+`width_bucket`: 4 per octave) as its own call of a jitted gradient-accumulation program, one
+compiled program per width used; a prepare program (params cast, rows permuted, normalisers of the
+whole batch) runs before and an apply program (clip, AdamW, metrics) after. The shares, hence the
+loss and the gradient, are the ungrouped step's (up to fp32 summation order); the memory of a
+microbatch never exceeds the ungrouped one's. `train/padding_fraction` reports the padding computed.
+
 Params are fp32 masters, sharded by `parallel.RULES` (FSDP over `fsdp`; TP over `tp` when the mesh
 has tp > 1). `config.dtype` is the compute dtype: 'bfloat16' gives bf16 compute with fp32 master
 weights and fp32 logits/log-probs. `remat` chooses what the backward recomputes: 'none', 'matmuls'
@@ -30,6 +40,7 @@ weights and fp32 logits/log-probs. `remat` chooses what the backward recomputes:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Callable, Mapping
@@ -117,7 +128,7 @@ def token_logprobs(graphdef, params, prompt_tokens, prompt_mask, response_tokens
 
 def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, response_tokens,
                     response_mask, *, temperature: float = 1.0, remat="none", with_entropy: bool = False,
-                    attention: str = "xla", logprob_chunk: int | None = None):
+                    attention: str = "xla", logprob_chunk: int | None = None, width: int | None = None):
   """`token_logprobs` on params already prepared (`prepare_params`: cast, layers stacked).
 
   One forward over the rows of `trainer_layout` (real prompt tokens from position 0, then the
@@ -125,8 +136,15 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
   predict response tokens (`predict` `[B, R]`) are gathered *before* the vocabulary projection, which
   then runs `logprob_chunk` positions at a time (`chunked_token_logprobs`: no `[B, R, V]` array when
   the chunk is smaller than R). Positions where `response_mask` is 0 are 0.
+
+  width: the forward's sequence length, at most P + R (default: P + R). Every row must fit (prompt +
+  response up to its last valid token <= width, as `group_by_length` guarantees): positions past it
+  are padding and are cut off.
   """
   tokens, lengths, predict = trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask)
+  if width is not None:
+    tokens = tokens[:, :width]
+    predict = jnp.minimum(predict, width - 1)  # only masked response positions point past the width
   hidden = scan_hidden_states(config, prepared, tokens, lengths, attention=attention, remat=remat)
   hidden = jnp.take_along_axis(hidden, predict[..., None], axis=1)  # [B, R, E]
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), response_tokens,
@@ -155,6 +173,57 @@ def get_loss(name: str) -> Callable:
 
 
 # --------------------------------------------------------------------------------------------------
+# grouping rows by length
+
+MIN_WIDTH = 16  # the narrowest microbatch width: below it a narrower program saves nothing worth a compile
+
+
+def width_bucket(length: int, max_width: int) -> int:
+  """The sequence width of a microbatch whose longest row has `length` tokens: the smallest rung of
+  16, 20, 24, 28, 32, 40, 48, 56, 64, 80, ... (m * 2^e, m in 4..7: 4 rungs an octave) that holds it,
+  capped at `max_width` (P + R, the ungrouped width). A rung wastes under 25% of a row (about 10% on
+  average), and a run compiles at most one microbatch program per rung: at most 4 log2(max_width / 16) + 2."""
+  length = max(int(length), MIN_WIDTH)
+  step = 1 << (length.bit_length() - 3)  # 2^e with 4 <= length / 2^e < 8
+  return min(-(-length // step) * step, int(max_width))
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthGroups:
+  """A step's microbatches grouped by length (`group_by_length`).
+
+  order: `[B]` int32, the batch row at each position of the grouped batch (microbatch m holds the
+  positions j * M + m, as the trainer's microbatch split takes them). widths: each microbatch's
+  sequence width, M ints. padding_fraction: padded positions of the grouped microbatches per real
+  token, (B / M * sum(widths) - sum(lengths)) / sum(lengths)."""
+  order: np.ndarray
+  widths: tuple[int, ...]
+  padding_fraction: float
+
+
+def group_by_length(lengths: np.ndarray, microbatches: int, max_width: int) -> LengthGroups:
+  """Sort rows by length and cut them into `microbatches` groups of B/M rows, each as wide as its
+  longest row (`width_bucket`).
+
+  lengths: `[B]` ints, each trainer row's prompt + response length (`trainer_layout`). Rows are
+  ordered longest first, ties by row index: a deterministic function of the lengths (every process
+  computes the same grouping). Consecutive groups of the sorted rows minimise the padded positions
+  among all splits into groups of B/M rows; microbatch m holds sorted rows m*B/M .. (m+1)*B/M - 1 at
+  positions j*M + m, so that each data-parallel device keeps B/M / (data*fsdp) rows of every
+  microbatch, as in the ungrouped split.
+  """
+  lengths = np.asarray(lengths, np.int64)
+  B, M = len(lengths), microbatches
+  if B % M:
+    raise ValueError(f"{B} rows do not split into {M} microbatches of equal size")
+  groups = np.argsort(-lengths, kind="stable").reshape(M, B // M)  # [M, B/M] row indices
+  widths = tuple(width_bucket(lengths[g].max(), max_width) for g in groups)
+  real = int(lengths.sum())
+  return LengthGroups(order=groups.T.reshape(B).astype(np.int32), widths=widths,
+                      padding_fraction=(B // M * sum(widths) - real) / max(real, 1))
+
+
+# --------------------------------------------------------------------------------------------------
 # the executor
 
 _BATCH_DTYPES = TRAIN_FIELDS  # rollout.py: the one batch schema of training
@@ -167,7 +236,9 @@ class TrainerExecutor:
   `(data, fsdp, tp)`. params: initial params (nested dict as from `split_params`; host or device,
   any dtype; copied, cast to fp32 and sharded). loss: a name in `TRAINER_LOSSES`; loss_kwargs go to it
   (e.g. `rho_max`). microbatches: gradient-accumulation slices of the batch (B must be a multiple of
-  `microbatches * data * fsdp`). ref_params: optional frozen reference policy for a KL penalty
+  `microbatches * data * fsdp`). group_by_length: sort the rows into the microbatches by length and run
+  each at its own width (see the module docstring); off: one fused program per step, every
+  microbatch at the batch's full width. ref_params: optional frozen reference policy for a KL penalty
   (`kl_coef`), kept in the compute dtype on the same mesh, and checkpointed with the state.
   reference_is_initial: the reference is "the policy training starts from": `load_params` (e.g. after
   a supervised warm start) replaces it too.
@@ -181,7 +252,7 @@ class TrainerExecutor:
                temperature: float = 1.0, ref_params: Any = None, kl_coef: float = 0.0,
                reference_is_initial: bool = False, attention: str = "auto",
                logprob_chunk: int | None = DEFAULT_LOGPROB_CHUNK, platform: str | None = None,
-               rules: Mapping[str, str | None] = parallel.RULES):
+               group_by_length: bool = False, rules: Mapping[str, str | None] = parallel.RULES):
     if microbatches < 1:
       raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     if temperature <= 0:
@@ -207,6 +278,7 @@ class TrainerExecutor:
       raise ValueError(f"logprob_chunk must be a positive number of positions (or None: unchunked), got "
                        f"{logprob_chunk}")
     self.microbatches = microbatches
+    self.group_by_length = bool(group_by_length)
     self.remat = remat_policy(remat)
     self.logprob_chunk = logprob_chunk
     # The platform the step is compiled for: the mesh's, or another one to lower for (`lower_step`).
@@ -215,7 +287,9 @@ class TrainerExecutor:
     self.reference_is_initial = reference_is_initial
     self.temperature = float(temperature)
     self.busy_seconds = 0.0
-    self.trace_count = 0  # times the train step was traced (= compiled); a test asserts 1
+    # times a train-step program was traced (= compiled): 1 for the fused step; grouped by length, 1
+    # each for the lengths, prepare and apply programs and 1 per microbatch width used
+    self.trace_count = 0
 
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     self.graphdef, shapes = split_params(abstract)
@@ -247,7 +321,8 @@ class TrainerExecutor:
       if ref_params is not None:
         self._ref_params = self._place(ref_params, jnp.dtype(config.dtype))
 
-    batch_sh = {k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in _BATCH_DTYPES}
+    ndims = {k: 1 if k == "advantages" else 2 for k in _BATCH_DTYPES}
+    batch_sh = {k: parallel.batch_sharding(mesh, n) for k, n in ndims.items()}
     self._batch_shardings = batch_sh
     ref_sh = None if self._ref_params is None else self.param_shardings
     self._train_step = jax.jit(
@@ -257,6 +332,23 @@ class TrainerExecutor:
         out_shardings=(self.param_shardings, self.opt_shardings, self._replicated, self._replicated,
                        self._replicated),
         donate_argnums=(0, 1, 2, 3))
+    # grouped by length: the same step as separate programs (see `_grouped_step`)
+    micro_sh = {k: NamedSharding(mesh, P(None, parallel.BATCH_AXES, *[None] * (n - 1))) for k, n in ndims.items()}
+    self._row_lengths = jax.jit(self._row_lengths_impl, out_shardings=self._replicated)
+    self._prepare_step = jax.jit(
+        self._prepare_impl,
+        out_shardings=(self.compute_shardings, None if ref_params is None else self.compute_shardings,
+                       micro_sh, self._replicated, self.compute_shardings))
+    self._accumulate_step = jax.jit(
+        self._accumulate_impl, static_argnames=("width",), donate_argnums=(2,),
+        out_shardings=(self.compute_shardings, (self._replicated, self._replicated, self._replicated,
+                                                parallel.batch_sharding(mesh, 2))))
+    self._apply_step = jax.jit(
+        self._apply_impl,
+        out_shardings=(self.param_shardings, self.opt_shardings, self._replicated, self._replicated,
+                       self._replicated),
+        donate_argnums=(0, 1, 2, 3))
+    self._microbatch_index = None  # [M] replicated int32 scalars, made at the first grouped step
 
   # ------------------------------------------------------------------------------------------------
   # state
@@ -322,7 +414,9 @@ class TrainerExecutor:
 
   def lower_step(self, batch_size: int, prompt_len: int, resp_len: int):
     """The train step lowered for `self.platform` from abstract shapes (`jax.stages.Lowered`: `.as_text()`
-    is its StableHLO, `.compile()` compiles it on this backend). Nothing is allocated or run."""
+    is its StableHLO, `.compile()` compiles it on this backend). Nothing is allocated or run. This is
+    the fused step; grouped by length, a step runs the same microbatch computation at widths up to
+    this one's (P + R): the fused program is its worst case."""
     self._check_batch_size(batch_size)
     batch = {k: jax.ShapeDtypeStruct((batch_size,) if k == "advantages" else
                                      (batch_size, prompt_len if k.startswith("prompt") else resp_len),
@@ -340,9 +434,14 @@ class TrainerExecutor:
                          "`lower_step` but not `step`; pass real params to train")
     start = time.perf_counter()
     arrays = self._put_batch(batch)
-    self._params, self._opt_state, self._step, self._skipped, metrics = self._train_step(
-        self._params, self._opt_state, self._step, self._skipped, arrays, self._ref_params)
+    if self.group_by_length:
+      metrics, padding_fraction = self._grouped_step(arrays)
+    else:
+      self._params, self._opt_state, self._step, self._skipped, metrics = self._train_step(
+          self._params, self._opt_state, self._step, self._skipped, arrays, self._ref_params)
     metrics = mismatch.drop_empty_lags({k: float(_local_value(v)) for k, v in metrics.items()})  # waits
+    if self.group_by_length:
+      metrics["train/padding_fraction"] = padding_fraction
     elapsed = time.perf_counter() - start
     self.busy_seconds += elapsed
     metrics["time/train_step"] = elapsed
@@ -382,13 +481,36 @@ class TrainerExecutor:
       out[k] = jax.device_put(v, self._batch_shardings[k])
     return out
 
-  def _microbatch_loss(self, compute, ref_compute, mb, totals):
+  def _grouped_step(self, batch: dict[str, Array]) -> tuple[dict[str, Array], float]:
+    """The step grouped by length: lengths to the host, `group_by_length`, then prepare, one
+    accumulation call per microbatch (at its width) and apply. Returns the device metrics and the
+    grouping's padding fraction."""
+    groups = group_by_length(_local_value(self._row_lengths(batch)), self.microbatches,
+                             batch["prompt_tokens"].shape[1] + batch["response_tokens"].shape[1])
+    if self._microbatch_index is None:
+      self._microbatch_index = [jax.device_put(np.int32(m), self._replicated) for m in range(self.microbatches)]
+    order = jax.device_put(groups.order, self._replicated)
+    compute, ref_compute, micro, totals, grads = self._prepare_step(self._params, self._ref_params, batch, order)
+    outs = []
+    for index, width in zip(self._microbatch_index, groups.widths):
+      grads, out = self._accumulate_step(compute, ref_compute, grads, micro, index, totals, width=width)
+      outs.append(out)
+    del compute, ref_compute
+    self._params, self._opt_state, self._step, self._skipped, metrics = self._apply_step(
+        self._params, self._opt_state, self._step, self._skipped, grads, outs, micro)
+    return metrics, groups.padding_fraction
+
+  def _microbatch_loss(self, compute, ref_compute, mb, totals, width, response_len):
     """This microbatch's share of the full-batch loss (see `_loss_share`), and its metrics.
-    compute / ref_compute: params prepared by `prepare_params` (compute dtype, layers stacked)."""
+    compute / ref_compute: params prepared by `prepare_params` (compute dtype, layers stacked).
+    width: the forward's sequence width (`policy_logprobs`; None: P + R). response_len: the batch's
+    padded response length R (mb's response columns may have been cut to the width)."""
     mask = mb["response_mask"]
     kw = dict(self.loss_kwargs)
+    if kw.get("aggregation") == "seq_sum_norm" and kw.get("loss_norm_constant") is None:
+      kw["loss_norm_constant"] = response_len  # the loss's default, the batch's R, not a cut microbatch's
     logprobs_of = functools.partial(policy_logprobs, self.config, temperature=self.temperature,
-                                    attention=self.attention, logprob_chunk=self.logprob_chunk)
+                                    attention=self.attention, logprob_chunk=self.logprob_chunk, width=width)
     args = (mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"], mask)
     out = logprobs_of(compute, *args, remat=self.remat, with_entropy=self._with_entropy)
     logprobs, kw["entropy"] = out if self._with_entropy else (out, None)
@@ -398,36 +520,88 @@ class TrainerExecutor:
     share = _loss_share(mask, totals, kw.get("aggregation", "token_mean"))
     return loss * share, (share, metrics, logprobs)
 
-  def _train_step_impl(self, params, opt_state, step, skipped, batch, ref_params):
-    self.trace_count += 1
+  def _accumulate(self, compute, ref_compute, grads, mb, totals, width=None):
+    """grads + this microbatch's gradient (fp32, in the compute layout), and its (loss share of the
+    batch, share, metrics, log-probs `[B/M, R]`). With `width`, the response columns past it (all
+    padding: a row's response ends within its length <= width) are cut before the forward and the
+    log-probs padded back to R."""
+    R = mb["response_tokens"].shape[1]
+    trimmed = mb
+    if width is not None and width < R:
+      trimmed = {**mb, **{k: mb[k][:, :width] for k in ("response_tokens", "response_mask", "behaviour_logprobs")}}
+    grad_fn = jax.value_and_grad(self._microbatch_loss, has_aux=True)
+    (loss_part, (share, metrics, logprobs)), g = grad_fn(compute, ref_compute, trimmed, totals, width, R)
+    grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+    grads = jax.lax.with_sharding_constraint(grads, self.compute_shardings)
+    logprobs = jnp.pad(logprobs, ((0, 0), (0, R - logprobs.shape[1])))
+    return grads, (loss_part, share, metrics, logprobs)
+
+  def _prepare(self, params, ref_params):
+    """Params cast to the compute dtype and the layers stacked, once per step (not per microbatch or
+    per use); gradients are taken w.r.t. this copy and accumulated in fp32 in its layout."""
+    dtype = jnp.dtype(self.config.dtype)
+    prepare = lambda p: jax.lax.with_sharding_constraint(prepare_params(p, dtype), self.compute_shardings)
+    return prepare(params), None if ref_params is None else prepare(ref_params)
+
+  def _split(self, batch):
+    """The batch as `[M, B/M, ...]` microbatches: row j*M + m goes to microbatch m, so each device keeps
+    its own rows (no resharding for the scan)."""
     M = self.microbatches
-    mask = batch["response_mask"]
-    totals = _valid_counts(mask)
-    # Row j*M + m goes to microbatch m: each device keeps its own rows (no resharding for the scan).
-    batch_axes = parallel.BATCH_AXES
 
     def split(x):
       x = x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
       return jax.lax.with_sharding_constraint(
-          x, NamedSharding(self.mesh, P(None, batch_axes, *([None] * (x.ndim - 2)))))
+          x, NamedSharding(self.mesh, P(None, parallel.BATCH_AXES, *([None] * (x.ndim - 2)))))
 
-    micro = jax.tree.map(split, batch)
-    grad_fn = jax.value_and_grad(self._microbatch_loss, has_aux=True)
-    # Params cast to the compute dtype and the layers stacked once per step (not per microbatch or
-    # per use); gradients are taken w.r.t. this copy and accumulated in fp32 in its layout.
-    dtype = jnp.dtype(self.config.dtype)
-    prepare = lambda p: jax.lax.with_sharding_constraint(prepare_params(p, dtype), self.compute_shardings)
-    compute = prepare(params)
-    ref_compute = None if ref_params is None else prepare(ref_params)
+    return jax.tree.map(split, batch)
 
-    def accumulate(grads, mb):
-      (loss_part, (share, metrics, logprobs)), g = grad_fn(compute, ref_compute, mb, totals)
-      grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-      grads = jax.lax.with_sharding_constraint(grads, self.compute_shardings)
-      return grads, (loss_part, share, metrics, logprobs)
-
+  def _train_step_impl(self, params, opt_state, step, skipped, batch, ref_params):
+    """The fused step: prepare, a `lax.scan` of `_accumulate` over the microbatches at full width, apply."""
+    self.trace_count += 1
+    totals = _valid_counts(batch["response_mask"])
+    micro = self._split(batch)
+    compute, ref_compute = self._prepare(params, ref_params)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), compute)
-    grads, (loss_parts, shares, micro_metrics, logprobs) = jax.lax.scan(accumulate, zeros, micro)
+    grads, outs = jax.lax.scan(lambda g, mb: self._accumulate(compute, ref_compute, g, mb, totals), zeros, micro)
+    params, opt_state, step, skipped, metrics = self._apply(params, opt_state, step, skipped, grads, outs, micro)
+    metrics["train/padding_fraction"] = _padding_fraction(batch)
+    return params, opt_state, step, skipped, metrics
+
+  # grouped by length: the fused step's parts as separate programs
+
+  def _row_lengths_impl(self, batch):
+    """`[B]` int32, each trainer row's real length (`trainer_layout`), replicated: read by the host."""
+    self.trace_count += 1
+    return trainer_layout(batch["prompt_tokens"], batch["prompt_mask"], batch["response_tokens"],
+                          batch["response_mask"])[1]
+
+  def _prepare_impl(self, params, ref_params, batch, order):
+    """compute / ref_compute params, the batch's rows taken in `order` (`[B]`) and split into
+    microbatches, the whole batch's normalisers, zero gradients."""
+    self.trace_count += 1
+    totals = _valid_counts(batch["response_mask"])
+    micro = self._split(jax.tree.map(lambda x: jnp.take(x, order, axis=0), batch))
+    compute, ref_compute = self._prepare(params, ref_params)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), compute)
+    return compute, ref_compute, micro, totals, zeros
+
+  def _accumulate_impl(self, compute, ref_compute, grads, micro, index, totals, *, width):
+    """`_accumulate` of microbatch `index` (traced: one program per width) at `width`."""
+    self.trace_count += 1
+    mb = jax.tree.map(lambda x: x[index], micro)
+    return self._accumulate(compute, ref_compute, grads, mb, totals, width)
+
+  def _apply_impl(self, params, opt_state, step, skipped, grads, outs, micro):
+    """`_apply` on the microbatches' outputs (a list of M) stacked as the scan stacks them."""
+    self.trace_count += 1
+    outs = jax.tree.map(lambda *x: jnp.stack(x), *outs)
+    return self._apply(params, opt_state, step, skipped, grads, outs, micro)
+
+  def _apply(self, params, opt_state, step, skipped, grads, outs, micro):
+    """The accumulated gradient (compute layout) -> clip + AdamW on the fp32 masters (kept when the
+    loss or the gradient norm is not finite), and the step's metrics. outs: the microbatches'
+    `_accumulate` outputs stacked `[M, ...]`; micro: the batch as `_split` gives it."""
+    loss_parts, shares, micro_metrics, logprobs = outs
     grads = jax.lax.with_sharding_constraint(unstack_layers(grads), self.param_shardings)
     total_loss = jnp.sum(loss_parts)
     metrics = _combine_metrics(micro_metrics, shares)
@@ -449,8 +623,7 @@ class TrainerExecutor:
     step = step + 1
     metrics.update({
         "loss/total": total_loss, "train/grad_norm": grad_norm, "train/lr": lr,
-        "train/tokens": jnp.sum(mask).astype(jnp.float32), "train/skipped_nonfinite": skipped,
-        "train/padding_fraction": _padding_fraction(batch),
+        "train/tokens": jnp.sum(micro["response_mask"]).astype(jnp.float32), "train/skipped_nonfinite": skipped,
         "train/step": step, "train/update_applied": finite.astype(jnp.float32),
     })
     return params, opt_state, step, skipped, metrics
