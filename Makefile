@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # The legacy CPU emitters compile about twice as fast as the fusion emitters; tests compile a lot.
 TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"
 
-.PHONY: install install-gpu run test test-gpu bench bench-gpu study clean
+.PHONY: install install-gpu run test test-quick test-gpu bench bench-gpu study clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ run: install
 
 test: install
 	$(TEST_ENV) $(BIN)/python -m pytest -q $(ARGS)
+
+# For local iteration: the suite without the tests marked `slow` (whole runs in fresh interpreters,
+# multi-process jobs, kill-and-resume, the learning test). `make test` (CI) runs them all.
+test-quick: install
+	$(TEST_ENV) $(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 # The suite on the GPU: tests whose meshes need more devices than present skip, saying so; tests/gpu/ run.
 # No preallocation: the multi-process tests start several interpreters on the one GPU.

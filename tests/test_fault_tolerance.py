@@ -54,6 +54,7 @@ def _rows(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+  """The runs of the module docstring, each a fresh interpreter (the tests using them are `slow`)."""
   base = tmp_path_factory.mktemp("fault")
   cache = base / "jax_cache"
   full, broken = base / "full", base / "broken"
@@ -70,6 +71,7 @@ def runs(tmp_path_factory):
   return full, broken, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_kill_during_a_save_leaves_the_previous_checkpoint(runs):
   _, broken, out = runs
@@ -83,6 +85,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(runs):
   assert "checkpoint step 4" in stderr and str(broken / "checkpoints" / "4" / MANIFEST) in stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_kill_during_a_step_resumes_from_the_last_complete_checkpoint(runs):
   _, _, out = runs
@@ -94,6 +97,7 @@ def test_kill_during_a_step_resumes_from_the_last_complete_checkpoint(runs):
   assert '"resumed_from_step": 4' in out["resumed"].stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_resumed_fixed_schedule_run_equals_the_uninterrupted_run(runs):
   """Every step logged once, and every non-timing metric of every step identical (bitwise: the same
@@ -121,6 +125,7 @@ def _train_script():
   return module
 
 
+@pytest.mark.slow  # needs the `runs` fixture's checkpoints
 @pytest.mark.devices(4)
 def test_changed_config_resume_names_every_difference_and_touches_nothing(runs):
   """In this process (the check needs no compiled step): another model width, lag and learning rate."""
