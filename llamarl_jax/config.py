@@ -7,7 +7,8 @@
                    checkpoints)
   ScheduleConfig   the asynchronous part (max_policy_lag, version schedule, buffer, stall timeout)
   RewardConfig     the reward function and its worker pool
-  RunConfig        the six together, with the checks that need more than one of them
+  EnvConfig        what an episode is: one turn, or turns with tool calls (llamarl_jax.envs)
+  RunConfig        the seven together, with the checks that need more than one of them
 
 Each field is checked in exactly one place: its class's `RULES` (applied by `__post_init__`, and by
 `config_check` to gin bindings before anything is built, so every bad binding is reported at once).
@@ -302,6 +303,61 @@ class ScheduleConfig(_Validated):
                      "buffer_capacity": at_least(1), "step_timeout_s": above(0.0)}
 
 
+ENVIRONMENTS = ("single_turn", "tools")
+TOOL_NAMES = ("calc", "python")
+
+
+@dataclass(frozen=True)
+class EnvConfig(_Validated):
+  """The episode an example becomes (`llamarl_jax.envs`): 'single_turn' (one model turn, scored by the
+  reward function: the default, and every run before issue 28) or 'tools' (`ToolEnvironment`: a turn
+  that is a tool call `name(args)` gets the tool's output appended as an observation and the model
+  writes another turn).
+
+  max_turns: model turns per episode at most (1 for single_turn). Each turn samples at most
+    RolloutConfig.max_new_tokens tokens.
+  max_total_tokens: the episode's response (model turns + observations) is cut at this many tokens
+    (the trainer's response width); 0 = max_new_tokens x max_turns + observation room.
+  max_observation_tokens: an observation's tokens are cut to this many.
+  tools: the tools the environment offers ('calc': exact arithmetic through the restricted parser, in
+    process; 'python': the sandbox of `llamarl_jax.tools`, one child process per call). Empty: the
+    no-tool baseline (a tool call is just a wrong answer).
+  tool_workers: threads running tool calls (off the generator and trainer threads).
+  tool_timeout_s: wall seconds per tool call ('python': also its CPU limit).
+  """
+  name: str = "single_turn"
+  max_turns: int = 1
+  max_total_tokens: int = 0
+  max_observation_tokens: int = 32
+  tools: tuple | list = ("calc",)
+  tool_workers: int = 2
+  tool_timeout_s: float = 5.0
+  RULES: ClassVar = {"name": one_of(*ENVIRONMENTS), "max_turns": int_at_least(1), "max_total_tokens": int_at_least(0),
+                     "max_observation_tokens": int_at_least(1), "tool_workers": int_at_least(1),
+                     "tool_timeout_s": above(0.0),
+                     "tools": lambda v: (None if isinstance(v, (tuple, list)) and set(v) <= set(TOOL_NAMES)
+                                         else f"a list drawn from {list(TOOL_NAMES)}")}
+
+  def __post_init__(self):
+    super().__post_init__()
+    object.__setattr__(self, "tools", tuple(self.tools))  # gin binds lists
+    if self.name == "single_turn" and self.max_turns != 1:
+      raise ConfigError(f"EnvConfig.max_turns={self.max_turns} needs a multi-turn environment "
+                        "(EnvConfig.name='tools'); 'single_turn' has exactly one turn")
+
+  @property
+  def multi_turn(self) -> bool:
+    return self.name != "single_turn"
+
+  def response_width(self, max_new_tokens: int) -> int:
+    """The episode's response width R (the trainer's): max_total_tokens, or room for every turn and
+    every observation between them."""
+    if not self.multi_turn:
+      return max_new_tokens
+    return self.max_total_tokens or (max_new_tokens * self.max_turns
+                                     + self.max_observation_tokens * (self.max_turns - 1))
+
+
 @dataclass(frozen=True)
 class RewardConfig(_Validated):
   """`fn`: a reward name (rewards.REWARD_FNS), a callable, or a `RewardExecutor` the caller owns (e.g.
@@ -330,6 +386,13 @@ class RunConfig(_Validated):
   train: TrainConfig = field(default_factory=TrainConfig)
   schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
   reward: RewardConfig = field(default_factory=RewardConfig)
+  env: EnvConfig = field(default_factory=EnvConfig)
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.env.multi_turn and self.generator.engine != "static":
+      raise ConfigError(f"EnvConfig.name={self.env.name!r} (multi-turn episodes) runs on the static engine: set "
+                        "GeneratorConfig.engine='static' (the slot engine does not pause rows for tools yet)")
 
   def check_layout(self, trainer_batch_divisor: int, num_processes: int) -> None:
     """The checks that need the meshes or the job: rows per step split evenly over microbatches and
@@ -361,6 +424,7 @@ class RunConfig(_Validated):
         "generator": {"dtype": str(g.dtype), "quantize": g.quantize},
         "reward": self.reward.name,
         "trainer": {"microbatches": self.train.microbatches, "remat": self.train.remat},
+        **({"env": dataclasses.asdict(self.env)} if self.env.multi_turn else {}),
     }
 
 
@@ -368,7 +432,7 @@ class RunConfig(_Validated):
 # The flat keys of wave two (`Controller.<key>` in gin, keyword arguments of the old Controller)
 
 SECTIONS = {"mesh": MeshConfig, "rollout": RolloutConfig, "generator": GeneratorConfig, "train": TrainConfig,
-            "schedule": ScheduleConfig, "reward": RewardConfig}
+            "schedule": ScheduleConfig, "reward": RewardConfig, "env": EnvConfig}
 
 LEGACY_KEYS: dict[str, tuple[str, str]] = {
     **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated")},

@@ -39,7 +39,7 @@ import numpy as np
 from llamarl_jax import distributed, parallel
 from llamarl_jax.checkpoint import Checkpointer
 from llamarl_jax.config import RunConfig
-from llamarl_jax.executors.generator import GeneratorExecutor, encode_prompts
+from llamarl_jax.executors.generator import GeneratorExecutor
 from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.executors.scoring import decode_responses
 from llamarl_jax.executors.trainer import TrainerExecutor
@@ -104,12 +104,15 @@ class Controller:
                                        processes=self.roles.trainer if multi else None)
     # A RewardExecutor passed in belongs to the caller (e.g. one pool shared by a study's runs).
     self._owns_reward = not isinstance(config.reward.fn, RewardExecutor)
-    self.sampler = None
+    self.sampler = self.env = None
     if self.is_generator:
       gen_config = model_config.replace(param_dtype=g.dtype, dtype=g.dtype)
       self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0)
       ex.reward = config.reward.fn if not self._owns_reward else RewardExecutor(
           config.reward.fn, num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
+      from llamarl_jax.envs import make_environment
+
+      self.env = make_environment(config.env)
       engine = None
       if g.engine == "slots":
         max_prompt = g.max_prompt_len or max(1, min(512, model_config.max_position_embeddings - r.max_new_tokens))
@@ -123,7 +126,8 @@ class Controller:
                                        version_schedule=config.schedule.version_schedule, seed=r.seed,
                                        delay_s=g.delay_s, device_turn=ex.device_turn if config.mesh.colocated else None,
                                        engine=engine, dynamic_sampling=r.dynamic_sampling,
-                                       score=ex.reward.score if r.dynamic_sampling else None)
+                                       score=ex.reward.score if r.dynamic_sampling else None,
+                                       env=self.env, env_config=config.env)
     if multi:
       from llamarl_jax.multiprocess.protocol import Context
       from llamarl_jax.transfer import WeightPlan
@@ -315,16 +319,13 @@ class Controller:
       params = self.mp.push_weights(self.trainer.params if self.is_trainer else None)
     result = None
     if self.is_generator:
-      prompts = encode_prompts(self.tokenizer, examples)
-      with self.ex.device_turn:
-        if params is None:
+      if params is None:
+        with self.ex.device_turn:
           params, _ = self.ex.weights.to_generator(self.trainer.params)
-        greedy = dataclasses.replace(self.sampling, temperature=0.0, n=1, seed=0)
-        rollout = self.sampler.generate(params, prompts, greedy).to_host()
-        sampled = None
-        if samples:
-          sampled = self.sampler.generate(params, prompts, dataclasses.replace(self.sampling, n=samples, seed=seed))
-          sampled = sampled.to_host()
+      # Episodes as in training (one turn, or turns with tools), each generate call taking the device turn.
+      gen = self.ex.generator
+      rollout = gen._sample(examples, 0, params, 0, greedy=True, n=1, record=False)
+      sampled = gen._sample(examples, seed, params, 0, n=samples, record=False) if samples else None
       if self.mp is None or jax.process_index() == self.roles.generator_leader:
         result = self._score_eval(examples, rollout, sampled, samples)
     if self.mp is not None:
@@ -332,19 +333,26 @@ class Controller:
       result["eval/samples"] = [tuple(x) for x in result["eval/samples"]]
     return result
 
-  def _score_eval(self, examples: Sequence, rollout, sampled, samples: int) -> dict:
+  def _score_eval(self, examples: Sequence, episodes, sampled, samples: int) -> dict:
+    """Accuracy of the episodes' answers (`Episodes.answers`; single-turn: the responses)."""
     truths = [ex.ground_truth for ex in examples]
-    texts = decode_responses(self.tokenizer, rollout)
-    rewards = np.asarray(self.ex.reward.score(texts, truths)[0])
+    texts = decode_responses(self.tokenizer, episodes.rollout)
+    answers = episodes.answers if episodes.answers is not None else texts
+    rewards = np.asarray(self.ex.reward.score(answers, truths)[0])
     out = {"eval/accuracy": float(np.mean(rewards >= 1.0)), "eval/reward_mean": float(rewards.mean()),
            "eval/samples": [(ex.prompt, t) for ex, t in zip(examples[:3], texts[:3])]}
+    out.update({f"eval/{k.replace('/', '_')}": v for k, v in episodes.metrics.items()
+                if k in ("episode/turns_mean", "episode/tool_calls_mean", "tool/errors")})
     if sampled is not None:
-      sampled_texts = decode_responses(self.tokenizer, sampled)
-      sampled_rewards = np.asarray(self.ex.reward.score(sampled_texts, np.repeat(truths, samples).tolist())[0])
+      sampled_answers = (sampled.answers if sampled.answers is not None
+                         else decode_responses(self.tokenizer, sampled.rollout))
+      sampled_rewards = np.asarray(self.ex.reward.score(sampled_answers, np.repeat(truths, samples).tolist())[0])
       out["eval/pass1_sampled"] = float(np.mean(sampled_rewards >= 1.0))
     return out
 
   def close(self) -> None:
+    if self.ex.generator is not None:
+      self.ex.generator.close()
     if self.ex.weights is not None:
       self.ex.weights.close()
     if self.ex.reward is not None and self._owns_reward:

@@ -120,8 +120,10 @@ def process_roles():
   return distributed.derive_roles(*parallel.make_meshes(**mesh_layout()))
 
 
-def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int):
-  """Left-padded prompts and right-padded `completion + eos` as (prompt, mask, response, mask) arrays."""
+def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int, env=None):
+  """Left-padded prompts and right-padded `completion + eos` as (prompt, mask, response, mask) arrays.
+  With a multi-turn `env`, the response is the demonstration episode: model turns (+ eos, mask 1) and
+  observations (mask 0)."""
   pad = tokenizer.pad_token_id or 0
   B = len(examples)
   pt = np.full((B, prompt_len), pad, np.int32)
@@ -130,9 +132,15 @@ def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int)
   rm = np.zeros((B, resp_len), np.int32)
   for i, (ex, comp) in enumerate(zip(examples, completions)):
     p = ex.encode(tokenizer)[-prompt_len:]
-    r = (tokenizer(comp, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:resp_len]
+    segments = [(comp, True)] if env is None else env.demonstration(ex, comp)
+    r, m = [], []
+    for text, by_model in segments:
+      ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if by_model else [])
+      r += ids
+      m += [int(by_model)] * len(ids)
+    r, m = r[:resp_len], m[:resp_len]
     pt[i, prompt_len - len(p):], pm[i, prompt_len - len(p):] = p, 1
-    rt[i, :len(r)], rm[i, :len(r)] = r, 1
+    rt[i, :len(r)], rm[i, :len(r)] = r, m
   return pt, pm, rt, rm
 
 
@@ -140,10 +148,12 @@ def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int)
 def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptSource, *, steps: int = 300,
                          batch_size: int = 64, learning_rate: float = 3e-3, prompt_len: int = 32,
                          resp_len: int = 16, log_every: int = 50, logger: MetricsLogger | None = None,
-                         progress: bool = True):
+                         progress: bool = True, env=None):
   """Maximum-likelihood fine-tuning on the task's reference completions (`source.reference(ex)`).
 
-  This is the warm start before RL, so RL starts from a policy that sometimes succeeds.
+  This is the warm start before RL, so RL starts from a policy that sometimes succeeds. env: the run's
+  `Environment` (None: single-turn): a demonstration is `env.demonstration(example, completion)`, its
+  model turns trained on (each + EOS), its observations only context.
   """
   abstract = abstract_model(config)
   graphdef, _ = split_params(abstract)
@@ -174,7 +184,7 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
                     if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) else None)
   for i in it:
     examples = source.next_batch(batch_size)
-    batch = _sft_batch(tokenizer, examples, [source.reference(ex) for ex in examples], prompt_len, resp_len)
+    batch = _sft_batch(tokenizer, examples, [source.reference(ex) for ex in examples], prompt_len, resp_len, env=env)
     if batch_sharding is not None:
       batch = jax.device_put(batch, batch_sharding)
     params, opt_state, loss = step(params, opt_state, *batch)
@@ -248,7 +258,8 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                                   "window": eval_window}  # in checkpoints; may change on resume
   logger = None
   try:
-    max_prompt_tokens = config.max_position_embeddings - controller.sampling.max_new_tokens
+    max_prompt_tokens = (config.max_position_embeddings
+                         - controller.config.env.response_width(controller.sampling.max_new_tokens))
     for source in (rl_source, eval_source):
       if source is not None:
         source.limit_prompts(max_prompt_tokens)
@@ -355,8 +366,13 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
                                       (controller.checkpointer.skipped if controller.is_trainer else [])]
   elif sft and controller.is_trainer:
     source = sft_source or rl_source.fork(seed_offset=1)
+    env = None
+    if controller.config.env.multi_turn:  # demonstrations are episodes (a trainer-only process has no env yet)
+      from llamarl_jax.envs import make_environment
+
+      env = controller.env if controller.env is not None else make_environment(controller.config.env)
     params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
-                                  progress=progress)
+                                  progress=progress, env=env)
     controller.trainer.load_params(params)
   evaluating = len(eval_examples) > 0  # eval_size = 0 skips every held-out evaluation
   evals: list[dict] = []

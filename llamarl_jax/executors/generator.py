@@ -44,6 +44,7 @@ from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups
 from llamarl_jax.generation.rollout import FINISH_LENGTH
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.config import DynamicSampling
+from llamarl_jax.envs import Episodes, SingleTurn, run_episodes
 from llamarl_jax.schedule import batch_seed, draw_seed, scheduled_version
 
 
@@ -100,6 +101,8 @@ class Generated:
   metrics: dict = field(default_factory=dict)
   rewards: Any = None  # [B] when scored in the generator loop (dynamic sampling), else None
   reward_metrics: dict = field(default_factory=dict)  # the reward executor's metrics of those rewards
+  answers: list[str] | None = None  # [B] what the reward function scores (multi-turn); None: the responses
+  env_rewards: Any = None  # [B] the environments' reward contributions (multi-turn), else None
 
 
 def encode_prompts(tokenizer, examples) -> list[list[int]]:
@@ -116,12 +119,26 @@ class GeneratorExecutor:
   engine: a `SlotEngine` (built with `sampling`) to stream batches through; None = static batches.
   dynamic_sampling: a `DynamicSampling` (static batches only), with `score(texts, ground_truths) ->
     (rewards, metrics)` (a `RewardExecutor.score`); None = every drawn group is kept.
+  env: the `Environment` of an episode (static batches; None = `SingleTurn`), with `env_config` (its
+    `EnvConfig`: response width, observation budget, tool threads). Episodes run through
+    `envs.run_episodes`; tool calls run on this executor's tool threads.
   """
 
   def __init__(self, sampler: Sampler, tokenizer, prompt_source, sampling: SamplingParams, *,
                prompts_per_step: int, max_policy_lag: int, version_schedule: str = "fixed", seed: int = 0,
                delay_s: float = 0.0, device_turn: Any = None, engine: SlotEngine | None = None,
-               dynamic_sampling: DynamicSampling | None = None, score: Callable | None = None):
+               dynamic_sampling: DynamicSampling | None = None, score: Callable | None = None,
+               env: Any = None, env_config: Any = None):
+    self.env = env if env is not None else SingleTurn()
+    self.env_config = env_config
+    self.tool_pool = None
+    if not isinstance(self.env, SingleTurn):
+      if engine is not None or env_config is None:
+        raise ValueError("multi-turn episodes need the static engine (GeneratorConfig.engine='static') and "
+                         "their EnvConfig")
+      import concurrent.futures
+
+      self.tool_pool = concurrent.futures.ThreadPoolExecutor(env_config.tool_workers, thread_name_prefix="tools")
     if dynamic_sampling is not None and (engine is not None or score is None):
       raise ValueError("dynamic sampling needs the static engine (GeneratorConfig.engine='static') and a score "
                        "function; the slot engine streams batches and cannot redraw one yet")
@@ -167,29 +184,54 @@ class GeneratorExecutor:
       return item
     examples = self.prompt_source.next_batch(self.prompts_per_step)
     data_state = self.prompt_source.state_dict()
-    rollout = self._sample(examples, batch_seed(self.seed, index), params, version)
+    episodes = self._sample(examples, batch_seed(self.seed, index), params, version)
+    rollout = episodes.rollout
     t2 = time.perf_counter()
     self.timer.busy += t2 - t1
     counters = self.prompt_source.counters()  # data/truncated_prompts, data/skipped_rows
     return Generated(index, rollout, examples, data_state, {
-        "throughput/gen_tokens_per_s": float(np.sum(rollout.lengths)) / max(t2 - t1, 1e-9),
+        "throughput/gen_tokens_per_s": float(np.sum(rollout.response_mask)) / max(t2 - t1, 1e-9),
         "generate/response_length_mean": float(np.mean(rollout.lengths)),
-        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)), **counters})
+        "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)), **counters,
+        **episodes.metrics}, answers=episodes.answers, env_rewards=episodes.env_rewards)
 
-  def _sample(self, examples, seed: int, params: Any, version: int):
-    """One `Sampler.generate` call on the generator's devices -> host RolloutBatch."""
-    sampling = dataclasses.replace(self.sampling, seed=seed)
-    with self.device_turn:
-      t_dev = time.perf_counter()
-      rollout = self.sampler.generate(params, encode_prompts(self.tokenizer, examples), sampling,
-                                      policy_version=version).to_host()
-      if self.delay_s:
-        time.sleep(self.delay_s)
-      t2 = time.perf_counter()
-    self.timeline.append(("generate", t_dev, t2))
-    if len(self.timeline) > 20_000:  # bounded over a long run
-      del self.timeline[:-10_000]
-    return rollout
+  def _sample(self, examples, seed: int, params: Any, version: int, *, greedy: bool = False,
+              n: int | None = None, record: bool = True) -> Episodes:
+    """The episodes of `examples` (`envs.run_episodes`: one `Sampler.generate` call per turn on the
+    generator's devices, each taking the device turn) -> host batch, answers, environment rewards and
+    metrics. greedy / n: temperature 0 / samples per prompt instead of the run's (evaluations);
+    record=False: not in the timeline and without the emulated delay (evaluations)."""
+    sampling = dataclasses.replace(self.sampling, seed=seed, n=self.sampling.n if n is None else n,
+                                   **({"temperature": 0.0} if greedy else {}))
+
+    def generate(prompts, sampling):
+      with self.device_turn:
+        t_dev = time.perf_counter()
+        rollout = self.sampler.generate(params, prompts, sampling, policy_version=version).to_host()
+        if self.delay_s and record:
+          time.sleep(self.delay_s)
+        t2 = time.perf_counter()
+      if record:
+        self.timeline.append(("generate", t_dev, t2))
+        if len(self.timeline) > 20_000:  # bounded over a long run
+          del self.timeline[:-10_000]
+      return rollout
+
+    env_config = self.env_config
+    return run_episodes(generate, self.env, examples, encode_prompts(self.tokenizer, examples), sampling,
+                        tokenizer=self.tokenizer,
+                        response_width=(env_config.response_width(sampling.max_new_tokens) if env_config
+                                        else sampling.max_new_tokens),
+                        max_observation_tokens=env_config.max_observation_tokens if env_config else 0,
+                        tool_pool=self.tool_pool, batch_multiple=self.sampler.batch_multiple,
+                        pad_id=self.sampler.pad_id)
+
+  def close(self) -> None:
+    """Stop the tool threads and the environment's tools (idempotent)."""
+    if self.tool_pool is not None:
+      self.tool_pool.shutdown(wait=True)
+    if hasattr(self.env, "close"):
+      self.env.close()
 
   def generate_informative(self, index: int, params: Any, version: int) -> Generated:
     """Batch `index` under DAPO's dynamic sampling (see `DynamicSampling`): draw prompts_per_step prompts,
@@ -199,38 +241,52 @@ class GeneratorExecutor:
 
     pps, n = self.prompts_per_step, self.sampling.n
     rollouts, examples, rewards, informative, reward_metrics = [], [], [], [], {}
+    answers, env_rewards, episode_metrics = [], [], []
     for d in range(self.dynamic_sampling.max_draws):
       drawn = self.prompt_source.next_batch(pps)
       if len(drawn) < pps and d > 0:  # a finite source ran out: keep what the earlier draws have
         break
-      rollout = self._sample(drawn, draw_seed(self.seed, index, d), params, version)
-      texts = decode_responses(self.tokenizer, rollout)
+      episodes = self._sample(drawn, draw_seed(self.seed, index, d), params, version)
+      rollout = episodes.rollout
+      texts = episodes.answers if episodes.answers is not None else decode_responses(self.tokenizer, rollout)
       r, m = self.score(texts, [ex.ground_truth for ex in drawn for _ in range(n)])
       for k, v in m.items():  # counts add up over the draws; a peak memory is a max
         reward_metrics[k] = max(reward_metrics.get(k, v), v) if k.endswith("_mb") else reward_metrics.get(k, 0) + v
       rollouts.append(rollout)
       examples.append(drawn)
       rewards.append(np.asarray(r, np.float32))
-      informative.append(informative_groups(r, len(drawn), n))
+      env_r = (np.zeros(len(texts), np.float32) if episodes.env_rewards is None
+               else np.asarray(episodes.env_rewards, np.float32))
+      answers.append(texts)
+      env_rewards.append(env_r)
+      episode_metrics.append(episodes.metrics)
+      informative.append(informative_groups(rewards[-1] + env_r, len(drawn), n))
       if sum(int(np.sum(x)) for x in informative) >= pps:
         break
     data_state = self.prompt_source.state_dict()
     picks = pick_groups(informative, pps)
     rollout = take_groups(rollouts, picks, n, self.sampler.pad_id)
     batch_rewards = np.concatenate([rewards[d][g * n:(g + 1) * n] for d, g in picks])
+    multi_turn = not isinstance(self.env, SingleTurn)
+    batch_env_rewards = np.concatenate([env_rewards[d][g * n:(g + 1) * n] for d, g in picks]) if multi_turn else None
+    batch_answers = [answers[d][i] for d, g in picks for i in range(g * n, (g + 1) * n)] if multi_turn else None
     drawn_groups = sum(len(x) for x in informative)
     kept_informative = sum(bool(informative[d][g]) for d, g in picks)
     counters = self.prompt_source.counters()
     metrics = {
-        "generate/tokens": float(sum(np.sum(r.lengths) for r in rollouts)),
+        "generate/tokens": float(sum(np.sum(r.response_mask) for r in rollouts)),
         "generate/response_length_mean": float(np.mean(rollout.lengths)),
         "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)),
         "dynamic_sampling/draws": float(len(rollouts)),
         "dynamic_sampling/drop_rate": float(1 - sum(int(np.sum(x)) for x in informative) / drawn_groups),
         "dynamic_sampling/frac_groups_uninformative": float(1 - kept_informative / len(picks)),
         **counters}
+    for k in episode_metrics[0]:  # the episode metrics of all draws: means of means, sums of counts
+      values = [m.get(k, 0.0) for m in episode_metrics]
+      metrics[k] = float(sum(values) if k in ("tool/calls", "tool/errors", "tool/timeouts") else np.mean(values))
     return Generated(index, rollout, [examples[d][g] for d, g in picks], data_state, metrics,
-                     rewards=batch_rewards, reward_metrics=reward_metrics)
+                     rewards=batch_rewards, reward_metrics=reward_metrics, answers=batch_answers,
+                     env_rewards=batch_env_rewards)
 
   def run(self, weights, emit: Callable[[Generated], bool], stop: threading.Event, *, start_index: int,
           first_version: int) -> None:

@@ -40,13 +40,15 @@ def decode_responses(tokenizer, rollout) -> list[str]:
 def score_generated(item, reward, tokenizer, *, samples_per_prompt: int, advantage_estimator: str,
                     overlong: OverlongShaping | None = None,
                     max_new_tokens: int | None = None) -> tuple[ScoredBatch, dict, list[str]]:
-  """Score a `Generated` batch with a RewardExecutor: (ScoredBatch, reward metrics, decoded texts)."""
+  """Score a `Generated` batch with a RewardExecutor: (ScoredBatch, reward metrics, decoded texts: whole
+  episodes, observations included). The reward function scores `item.answers` when the episodes
+  have them (multi-turn: the final answer), else the decoded responses."""
   texts = decode_responses(tokenizer, item.rollout)
   if item.rewards is not None:  # scored in the generator loop (dynamic sampling)
     rewards, reward_metrics = item.rewards, item.reward_metrics
   else:
     truths = [ex.ground_truth for ex in item.examples for _ in range(samples_per_prompt)]
-    rewards, reward_metrics = reward.score(texts, truths)
+    rewards, reward_metrics = reward.score(item.answers if item.answers is not None else texts, truths)
   scored, metrics = scored_from_rewards(item, rewards, reward_metrics, advantage_estimator=advantage_estimator,
                                         overlong=overlong, max_new_tokens=max_new_tokens)
   return scored, metrics, texts
@@ -61,13 +63,19 @@ def scored_from_rewards(item, rewards, reward_metrics: dict, *, advantage_estima
   of the prompts; the shares' rewards are concatenated and their counts summed first).
   `overlong` (with `max_new_tokens`, the sampling limit): DAPO's length penalty is added to the
   rewards before the advantages, and truncated responses may be masked out of the loss (see
-  `OverlongShaping`). reward/mean, std and accuracy stay those of the verifier's rewards.
+  `OverlongShaping`). reward/mean, std and accuracy stay those of the verifier's rewards. Multi-turn
+  episodes' environment rewards (`item.env_rewards`) are added before the advantages (reward/env_mean).
   """
   rewards = np.asarray(rewards, np.float32)
   rollout = item.rollout
   shaped, shaping_metrics = rewards, {}
+  if getattr(item, "env_rewards", None) is not None:
+    env_rewards = np.asarray(item.env_rewards, np.float32)
+    shaped = (shaped + env_rewards).astype(np.float32)
+    shaping_metrics["reward/env_mean"] = float(env_rewards.mean())
   if overlong is not None and overlong.enabled:
-    shaped, rollout, shaping_metrics = _apply_overlong(rewards, rollout, overlong, max_new_tokens)
+    shaped, rollout, overlong_metrics = _apply_overlong(shaped, rollout, overlong, max_new_tokens)
+    shaping_metrics.update(overlong_metrics)
   adv = np.asarray(compute_advantages(shaped, rollout.group_ids, len(item.examples),
                                       advantage_estimator), np.float32)
   metrics = dict(item.metrics)

@@ -56,6 +56,9 @@ class ArithmeticTask:
   demo_prefix / demo_prefix_rate: with that probability the demonstration is written `demo_prefix +
   answer` ("ans 81"), a format the exact verifier rejects (a teacher that does not follow the
   answer format; RL learns the format from the reward).
+  demo_tool / demo_tool_rate: with that probability the demonstration is the tool call
+  `demo_tool(expression)` instead of the answer (a multi-turn `ToolEnvironment` runs the call and
+  completes the demonstration with the tool's output as the answer; the tool task of issue 28).
   """
   min_digits: int = 1
   max_digits: int = 2
@@ -64,6 +67,8 @@ class ArithmeticTask:
   demo_sign_error: float = 0.0
   demo_prefix: str = ""
   demo_prefix_rate: float = 0.0
+  demo_tool: str = ""
+  demo_tool_rate: float = 0.0
   name: ClassVar[str] = "arithmetic"
 
   def __post_init__(self):
@@ -73,6 +78,10 @@ class ArithmeticTask:
       raise ValueError(f"demo_sign_error is a probability, got {self.demo_sign_error}")
     if not 0.0 <= self.demo_prefix_rate <= 1.0:
       raise ValueError(f"demo_prefix_rate is a probability, got {self.demo_prefix_rate}")
+    if not 0.0 <= self.demo_tool_rate <= 1.0:
+      raise ValueError(f"demo_tool_rate is a probability, got {self.demo_tool_rate}")
+    if self.demo_tool_rate and not self.demo_tool:
+      raise ValueError("demo_tool_rate > 0 needs demo_tool, the name of the tool the demonstrations call")
     if self.num_operands < 2:
       raise ValueError(f"num_operands must be >= 2, got {self.num_operands}")
     if not self.ops or set(self.ops) - set("+-*"):
@@ -89,6 +98,8 @@ class ArithmeticTask:
       demo = answer.lstrip("-")
     if self.demo_prefix_rate and rng.random() < self.demo_prefix_rate:
       demo = self.demo_prefix + demo
+    if self.demo_tool_rate and rng.random() < self.demo_tool_rate:
+      demo = f"{self.demo_tool}({expr})"
     return TaskInstance(prompt=expr + "=", ground_truth=answer, completion=demo)
 
   @staticmethod

@@ -132,7 +132,8 @@ def _score_share(ex: Executors, config: RunConfig, run_id: int, item: Generated)
   mine = share_rows(num_prompts, len(gens), mp.generator_rank)
   rows = slice(mine.start * n, mine.stop * n)
   truths = [e.ground_truth for e in item.examples[mine] for _ in range(n)]
-  rewards, counts = (ex.reward.score(texts[rows], truths) if truths
+  scored_texts = item.answers if item.answers is not None else texts
+  rewards, counts = (ex.reward.score(scored_texts[rows], truths) if truths
                      else (np.zeros(0, np.float32), {}))
   counts = {k: float(v) for k, v in counts.items() if not k.startswith("time/")}
   mp.kv.set_json(run_key(run_id, "score", item.index, mp.generator_rank),

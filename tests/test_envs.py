@@ -1,0 +1,269 @@
+"""Episodes (issue 28): the Environment protocol, the calculator and tool environment, the one rollout
+path (`run_episodes`), observation masking through the trainer, exact behaviour log-probs after a tool
+turn, demonstrations for the warm start, and the config's refusals."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from llamarl_jax import parallel
+from llamarl_jax.config import ConfigError, EnvConfig, RunConfig, run_config
+from llamarl_jax.envs import SingleTurn, ToolEnvironment, Transition, calc, make_environment, run_episodes, turn_seed
+from llamarl_jax.envs.episodes import _bucket
+from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor, token_logprobs
+from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch, ScoredBatch
+from llamarl_jax.generation.sampler import Sampler, SamplingParams
+from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.tokenizer import make_char_tokenizer
+
+TOK = make_char_tokenizer()
+EOS = TOK.eos_token_id
+
+
+def ids(text):
+  return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the calculator and the tool environment
+
+
+@pytest.mark.parametrize("expr, out, status", [
+    ("347*829", "287663", "ok"), ("12+30/4", "39/2", "ok"), ("(2+3)*(4-9)", "-25", "ok"), ("1.5*4", "6", "ok"),
+    ("1/0", "error: division by zero", "error"), ("2**3", None, "error"), ("", None, "error"),
+    ("__import__('os').system('id')", None, "error"), ("x+1", None, "error"), ("9" * 201, None, "error")])
+def test_calc_is_exact_and_never_evaluates_code(expr, out, status):
+  got, got_status = calc(expr)
+  assert got_status == status, (expr, got)
+  if out is not None:
+    assert got == out
+  else:
+    assert got.startswith("error:")
+
+
+def test_tool_environment_turns():
+  env = ToolEnvironment({"calc": calc}, max_turns=3)
+  call = env.step(None, [], "calc(347*829)")
+  assert (call.observation, call.done, call.call.tool, call.call.status) == ("[287663]", False, "calc", "ok")
+  assert env.step(None, ["calc(347*829)"], "287663") == Transition(done=True)  # an answer ends the episode
+  bad = env.step(None, [], "calc(12+)")
+  assert not bad.done and bad.call.status == "error" and bad.observation.startswith("[error:")
+  unknown = env.step(None, [], "search(cats)")
+  assert unknown.call.status == "unknown_tool" and "calc" in unknown.observation
+  assert env.answer(["calc(1+1)", "2"]) == "2"
+  # the no-tool baseline: a call is just an answer (a wrong one)
+  assert ToolEnvironment({}, max_turns=3).step(None, [], "calc(1+1)") == Transition(done=True)
+  with pytest.raises(ValueError, match="needs an observation"):
+    Transition(done=False)
+
+
+def test_tool_failures_are_observations_not_crashes():
+  def broken(args):
+    raise RuntimeError("tool bug")
+
+  env = ToolEnvironment({"t": broken, "big": lambda a: ("x" * 10_000, "ok")}, max_output_chars=64)
+  out = env.step(None, [], "t(1)")
+  assert out.call.status == "error" and "RuntimeError" in out.observation and not out.done
+  big = env.step(None, [], "big(1)")
+  assert len(big.observation) == 64 + 3 + 2  # cut output, "...", the two markers
+
+
+def test_demonstrations():
+  env = ToolEnvironment({"calc": calc})
+  assert env.demonstration(None, "calc(12*12)") == [("calc(12*12)", True), ("[144]", False), ("144", True)]
+  assert env.demonstration(None, "144") == [("144", True)]
+  assert SingleTurn().demonstration(None, "81") == [("81", True)]
+  with pytest.raises(ValueError, match="fails"):
+    env.demonstration(None, "calc(1/0)")
+
+
+def test_sft_batch_masks_observations():
+  from llamarl_jax.data import PromptExample
+  from llamarl_jax.experiment import _sft_batch
+
+  ex = PromptExample(prompt="12*12=", ground_truth="144", task="arithmetic", index=0)
+  env = ToolEnvironment({"calc": calc})
+  pt, pm, rt, rm = _sft_batch(TOK, [ex, ex], ["calc(12*12)", "144"], 8, 24, env=env)
+  want = ids("calc(12*12)") + [EOS] + ids("[144]") + ids("144") + [EOS]
+  assert rt[0, :len(want)].tolist() == want
+  assert rm[0, :len(want)].tolist() == [1] * 12 + [0] * 5 + [1] * 4 and rm[0, len(want):].sum() == 0
+  assert rt[1, :4].tolist() == ids("144") + [EOS] and rm[1].tolist() == [1] * 4 + [0] * 20
+  # single-turn (env None) is unchanged: completion + eos, all trained
+  single = _sft_batch(TOK, [ex], ["144"], 8, 24)
+  assert single[2][0, :4].tolist() == ids("144") + [EOS] and single[3][0].sum() == 4
+
+
+def test_env_config_refusals():
+  with pytest.raises(ConfigError, match="max_turns"):
+    EnvConfig(max_turns=2)
+  with pytest.raises(ConfigError, match="tools"):
+    EnvConfig(name="tools", tools=("calc", "shell"))
+  with pytest.raises(ConfigError, match="static"):
+    RunConfig(env=EnvConfig(name="tools", max_turns=2))  # the slot engine is the default
+  cfg = RunConfig(env=EnvConfig(name="tools", max_turns=2, tools=["calc"]), generator=run_config(
+      generator_engine="static").generator)
+  assert cfg.env.tools == ("calc",) and cfg.env.response_width(16) == 16 * 2 + 32
+  assert "env" in cfg.record() and "env" not in RunConfig().record()  # old checkpoints compare as before
+  assert isinstance(make_environment(EnvConfig()), SingleTurn)
+
+
+# ------------------------------------------------------------------------------------------------
+# run_episodes with a scripted generator: the batch's layout, exactly
+
+
+def scripted_generate(script):
+  """A `generate(prompts, sampling)` that answers each prompt (by its text) from `script` {context text:
+  turn text}; behaviour log-probs -0.1 * (t + 1) so the test can see where they land."""
+  calls = []
+
+  def generate(prompts, sampling):
+    calls.append((len(prompts), sampling.n, sampling.seed))
+    rows = [p for p in prompts for _ in range(sampling.n)]
+    R = sampling.max_new_tokens
+    toks = np.zeros((len(rows), R), np.int32)
+    lengths = np.zeros(len(rows), np.int32)
+    finish = np.full(len(rows), FINISH_STOP, np.int32)
+    for r, p in enumerate(rows):
+      out = ids(script[TOK.decode(p[1:], skip_special_tokens=True)]) + [EOS]
+      if len(out) > R:
+        out, finish[r] = out[:R], FINISH_LENGTH
+      toks[r, :len(out)], lengths[r] = out, len(out)
+    t = np.arange(R)[None]
+    mask = (t < lengths[:, None]).astype(np.int32)
+    P = max(len(p) for p in rows)
+    pt = np.array([[0] * (P - len(p)) + list(p) for p in rows], np.int32)
+    return RolloutBatch(prompt_tokens=pt, prompt_mask=(pt > 0).astype(np.int32), response_tokens=toks,
+                        response_mask=mask, behaviour_logprobs=np.where(mask, -0.1 * (t + 1), 0).astype(np.float32),
+                        lengths=lengths, finish_reason=finish,
+                        group_ids=np.repeat(np.arange(len(prompts)), sampling.n).astype(np.int32),
+                        policy_version=np.full(len(rows), 7, np.int32), token_versions=np.full((len(rows), R), 7))
+
+  return generate, calls
+
+
+def test_run_episodes_layout_masks_and_metrics():
+  script = {"1*2=": "calc(1*2)", "1*2=calc(1*2)[2]": "2", "3*4=": "12", "8*9=": "72",  # (contexts decoded
+            "5*6=": "calc(5*6)", "5*6=calc(5*6)[30]": "calc(30*1)", "5*6=calc(5*6)[30]calc(30*1)[30]": "3"}  # w/o eos)
+  generate, calls = scripted_generate(script)
+  examples = ["a", "b", "c", "d"]
+  prompts = [[1] + ids("1*2="), [1] + ids("3*4="), [1] + ids("5*6="), [1] + ids("8*9=")]
+  env = ToolEnvironment({"calc": calc}, max_turns=3)
+  sampling = SamplingParams(max_new_tokens=12, n=1, stop_token_ids=(EOS,), seed=5)
+  out = run_episodes(generate, env, examples, prompts, sampling, tokenizer=TOK, response_width=40,
+                     max_observation_tokens=8, batch_multiple=1)
+  r = out.rollout
+  assert out.answers == ["2", "12", "3", "72"]
+  assert np.all(out.env_rewards == 0)
+  # row 0: turn "calc(1*2)"+eos (mask 1), observation "[2]" (mask 0), turn "2"+eos (mask 1)
+  want = ids("calc(1*2)") + [EOS] + ids("[2]") + ids("2") + [EOS]
+  assert r.response_tokens[0, :len(want)].tolist() == want and r.lengths[0] == len(want)
+  assert r.response_mask[0].tolist() == [1] * 10 + [0] * 3 + [1] * 2 + [0] * 25
+  # the behaviour log-probs of each turn start again at -0.1 (its first token); 0 on the observation
+  np.testing.assert_allclose(r.behaviour_logprobs[0, 9:15], [-1.0, 0, 0, 0, -0.1, -0.2], rtol=1e-6)
+  assert r.response_mask[1].tolist() == [1] * 3 + [0] * 37  # a one-turn episode
+  assert r.finish_reason.tolist() == [FINISH_STOP] * 4
+  assert r.token_versions.shape == (4, 40) and np.all(r.token_versions == 7)
+  # turn 2 sampled the 2 rows that went on (the bucket 4 / 2), turn 3 one row (4 / 4)
+  assert [c[0] for c in calls] == [4, 2, 1] and calls[1][2] == turn_seed(5, 1) and calls[2][2] == turn_seed(5, 2)
+  m = out.metrics
+  assert m["episode/turns_mean"] == pytest.approx((2 + 1 + 3 + 1) / 4) and m["tool/calls"] == 3
+  assert m["episode/masked_token_fraction"] == pytest.approx((3 + 4 + 4) / r.lengths.sum())
+  assert m["tool/errors"] == 0
+
+
+def test_run_episodes_budget_cuts_and_single_turn_is_the_sampler_batch():
+  generate, _ = scripted_generate({"1*2=": "calc(1*2)", "1*2=calc(1*2)[2]": "22222222"})
+  sampling = SamplingParams(max_new_tokens=12, n=2, stop_token_ids=(EOS,), seed=0)
+  env = ToolEnvironment({"calc": calc}, max_turns=3)
+  out = run_episodes(generate, env, ["a"], [[1] + ids("1*2=")], sampling, tokenizer=TOK, response_width=16)
+  r = out.rollout
+  assert r.lengths.tolist() == [16, 16] and r.finish_reason.tolist() == [FINISH_LENGTH] * 2
+  assert r.response_mask[0].tolist() == [1] * 10 + [0] * 3 + [1] * 3  # the answer cut at the budget
+  first = generate([[1] + ids("1*2=")], sampling)
+  single = run_episodes(lambda p, s: first, SingleTurn(), ["a"], [[1] + ids("1*2=")], sampling, tokenizer=TOK,
+                        response_width=12)
+  assert single.rollout is first and single.answers is None and single.env_rewards is None
+
+
+def test_bucket():
+  assert [_bucket(c, 64, 2) for c in (1, 2, 3, 17, 33, 64)] == [2, 2, 4, 32, 64, 64]
+  assert _bucket(5, 48, 1) == 6 and _bucket(1, 7, 1) == 7
+
+
+# ------------------------------------------------------------------------------------------------
+# a real model: behaviour log-probs after a tool turn, and observations through the trainer
+
+CONFIG = ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                     num_kv_heads=2, max_position_embeddings=128, rope_theta=10000.0)
+
+
+class EchoTool:
+  """Every turn but the last gets an observation (the environment of a tool that always answers)."""
+  max_turns = 3
+
+  def step(self, example, turns, text):
+    return Transition(observation=f"[{len(turns)}:{text[:3]}]", done=False)
+
+  def answer(self, turns):
+    return turns[-1]
+
+
+@pytest.fixture(scope="module")
+def random_model_episodes():
+  _, params = split_params(Llama(CONFIG, rngs=nnx.Rngs(params=3)))
+  sampler = Sampler(CONFIG, pad_id=0)
+  # 40 stop tokens: the random model ends most turns within a few tokens (it never picks EOS alone)
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=6, n=4, stop_token_ids=tuple(range(2, 42)), seed=11)
+  prompts = [[1] + ids("12*3="), [1] + ids("7*8=")]
+  out = run_episodes(lambda p, s: sampler.generate(params, p, s, policy_version=0).to_host(), EchoTool(),
+                     ["a", "b"], prompts, sampling, tokenizer=TOK, response_width=40, max_observation_tokens=8)
+  return params, out
+
+
+def test_behaviour_logprobs_after_tool_turns_equal_teacher_forced(random_model_episodes):
+  """Every model token, in every turn (after 0, 1 or 2 observations), was sampled with the log-prob a
+  single teacher-forced forward over the whole episode gives it (the trainer's, lag 0): the re-prefilled
+  context is the same computation as one uninterrupted forward. fp32 on CPU: the two paths sum the
+  same products in different orders (cache vs full attention), ~1e-6 apart; 1e-4 leaves margin."""
+  params, out = random_model_episodes
+  r = out.rollout
+  graphdef, _ = split_params(Llama(CONFIG, rngs=nnx.Rngs(params=0)))
+  teacher = np.asarray(jax.jit(functools.partial(token_logprobs, graphdef))(
+      params, r.prompt_tokens, r.prompt_mask, r.response_tokens, r.response_mask))
+  mask = r.response_mask > 0
+  assert out.metrics["episode/turns_max"] == 3 and out.metrics["episode/turns_mean"] > 2
+  np.testing.assert_allclose(teacher[mask], r.behaviour_logprobs[mask], atol=1e-4)
+  assert np.all(r.behaviour_logprobs[~mask] == 0)
+
+
+def test_observation_tokens_carry_no_loss_and_no_ratio(random_model_episodes):
+  """A trainer step on the episodes is unchanged when the observation positions' behaviour log-probs
+  hold garbage (+50, -inf, NaN): the loss, its metrics (ratio max, clipped fraction, KL) and the new
+  params depend only on the model's tokens. With the mask widened to cover the observations the same
+  garbage changes everything (the check can fail)."""
+  params, out = random_model_episodes
+  r = out.rollout
+  adv = np.where(np.arange(r.batch_size) % 2, 1.0, -1.0).astype(np.float32)
+  obs = (r.response_mask == 0) & (np.arange(r.response_mask.shape[1])[None] < r.lengths[:, None])
+  garbage = r.behaviour_logprobs.copy()
+  garbage[obs] = np.resize(np.array([50.0, -np.inf, np.nan], np.float32), obs.sum())
+
+  def step(rollout):
+    trainer = TrainerExecutor(CONFIG, parallel.make_mesh(jax.devices()[:1]), params,
+                              optimizer=OptimizerConfig(lr=1e-3), loss_kwargs={"rho_max": 2.0})
+    metrics = trainer.step(ScoredBatch(rollout=rollout, rewards=adv, advantages=adv))
+    return metrics, jax.tree.map(np.asarray, trainer.params)
+
+  m0, p0 = step(r)
+  m1, p1 = step(r.replace(behaviour_logprobs=garbage))
+  for k in ("loss/total", "train/grad_norm", "policy/ratio_max", "policy/kl_behaviour", "policy/frac_truncated"):
+    assert m0[k] == m1[k], k
+  jax.tree.map(np.testing.assert_array_equal, p0, p1)
+  widened = (np.arange(r.response_mask.shape[1])[None] < r.lengths[:, None]).astype(np.int32)
+  m2, _ = step(r.replace(behaviour_logprobs=np.where(obs, -50.0, r.behaviour_logprobs).astype(np.float32),
+                         response_mask=widened))
+  assert m2["policy/ratio_max"] > 1e6 * m0["policy/ratio_max"] and m2["policy/kl_behaviour"] > 1.0
