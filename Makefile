@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # The legacy CPU emitters compile about twice as fast as the fusion emitters; tests compile a lot.
 TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"
 
-.PHONY: install install-gpu run test test-quick test-gpu bench bench-gpu study clean
+.PHONY: install install-gpu run test test-quick test-gpu bench bench-gpu study study-offpolicy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -56,6 +56,12 @@ bench: install
 study: install
 	$(BIN)/python -m pip install -q -e '.[study]'
 	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study --seeds 5 $(ARGS)
+
+OFF_POLICY_CELLS = $(shell $(BIN)/python -c "import sys; sys.argv = ['x']; sys.path.insert(0, 'scripts'); import study; print(','.join(study.OFF_POLICY_CELLS))" 2>/dev/null)
+
+study-offpolicy: install  # issue 30's grid: 20 cells x 5 seeds, ~2 h on 2 cores
+	$(BIN)/python -m pip install -q -e '.[study]'
+	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study_offpolicy --seeds 5 --cells $(OFF_POLICY_CELLS) $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs results .pytest_cache

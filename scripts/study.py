@@ -20,8 +20,9 @@
    docs/).
 
 Issue 30's off-policy grid (`OFF_POLICY_CELLS`: lag 4 and 8 x AIPO / CISPO / GSPO / sequence TIS /
-sequence MIS x with and without DAPO dynamic sampling, all on the static engine) is defined but not in
-the default grid, and has not been run: `--cells op_lag4_aipo,op_lag4_aipo_dyn,...` with its own --out.
+sequence MIS x with and without DAPO dynamic sampling, all on the static engine) is not in the default
+grid: `--cells op_lag4_aipo,op_lag4_aipo_dyn,...` with its own --out (`make study-offpolicy`); its report
+adds the dropped-group rate, the paired objective-vs-AIPO and dynamic-vs-not questions and two figures.
 
 Resumable: each finished (cell, seed) writes OUT/runs/<cell>/seed<k>/result.json and is skipped next
 time; an unfinished one starts over. The settings are stored in OUT/study.json and a later call with
@@ -64,7 +65,7 @@ def _off_policy_cells() -> dict[str, tuple[str, dict]]:
   """Issue 30's grid (not in the default study; select with --cells, in its own --out): at lag 4 and 8,
   AIPO detached vs CISPO vs GSPO vs sequence-level TIS vs sequence-level MIS, each without and with
   DAPO dynamic sampling. All on the static engine (dynamic sampling needs it), so the pairs differ
-  only in the objective or the sampling. Defined, not run yet: 20 cells x 5 seeds ~ 1.5 h of 2 cores.
+  only in the objective or the sampling. 20 cells x 5 seeds ~ 2 h of 2 cores.
   `dynamic_sampling` is given as DynamicSampling's fields (`run_one` builds it)."""
   objectives = {
       "aipo": ("AIPO detached rho 2", "aipo", {"rho_max": 2.0}),
@@ -135,6 +136,8 @@ def _settings(cells=()) -> dict:
            for name in ("MeshConfig", "RolloutConfig", "GeneratorConfig", "TrainConfig", "ScheduleConfig",
                         "RewardConfig", "OptimizerConfig", "ModelConfig", "PromptSource", "supervised_warmstart",
                         "build_policy")}
+  if gin.get_bindings("EnvConfig"):  # multi-turn episodes (issue 28); absent from studies made before them
+    bound["EnvConfig"] = repr(sorted(gin.get_bindings("EnvConfig").items()))
   bound["study"] = repr(sorted(_study_knobs().items()))
   settings = {"bindings": bound, "cells": {name: repr(CELLS[name]) for name in CELLS}}
   extra = {name: repr(OFF_POLICY_CELLS[name]) for name in cells if name in OFF_POLICY_CELLS}
@@ -349,7 +352,14 @@ def run_scalars(r: dict, *, eval_window: int, threshold: float, threshold_window
       "kl_behaviour": float(np.mean(s["policy/kl_behaviour"])),
       "frac_truncated": float(np.nanmean(frac)),
       "step_seconds": float(np.median(s["time/step"][3:] or s["time/step"])),
+      # DAPO dynamic sampling: the fraction of drawn groups dropped as uninformative (NaN without it)
+      "drop_rate": _nanmean(s.get("dynamic_sampling/drop_rate", nan)),
   }
+
+
+def _nanmean(values) -> float:
+  kept = [v for v in values if not math.isnan(v)]
+  return sum(kept) / len(kept) if kept else math.nan
 
 
 def summarise(results: dict[str, list[dict]], *, eval_window: int, threshold: float, threshold_window: int,
@@ -362,7 +372,7 @@ def summarise(results: dict[str, list[dict]], *, eval_window: int, threshold: fl
     per_run = [run_scalars(r, eval_window=eval_window, threshold=threshold, threshold_window=threshold_window)
                for r in rs]
     row = {"cell": cell, "description": ALL_CELLS[cell][0], "seeds": [r["seed"] for r in rs]}
-    for key in ("heldout", "pass1", "auc", "kl_behaviour", "frac_truncated", "step_seconds"):
+    for key in ("heldout", "pass1", "auc", "kl_behaviour", "frac_truncated", "step_seconds", "drop_rate"):
       values = [p[key] for p in per_run]  # pass1 is NaN when the study ran without sampled evaluations
       row[key] = stats.t_interval([v for v in values if not math.isnan(v)]).as_dict()
       row[key]["values"] = values
@@ -430,6 +440,29 @@ QUESTIONS = (  # (a, b, key, margin, question)
 )
 
 
+def _off_policy_questions() -> tuple:
+  """Issue 30's comparisons: at each lag every objective against AIPO detached (held-out, AUC), dynamic
+  sampling against none for every objective (held-out, AUC), and lag 8 against lag 4 (held-out)."""
+  names = {"cispo": "CISPO", "gspo": "GSPO", "seq_tis": "sequence TIS", "mis": "sequence MIS", "aipo": "AIPO"}
+  out = []
+  for lag in (4, 8):
+    for key in ("cispo", "gspo", "seq_tis", "mis"):
+      for metric, label in (("heldout", "held-out"), ("auc", "AUC")):
+        out.append((f"op_lag{lag}_{key}", f"op_lag{lag}_aipo", metric, 0.0,
+                    f"Lag {lag}: {names[key]} vs AIPO detached ({label})"))
+  for lag in (4, 8):
+    for key in names:
+      for metric, label in (("heldout", "held-out"), ("auc", "AUC")):
+        out.append((f"op_lag{lag}_{key}_dyn", f"op_lag{lag}_{key}", metric, 0.0,
+                    f"Lag {lag}, {names[key]}: dynamic sampling vs not ({label})"))
+  for key in names:
+    out.append((f"op_lag8_{key}", f"op_lag4_{key}", "heldout", 0.0, f"{names[key]}: lag 8 vs lag 4 (held-out)"))
+  return tuple(out)
+
+
+QUESTIONS += _off_policy_questions()
+
+
 def _fmt(iv: dict, scale: float = 1.0, digits: int = 1) -> str:
   if iv["n"] == 0:
     return "-"
@@ -450,16 +483,17 @@ def markdown(table: dict, comparisons: list[dict], *, knobs: dict, threshold: fl
       f"{100 * before.get('eval/pass1_sampled', math.nan):.1f}%.",
       "",
       f"| cell | seeds | held-out % (last {n_eval} evals) | sampled pass@1 % | reward AUC | steps to {threshold:g} "
-      f"(reached) | KL(mu‖pi) | trunc./clip frac | step s (median) |",
-      "|---|---|---|---|---|---|---|---|---|",
+      f"(reached) | KL(mu‖pi) | trunc./clip/masked frac | groups dropped (dyn.) | step s (median) |",
+      "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for cell, row in table.items():
     st = row["steps_to_threshold"]
+    drop = row.get("drop_rate", {"n": 0})
     lines.append(
         f"| {row['description']} | {row['heldout']['n']} | {_fmt(row['heldout'])} | {_fmt(row['pass1'])} | "
         f"{_fmt(row['auc'], digits=3)} | {_fmt(st, digits=0)} ({st['reached']}/{st['n']}) | "
         f"{_fmt(row['kl_behaviour'], digits=4)} | {_fmt(row['frac_truncated'], digits=4)} | "
-        f"{_fmt(row['step_seconds'], digits=2)} |")
+        f"{_fmt(drop, digits=3)} | {_fmt(row['step_seconds'], digits=2)} |")
   lines += ["", "Paired differences (first minus second, matched by seed; 95% t-interval of the per-seed "
             "differences):", "", "| question | difference | 95% interval | verdict |", "|---|---|---|---|"]
   for c in comparisons:
@@ -481,6 +515,10 @@ def plots(results: dict[str, list[dict]], table: dict, report: Path, *, smooth: 
   from llamarl_jax import stats
 
   paths = []
+  if any(c in OFF_POLICY_CELLS for c in results):
+    paths += off_policy_plots(results, table, report, smooth=smooth)
+  if not any(c in CELLS for c in results):
+    return paths
 
   def band(ax, cell, color, label):
     curves = np.array([stats.moving_average(r["steps"]["reward/mean"], smooth) for r in results[cell]])
@@ -571,6 +609,71 @@ def plots(results: dict[str, list[dict]], table: dict, report: Path, *, smooth: 
   return paths
 
 
+def off_policy_plots(results: dict[str, list[dict]], table: dict, report: Path, *, smooth: int) -> list[Path]:
+  """Issue 30's figures: training-reward curves per lag (objectives without / with dynamic sampling), and
+  held-out accuracy, KL(mu||pi) and the clipped / masked fraction per objective and lag."""
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  from llamarl_jax import stats
+
+  keys = ("aipo", "cispo", "gspo", "seq_tis", "mis")
+  colors = dict(zip(keys, plt.get_cmap("tab10").colors))
+  paths = []
+  fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey=True)
+  for row, dyn in enumerate(("", "_dyn")):
+    for col, lag in enumerate((4, 8)):
+      ax = axes[row, col]
+      for key in keys:
+        cell = f"op_lag{lag}_{key}{dyn}"
+        if cell not in results:
+          continue
+        curves = np.array([stats.moving_average(r["steps"]["reward/mean"], smooth) for r in results[cell]])
+        x = np.arange(1, curves.shape[1] + 1)
+        mean = curves.mean(0)
+        if len(curves) > 1:
+          half = stats.t_quantile(0.975, len(curves) - 1) * curves.std(0, ddof=1) / np.sqrt(len(curves))
+          ax.fill_between(x, mean - half, mean + half, color=colors[key], alpha=0.15, linewidth=0)
+        ax.plot(x, mean, color=colors[key], label=f"{key} (n={len(curves)})")
+      ax.set_title(f"lag {lag}, {'with' if dyn else 'without'} dynamic sampling")
+      ax.grid(alpha=0.3)
+      if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="lower right")
+      ax.set_xlabel("RL step")
+    axes[row, 0].set_ylabel(f"reward/mean, {smooth}-step moving average\n(band: 95% t-interval over seeds)")
+  fig.tight_layout()
+  paths.append(report / "study_offpolicy_reward_curves.png")
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  panels = (("heldout", "held-out greedy accuracy %"), ("kl_behaviour", "KL(mu‖pi) per token"),
+            ("frac_truncated", "clipped / truncated / masked fraction"))
+  width = 0.2
+  for ax, (metric, label) in zip(axes, panels):
+    for j, (lag, dyn) in enumerate(((4, ""), (4, "_dyn"), (8, ""), (8, "_dyn"))):
+      xs, ys, errs = [], [], []
+      for i, key in enumerate(keys):
+        cell = f"op_lag{lag}_{key}{dyn}"
+        if cell in table and table[cell][metric]["n"]:
+          xs.append(i + (j - 1.5) * width)
+          ys.append(table[cell][metric]["mean"])
+          errs.append(table[cell][metric]["half_width"])
+      if xs:
+        ax.errorbar(xs, ys, yerr=errs, fmt="o" if not dyn else "s", capsize=3, color=f"C{j}",
+                    label=f"lag {lag}{', dyn.' if dyn else ''}")
+    ax.set_xticks(range(len(keys)), keys)
+    ax.set_ylabel(label + "\n(mean, 95% t-interval over seeds)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  paths.append(report / "study_offpolicy_summary.png")
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+  return paths
+
+
 def report(args, out: Path) -> Path:
   knobs = _study_knobs()
   results = load_results(out, args.cells)
@@ -597,7 +700,8 @@ def report(args, out: Path) -> Path:
                                           "cells": table, "comparisons": comparisons})
   with open(report_dir / "study.csv", "w", newline="") as f:
     w = csv.writer(f)
-    keys = ("heldout", "pass1", "auc", "steps_to_threshold", "kl_behaviour", "frac_truncated", "step_seconds")
+    keys = ("heldout", "pass1", "auc", "steps_to_threshold", "kl_behaviour", "frac_truncated", "step_seconds",
+            "drop_rate")
     w.writerow(["cell", "description", "n"] + [f"{k}_{s}" for k in keys for s in ("mean", "low", "high")])
     for cell, row in table.items():
       w.writerow([cell, row["description"], row["heldout"]["n"]]

@@ -222,3 +222,32 @@ def test_off_policy_cells_are_opt_in_and_report_their_rejected_fraction():
     assert study._settings(["lag0", "op_lag4_mis"])["off_policy_cells"].keys() == {"op_lag4_mis"}
   finally:
     gin.clear_config()
+
+
+def test_off_policy_report_questions_drop_rate_and_plots(tmp_path):
+  """The off-policy grid's report: the dropped-group rate of dynamic-sampling cells (NaN-free mean of
+  the per-step rates), the paired objective-vs-AIPO and dynamic-vs-not comparisons, and its figures."""
+  study = _study_module()
+  results = {}
+  for cell, level, drop in (("op_lag4_aipo", 0.8, None), ("op_lag4_gspo", 0.7, None), ("op_lag4_gspo_dyn", 0.75, 0.3)):
+    results[cell] = []
+    for s in range(3):
+      r = _fake_result(cell, s, level)
+      if drop is not None:
+        r["steps"]["dynamic_sampling/drop_rate"] = [drop] * 10 + [math.nan] + [drop + 0.1] * 9
+      results[cell].append(r)
+  table = study.summarise(results, eval_window=3, threshold=0.7, threshold_window=2, rl_steps=20)
+  assert table["op_lag4_gspo_dyn"]["drop_rate"]["mean"] == pytest.approx((10 * 0.3 + 9 * 0.4) / 19)
+  assert table["op_lag4_aipo"]["drop_rate"]["n"] == 0
+  asked = {(a, b, k) for a, b, k, _, _ in study.QUESTIONS}
+  assert ("op_lag4_gspo", "op_lag4_aipo", "heldout") in asked and ("op_lag8_mis_dyn", "op_lag8_mis", "auc") in asked
+  d = study.compare(table, "op_lag4_gspo", "op_lag4_aipo", "heldout")  # per seed exactly -10 points
+  assert d["mean"] == pytest.approx(-10.0) and study.verdict(d) == "first is lower (worse)"
+  md = study.markdown(table, [], knobs={"eval_window": 3, "eval_size": 8, "eval_every": 5, "rl_steps": 20,
+                                       "eval_samples": 2}, threshold=0.7, threshold_window=2,
+                      before={"eval/accuracy": 0.0, "eval/pass1_sampled": 0.0})
+  assert "| 0.347 ± " in md and "groups dropped" in md
+  pytest.importorskip("matplotlib")
+  paths = study.plots(results, table, tmp_path, smooth=3, knobs={"eval_window": 3})
+  assert [p.name for p in paths] == ["study_offpolicy_reward_curves.png", "study_offpolicy_summary.png"]
+  assert all(p.stat().st_size > 10_000 for p in paths)
