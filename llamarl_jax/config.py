@@ -388,11 +388,6 @@ class RunConfig(_Validated):
   reward: RewardConfig = field(default_factory=RewardConfig)
   env: EnvConfig = field(default_factory=EnvConfig)
 
-  def __post_init__(self):
-    super().__post_init__()
-    if self.env.multi_turn and self.generator.engine != "static":
-      raise ConfigError(f"EnvConfig.name={self.env.name!r} (multi-turn episodes) runs on the static engine: set "
-                        "GeneratorConfig.engine='static' (the slot engine does not pause rows for tools yet)")
 
   def check_layout(self, trainer_batch_divisor: int, num_processes: int) -> None:
     """The checks that need the meshes or the job: rows per step split evenly over microbatches and

@@ -116,6 +116,8 @@ class Controller:
       engine = None
       if g.engine == "slots":
         max_prompt = g.max_prompt_len or max(1, min(512, model_config.max_position_embeddings - r.max_new_tokens))
+        if config.env.multi_turn and g.max_prompt_len:  # a later turn's prompt is the whole episode so far
+          max_prompt += config.env.response_width(r.max_new_tokens)
         engine = SlotEngine(gen_config, self.generator_mesh,
                             num_slots=g.slots or _round_up(r.rows, parallel.batch_divisor(self.generator_mesh)),
                             sampling=self.sampling, max_prompt_len=max_prompt, chunk_steps=g.chunk_steps,

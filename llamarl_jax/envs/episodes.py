@@ -42,9 +42,11 @@ from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBa
 STEP_GRACE_S = 30.0  # an env.step still running this long after its turn is an error observation
 
 
-def turn_seed(seed: int, turn: int) -> int:
-  """The sampling seed of turn `turn` (>= 1) of a batch sampled with `seed` (turn 0 uses `seed`)."""
-  return int(np.random.SeedSequence([int(seed), int(turn)]).generate_state(1, np.uint32)[0])
+def turn_seed(seed: int, turn: int, row: int | None = None) -> int:
+  """The sampling seed of turn `turn` (>= 1) of a batch sampled with `seed` (turn 0 uses `seed`); with
+  `row`, of that row alone (the slot engine submits each row's next turn on its own)."""
+  words = [int(seed), int(turn)] + ([] if row is None else [int(row)])
+  return int(np.random.SeedSequence(words).generate_state(1, np.uint32)[0])
 
 
 @dataclasses.dataclass
@@ -67,11 +69,131 @@ def _bucket(count: int, rows: int, multiple: int) -> int:
   return size
 
 
+class EpisodeRows:
+  """The episodes of one batch as they grow, row by row (both engines build their batches with it).
+
+  rows: B = prompts x n; prompts[i // n] is row i's prompt (token ids), examples[i // n] its example.
+  A row takes turns (`add_turn`: the model's tokens, log-probs and versions) and transitions
+  (`add_transition`: the environment's answer, its observation appended with mask 0) until it is done.
+  """
+
+  def __init__(self, env, examples: Sequence, prompts: Sequence[Sequence[int]], n: int, *, tokenizer,
+               response_width: int, max_observation_tokens: int, stop_token_ids: Sequence[int]):
+    self.env, self.n, self.tokenizer = env, n, tokenizer
+    self.rows = len(prompts) * n
+    self.width, self.max_obs = response_width, max_observation_tokens
+    self.stop = set(int(t) for t in stop_token_ids)
+    self.examples = [examples[i // n] for i in range(self.rows)]
+    self.prompts = [list(prompts[i // n]) for i in range(self.rows)]
+    self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
+    self.mask: list[list[int]] = [[] for _ in range(self.rows)]
+    self.logprobs: list[list[float]] = [[] for _ in range(self.rows)]
+    self.versions: list[list[int]] = [[] for _ in range(self.rows)]
+    self.turns: list[list[str]] = [[] for _ in range(self.rows)]
+    self.reward = np.zeros(self.rows, np.float32)
+    self.finish = np.full(self.rows, FINISH_STOP, np.int32)
+    self.done = np.zeros(self.rows, bool)
+    self.calls: list[ToolCall] = []
+    self.tool_wait = 0.0
+
+  def add_turn(self, i: int, tokens, logprobs, versions, length: int, finish: int) -> str | None:
+    """Append row i's model turn (its first `length` tokens); returns the turn's text when the
+    environment must answer it, None when the row is done (the budget or the turn limit cut it, or
+    this was its last allowed turn)."""
+    length = int(length)
+    take = min(length, self.width - len(self.tokens[i]))
+    self.tokens[i] += np.asarray(tokens[:take]).tolist()
+    self.mask[i] += [1] * take
+    self.logprobs[i] += np.asarray(logprobs[:take], np.float32).tolist()
+    self.versions[i] += np.asarray(versions[:take]).tolist()
+    text = self.tokenizer.decode([t for t in self.tokens[i][len(self.tokens[i]) - take:] if t not in self.stop],
+                                 skip_special_tokens=True)
+    self.turns[i].append(text)
+    if take < length or finish == FINISH_LENGTH:  # cut by the episode budget or the turn's token limit
+      self.finish[i] = FINISH_LENGTH
+    elif len(self.turns[i]) < self.env.max_turns and len(self.tokens[i]) < self.width:
+      return text
+    self.done[i] = True
+    return None
+
+  def request(self, i: int, text: str) -> tuple:
+    """The `env.step` arguments of row i's latest turn."""
+    return (self.examples[i], self.turns[i][:-1], text)
+
+  def add_transition(self, i: int, tr: Transition) -> bool:
+    """The environment's answer to row i's latest turn; True when the row goes on (`context(i)` is its
+    next prompt), False when it is done. Observation tokens carry the version of the turn before them."""
+    version = self.versions[i][-1]
+    self.reward[i] += tr.reward
+    if tr.call is not None:
+      self.calls.append(tr.call)
+    if tr.done:
+      self.done[i] = True
+      return False
+    obs = self.tokenizer(tr.observation, add_special_tokens=False)["input_ids"][:self.max_obs]
+    room = self.width - len(self.tokens[i])
+    keep = obs[:room]
+    self.tokens[i] += keep
+    self.mask[i] += [0] * len(keep)
+    self.logprobs[i] += [0.0] * len(keep)
+    self.versions[i] += [version] * len(keep)
+    if len(obs) >= room:  # no room left for the model to answer after it
+      self.finish[i] = FINISH_LENGTH
+      self.done[i] = True
+      return False
+    return True
+
+  def context(self, i: int) -> list[int]:
+    """Row i's whole episode so far: its next turn's prompt."""
+    return self.prompts[i] + self.tokens[i]
+
+  def batch(self, prompt_tokens, prompt_mask, group_ids, pad_id: int = 0) -> RolloutBatch:
+    """The trainer's batch (see the module docstring); prompts as the first turn's batch laid them out."""
+    R = self.width
+    out_tokens = np.full((self.rows, R), pad_id, np.int32)
+    out_mask = np.zeros((self.rows, R), np.int32)
+    out_lp = np.zeros((self.rows, R), np.float32)
+    first = np.array([v[0] if v else 0 for v in self.versions], np.int32)
+    out_versions = np.repeat(first[:, None], R, axis=1)
+    for i in range(self.rows):
+      L = len(self.tokens[i])
+      out_tokens[i, :L], out_mask[i, :L], out_lp[i, :L] = self.tokens[i], self.mask[i], self.logprobs[i]
+      out_versions[i, :L] = self.versions[i]
+    # observations carry the version of the turn before them; the row's oldest version is its first token's
+    return RolloutBatch(
+        prompt_tokens=np.asarray(prompt_tokens), prompt_mask=np.asarray(prompt_mask), response_tokens=out_tokens,
+        response_mask=out_mask, behaviour_logprobs=out_lp, lengths=np.array([len(t) for t in self.tokens], np.int32),
+        finish_reason=self.finish.copy(), group_ids=np.asarray(group_ids), policy_version=first,
+        token_versions=out_versions)
+
+  def answers(self) -> list[str]:
+    return [self.env.answer(t) for t in self.turns]
+
+  def metrics(self, elapsed: float) -> dict:
+    lengths = np.array([len(t) for t in self.tokens])
+    num_turns = np.array([len(t) for t in self.turns], np.float32)
+    model_tokens = sum(sum(m) for m in self.mask)
+    failed = [c for c in self.calls if not c.ok]
+    out = {
+        "episode/turns_mean": float(num_turns.mean()), "episode/turns_max": float(num_turns.max()),
+        "episode/tool_calls_mean": len(self.calls) / self.rows,
+        "episode/masked_token_fraction": float(1 - model_tokens / max(lengths.sum(), 1)),
+        "episode/tool_wait_fraction": self.tool_wait / max(elapsed, 1e-9),
+        "episode/frac_cut": float(np.mean(self.finish == FINISH_LENGTH)),
+        "tool/calls": float(len(self.calls)), "tool/errors": float(len(failed)),
+        "tool/timeouts": float(sum(c.status == "timeout" for c in self.calls)),
+    }
+    if self.calls:
+      out["tool/latency_mean_s"] = float(np.mean([c.seconds for c in self.calls]))
+      out["tool/latency_max_s"] = float(np.max([c.seconds for c in self.calls]))
+    return out
+
+
 def run_episodes(generate: Callable[[Sequence[Sequence[int]], Any], RolloutBatch], env, examples: Sequence,
                  prompts: Sequence[Sequence[int]], sampling, *, tokenizer, response_width: int,
                  max_observation_tokens: int = 32, tool_pool: concurrent.futures.Executor | None = None,
                  batch_multiple: int = 1, pad_id: int = 0) -> Episodes:
-  """Roll out one episode per (prompt, sample); see the module docstring.
+  """Roll out one episode per (prompt, sample) on a static sampler; see the module docstring.
 
   generate(prompts, sampling) -> host RolloutBatch: the caller's sampler call (its params, version and
   device turn bound). sampling: the batch's SamplingParams (n samples per prompt, its seed).
@@ -80,100 +202,33 @@ def run_episodes(generate: Callable[[Sequence[Sequence[int]], Any], RolloutBatch
   if isinstance(env, SingleTurn):
     return Episodes(first)
   t_start = time.perf_counter()
-  n, rows = sampling.n, len(prompts) * sampling.n
-  version = int(np.asarray(first.policy_version)[0])
-  eos = set(sampling.stop_token_ids)
-  row_example = [examples[i // n] for i in range(rows)]
-  context0 = [list(prompts[i // n]) for i in range(rows)]
-  resp: list[list[int]] = [[] for _ in range(rows)]
-  mask: list[list[int]] = [[] for _ in range(rows)]
-  lps: list[list[float]] = [[] for _ in range(rows)]
-  turns: list[list[str]] = [[] for _ in range(rows)]
-  reward = np.zeros(rows, np.float32)
-  finish = np.full(rows, FINISH_STOP, np.int32)
-  calls: list[ToolCall] = []
-  tool_wait = 0.0
-  active = list(range(rows))
-  batch, batch_rows = first, list(range(rows))  # batch row j is episode batch_rows[j]
+  ep = EpisodeRows(env, examples, prompts, sampling.n, tokenizer=tokenizer, response_width=response_width,
+                   max_observation_tokens=max_observation_tokens, stop_token_ids=sampling.stop_token_ids)
+  batch, batch_rows = first, list(range(ep.rows))  # batch row j is episode row batch_rows[j]
   for turn in range(env.max_turns):
-    toks, lp = np.asarray(batch.response_tokens), np.asarray(batch.behaviour_logprobs)
+    toks, lp, versions = (np.asarray(batch.response_tokens), np.asarray(batch.behaviour_logprobs),
+                          np.asarray(batch.token_versions))
     lengths, fin = np.asarray(batch.lengths), np.asarray(batch.finish_reason)
-    pending: dict[int, str] = {}
+    pending = {}
     for j, i in enumerate(batch_rows):
-      L = int(lengths[j])
-      room = response_width - len(resp[i])
-      take = min(L, room)
-      resp[i] += toks[j, :take].tolist()
-      mask[i] += [1] * take
-      lps[i] += lp[j, :take].tolist()
-      text = tokenizer.decode([t for t in toks[j, :take].tolist() if t not in eos], skip_special_tokens=True)
-      turns[i].append(text)
-      if take < L or fin[j] == FINISH_LENGTH:  # cut by the episode budget or the turn's token limit
-        finish[i] = FINISH_LENGTH
-      elif turn + 1 < env.max_turns and len(resp[i]) < response_width:
-        pending[i] = text
-    # The environment answers every finished turn at once, on the tool threads.
+      text = ep.add_turn(i, toks[j], lp[j], versions[j], lengths[j], fin[j])
+      if text is not None:
+        pending[i] = ep.request(i, text)
     t0 = time.perf_counter()
-    answers = _step_all(env, tool_pool, {i: (row_example[i], turns[i][:-1], text) for i, text in pending.items()})
-    tool_wait += time.perf_counter() - t0
-    active = []
-    for i in sorted(pending):
-      tr = answers[i]
-      reward[i] += tr.reward
-      if tr.call is not None:
-        calls.append(tr.call)
-      if tr.done:
-        continue
-      obs = tokenizer(tr.observation, add_special_tokens=False)["input_ids"][:max_observation_tokens]
-      room = response_width - len(resp[i])
-      if len(obs) >= room:  # no room left for the model to answer after it
-        resp[i] += obs[:room]
-        mask[i] += [0] * min(len(obs), room)
-        lps[i] += [0.0] * min(len(obs), room)
-        finish[i] = FINISH_LENGTH
-        continue
-      resp[i] += obs
-      mask[i] += [0] * len(obs)
-      lps[i] += [0.0] * len(obs)
-      active.append(i)
+    answers = step_all(env, tool_pool, pending)  # every finished turn at once, on the tool threads
+    ep.tool_wait += time.perf_counter() - t0
+    active = [i for i in sorted(pending) if ep.add_transition(i, answers[i])]
     if not active:
       break
-    size = _bucket(len(active), rows, batch_multiple)
-    contexts = [context0[i] + resp[i] for i in active]
+    size = _bucket(len(active), ep.rows, batch_multiple)
+    contexts = [ep.context(i) for i in active]
     contexts += [contexts[0]] * (size - len(active))  # padding rows, discarded
-    batch = generate(contexts, dataclasses.replace(sampling, n=1, seed=turn_seed(sampling.seed, turn + 1)))
+    batch = _take_rows(generate(contexts, dataclasses.replace(sampling, n=1, seed=turn_seed(sampling.seed, turn + 1))),
+                       len(active))
     batch_rows = active
-    batch = _take_rows(batch, len(active))
-
-  R = response_width
-  out_tokens = np.full((rows, R), pad_id, np.int32)
-  out_mask = np.zeros((rows, R), np.int32)
-  out_lp = np.zeros((rows, R), np.float32)
-  for i in range(rows):
-    L = len(resp[i])
-    out_tokens[i, :L], out_mask[i, :L], out_lp[i, :L] = resp[i], mask[i], lps[i]
-  lengths = np.array([len(r) for r in resp], np.int32)
-  rollout = RolloutBatch(
-      prompt_tokens=np.asarray(first.prompt_tokens), prompt_mask=np.asarray(first.prompt_mask),
-      response_tokens=out_tokens, response_mask=out_mask, behaviour_logprobs=out_lp, lengths=lengths,
-      finish_reason=finish, group_ids=np.asarray(first.group_ids), policy_version=np.asarray(first.policy_version),
-      token_versions=np.full((rows, R), version, np.int32))
-  elapsed = time.perf_counter() - t_start
-  num_turns = np.array([len(t) for t in turns], np.float32)
-  failed = [c for c in calls if not c.ok]
-  metrics = {
-      "episode/turns_mean": float(num_turns.mean()), "episode/turns_max": float(num_turns.max()),
-      "episode/tool_calls_mean": len(calls) / rows,
-      "episode/masked_token_fraction": float(1 - out_mask.sum() / max(lengths.sum(), 1)),
-      "episode/tool_wait_fraction": tool_wait / max(elapsed, 1e-9),
-      "episode/frac_cut": float(np.mean(finish == FINISH_LENGTH)),
-      "tool/calls": float(len(calls)), "tool/errors": float(len(failed)),
-      "tool/timeouts": float(sum(c.status == "timeout" for c in calls)),
-  }
-  if calls:
-    metrics["tool/latency_mean_s"] = float(np.mean([c.seconds for c in calls]))
-    metrics["tool/latency_max_s"] = float(np.max([c.seconds for c in calls]))
-  return Episodes(rollout, answers=[env.answer(t) for t in turns], env_rewards=reward, metrics=metrics)
+  rollout = ep.batch(first.prompt_tokens, first.prompt_mask, first.group_ids, pad_id)
+  return Episodes(rollout, answers=ep.answers(), env_rewards=ep.reward.copy(),
+                  metrics=ep.metrics(time.perf_counter() - t_start))
 
 
 def _take_rows(batch: RolloutBatch, count: int) -> RolloutBatch:
@@ -181,7 +236,12 @@ def _take_rows(batch: RolloutBatch, count: int) -> RolloutBatch:
                          for f in dataclasses.fields(batch)})
 
 
-def _step_all(env, pool, requests: dict[int, tuple]) -> dict[int, Transition]:
+def safe_step(env, example, turns, text) -> Transition:
+  """env.step, with an environment's own exception turned into an error observation (counted)."""
+  return _safe_step(env, example, turns, text)
+
+
+def step_all(env, pool, requests: dict[int, tuple]) -> dict[int, Transition]:
   """env.step for every request, on `pool`'s threads (inline without one); a step that raises or runs
   past STEP_GRACE_S becomes an error observation (the episode goes on, the failure is counted)."""
   if pool is None:

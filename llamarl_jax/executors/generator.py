@@ -45,6 +45,7 @@ from llamarl_jax.generation.rollout import FINISH_LENGTH
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.config import DynamicSampling
 from llamarl_jax.envs import Episodes, SingleTurn, run_episodes
+from llamarl_jax.envs.episodes import EpisodeRows, safe_step, turn_seed
 from llamarl_jax.schedule import batch_seed, draw_seed, scheduled_version
 
 
@@ -133,9 +134,8 @@ class GeneratorExecutor:
     self.env_config = env_config
     self.tool_pool = None
     if not isinstance(self.env, SingleTurn):
-      if engine is not None or env_config is None:
-        raise ValueError("multi-turn episodes need the static engine (GeneratorConfig.engine='static') and "
-                         "their EnvConfig")
+      if env_config is None:
+        raise ValueError("multi-turn episodes need their EnvConfig (response width, observation budget, tool threads)")
       import concurrent.futures
 
       self.tool_pool = concurrent.futures.ThreadPoolExecutor(env_config.tool_workers, thread_name_prefix="tools")
@@ -329,8 +329,10 @@ class GeneratorExecutor:
   def _run_slots(self, weights, emit, stop, *, start_index: int, first_version: int) -> None:
     """The streaming loop (see the module docstring): draw when slots free up, swap on schedule, step, hand on."""
     eng, pps, fixed = self.engine, self.prompts_per_step, self.version_schedule == "fixed"
+    multi_turn = not isinstance(self.env, SingleTurn)
     eng.reset()
     draws: dict[int, dict] = {}  # batch index -> its prompts, data state and completed groups
+    pending: list[tuple[int, int, int, Any]] = []  # tool steps in flight: (batch, row, turn, future)
     next_draw = next_emit = start_index
     self._busy = 0.0  # seconds of work since the last batch was handed on
     while not stop.is_set():
@@ -352,9 +354,12 @@ class GeneratorExecutor:
           with self.device_turn:
             eng.swap(*got)
         examples = self.prompt_source.next_batch(pps)
+        prompts = encode_prompts(self.tokenizer, examples)
         draws[next_draw] = {"examples": examples, "data_state": self.prompt_source.state_dict(), "groups": {},
-                            "counters": self.prompt_source.counters()}
-        eng.submit(encode_prompts(self.tokenizer, examples), seed=batch_seed(self.seed, next_draw),
+                            "counters": self.prompt_source.counters(), "t0": time.perf_counter()}
+        if multi_turn:
+          draws[next_draw]["episodes"] = self._episode_rows(examples, prompts)
+        eng.submit(prompts, seed=batch_seed(self.seed, next_draw),
                    version=version, tags=[(next_draw, i) for i in range(len(examples))])
         next_draw += 1
       if not fixed and weights.version > eng.version:
@@ -370,19 +375,85 @@ class GeneratorExecutor:
       if len(self.timeline) > 20_000:  # bounded over a long run
         del self.timeline[:-10_000]
       for g in completed:
-        draws[g.tag[0]]["groups"][g.tag[1]] = g
+        if len(g.tag) == 2:  # a prompt's n samples (an episode's first turn)
+          draws[g.tag[0]]["groups"][g.tag[1]] = g
+        if multi_turn:
+          pending += self._turns_done(draws[g.tag[0]], g)
+      if pending:
+        pending = self._resume_rows(draws, pending, wait=fixed or (eng.idle and not eng.queue_depth))
       self._busy += time.perf_counter() - t_busy
-      while next_emit in draws and len(draws[next_emit]["groups"]) == pps:
+      while next_emit in draws and self._batch_done(draws[next_emit], next_emit, pending):
         self.status = (f"handing batch {next_emit} to the reward executor", time.monotonic())
         if not emit(self._generated(next_emit, draws.pop(next_emit))):
           return
         next_emit += 1
+
+  # -- multi-turn episodes on the slot engine --------------------------------------------------------
+
+  def _episode_rows(self, examples, prompts) -> EpisodeRows:
+    c = self.env_config
+    return EpisodeRows(self.env, examples, prompts, self.sampling.n, tokenizer=self.tokenizer,
+                       response_width=c.response_width(self.sampling.max_new_tokens),
+                       max_observation_tokens=c.max_observation_tokens, stop_token_ids=self.sampling.stop_token_ids)
+
+  def _turns_done(self, draw: dict, g) -> list[tuple[int, int, int, Any]]:
+    """A completed group's turns into its batch's episodes; the tool steps they start (on the tool
+    threads): (batch, row, turn, future). A first turn's group holds a prompt's n rows; a later turn's
+    group is one row, tagged (batch, row, turn)."""
+    ep: EpisodeRows = draw["episodes"]
+    if len(g.tag) == 2:
+      k, i = g.tag
+      rows, turn = [i * self.sampling.n + j for j in range(len(g.lengths))], 1
+    else:
+      k, row, turn = g.tag
+      rows = [row]
+    started = []
+    for j, row in enumerate(rows):
+      text = ep.add_turn(row, g.tokens[j], g.logprobs[j], g.versions[j], g.lengths[j], g.finish[j])
+      if text is not None:
+        started.append((k, row, turn, self.tool_pool.submit(safe_step, self.env, *ep.request(row, text))))
+    return started
+
+  def _resume_rows(self, draws: dict, pending: list, *, wait: bool) -> list:
+    """Rows whose tool step finished go back into the engine: their whole episode so far is the prompt
+    of their next turn (one row, seed `turn_seed(batch seed, turn, row)`), re-prefilled into a free
+    slot while other rows keep decoding. wait=True (the 'fixed' schedule, or nothing else to do):
+    every pending step is awaited here, in submission order, so that when a row re-enters the engine
+    is a function of the schedule, not of the tools' timing; otherwise only the finished ones.
+    Returns the steps still pending."""
+    left = []
+    t0 = time.perf_counter()
+    for k, row, turn, future in pending:
+      if not wait and not future.done():
+        left.append((k, row, turn, future))
+        continue
+      ep: EpisodeRows = draws[k]["episodes"]
+      if ep.add_transition(row, future.result()):
+        self.engine.submit([ep.context(row)], seed=turn_seed(batch_seed(self.seed, k), turn, row), n=1,
+                           tags=[(k, row, turn + 1)])
+    waited = time.perf_counter() - t0
+    for k in {p[0] for p in pending}:
+      draws[k]["episodes"].tool_wait += waited
+    return left
+
+  def _batch_done(self, draw: dict, index: int, pending: list) -> bool:
+    if len(draw["groups"]) < self.prompts_per_step:
+      return False
+    if "episodes" not in draw:
+      return True
+    return bool(draw["episodes"].done.all()) and not any(p[0] == index for p in pending)
 
   def _generated(self, index: int, draw: dict) -> Generated:
     """Batch `index` from its completed groups (prompt order), with the engine's metrics since the last one."""
     groups = [draw["groups"][i] for i in range(self.prompts_per_step)]
     width = self.engine.sampler.prompt_bucket(max(len(g.prompt) for g in groups))
     rollout = rollout_from_groups(groups, pad_id=self.engine.pad_id, prompt_width=width)
+    episodes = {}
+    if "episodes" in draw:  # multi-turn: the episodes' turns and observations, prompts as the first turn's
+      ep: EpisodeRows = draw["episodes"]
+      rollout = ep.batch(rollout.prompt_tokens, rollout.prompt_mask, rollout.group_ids, self.engine.pad_id)
+      episodes = {"answers": ep.answers(), "env_rewards": ep.reward.copy()}
+      draw["counters"] = {**draw["counters"], **ep.metrics(time.perf_counter() - draw["t0"])}
     if self.delay_s:
       with self.device_turn:
         t0 = time.perf_counter()
@@ -396,6 +467,6 @@ class GeneratorExecutor:
         "throughput/gen_tokens_per_s": tokens / max(self._busy, 1e-9),
         "generate/response_length_mean": float(np.mean(rollout.lengths)),
         "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)),
-        **draw["counters"]})  # data/truncated_prompts, data/skipped_rows as of this batch's draw
+        **draw["counters"]})  # data/truncated_prompts, data/skipped_rows as of this batch's draw (+ episodes)
     self._busy = 0.0
-    return Generated(index, rollout, draw["examples"], draw["data_state"], metrics)
+    return Generated(index, rollout, draw["examples"], draw["data_state"], metrics, **episodes)

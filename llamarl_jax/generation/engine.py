@@ -247,13 +247,17 @@ class SlotEngine:
         self.stats["recompute_s"] += time.perf_counter() - t
 
   def submit(self, prompts: Sequence[Sequence[int]], *, seed: int = 0, version: int | None = None,
-             tags: Sequence[Any] | None = None) -> None:
+             tags: Sequence[Any] | None = None, n: int | None = None) -> None:
     """Queue prompts (FIFO); each becomes a group of n samples. Prompt i samples as rows i*n..i*n+n-1
     with `seed` (as `Sampler.generate` would); `version`: admit them only once `swap` installed this
     version (or a newer one); until then `step` decodes what is running and admits nothing after
     them, and `wanted_version` says when their admission is due. tags: one per prompt, returned in
-    `Completed.tag` (default: the index).
+    `Completed.tag` (default: the index). n: samples per prompt, at most the engine's
+    `sampling.n` (default); a multi-turn episode's next turn is a group of 1 (its whole context).
     """
+    n = self.n if n is None else int(n)
+    if not 1 <= n <= self.n:
+      raise ValueError(f"n = {n} samples per prompt: this engine takes 1..{self.n} (its sampling.n)")
     prompts = validate_prompts(prompts, self.config.vocab_size)
     too_long = [i for i, p in enumerate(prompts) if len(p) > self.max_prompt_len]
     if too_long:
@@ -263,8 +267,8 @@ class SlotEngine:
       raise ValueError(f"got {len(tags)} tags for {len(prompts)} prompts")
     key = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
     for i, p in enumerate(prompts):
-      self._queue.append(_Group(self._uid, p.astype(np.int32), key, i * self.n, version,
-                                i if tags is None else tags[i], self.n))
+      self._queue.append(_Group(self._uid, p.astype(np.int32), key, i * n, version,
+                                i if tags is None else tags[i], n))
       self._uid += 1
 
   def step(self) -> list[Completed]:
@@ -436,13 +440,13 @@ class SlotEngine:
       regions[i] = g.region
       tokens[i, :len(g.prompt)] = g.prompt
       lens[i] = len(g.prompt)
-      dst[i] = slots
-      rows[i] = g.row0 + np.arange(self.n)
+      dst[i, :len(slots)] = slots  # a group of fewer than n samples: the rest dropped
+      rows[i, :g.n] = g.row0 + np.arange(g.n)
       keys[i] = g.key
     self._cache, self._state = self.programs.insert(self.params, self._cache, self._state, tokens, lens, dst, rows, keys,
                                                np.int32(self.version), regions)
     self.stats["inserts"] += 1
-    self.stats["first_tokens"] += len(items) * self.n
+    self.stats["first_tokens"] += sum(g.n for g, _ in items)
 
   def _harvest(self, chunk: "_InFlight") -> list[Completed]:
     """Wait for a chunk's results; free the slots whose sequences finished in it (and were filled
