@@ -190,6 +190,8 @@ class PromptSource:
   num_epochs: None repeats forever; otherwise `next_batch` returns short (then empty) lists at the end.
   split / heldout_fraction: files rows whose prompt hash falls in the first `heldout_fraction` are the
     "heldout" split and never appear in "train"; synthetic tasks always split (1 in 16 problems).
+  tools: JSON schemas of the tools a multi-turn episode offers (e.g. `envs.TOOL_SCHEMAS['calc']`),
+    rendered into chat-templated prompts by the template (`apply_chat_template(..., tools=...)`).
   """
 
   def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
@@ -198,7 +200,8 @@ class PromptSource:
                template: str = "{prompt}", system_prompt: str | None = None, tokenizer: Any = None,
                use_chat_template: bool = True, seed: int = 0, shuffle: bool = True, num_epochs: int | None = None,
                split: str = "train", heldout_fraction: float = 0.0, bad_rows: str = "skip",
-               max_prompt_tokens: int | None = None, overlong_prompts: str = "error"):
+               max_prompt_tokens: int | None = None, overlong_prompts: str = "error",
+               tools: Sequence[dict] | None = None):
     if bad_rows not in BAD_ROWS:
       raise ValueError(f"bad_rows must be one of {BAD_ROWS}, got {bad_rows!r}")
     if overlong_prompts not in OVERLONG_PROMPTS:
@@ -216,6 +219,9 @@ class PromptSource:
                            seed=seed, shuffle=shuffle, num_epochs=num_epochs, split=split,
                            heldout_fraction=heldout_fraction, bad_rows=bad_rows,
                            max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts)
+    if tools is not None:  # recorded only when given: the fingerprints of earlier runs stay as they were
+      self._init_args["tools"] = [dict(t) for t in tools]
+    self.tools = None if tools is None else [dict(t) for t in tools]
     self.seed, self.shuffle, self.num_epochs, self.split = seed, shuffle, num_epochs, split
     self.template, self.system_prompt, self.tokenizer = template, system_prompt, tokenizer
     self.chat = bool(use_chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None))
@@ -347,7 +353,8 @@ class PromptSource:
       return text
     messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
     messages.append({"role": "user", "content": text})
-    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              **({"tools": self.tools} if self.tools else {}))
 
   def _epoch_order(self) -> np.ndarray:
     if self._order is None:

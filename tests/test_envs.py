@@ -344,3 +344,37 @@ def test_slot_engine_episodes_logprobs_equal_teacher_forced(random_model_episode
     mask = r.response_mask > 0
     np.testing.assert_allclose(teacher[mask], r.behaviour_logprobs[mask], atol=1e-4)
   assert max(item.metrics["episode/turns_max"] for item in batches) == 3
+
+
+def test_observations_through_a_chat_template():
+  """With a chat template, an observation is the template's text between the end of the assistant
+  turn (the model's stop token, already in the response) and the next assistant turn's start, with
+  the tool result inside; without one, the text itself."""
+  from llamarl_jax.envs.episodes import observation_ids
+
+  chat = make_char_tokenizer()
+  chat.chat_template = ("{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}"
+                        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+  assert TOK.decode(observation_ids(chat, "42")) == "\n<tool>42\n<assistant>"
+  assert observation_ids(TOK, "[42]") == ids("[42]")
+  chat.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if messages|length > 2 %}!{% endif %}"
+  assert TOK.decode(observation_ids(chat, "7")) == "7!"  # no end-of-turn token: the suffix after the content
+  chat.chat_template = ("{% for m in messages %}{% if loop.last %}{{ m['content'] }}{% else %}[{{ m['content'] }}]"
+                        "{% endif %}{% endfor %}")  # an earlier turn rendered differently: no suffix exists
+  with pytest.raises(ValueError, match="renders an earlier turn differently"):
+    observation_ids(chat, "7")
+
+
+def test_prompts_render_the_tools_through_the_chat_template():
+  from llamarl_jax.data import PromptSource
+  from llamarl_jax.envs import TOOL_SCHEMAS
+
+  chat = make_char_tokenizer()
+  chat.chat_template = ("{% if tools %}{{ 'tools:' }}{% for t in tools %}{{ t['function']['name'] + ';' }}{% endfor %}"
+                        "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+  with_tools = PromptSource(task="arithmetic", seed=0, tokenizer=chat, tools=[TOOL_SCHEMAS["calc"]])
+  plain = PromptSource(task="arithmetic", seed=0, tokenizer=chat)
+  a, b = with_tools.next_batch(1)[0], plain.next_batch(1)[0]
+  assert a.prompt == "tools:calc;" + b.prompt and a.chat
+  assert "tools" in with_tools.fingerprint() and "tools" not in plain.fingerprint()

@@ -3,7 +3,7 @@ rollout path `run_episodes` that turns prompts into a trainable batch."""
 
 from llamarl_jax.envs.base import Environment, SingleTurn, ToolCall, Transition
 from llamarl_jax.envs.episodes import Episodes, run_episodes, turn_seed
-from llamarl_jax.envs.tools_env import PythonTool, ToolEnvironment, calc, make_environment
+from llamarl_jax.envs.tools_env import TOOL_SCHEMAS, PythonTool, ToolEnvironment, calc, make_environment
 
-__all__ = ["Environment", "Episodes", "PythonTool", "SingleTurn", "ToolCall", "ToolEnvironment", "Transition", "calc",
+__all__ = ["TOOL_SCHEMAS", "Environment", "Episodes", "PythonTool", "SingleTurn", "ToolCall", "ToolEnvironment", "Transition", "calc",
            "make_environment", "run_episodes", "turn_seed"]

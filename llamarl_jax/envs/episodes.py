@@ -69,6 +69,33 @@ def _bucket(count: int, rows: int, multiple: int) -> int:
   return size
 
 
+def observation_ids(tokenizer, text: str, *, role: str = "tool") -> list[int]:
+  """The token ids appended after a model turn (which ended with its stop token) to show `text`.
+
+  Plain tokenizers (the embedded char tokenizer): the text itself (the environment's markers, e.g.
+  `[287663]`). Tokenizers with a chat template: what the template puts between the end of an
+  assistant turn and the start of the next one when a `role` message (a tool result) comes between
+  them: the template rendered with and without that message (the generation prompt included) and
+  the difference taken from just after the assistant turn's end-of-turn token (the model's own stop
+  token, already in the response), so e.g. Qwen's `\n<|im_start|>user\n<tool_response>\n...
+  \n</tool_response><|im_end|>\n<|im_start|>assistant\n`."""
+  template = getattr(tokenizer, "chat_template", None)
+  if not template:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+  head = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+  before = tokenizer.apply_chat_template(head, tokenize=False)
+  after = tokenizer.apply_chat_template(head + [{"role": role, "content": text}], tokenize=False,
+                                        add_generation_prompt=True)
+  end = before.rfind("A") + 1  # the assistant content ends here; its end-of-turn token follows
+  eot = tokenizer.eos_token or ""
+  if eot and before.startswith(eot, end):
+    end += len(eot)
+  if not after.startswith(before[:end]):
+    raise ValueError("the tokenizer's chat template renders an earlier turn differently once a "
+                     f"{role!r} message follows it; observations cannot be appended as a suffix")
+  return tokenizer(after[end:], add_special_tokens=False)["input_ids"]
+
+
 class EpisodeRows:
   """The episodes of one batch as they grow, row by row (both engines build their batches with it).
 
@@ -130,7 +157,7 @@ class EpisodeRows:
     if tr.done:
       self.done[i] = True
       return False
-    obs = self.tokenizer(tr.observation, add_special_tokens=False)["input_ids"][:self.max_obs]
+    obs = observation_ids(self.tokenizer, tr.observation)[:self.max_obs]
     room = self.width - len(self.tokens[i])
     keep = obs[:room]
     self.tokens[i] += keep

@@ -27,6 +27,17 @@ from typing import Any, Callable
 
 from llamarl_jax.envs.base import ToolCall, Transition
 
+# The tools' JSON schemas (the `tools=` of transformers' chat templates; `PromptSource(tools=...)`).
+TOOL_SCHEMAS = {
+    "calc": {"type": "function", "function": {
+        "name": "calc", "description": "Exact arithmetic: + - * / and parentheses on integers and decimals.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}},
+    "python": {"type": "function", "function": {
+        "name": "python", "description": "Run Python code in a sandbox; returns what it prints.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
+}
+
 CALL_RE = re.compile(r"\s*([A-Za-z_]\w{0,31})\((.*)\)\s*", re.DOTALL)
 MAX_CALC_CHARS = 200
 
