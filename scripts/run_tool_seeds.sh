@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 28's evidence: configs/tiny_tools.gin (calculator) vs configs/tiny_tools_notool.gin (no tool), same
 # budget, seeds given as arguments (default 0 1 2), one run at a time; results in runs/tools/<config>_s<seed>/.
-# Summarise with: python scripts/summarise_runs.py runs/tools/tiny_tools_s* runs/tools/tiny_tools_notool_s*
+# Summarise with: python scripts/tool_study_report.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds=${*:-0 1 2}

@@ -378,3 +378,24 @@ def test_prompts_render_the_tools_through_the_chat_template():
   a, b = with_tools.next_batch(1)[0], plain.next_batch(1)[0]
   assert a.prompt == "tools:calc;" + b.prompt and a.chat
   assert "tools" in with_tools.fingerprint() and "tools" not in plain.fingerprint()
+
+
+def test_tool_study_report_pairs_seeds(tmp_path):
+  """scripts/tool_study_report.py: per-arm means over seeds and the paired difference, from summaries."""
+  import importlib.util
+  import json
+  from pathlib import Path
+
+  for name, before, after in (("tiny_tools", 5.0, (80.0, 90.0)), ("tiny_tools_notool", 1.0, (2.0, 4.0))):
+    for seed, acc in enumerate(after):
+      d = tmp_path / f"{name}_s{seed}"
+      d.mkdir()
+      (d / "summary.json").write_text(json.dumps({
+          "eval_before_rl": before / 100, "eval_accuracy_window": acc / 100, "total_seconds": 600.0,
+          "mean_step_seconds": 3.0, "evals": [{"eval/episode_tool_calls_mean": 1.0 if name == "tiny_tools" else 0.0}]}))
+  spec = importlib.util.spec_from_file_location("tsr", Path(__file__).resolve().parents[1] / "scripts" / "tool_study_report.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  text = module.main(["--root", str(tmp_path)])
+  assert "| calculator (configs/tiny_tools.gin) | 0,1 | 5.0 ± 0.0 | 85.0 ± 63.5 |" in text  # t(0.975,1)=12.71 x 5
+  assert "+82.0 points" in text  # (80-2 + 90-4) / 2
