@@ -238,6 +238,7 @@ def test_behaviour_logprobs_after_tool_turns_equal_teacher_forced(random_model_e
   assert np.all(r.behaviour_logprobs[~mask] == 0)
 
 
+@pytest.mark.slow  # trainer / engine compilations
 def test_observation_tokens_carry_no_loss_and_no_ratio(random_model_episodes):
   """A trainer step on the episodes is unchanged when the observation positions' behaviour log-probs
   hold garbage (+50, -inf, NaN): the loss, its metrics (ratio max, clipped fraction, KL) and the new
@@ -313,6 +314,7 @@ def _generate_batches(params, sampling, *, engine, num_batches=2):
   return out, eng
 
 
+@pytest.mark.slow  # trainer / engine compilations
 def test_slot_engine_episodes_equal_static_episodes_greedy(random_model_episodes):
   """Greedy, the two engines' episodes are the same tokens: on the slot engine a row's later turns are
   re-prefilled into whichever slot is free (4 slots for 3 prompts x 2 samples: rows wait for slots and
@@ -330,6 +332,7 @@ def test_slot_engine_episodes_equal_static_episodes_greedy(random_model_episodes
     assert a.answers == b.answers
 
 
+@pytest.mark.slow  # trainer / engine compilations
 def test_slot_engine_episodes_logprobs_equal_teacher_forced(random_model_episodes):
   """Sampled on the slot engine (temperature 1): every model token's behaviour log-prob, after 0, 1 or
   2 observations, equals the trainer's teacher-forced log-prob of the whole episode (lag 0)."""
