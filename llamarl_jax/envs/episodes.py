@@ -18,9 +18,11 @@ response_mask is 1 on the model's tokens (stop tokens included) and 0 on observa
 so observations carry no loss, no advantage and no importance ratio (every loss reads the mask), and
 the trainer still sees them as context (its layout keeps every token up to a row's last model token).
 behaviour_logprobs are the sampler's, of each model token under the distribution it was sampled
-from given the whole context so far (0 on observations); token_versions the batch's version; lengths
-the tokens used (model + observation); finish_reason LENGTH when the budget cut an episode or its
-last turn hit max_new_tokens.
+from given the whole context so far (0 on observations); token_versions the version that sampled each
+model token (an observation: its turn's; policy_version is the row's first token's, what the lag bound
+limits); lengths the tokens used (model + observation); finish_reason LENGTH when the budget cut an
+episode or its last turn hit max_new_tokens. The slot engine builds the same batch (`EpisodeRows`),
+each row's later turns re-prefilled into a free slot (`GeneratorExecutor._resume_rows`).
 
 Re-prefill versus extending the row's KV cache: re-prefill recomputes the context's keys and values
 (a prompt's worth of compute per turn, no cache kept across the tool call) and so needs no memory
