@@ -227,10 +227,10 @@ def run_episodes(generate: Callable[[Sequence[Sequence[int]], Any], RolloutBatch
   generate(prompts, sampling) -> host RolloutBatch: the caller's sampler call (its params, version and
   device turn bound). sampling: the batch's SamplingParams (n samples per prompt, its seed).
   """
+  t_start = time.perf_counter()  # tool_wait_fraction: of the whole episode time, generation included
   first = generate(prompts, sampling)
   if isinstance(env, SingleTurn):
     return Episodes(first)
-  t_start = time.perf_counter()
   ep = EpisodeRows(env, examples, prompts, sampling.n, tokenizer=tokenizer, response_width=response_width,
                    max_observation_tokens=max_observation_tokens, stop_token_ids=sampling.stop_token_ids)
   batch, batch_rows = first, list(range(ep.rows))  # batch row j is episode row batch_rows[j]
