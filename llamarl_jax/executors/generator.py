@@ -120,9 +120,10 @@ class GeneratorExecutor:
   engine: a `SlotEngine` (built with `sampling`) to stream batches through; None = static batches.
   dynamic_sampling: a `DynamicSampling` (static batches only), with `score(texts, ground_truths) ->
     (rewards, metrics)` (a `RewardExecutor.score`); None = every drawn group is kept.
-  env: the `Environment` of an episode (static batches; None = `SingleTurn`), with `env_config` (its
-    `EnvConfig`: response width, observation budget, tool threads). Episodes run through
-    `envs.run_episodes`; tool calls run on this executor's tool threads.
+  env: the `Environment` of an episode (None = `SingleTurn`), with `env_config` (its `EnvConfig`:
+    response width, observation budget, tool threads). Static batches run episodes through
+    `envs.run_episodes`; the slot engine sends a row's later turns back through its slots
+    (`_resume_rows`); tool steps run on this executor's tool threads either way.
   """
 
   def __init__(self, sampler: Sampler, tokenizer, prompt_source, sampling: SamplingParams, *,
@@ -260,7 +261,7 @@ class GeneratorExecutor:
       answers.append(texts)
       env_rewards.append(env_r)
       episode_metrics.append(episodes.metrics)
-      informative.append(informative_groups(rewards[-1] + env_r, len(drawn), n))
+      informative.append(informative_groups(r if episodes.env_rewards is None else rewards[-1] + env_r, len(drawn), n))
       if sum(int(np.sum(x)) for x in informative) >= pps:
         break
     data_state = self.prompt_source.state_dict()
