@@ -267,30 +267,29 @@ def _take_rows(batch: RolloutBatch, count: int) -> RolloutBatch:
 
 def safe_step(env, example, turns, text) -> Transition:
   """env.step, with an environment's own exception turned into an error observation (counted)."""
-  return _safe_step(env, example, turns, text)
-
-
-def step_all(env, pool, requests: dict[int, tuple]) -> dict[int, Transition]:
-  """env.step for every request, on `pool`'s threads (inline without one); a step that raises or runs
-  past STEP_GRACE_S becomes an error observation (the episode goes on, the failure is counted)."""
-  if pool is None:
-    return {i: _safe_step(env, *args) for i, args in requests.items()}
-  futures = {i: pool.submit(_safe_step, env, *args) for i, args in requests.items()}
-  out = {}
-  deadline = time.monotonic() + STEP_GRACE_S
-  for i, f in futures.items():
-    try:
-      out[i] = f.result(timeout=max(0.0, deadline - time.monotonic()))
-    except concurrent.futures.TimeoutError:
-      out[i] = Transition(observation="[the tool did not answer in time]", done=False,
-                          call=ToolCall("?", "timeout", STEP_GRACE_S))
-  return out
-
-
-def _safe_step(env, example, turns, text) -> Transition:
   t0 = time.monotonic()
   try:
     return env.step(example, turns, text)
   except Exception as e:  # noqa: BLE001 - an environment bug scores that episode, it does not stop the run
     return Transition(observation=f"[environment error: {type(e).__name__}]", done=False,
                       call=ToolCall("?", "error", time.monotonic() - t0))
+
+
+def step_result(future: concurrent.futures.Future, deadline: float) -> Transition:
+  """A submitted `safe_step`'s Transition, or a timeout observation once `deadline` (monotonic) passes:
+  a step still running then cannot hold the generator (its thread is left to finish)."""
+  try:
+    return future.result(timeout=max(0.0, deadline - time.monotonic()))
+  except concurrent.futures.TimeoutError:
+    return Transition(observation="[the tool did not answer in time]", done=False,
+                      call=ToolCall("?", "timeout", STEP_GRACE_S))
+
+
+def step_all(env, pool, requests: dict[int, tuple]) -> dict[int, Transition]:
+  """env.step for every request, on `pool`'s threads (inline without one); a step that raises or runs
+  past STEP_GRACE_S becomes an error observation (the episode goes on, the failure is counted)."""
+  if pool is None:
+    return {i: safe_step(env, *args) for i, args in requests.items()}
+  futures = {i: pool.submit(safe_step, env, *args) for i, args in requests.items()}
+  deadline = time.monotonic() + STEP_GRACE_S
+  return {i: step_result(f, deadline) for i, f in futures.items()}

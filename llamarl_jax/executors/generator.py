@@ -45,7 +45,7 @@ from llamarl_jax.generation.rollout import FINISH_LENGTH
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.config import DynamicSampling
 from llamarl_jax.envs import Episodes, SingleTurn, run_episodes
-from llamarl_jax.envs.episodes import EpisodeRows, safe_step, turn_seed
+from llamarl_jax.envs.episodes import STEP_GRACE_S, EpisodeRows, safe_step, step_result, turn_seed
 from llamarl_jax.schedule import batch_seed, draw_seed, scheduled_version
 
 
@@ -424,12 +424,13 @@ class GeneratorExecutor:
     Returns the steps still pending."""
     left = []
     t0 = time.perf_counter()
+    deadline = time.monotonic() + STEP_GRACE_S  # as the static engine's: a hung step cannot hold the loop
     for k, row, turn, future in pending:
       if not wait and not future.done():
         left.append((k, row, turn, future))
         continue
       ep: EpisodeRows = draws[k]["episodes"]
-      if ep.add_transition(row, future.result()):
+      if ep.add_transition(row, step_result(future, deadline)):
         self.engine.submit([ep.context(row)], seed=turn_seed(batch_seed(self.seed, k), turn, row), n=1,
                            tags=[(k, row, turn + 1)])
     waited = time.perf_counter() - t0
