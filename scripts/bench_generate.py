@@ -27,7 +27,11 @@ temperature 1 over the full vocabulary.
             longest row stops; the slots refill as rows stop. Measured lengths are printed (max/mean).
   equal:    no stop token: every response is --engine_max_new_tokens long (the engine's overhead case).
 Useful tokens/s = response tokens (stop token included, nothing after it) / wall time; best of
---repeats, alternating the two. Slot utilization = real tokens / (decode steps x slots).
+--repeats, alternating the two. Slot utilization = real tokens / (decode steps x slots), over the whole
+run and over the chunks dispatched while prompts waited for slots (a stream's steady state: the
+generator draws the next batch before the slots drain); next to each, in parentheses, an ideal
+scheduler's on the same lengths (every freed slot refilled at the next step, no host time;
+`ideal_utilization`): the whole-run figure includes the final drain, which no scheduler avoids.
 
 --profile DIR: a JAX profiler trace of the timed calls (after warm-up, so no compilation), one run
 per table: DIR/generate_<size> (ours, and transformers on the host) and DIR/engine_<workload>
@@ -42,10 +46,18 @@ abstract shapes): the slot engine's paged step and the dense layout it replaced 
 cache per layer, attention over all of it), from XLA's cost analysis, next to the ideal = weights
 read (every matrix and the lm_head; the embedding table is only gathered) + each row's live KV.
 Rows get live lengths uniform in --bytes_live (prompt part up to --bytes_prompt) in a cache of
---bytes_cache positions. "xla" is XLA's count as is; "bytes" charges a fused gather what it reads,
-not its whole operand (the CPU's generic cost analysis charges a loop fusion's gathered operand in
-full, i.e. the whole KV pool per layer; `paged.fused_gather_overcount`). No timing is run.
+--bytes_cache positions. "xla" is XLA's count as is; "bytes" charges a fused gather what it reads and
+an in-place scatter what it updates, not their whole operand (the generic cost analysis charges a
+fusion's gathered or scattered-into operand in full: the whole KV pool per layer;
+`paged.fused_index_overcount`). A "floor" row runs the same step with two live positions per row
+(everything but the attention's KV reads), so (bytes - floor) / live KV is the attention's cost per
+byte of live KV. No timing is run.
+--bytes_target h100: the same programs compiled by XLA's GPU compiler for an H100 (target description
+in scripts/gpu_targets/), with no GPU attached: the optimized module (the GPU's fusions, i.e. its
+kernels) under XLA's generic cost analysis. Needs JAX's CUDA plugin (see `CUDA_PLUGIN_HELP`); no
+autotuning runs without the device, so the GEMM configurations are the compiler's defaults.
   python scripts/bench_generate.py --bytes --sizes 1b --slots 64 --bytes_cache 2048 --dtype float32
+  python scripts/bench_generate.py --bytes --bytes_target h100 --sizes 1b --slots 64   # bf16
 """
 
 import argparse
@@ -67,6 +79,37 @@ SIZES = {
     "400m": (32000, 1024, 2816, 24, 16, 8),
     "1b": (128256, 2048, 8192, 16, 32, 8),  # Llama 3.2 1B shapes
 }
+
+
+# --bytes_target: XLA GPU target descriptions (scripts/gpu_targets/) a program can be compiled for
+# without the GPU
+GPU_TARGETS = {"h100": "h100_sxm.pbtxt"}
+
+CUDA_PLUGIN_HELP = """compiling for a GPU target without a GPU needs JAX's CUDA plugin and ptxas next to this jax:
+  v=$(python -c "import jaxlib; print(jaxlib.__version__)")
+  pip install --no-deps --target /tmp/cudasite "jax-cuda12-plugin==$v" "jax-cuda12-pjrt==$v" nvidia-cuda-nvcc-cu12
+  JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=/tmp/cudasite \\
+    PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH python scripts/bench_generate.py --bytes --bytes_target h100 ..."""
+
+
+def target_mesh(target):
+  """The generator mesh of one device to compile the --bytes step for: this backend's first device,
+  or (a GPU target) a device of `jax.experimental.topologies` built from its target description,
+  which XLA's GPU compiler compiles for with no GPU attached (nothing can run on it)."""
+  import jax
+
+  from llamarl_jax import parallel
+
+  if target == "default":
+    return parallel.make_mesh(jax.devices()[:1])
+  from jax.experimental import topologies
+
+  text = (Path(__file__).resolve().parent / "gpu_targets" / GPU_TARGETS[target]).read_text()
+  try:
+    topology = topologies.get_topology_desc(target, "cuda", target_config=text, topology="1x1x1")
+  except Exception as e:  # no CUDA plugin: "topology not implemented for cuda", or its import errors
+    raise SystemExit(f"--bytes_target {target}: {type(e).__name__}: {e}\n{CUDA_PLUGIN_HELP}") from e
+  return parallel.make_mesh(topology.devices[:1])
 
 
 def hf_config(name):
@@ -174,6 +217,9 @@ def main(argv=None):
   parser.add_argument("--bytes_cache", type=int, default=2048, help="--bytes: cache positions per slot")
   parser.add_argument("--bytes_prompt", type=int, default=128, help="--bytes: the longest prompt")
   parser.add_argument("--bytes_live", default="100,500", help="--bytes: live lengths uniform in lo,hi")
+  parser.add_argument("--bytes_target", default="default", choices=["default", *sorted(GPU_TARGETS)],
+                      help="--bytes: compile for this backend's first device (default), or for a GPU target "
+                           "without one (needs the CUDA plugin: see the module docstring)")
   parser.add_argument("--kv_block_size", type=int, default=16, help="slot engine KV block (positions)")
   args = parser.parse_args(argv)
   if args.device == "cpu":
@@ -192,8 +238,11 @@ def main(argv=None):
   args.roofline = on_gpu
   dtype = jnp.dtype(args.dtype or ("bfloat16" if on_gpu else "float32"))
   if args.bytes:  # cost analysis only: no weights, no timing
+    mesh = target_mesh(args.bytes_target)
+    if args.bytes_target != "default":
+      dtype = jnp.dtype(args.dtype or "bfloat16")
     return [row for name in args.sizes.split(",")
-            for row in bytes_table(config_from_hf(hf_config(name).to_dict(), dtype=dtype), args, name)]
+            for row in bytes_table(config_from_hf(hf_config(name).to_dict(), dtype=dtype), args, name, mesh)]
   run_hf = not (on_gpu or args.skip_hf)
   if run_hf and dtype != jnp.float32:
     parser.error("the transformers comparison runs in float32; pass --dtype float32 or --skip_hf")
@@ -260,9 +309,13 @@ def _gb(n):
   return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
-def bytes_table(config, args, name):
+def bytes_table(config, args, name, mesh=None):
   """One decode step's bytes (XLA cost analysis, abstract shapes) vs the ideal, for the slot engine's
-  paged layout and the dense one; prints a table and returns its rows as dicts."""
+  paged layout and the dense one, compiled for `mesh`'s devices (default: this backend's first);
+  prints a table and returns its rows as dicts. A third row, "paged, 2 live positions", is the same
+  step with every row at two live positions: the bytes of everything but the attention's KV reads
+  (weights' kernels, norms, sampling), so (paged - that) / live KV is what the attention moves per
+  byte of live KV."""
   import jax
   import numpy as np
 
@@ -278,21 +331,55 @@ def bytes_table(config, args, name):
   live = rng.randint(lo, hi + 1, S)
   prompt = np.minimum(rng.randint(max(1, Pm // 4), Pm + 1, S), live - 1)
   sampling = SamplingParams(temperature=0, max_new_tokens=T - Pm)
-  programs = SlotPrograms(config, Sampler(config), num_slots=S, sampling=sampling, max_prompt_len=Pm,
+  programs = SlotPrograms(config, Sampler(config, mesh), num_slots=S, sampling=sampling, max_prompt_len=Pm,
                           chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size)
   dtype = jax.numpy.dtype(config.dtype).name
+  device = programs._mesh.devices.flat[0]
   print(f"\n# one decode step's bytes: {name} {dtype}, {S} slots, cache {T} (prompt <= {Pm}), live lengths "
-        f"{lo}..{hi} (mean {live.mean():.0f}), KV blocks of {args.kv_block_size}; XLA cost analysis on "
-        f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-  print("| layout | entries | bytes/step | xla (as is) | ideal (weights + live KV) | bytes / ideal |")
-  print("|---|---|---|---|---|---|")
+        f"{lo}..{hi} (mean {live.mean():.0f}), KV blocks of {args.kv_block_size}; XLA cost analysis of the program "
+        f"compiled for {device.device_kind} ({device.platform}{', no device attached' if args.bytes_target != 'default' else ''}), "
+        f"jax {jax.__version__}")
+  print("| layout | entries | bytes/step | xla (as is) | ideal (weights + live KV) | bytes / ideal | "
+        "(bytes - floor) / live KV |")
+  print("|---|---|---|---|---|---|---|")
+  ones = np.ones(S, np.int64)
+  floor = programs.decode_step_cost(ones, ones, layout="paged")
   rows = []
-  for layout in ("paged", "dense"):
-    c = programs.decode_step_cost(prompt, live - prompt, layout=layout)
+  for layout, p, m in (("paged", prompt, live - prompt), ("dense", prompt, live - prompt),
+                       ("floor: paged, 2 live positions per row", ones, ones)):
+    c = floor if m is ones else programs.decode_step_cost(p, m, layout=layout)
+    attn = "-" if m is ones else f"{(c['bytes'] - floor['bytes']) / c['kv']:.2f}x"
     print(f"| {layout} | {c['num_entries'] or '-'} | {_gb(c['bytes'])} | {_gb(c['xla_bytes'])} | "
-          f"{_gb(c['ideal'])} ({_gb(c['weights'])} + {_gb(c['kv'])}) | {c['ratio']:.2f}x |", flush=True)
-    rows.append(dict(c, layout=layout, size=name, dtype=dtype, live_mean=float(live.mean())))
+          f"{_gb(c['ideal'])} ({_gb(c['weights'])} + {_gb(c['kv'])}) | {c['ratio']:.2f}x | {attn} |", flush=True)
+    rows.append(dict(c, layout=layout.split(":")[0], size=name, dtype=dtype, live_mean=float(live.mean()),
+                     target=args.bytes_target, floor_bytes=floor["bytes"]))
   return rows
+
+
+def ideal_utilization(lengths, num_slots, n=1):
+  """Slot utilization of an ideal scheduler on these response lengths: every freed slot refilled at
+  the very next step (FIFO, a group of n consecutive lengths admitted when n slots are free), no host
+  time. A response of l tokens holds its slot for l - 1 decode steps (the first token comes from the
+  prefill). Returns (utilization, utilization while prompts wait): the first includes the final drain
+  (the last rows finishing alone), which no scheduler avoids on a finite batch."""
+  import numpy as np
+
+  need = np.maximum(np.asarray(lengths, np.int64) - 1, 0).reshape(-1, n)
+  left = np.zeros(num_slots, np.int64)  # decode steps each slot still holds its row for
+  head, steps, useful, q_steps, q_useful = 0, 0, 0, 0, 0
+  while head < len(need) or left.any():
+    while head < len(need) and np.sum(left == 0) >= n:
+      free = np.flatnonzero(left == 0)[:n]
+      left[free] = need[head]
+      head += 1
+    busy = int(np.sum(left > 0))
+    if busy == 0:
+      continue
+    steps, useful = steps + 1, useful + busy
+    if head < len(need):
+      q_steps, q_useful = q_steps + 1, q_useful + busy
+    left = np.maximum(left - 1, 0)
+  return useful / max(steps * num_slots, 1), q_useful / max(q_steps * num_slots, 1)
 
 
 def engine_table(config, model, args, name):
@@ -311,8 +398,8 @@ def engine_table(config, model, args, name):
   print(f"\n# slot engine vs static sampler: {name}, {N} prompts of {args.prompt_len}, {S} slots = static batch, "
         f"max {R} new tokens, temperature 1, chunk {args.chunk_steps} steps, best of {args.repeats}")
   print("| workload | lengths mean / max (max/mean) | static tok/s | slots tok/s | slots / static | "
-        "slot utilization | static utilization | same tokens |")
-  print("|---|---|---|---|---|---|---|---|")
+        "slot utilization (ideal) | while prompts wait (ideal) | static utilization | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|")
   rows = []
   for workload in args.engine_workloads.split(","):
     if workload not in ("longtail", "equal"):
@@ -347,14 +434,17 @@ def engine_table(config, model, args, name):
     engine.take_metrics()
     with profiled(getattr(args, "profile", None), f"engine_{workload}"):
       t_static, t_slots = best_times([static, slots], args.repeats, ["static", "slots"])
-    util = engine.take_metrics()["generate/slot_utilization"]
+    m = engine.take_metrics()
+    util, util_q = m["generate/slot_utilization"], m["generate/slot_utilization_queued"]
+    ideal, ideal_q = ideal_utilization(lengths, S)  # submit order = prompt order (FIFO), n = 1
     useful = float(lengths.sum())
     print(f"| {workload} | {lengths.mean():.1f} / {lengths.max()} ({lengths.max() / lengths.mean():.1f}) | "
-          f"{useful / t_static:,.0f} | {useful / t_slots:,.0f} | {t_static / t_slots:.2f}x | {util:.1%} | "
-          f"{(useful - N) / (static_steps * S):.1%} | {same:.0%} |", flush=True)
+          f"{useful / t_static:,.0f} | {useful / t_slots:,.0f} | {t_static / t_slots:.2f}x | {util:.1%} ({ideal:.1%}) | "
+          f"{util_q:.1%} ({ideal_q:.1%}) | {(useful - N) / (static_steps * S):.1%} | {same:.0%} |", flush=True)
     rows.append({"workload": workload, "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
                  "static_tokens_per_s": useful / t_static, "slots_tokens_per_s": useful / t_slots,
                  "speedup": t_static / t_slots, "slot_utilization": float(util),
+                 "ideal_utilization": ideal, "slot_utilization_queued": float(util_q), "ideal_utilization_queued": ideal_q,
                  "static_utilization": (useful - N) / (static_steps * S), "same_tokens": float(same)})
   return rows
 

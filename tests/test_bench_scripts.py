@@ -99,9 +99,30 @@ def test_bench_generate_bytes_table_from_abstract_shapes(capsys):
   gathers' whole-pool charge that `bytes` removes."""
   rows = _load("bench_generate").main(["--bytes", "--sizes", "5m", "--slots", "8", "--bytes_cache", "512",
                                        "--bytes_prompt", "32", "--bytes_live", "40,120"])
-  paged, dense = rows
-  assert (paged["layout"], dense["layout"]) == ("paged", "dense")
+  paged, dense, floor = rows
+  assert (paged["layout"], dense["layout"], floor["layout"]) == ("paged", "dense", "floor")
   assert paged["ideal"] == dense["ideal"] and paged["bytes"] < dense["bytes"]
   assert paged["xla_bytes"] > paged["bytes"] and paged["num_entries"] >= 8 * 2  # >= 2 blocks per row
+  # the floor (2 live positions per row) moves the weights and less than the paged step
+  assert floor["weights"] <= floor["bytes"] < paged["bytes"] and paged["floor_bytes"] == floor["bytes"]
   out = capsys.readouterr().out
-  assert "| paged | " in out and "| dense | " in out and "bytes / ideal" in out
+  assert "| paged | " in out and "| dense | " in out and "bytes / ideal" in out and "| floor: " in out
+
+
+def test_bench_generate_bytes_target_without_the_cuda_plugin_names_the_fix():
+  """--bytes_target h100 on a machine without JAX's CUDA plugin stops with the install lines."""
+  import jax
+  if "cuda" in (jax.config.jax_platforms or "") or jax.default_backend() == "gpu":
+    pytest.skip("a CUDA backend is configured here")
+  with pytest.raises(SystemExit, match="jax-cuda12-plugin"):
+    _load("bench_generate").main(["--bytes", "--bytes_target", "h100", "--sizes", "5m", "--slots", "8"])
+
+
+def test_ideal_utilization_refills_every_freed_slot_at_the_next_step():
+  """Hand-counted: 2 slots, responses of 5, 2, 2, 2 tokens hold a slot 4, 1, 1, 1 steps: 4 steps,
+  7 busy slot-steps of 8 (the last step has one busy slot); prompts waited during steps 1-2 (both
+  busy). Equal lengths fill every slot; a lone long row drains alone."""
+  ideal = _load("bench_generate").ideal_utilization
+  assert ideal([5, 2, 2, 2], 2) == (7 / 8, 1.0)
+  assert ideal([9] * 8, 4) == (1.0, 1.0)
+  assert ideal([11, 2, 2], 2) == (12 / 20, 1.0)  # 10 steps: busy 2, 2, then 1 x 8; queued at step 1

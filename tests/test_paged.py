@@ -38,6 +38,24 @@ def numpy_attention(q, k_pool, v_pool, rows):
   return out
 
 
+def test_auto_implementation_follows_the_platform_compiled_for():
+  """'auto' is 'dot' for the CPU and 'reduce' for accelerators: the default backend's, unless the
+  program is traced for another platform (`target_platform`, which the slot programs set from
+  their mesh: a GPU program compiled on a CPU-only machine must get the GPU's form)."""
+  from llamarl_jax.model.paged_attention import resolve_paged_implementation, target_platform
+  assert resolve_paged_implementation("auto", "cpu") == "dot"
+  assert resolve_paged_implementation("auto", "gpu") == "reduce"
+  with target_platform("gpu"):
+    assert resolve_paged_implementation("auto") == "reduce"
+    assert resolve_paged_implementation("dot") == "dot"
+    with target_platform(None):
+      assert resolve_paged_implementation("auto") == ("dot" if jax.default_backend() == "cpu" else "reduce")
+  assert resolve_paged_implementation("auto") == ("dot" if jax.default_backend() == "cpu" else "reduce")
+  programs = SlotPrograms(COST_CONFIG, Sampler(COST_CONFIG), num_slots=2, sampling=SamplingParams(max_new_tokens=4),
+                          max_prompt_len=8, chunk_steps=2, pad_id=0)
+  assert programs.platform == jax.devices()[0].platform
+
+
 @pytest.mark.parametrize("implementation", ["reduce", "dot"])
 def test_blocked_attention_equals_dense_attention(implementation):
   """Ragged rows: 7 positions over two blocks (prompt 5 + response 2 in separate blocks, as the engine
@@ -109,15 +127,53 @@ def test_entry_buckets_are_geometric_and_cover_the_pool():
   assert paged.entry_bucket(81, tuple(b)) == 96 and paged.entry_bucket(10 ** 6, tuple(b)) == b[-1]
 
 
-def test_fused_gather_overcount_charges_what_a_gather_reads():
+def test_fused_index_overcount_charges_what_a_gather_reads():
   """XLA's CPU cost analysis charges a fused gather its whole operand; the overcount is that minus
   the gathered rows: here a [1000, 64] f32 table, 10 rows gathered."""
   table = jax.ShapeDtypeStruct((1000, 64), jnp.float32)
   idx = jax.ShapeDtypeStruct((10,), jnp.int32)
   compiled = jax.jit(lambda t, i: jnp.take(t, i, axis=0) * 2).lower(table, idx).compile()
-  over = paged.fused_gather_overcount(compiled.as_text())
+  over = paged.fused_index_overcount(compiled.as_text())
   if jax.default_backend() == "cpu":
     assert over == (1000 - 10) * 64 * 4
+
+
+# The form a GPU compiler gives the paged step's token write: an in-place scatter fusion (the pool
+# parameter is the scatter's target, the scatter is the root), and a gather fused into a reduction.
+_FUSED_HLO = """HloModule m
+
+%fused_scatter (param_0: f32[100,8], param_1: s32[4,1], param_2: f32[4,8]) -> f32[100,8] {
+  %param_0 = f32[100,8]{1,0} parameter(0)
+  %param_1 = s32[4,1]{1,0} parameter(1)
+  %param_2 = f32[4,8]{1,0} parameter(2)
+  ROOT %scatter.1 = f32[100,8]{1,0} scatter(%param_0, %param_1, %param_2), update_window_dims={1}, to_apply=%add
+}
+
+%fused_reduce (param_0.1: f32[100,8], param_1.1: s32[5,1]) -> f32[5] {
+  %param_0.1 = f32[100,8]{1,0} parameter(0)
+  %param_1.1 = s32[5,1]{1,0} parameter(1)
+  %gather.1 = f32[5,8]{1,0} gather(%param_0.1, %param_1.1), offset_dims={1}, slice_sizes={1,8}
+  %constant.1 = f32[] constant(0)
+  ROOT %reduce.1 = f32[5]{0} reduce(%gather.1, %constant.1), dimensions={1}, to_apply=%add
+}
+
+ENTRY %main (a: f32[100,8], b: s32[4,1], c: f32[4,8], d: s32[5,1]) -> (f32[100,8], f32[5]) {
+  %a = f32[100,8]{1,0} parameter(0)
+  %b = s32[4,1]{1,0} parameter(1)
+  %c = f32[4,8]{1,0} parameter(2)
+  %d = s32[5,1]{1,0} parameter(3)
+  %input_scatter_fusion = f32[100,8]{1,0} fusion(%a, %b, %c), kind=kInput, calls=%fused_scatter
+  %input_reduce_fusion = f32[5]{0} fusion(%input_scatter_fusion, %d), kind=kInput, calls=%fused_reduce
+  ROOT %t = (f32[100,8]{1,0}, f32[5]{0}) tuple(%input_scatter_fusion, %input_reduce_fusion)
+}
+"""
+
+
+def test_fused_index_overcount_charges_a_scatter_its_updates_and_any_fused_gather_its_rows():
+  """The scatter fusion is charged its whole [100, 8] f32 target read and written (2 x 3200 bytes);
+  it touches 4 rows (128 bytes) each way. The gather inside a reduction fusion (kInput, not only
+  the CPU's loop fusions) is charged the table (3200) for 5 rows (160)."""
+  assert paged.fused_index_overcount(_FUSED_HLO) == 2 * (3200 - 128) + (3200 - 160)
 
 
 # -- one decode step's bytes (XLA's cost analysis from abstract shapes) -------------------------------

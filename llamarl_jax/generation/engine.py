@@ -134,14 +134,15 @@ def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
 
 class _InFlight:
   """A dispatched decode chunk: its `ChunkResult` on its way to the host, the slots' generation
-  numbers when it was dispatched, and the last time the host saw it still running."""
+  numbers when it was dispatched, the last time the host saw it still running, and whether prompts
+  were queued when it was dispatched (the steady state of a stream: `slot_utilization_queued`)."""
 
-  def __init__(self, result: ChunkResult, gen: np.ndarray, dispatched: float):
+  def __init__(self, result: ChunkResult, gen: np.ndarray, dispatched: float, queued: bool):
     # a replicated result: every process reads its own local copy (one device's shard)
     self.local = jax.tree.map(lambda x: x.addressable_data(0), result)
     for x in jax.tree.leaves(self.local):
       x.copy_to_host_async()
-    self.gen, self.seen_busy = gen, dispatched
+    self.gen, self.seen_busy, self.queued = gen, dispatched, queued
 
   def ready(self) -> bool:
     """Whether the device has finished this chunk (updates `seen_busy` when it has not)."""
@@ -295,7 +296,7 @@ class SlotEngine:
           self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at),
           num_entries=num_entries)
       self._since[busy] += self.chunk_steps
-      self._last_chunk = _InFlight(result, self._gen.copy(), time.perf_counter())
+      self._last_chunk = _InFlight(result, self._gen.copy(), time.perf_counter(), bool(self._queue))
       self._inflight.append(self._last_chunk)
       self.stats["chunks"] += 1
       dispatched = True
@@ -390,6 +391,10 @@ class SlotEngine:
     steps = max(s["decode_steps"], 1)
     return {
         "generate/slot_utilization": s["useful_slot_steps"] / (steps * self.num_slots),
+        # over the chunks dispatched while prompts waited for slots: a stream's steady state, without
+        # the final drain of a finite batch (the last long rows finishing alone)
+        "generate/slot_utilization_queued": (s["queued_useful_slot_steps"]
+                                             / (max(s["queued_decode_steps"], 1) * self.num_slots)),
         "generate/tokens_per_decode_step": s["useful_slot_steps"] / steps,
         "generate/decode_steps": float(s["decode_steps"]),
         "generate/chunks": float(s["chunks"]),
@@ -456,6 +461,9 @@ class SlotEngine:
     self.stats["host_wait_s"] += time.perf_counter() - t
     self.stats["decode_steps"] += int(r.steps)
     self.stats["useful_slot_steps"] += int(r.useful)
+    if chunk.queued:
+      self.stats["queued_decode_steps"] += int(r.steps)
+      self.stats["queued_useful_slot_steps"] += int(r.useful)
     finished = [s for s, o in enumerate(self._owner)
                 if o is not None and r.done[s] and self._gen[s] == chunk.gen[s]]
     if not finished:

@@ -207,7 +207,7 @@ def kv_bytes_per_position(config: ModelConfig, dtype=None) -> int:
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _SHAPE = re.compile(r"^([a-z]+[0-9]*)\[([0-9,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+) = (\S+) ([a-z][a-z0-9-]*)\(([^)]*)\)(.*)$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%([^\s=]+) = (\([^=]*?\)|\S+) ([a-z][a-z0-9-]*)\(([^)]*)\)(.*)$")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([^\s(]+) ")
 
 
@@ -218,21 +218,43 @@ def _array_bytes(shape: str) -> int:
   return _DTYPE_BYTES[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",") if d] or [1]))
 
 
-def fused_gather_overcount(hlo_text: str) -> int:
-  """Bytes XLA's generic `HloCostAnalysis` (the CPU backend's) charges for fused gathers beyond what
-  they read, in a compiled module's text (`compiled.as_text()`).
+def compiled_bytes_accessed(compiled) -> float:
+  """XLA's 'bytes accessed' of a compiled program (`jax.stages.Compiled`).
 
-  A gather reads its output's worth of its operand (`HloCostAnalysis::HandleGather` counts exactly
-  that for an unfused gather, and the GPU's analysis scales a fused operand by its utilization), but
-  the generic analysis charges a fusion parameter consumed only by gathers its whole size
-  (`FusionParameterReadBytes` special-cases slices and dynamic slices, not gathers), and the CPU
-  wraps every gather into a loop fusion. For the paged decode step that charge is the whole KV pool
-  per layer for k and v, i.e. the cache maximum the pages exist to avoid reading. Returns the sum,
-  over loop fusions whose parameter feeds only gathers (as their operand), of parameter bytes minus
-  the gathers' output bytes.
+  Its backend's cost analysis where it has one; a program compiled without its devices (e.g. for an
+  H100 target from a CPU-only machine: `jax.experimental.topologies`) has none, and then XLA's
+  generic `HloCostAnalysis` (the CPU's) runs over the optimized module the target's compiler
+  produced: its fusions, i.e. its kernels, each charged what it reads and writes.
   """
-  comps: dict[str, dict[str, tuple[str, str, list[str]]]] = {}
-  fusions: list[tuple[list[str], str]] = []  # (operands, called computation) of loop fusions
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  if cost and "bytes accessed" in cost:
+    return float(cost["bytes accessed"])
+  from jax._src import xla_bridge  # the generic analysis is reachable only through jax's internals
+  from jax._src.lib import xla_client
+  module = compiled.runtime_executable().hlo_modules()[0]
+  cost = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+  return float(cost["bytes accessed"])
+
+
+def fused_index_overcount(hlo_text: str) -> int:
+  """Bytes XLA's generic `HloCostAnalysis` charges fused gathers and scatters beyond what they touch,
+  in a compiled module's text (`compiled.as_text()`, any backend's optimized HLO).
+
+  A gather reads its output's worth of its operand and an in-place scatter reads and writes its
+  updates' worth (`HloCostAnalysis::HandleGather` / `HandleScatter` count exactly that for unfused
+  ones, and the GPU's own analysis scales a fused operand by its utilization), but the generic
+  analysis, which the CPU uses, charges a fusion parameter consumed only by gathers or as a
+  scatter's target its whole size (`FusionParameterReadBytes` special-cases slices and dynamic
+  slices, not these), and a fusion whose root is a scatter its whole output as written. For the
+  paged decode step that is the whole KV pool per layer for k and v, twice for the token's write:
+  the cache maximum the pages exist to avoid reading. Returns the sum over fusions of: for each
+  parameter consumed only by gathers (as their operand), its bytes minus the gathered bytes; for
+  each parameter consumed only as the target of scatters, its bytes minus the updates' bytes; for a
+  root scatter (or a tuple of them), its output bytes minus its updates' bytes.
+  """
+  comps: dict[str, dict[str, tuple[str, str, list[str], bool]]] = {}
+  fused: list[str] = []  # computations called by fusions
   current = None
   for line in hlo_text.splitlines():
     if current is None:
@@ -246,20 +268,32 @@ def fused_gather_overcount(hlo_text: str) -> int:
     m = _INSTR.match(line)
     if not m:
       continue
-    name, shape, opcode, operands, rest = m.groups()
+    root, name, shape, opcode, operands, rest = m.groups()
     ops = [o.strip().lstrip("%") for o in operands.split(",") if o.strip().startswith("%")]
-    current[name] = (shape, opcode, ops + ([operands.strip()] if opcode == "parameter" else []))
-    if opcode == "fusion" and "kind=kLoop" in rest:
+    current[name] = (shape, opcode, ops, bool(root))
+    if opcode == "fusion":
       called = re.search(r"calls=%([^\s,]+)", rest)
       if called:
-        fusions.append((ops, called.group(1)))
+        fused.append(called.group(1))
   over = 0
-  for _, called in fusions:
+  for called in fused:
     body = comps.get(called, {})
-    for pname, (pshape, opcode, _) in body.items():
+    size = lambda name: _array_bytes(body[name][0]) if name in body else 0
+    for pname, (pshape, opcode, _, _) in body.items():
       if opcode != "parameter":
         continue
-      users = [(shape, op, ops) for shape, op, ops in body.values() if op != "parameter" and pname in ops]
-      if users and all(op == "gather" and ops[0] == pname and pname not in ops[1:] for _, op, ops in users):
+      users = [(shape, op, ops) for shape, op, ops, _ in body.values() if op != "parameter" and pname in ops]
+      if not users:
+        continue
+      if all(op == "gather" and ops[0] == pname and pname not in ops[1:] for _, op, ops in users):
         over += _array_bytes(pshape) - sum(_array_bytes(shape) for shape, _, _ in users)
+      elif all(op == "scatter" and ops[0] == pname and pname not in ops[1:] for _, op, ops in users):
+        over += _array_bytes(pshape) - sum(size(ops[-1]) for _, _, ops in users)
+    for shape, op, ops, root in body.values():
+      if not root:
+        continue
+      roots = [body[o] for o in ops if o in body] if op == "tuple" else [(shape, op, ops, root)]
+      for rshape, rop, rops, _ in roots:
+        if rop == "scatter" and rops and body.get(rops[0], ("", ""))[1] == "parameter":
+          over += _array_bytes(rshape) - size(rops[-1])
   return max(over, 0)

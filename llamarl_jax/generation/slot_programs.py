@@ -31,6 +31,7 @@ from llamarl_jax.generation import paged
 from llamarl_jax.generation.paged import KVPages, PageLayout
 from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits
 from llamarl_jax.model.llama import KVCache, ModelConfig, abstract_model, merge_params, split_params
+from llamarl_jax.model import paged_attention
 from llamarl_jax.model.paged_attention import PagedKVCache
 
 Array = jax.Array
@@ -124,6 +125,7 @@ class SlotPrograms:
     self._stop_ids = np.array(stops if stops else [-1], np.int32)
     self._top_k = 0 if sampling.top_k >= config.vocab_size else sampling.top_k
     mesh = sampler.mesh
+    self.platform = mesh.devices.flat[0].platform  # the paged attention's form follows the mesh's devices
     b1, b2 = parallel.batch_sharding(mesh, 1), parallel.batch_sharding(mesh, 2)
     repl = parallel.replicated(mesh)
     cs = sampler.cache_sharding  # [batch, len, kv_heads, head_dim]: the pool keeps its head sharding
@@ -237,7 +239,8 @@ class SlotPrograms:
                                               num_entries)
       pages = PagedKVCache(k=cache.k, v=cache.v, write_block=write_block, write_offset=write_offset,
                            entry_row=row, entry_block=block, entry_len=length)
-      x, pages = model.hidden_states(st.cur[:, None], st.pos[:, None], pages)
+      with paged_attention.target_platform(self.platform):
+        x, pages = model.hidden_states(st.cur[:, None], st.pos[:, None], pages)
       cache = KVPages(k=pages.k, v=pages.v)
     token, logprob = self._sample(token_keys(st.key, st.n_gen, st.row), model.logits(x[:, 0]))
     col = jnp.where(running, st.n_gen, R)  # finished slots write out of range: dropped
@@ -332,11 +335,11 @@ class SlotPrograms:
     response tokens sampled; the step attends to L + n_gen positions (its live length).
     layout: 'paged' (this engine: the step reads the entry bucket of the live blocks) or 'dense'
     (the layout before pages: a `[S, Pm + R]` cache per layer, attention over all of it).
-    Returns {'bytes', 'xla_bytes', 'gather_overcount', 'ideal', 'weights', 'kv', 'ratio',
-    'num_entries'}: 'xla_bytes' is XLA's 'bytes accessed' on this backend as is; 'bytes' charges each
-    fused gather the bytes it gathers instead of its whole operand (`paged.fused_gather_overcount`:
-    the CPU's generic analysis charges the whole KV pool, and the embedding table, per gather);
-    'ratio' = bytes / ideal.
+    Returns {'bytes', 'xla_bytes', 'overcount', 'ideal', 'weights', 'kv', 'ratio', 'num_entries'}:
+    'xla_bytes' is XLA's 'bytes accessed' as is; 'bytes' charges each fused gather the bytes it
+    gathers and each in-place scatter the bytes it updates instead of its whole operand
+    (`paged.fused_index_overcount`: the generic analysis charges the whole KV pool per gather and
+    per token write, and the embedding table per lookup); 'ratio' = bytes / ideal.
     """
     prompt_lens, n_gen = np.asarray(prompt_lens, np.int64), np.asarray(n_gen, np.int64)
     S, R, Pm = self.num_slots, self.R, self.max_prompt_len
@@ -371,10 +374,9 @@ class SlotPrograms:
                        in_shardings=(self._param_shardings, cache_sharding, self.state_sharding, repl),
                        out_shardings=(cache_sharding, self.state_sharding)).lower(
                            params, cache, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-    cost = compiled.cost_analysis()
-    xla_bytes = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["bytes accessed"])
-    over = float(paged.fused_gather_overcount(compiled.as_text()))
+    xla_bytes = paged.compiled_bytes_accessed(compiled)
+    over = float(paged.fused_index_overcount(compiled.as_text()))
     ideal = paged.ideal_step_bytes(self.config, prompt_lens + n_gen)
-    return {"bytes": xla_bytes - over, "xla_bytes": xla_bytes, "gather_overcount": over, "ideal": ideal["total"],
+    return {"bytes": xla_bytes - over, "xla_bytes": xla_bytes, "overcount": over, "ideal": ideal["total"],
             "weights": ideal["weights"], "kv": ideal["kv"], "ratio": (xla_bytes - over) / ideal["total"],
             "num_entries": num_entries}

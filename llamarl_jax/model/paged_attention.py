@@ -32,11 +32,15 @@ Two ways to form the per-entry products (`implementation`), the same math:
   'dot'     batched matmuls over the gathered blocks: the CPU's XLA materialises a gather whatever
             consumes it, and a multiply-reduce there also materialises the products, G = H / KV
             times the blocks; as matmuls it writes and reads each gathered block once more instead.
-  'auto'    'reduce' on accelerators, 'dot' on the CPU.
+  'auto'    'reduce' on accelerators, 'dot' on the CPU: the platform of the program being traced,
+            i.e. the default backend's unless `target_platform` names another (the slot engine names
+            its mesh's, so a program compiled for an H100 from a CPU-only machine takes 'reduce').
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import NamedTuple
 
@@ -100,12 +104,27 @@ def write_token(pool: Array, new: Array, block: Array, offset: Array) -> Array:
 PAGED_IMPLEMENTATIONS = ("auto", "reduce", "dot")
 
 
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("paged_target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str | None):
+  """While tracing inside, 'auto' resolves for `platform` ('cpu', 'gpu', ...; None: the default
+  backend): the platform of the devices the program is compiled for."""
+  token = _TARGET_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+
+
 def resolve_paged_implementation(implementation: str = "auto", platform: str | None = None) -> str:
-  """'reduce' or 'dot' (see the module docstring); 'auto' is 'dot' on the CPU, 'reduce' elsewhere."""
+  """'reduce' or 'dot' (see the module docstring); 'auto' is 'dot' on the CPU, 'reduce' elsewhere
+  (platform: this argument, else `target_platform`'s, else the default backend)."""
   if implementation not in PAGED_IMPLEMENTATIONS:
     raise ValueError(f"paged attention implementation must be one of {PAGED_IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
-    return "dot" if (platform or jax.default_backend()) == "cpu" else "reduce"
+    return "dot" if (platform or _TARGET_PLATFORM.get() or jax.default_backend()) == "cpu" else "reduce"
   return implementation
 
 
