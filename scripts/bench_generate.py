@@ -32,6 +32,8 @@ run and over the chunks dispatched while prompts waited for slots (a stream's st
 generator draws the next batch before the slots drain); next to each, in parentheses, an ideal
 scheduler's on the same lengths (every freed slot refilled at the next step, no host time;
 `ideal_utilization`): the whole-run figure includes the final drain, which no scheduler avoids.
+Device idle: the engine's `time/generate_device_idle` (an upper bound on the time the device waited
+for the host between chunks) over the slot engine's wall time.
 
 --profile DIR: a JAX profiler trace of the timed calls (after warm-up, so no compilation), one run
 per table: DIR/generate_<size> (ours, and transformers on the host) and DIR/engine_<workload>
@@ -398,8 +400,8 @@ def engine_table(config, model, args, name):
   print(f"\n# slot engine vs static sampler: {name}, {N} prompts of {args.prompt_len}, {S} slots = static batch, "
         f"max {R} new tokens, temperature 1, chunk {args.chunk_steps} steps, best of {args.repeats}")
   print("| workload | lengths mean / max (max/mean) | static tok/s | slots tok/s | slots / static | "
-        "slot utilization (ideal) | while prompts wait (ideal) | static utilization | same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "slot utilization (ideal) | while prompts wait (ideal) | static utilization | device idle | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   rows = []
   for workload in args.engine_workloads.split(","):
     if workload not in ("longtail", "equal"):
@@ -419,6 +421,15 @@ def engine_table(config, model, args, name):
       return jax.device_get([(o.response_tokens, o.lengths) for o in out])
 
     def slots():
+      t0 = time.perf_counter()
+      try:
+        return run_slots()
+      finally:
+        slot_wall[0] += time.perf_counter() - t0
+
+    slot_wall = [0.0]
+
+    def run_slots():
       engine.swap(params, 0)
       for i, b in enumerate(batches):
         engine.submit(b, seed=i, tags=[(i, j) for j in range(len(b))])
@@ -432,19 +443,22 @@ def engine_table(config, model, args, name):
         np.array_equal(a[1], b[1]) for a, b in zip(ref, got)])
     static_steps = sum(int(l.max()) - 1 for _, l in ref)
     engine.take_metrics()
+    slot_wall[0] = 0.0
     with profiled(getattr(args, "profile", None), f"engine_{workload}"):
       t_static, t_slots = best_times([static, slots], args.repeats, ["static", "slots"])
     m = engine.take_metrics()
     util, util_q = m["generate/slot_utilization"], m["generate/slot_utilization_queued"]
+    idle = m["time/generate_device_idle"] / max(slot_wall[0], 1e-9)  # an upper bound (see take_metrics)
     ideal, ideal_q = ideal_utilization(lengths, S)  # submit order = prompt order (FIFO), n = 1
     useful = float(lengths.sum())
     print(f"| {workload} | {lengths.mean():.1f} / {lengths.max()} ({lengths.max() / lengths.mean():.1f}) | "
           f"{useful / t_static:,.0f} | {useful / t_slots:,.0f} | {t_static / t_slots:.2f}x | {util:.1%} ({ideal:.1%}) | "
-          f"{util_q:.1%} ({ideal_q:.1%}) | {(useful - N) / (static_steps * S):.1%} | {same:.0%} |", flush=True)
+          f"{util_q:.1%} ({ideal_q:.1%}) | {(useful - N) / (static_steps * S):.1%} | {idle:.1%} | {same:.0%} |",
+          flush=True)
     rows.append({"workload": workload, "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
                  "static_tokens_per_s": useful / t_static, "slots_tokens_per_s": useful / t_slots,
                  "speedup": t_static / t_slots, "slot_utilization": float(util),
-                 "ideal_utilization": ideal, "slot_utilization_queued": float(util_q), "ideal_utilization_queued": ideal_q,
+                 "ideal_utilization": ideal, "device_idle_fraction": idle, "slot_utilization_queued": float(util_q), "ideal_utilization_queued": ideal_q,
                  "static_utilization": (useful - N) / (static_steps * S), "same_tokens": float(same)})
   return rows
 

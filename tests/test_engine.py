@@ -12,6 +12,7 @@ summation order (~1e-6).
 """
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -384,3 +385,25 @@ def test_chunks_in_flight_change_when_the_host_sees_results_not_the_samples(mode
     assert m["time/generate_device_idle"] >= 0 and m["time/generate_host_wait"] >= 0
   with pytest.raises(ValueError, match="chunks_in_flight"):
     SlotEngine(model[0], num_slots=4, sampling=SAMPLED, chunks_in_flight=0)
+
+
+def test_device_idle_counts_the_time_the_host_kept_the_device_waiting(model, prompts):
+  """One chunk in flight and a host that sleeps 0.15 s after each harvest: the device finished each
+  chunk before the host's sleep, so it idles at least the sleep before every later dispatch
+  (the watcher thread times each chunk's end); idle never exceeds the wall time."""
+  eng = SlotEngine(model[0], num_slots=4, sampling=GREEDY, max_prompt_len=16, chunk_steps=2, chunks_in_flight=1)
+  eng.swap(model[1], 0)
+  eng.submit(prompts, seed=0)
+  eng.step()  # compiles insert and decode
+  eng.take_metrics()
+  t0, sleeps = time.perf_counter(), 0
+  while not eng.idle:
+    time.sleep(0.15)
+    sleeps += 1
+    eng.step()
+  wall = time.perf_counter() - t0
+  time.sleep(0.05)  # let the watcher time the last chunk
+  m = eng.take_metrics()
+  dispatches = sleeps - 1  # the last step may harvest without dispatching
+  assert dispatches >= 2
+  assert 0.15 * (dispatches - 1) <= m["time/generate_device_idle"] <= wall

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import queue
+import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -134,30 +136,33 @@ def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
 
 class _InFlight:
   """A dispatched decode chunk: its `ChunkResult` on its way to the host, the slots' generation
-  numbers when it was dispatched, the last time the host saw it still running, and whether prompts
-  were queued when it was dispatched (the steady state of a stream: `slot_utilization_queued`)."""
+  numbers when it was dispatched, whether prompts were queued then (the steady state of a stream:
+  `slot_utilization_queued`), and when the device finished it (`done_at`, set by the engine's
+  watcher thread, which blocks on the result: exact to a thread wake-up, no polling)."""
 
-  def __init__(self, result: ChunkResult, gen: np.ndarray, dispatched: float, queued: bool):
+  def __init__(self, result: ChunkResult, gen: np.ndarray, queued: bool):
     # a replicated result: every process reads its own local copy (one device's shard)
     self.local = jax.tree.map(lambda x: x.addressable_data(0), result)
     for x in jax.tree.leaves(self.local):
       x.copy_to_host_async()
-    self.gen, self.seen_busy, self.queued = gen, dispatched, queued
-
-  def ready(self) -> bool:
-    """Whether the device has finished this chunk (updates `seen_busy` when it has not)."""
-    done = self.local.steps.is_ready()
-    if not done:
-      self.seen_busy = time.perf_counter()
-    return done
+    self.gen, self.queued = gen, queued
+    self.done_at: float | None = None
+    self.done = threading.Event()
 
   def get(self) -> ChunkResult:
-    """The results as host numpy, waiting for the device if needed (then it was busy until now)."""
-    waited = not self.ready()
-    out = jax.tree.map(np.asarray, self.local)
-    if waited:
-      self.seen_busy = time.perf_counter()
-    return out
+    """The results as host numpy, waiting for the device if needed."""
+    return jax.tree.map(np.asarray, self.local)
+
+
+def _watch(chunks: "queue.SimpleQueue[_InFlight | None]") -> None:
+  """The watcher thread: note when the device finishes each chunk, in dispatch order."""
+  while (chunk := chunks.get()) is not None:
+    try:
+      chunk.local.steps.block_until_ready()
+    except Exception:  # a failed chunk: the host's get() raises it; idle time is moot
+      pass
+    chunk.done_at = time.perf_counter()
+    chunk.done.set()
 
 
 class SlotEngine:
@@ -222,7 +227,10 @@ class SlotEngine:
     self._since = np.zeros(num_slots, np.int64)  # decode steps dispatched since the slot's insert (paged bound)
     self._gen = np.zeros(num_slots, np.int64)  # bumped when a slot is filled: results of older chunks skip it
     self._inflight: collections.deque[_InFlight] = collections.deque()
-    self._last_chunk: _InFlight | None = None  # the last dispatched chunk (for the device-idle bound)
+    self._last_chunk: _InFlight | None = None  # the last dispatched chunk (device idle time)
+    self._gaps: list[tuple[float, _InFlight]] = []  # (first dispatch after it, chunk): idle if it was done by then
+    self._gap_noted = False  # the first dispatch after the last chunk was noted
+    self._watched: queue.SimpleQueue | None = None  # the watcher thread's chunks (started on first dispatch)
     self._queue: collections.deque[_Group] = collections.deque()
     self._uid = 0
     self.stats = collections.Counter()
@@ -286,18 +294,20 @@ class SlotEngine:
     refill_at = self.num_slots + 1 if head is None or blocked else head.n
     dispatched = False
     if self.num_busy and len(self._inflight) < self.chunks_in_flight:
-      prev = self._last_chunk
-      if prev is not None and prev.ready():  # the device finished the previous chunk before this one came
-        self.stats["device_idle_s"] += time.perf_counter() - prev.seen_busy
       busy = np.array([o is not None for o in self._owner])
       num_entries = self.programs.num_entries([len(o[0].prompt) for o in self._owner if o is not None],
                                               self._since[busy])
+      self._dispatching()
       self._cache, self._state, result = self.programs.decode(
           self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at),
           num_entries=num_entries)
       self._since[busy] += self.chunk_steps
-      self._last_chunk = _InFlight(result, self._gen.copy(), time.perf_counter(), bool(self._queue))
+      self._last_chunk, self._gap_noted = _InFlight(result, self._gen.copy(), bool(self._queue)), False
       self._inflight.append(self._last_chunk)
+      if self._watched is None:
+        self._watched = queue.SimpleQueue()
+        threading.Thread(target=_watch, args=(self._watched,), name="slot-engine-watcher", daemon=True).start()
+      self._watched.put(self._last_chunk)
       self.stats["chunks"] += 1
       dispatched = True
     if self._inflight and (len(self._inflight) >= self.chunks_in_flight or not dispatched):
@@ -350,7 +360,8 @@ class SlotEngine:
     self._since[:] = 0
     self._gen[:] = 0
     self._inflight.clear()
-    self._last_chunk = None
+    self._last_chunk, self._gap_noted = None, False
+    self._gaps.clear()
     self._queue.clear()
     self.stats = collections.Counter()
 
@@ -387,6 +398,7 @@ class SlotEngine:
 
   def take_metrics(self) -> dict[str, float]:
     """Engine metrics since the last call (then reset): slot utilization, tokens per decode step, ..."""
+    self._count_idle()  # gaps whose chunk is still running count in a later period
     s, self.stats = self.stats, collections.Counter()
     steps = max(s["decode_steps"], 1)
     return {
@@ -401,8 +413,8 @@ class SlotEngine:
         "generate/queue_depth_mean": s["queue_depth_sum"] / max(s["schedules"], 1),
         "generate/prefill_calls": float(s["inserts"]),
         "generate/swaps_in_flight": float(s["swaps_in_flight"]),
-        # an upper bound: from the last moment the host saw the previous chunk still running to the
-        # dispatch of the next one, summed over the chunks the device had finished before the next came
+        # the device's idle time between chunks: from the end of a chunk (the watcher thread's clock)
+        # to the host's next dispatch (an insert or a chunk), where the chunk ended before it
         "time/generate_device_idle": float(s["device_idle_s"]),
         "time/generate_host_wait": float(s["host_wait_s"]),
         "generate/tokens": float(s["first_tokens"] + s["useful_slot_steps"]),
@@ -448,10 +460,28 @@ class SlotEngine:
       dst[i, :len(slots)] = slots  # a group of fewer than n samples: the rest dropped
       rows[i, :g.n] = g.row0 + np.arange(g.n)
       keys[i] = g.key
+    self._dispatching()
     self._cache, self._state = self.programs.insert(self.params, self._cache, self._state, tokens, lens, dst, rows, keys,
                                                np.int32(self.version), regions)
     self.stats["inserts"] += 1
     self.stats["first_tokens"] += sum(g.n for g, _ in items)
+
+  def _dispatching(self) -> None:
+    """Note the first dispatch after the last chunk: the device idled from that chunk's end until now,
+    if it ended before (`_count_idle` knows once the watcher has timed it)."""
+    if self._last_chunk is not None and not self._gap_noted:
+      self._gaps.append((time.perf_counter(), self._last_chunk))
+      self._gap_noted = True
+
+  def _count_idle(self) -> None:
+    """Add the idle gaps whose chunks the watcher has timed."""
+    keep = []
+    for t, chunk in self._gaps:
+      if chunk.done_at is None:
+        keep.append((t, chunk))
+      else:
+        self.stats["device_idle_s"] += max(0.0, t - chunk.done_at)
+    self._gaps = keep
 
   def _harvest(self, chunk: "_InFlight") -> list[Completed]:
     """Wait for a chunk's results; free the slots whose sequences finished in it (and were filled
@@ -459,6 +489,7 @@ class SlotEngine:
     t = time.perf_counter()
     r = chunk.get()
     self.stats["host_wait_s"] += time.perf_counter() - t
+    self._count_idle()
     self.stats["decode_steps"] += int(r.steps)
     self.stats["useful_slot_steps"] += int(r.useful)
     if chunk.queued:
