@@ -407,3 +407,15 @@ def test_device_idle_counts_the_time_the_host_kept_the_device_waiting(model, pro
   dispatches = sleeps - 1  # the last step may harvest without dispatching
   assert dispatches >= 2
   assert 0.15 * (dispatches - 1) <= m["time/generate_device_idle"] <= wall
+
+
+def test_device_idle_does_not_count_the_time_between_batches(model, prompts):
+  """An engine that ran out of work is not idle-waiting on the host: a second generate() 0.3 s after
+  the first adds (almost) nothing, where the first gap would have been 0.3 s."""
+  eng = SlotEngine(model[0], num_slots=4, sampling=GREEDY, max_prompt_len=16, chunk_steps=2)
+  eng.generate(model[1], prompts)  # compiles
+  eng.take_metrics()
+  time.sleep(0.3)
+  eng.generate(model[1], prompts)
+  time.sleep(0.05)
+  assert eng.take_metrics()["time/generate_device_idle"] < 0.25

@@ -414,7 +414,8 @@ class SlotEngine:
         "generate/prefill_calls": float(s["inserts"]),
         "generate/swaps_in_flight": float(s["swaps_in_flight"]),
         # the device's idle time between chunks: from the end of a chunk (the watcher thread's clock)
-        # to the host's next dispatch (an insert or a chunk), where the chunk ended before it
+        # to the host's next dispatch (an insert or a chunk), where the chunk ended before it, while
+        # the engine had work (not after it ran out of sequences)
         "time/generate_device_idle": float(s["device_idle_s"]),
         "time/generate_host_wait": float(s["host_wait_s"]),
         "generate/tokens": float(s["first_tokens"] + s["useful_slot_steps"]),
@@ -498,6 +499,8 @@ class SlotEngine:
     finished = [s for s, o in enumerate(self._owner)
                 if o is not None and r.done[s] and self._gen[s] == chunk.gen[s]]
     if not finished:
+      if self.idle:  # nothing left to do: the device's rest until new work arrives is not idle time
+        self._last_chunk = None
       return []
     tokens, logprobs, versions, n_gen, stopped = r.tokens, r.logprobs, r.versions, r.n_gen, r.stopped
     completed = []
@@ -510,6 +513,8 @@ class SlotEngine:
         completed.append(g)
         self._free_regions.append(g.region)  # every sample is done: no later chunk reads the region
     completed.sort(key=lambda g: g.uid)
+    if self.idle:  # nothing left to do: the device's rest until new work arrives is not idle time
+      self._last_chunk = None
     return [self._completed(g) for g in completed]
 
   def _completed(self, g: _Group) -> Completed:
