@@ -51,9 +51,9 @@ Rows get live lengths uniform in --bytes_live (prompt part up to --bytes_prompt)
 --bytes_cache positions. "xla" is XLA's count as is; "bytes" charges a fused gather what it reads and
 an in-place scatter what it updates, not their whole operand (the generic cost analysis charges a
 fusion's gathered or scattered-into operand in full: the whole KV pool per layer;
-`paged.fused_index_overcount`). A "floor" row runs the same step with two live positions per row
-(everything but the attention's KV reads), so (bytes - floor) / live KV is the attention's cost per
-byte of live KV. No timing is run.
+`paged.fused_index_overcount`). A "floor" row runs the same step over a dense cache of 3 positions
+per row (everything but the attention's KV reads), so (bytes - floor) / live KV is the attention's
+cost per byte of live KV. No timing is run.
 --bytes_target h100: the same programs compiled by XLA's GPU compiler for an H100 (target description
 in scripts/gpu_targets/), with no GPU attached: the optimized module (the GPU's fusions, i.e. its
 kernels) under XLA's generic cost analysis. Needs JAX's CUDA plugin (see `CUDA_PLUGIN_HELP`); no
@@ -314,10 +314,9 @@ def _gb(n):
 def bytes_table(config, args, name, mesh=None):
   """One decode step's bytes (XLA cost analysis, abstract shapes) vs the ideal, for the slot engine's
   paged layout and the dense one, compiled for `mesh`'s devices (default: this backend's first);
-  prints a table and returns its rows as dicts. A third row, "paged, 2 live positions", is the same
-  step with every row at two live positions: the bytes of everything but the attention's KV reads
-  (weights' kernels, norms, sampling), so (paged - that) / live KV is what the attention moves per
-  byte of live KV."""
+  prints a table and returns its rows as dicts. A third row, the floor, is the same step over a dense
+  cache of 3 positions per row: the bytes of everything but the attention's KV (weights' kernels,
+  norms, sampling), so (bytes - floor) / live KV is what the attention moves per byte of live KV."""
   import jax
   import numpy as np
 
@@ -345,10 +344,13 @@ def bytes_table(config, args, name, mesh=None):
         "(bytes - floor) / live KV |")
   print("|---|---|---|---|---|---|---|")
   ones = np.ones(S, np.int64)
-  floor = programs.decode_step_cost(ones, ones, layout="paged")
+  # the same step over a dense cache of 3 positions per row: its weights' kernels, norms and sampling
+  tiny = SlotPrograms(config, Sampler(config, mesh), num_slots=S, sampling=dataclasses.replace(sampling, max_new_tokens=2),
+                      max_prompt_len=1, chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size)
+  floor = tiny.decode_step_cost(ones, ones, layout="dense")
   rows = []
   for layout, p, m in (("paged", prompt, live - prompt), ("dense", prompt, live - prompt),
-                       ("floor: paged, 2 live positions per row", ones, ones)):
+                       ("floor: the step over 3 cached positions per row", ones, ones)):
     c = floor if m is ones else programs.decode_step_cost(p, m, layout=layout)
     attn = "-" if m is ones else f"{(c['bytes'] - floor['bytes']) / c['kv']:.2f}x"
     print(f"| {layout} | {c['num_entries'] or '-'} | {_gb(c['bytes'])} | {_gb(c['xla_bytes'])} | "
@@ -398,7 +400,8 @@ def engine_table(config, model, args, name):
   prompts = rng.randint(1, config.vocab_size, (N, args.prompt_len)).tolist()
   batches = [prompts[i:i + S] for i in range(0, N, S)]
   print(f"\n# slot engine vs static sampler: {name}, {N} prompts of {args.prompt_len}, {S} slots = static batch, "
-        f"max {R} new tokens, temperature 1, chunk {args.chunk_steps} steps, best of {args.repeats}")
+        f"max {R} new tokens, temperature 1, chunk {args.chunk_steps} steps, KV blocks of "
+        f"{getattr(args, 'kv_block_size', 16)}, best of {args.repeats}")
   print("| workload | lengths mean / max (max/mean) | static tok/s | slots tok/s | slots / static | "
         "slot utilization (ideal) | while prompts wait (ideal) | static utilization | device idle | same tokens |")
   print("|---|---|---|---|---|---|---|---|---|---|")
@@ -413,7 +416,7 @@ def engine_table(config, model, args, name):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=R, stop_token_ids=stops)
     sampler = Sampler(config)
     engine = SlotEngine(config, num_slots=S, sampling=sampling, max_prompt_len=args.prompt_len,
-                        chunk_steps=args.chunk_steps)
+                        chunk_steps=args.chunk_steps, kv_block_size=getattr(args, "kv_block_size", 16))
     params = sampler.place_params(model)
 
     def static():

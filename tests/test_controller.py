@@ -272,11 +272,15 @@ def test_latest_schedule_is_still_available(policy, tokenizer, tmp_path):
 
 def test_slot_engine_trains_like_the_static_engine_at_lag_0(policy, tokenizer, tmp_path):
   """At lag 0 no weight swap can fall inside a sequence and the slot engine samples the static sampler's
-  tokens (same seed and rows), so both generator engines give the same training run. Tolerance: the
+  tokens (same seed and rows), so both generator engines give the same training run, whatever the
+  engine's KV block size and chunks in flight (GeneratorConfig reaches the engine). Tolerance: the
   two compute behaviour log-probs with different cache lengths (summation order, ~1e-6)."""
   _, slots = run(policy, tokenizer, tmp_path / "slots", 2, max_policy_lag=0, generator_engine="slots")
+  c, small = run(policy, tokenizer, tmp_path / "small", 2, max_policy_lag=0, generator_engine="slots",
+                 engine_kv_block_size=2, engine_chunks_in_flight=1)
+  assert (c.ex.generator.engine.programs.layout.block_size, c.ex.generator.engine.chunks_in_flight) == (2, 1)
   _, static = run(policy, tokenizer, tmp_path / "static", 2, max_policy_lag=0, generator_engine="static")
-  for a, b in zip(slots, static):
+  for a, b in list(zip(slots, static)) + list(zip(small, static)):
     a, b = schedule_metrics(a), schedule_metrics(b)
     shared = sorted(set(a) & set(b))
     assert "reward/mean" in shared and "loss/total" in shared and "policy/lag_mean" in shared
