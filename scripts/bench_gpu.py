@@ -15,8 +15,10 @@ Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
               (scripts/bench_generate: weights + mean valid KV bytes per step / step / peak bandwidth)
   transformers the same weights in transformers (bf16, `generate`, dynamic cache, no torch.compile),
               decode per step at B64; skipped when torch has no CUDA
-  engine      slot engine vs static sampler on a long-tail workload: tokens/s, slot utilization
-              (scripts/bench_generate.engine_table)
+  engine      slot engine vs static sampler on a long-tail workload: tokens/s, slot utilization (and an
+              ideal scheduler's), device idle, per KV block size (scripts/bench_generate.engine_table)
+  bytes       one paged decode step's bytes from this GPU's cost analysis vs weights + live KV, per KV
+              block size (scripts/bench_generate.bytes_table; compile only)
   weight_push `WeightSync.push` (fp32 trainer params -> bf16 generator layout) in GB/s against a plain
               copy of the same bytes: device to device between disjoint meshes with 2+ GPUs
               (scripts/bench_weight_sync.bench_one), an on-device copy with one GPU (colocated mode)
@@ -58,7 +60,7 @@ import bench_generate  # noqa: E402
 import bench_train  # noqa: E402
 import bench_weight_sync  # noqa: E402
 
-SECTIONS = ("trainer", "torch_peer", "attention", "decode", "transformers", "engine", "weight_push", "e2e")
+SECTIONS = ("trainer", "torch_peer", "attention", "decode", "transformers", "engine", "bytes", "weight_push", "e2e")
 # device kind substring: (dense bf16 peak FLOP/s, HBM bytes/s)
 DEVICE_PEAKS = {"H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12),
                 "A100": (312e12, 2.0e12), "L4": (121e12, 0.3e12)}
@@ -67,12 +69,14 @@ DEVICE_PEAKS = {"H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200"
 FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, train_remat="matmuls",
             train_warmup=2, train_steps=3,
             attn=(4, 2048, 32, 8, 64), decode_batches=(16, 64, 256), prompt_len=128, decode_R=64, hf_batch=64,
-            engine_slots=64, engine_prompts=256, engine_R=512, push_size="1b", e2e=dict(hidden=512, layers=4,
+            engine_slots=64, engine_prompts=256, engine_R=512, engine_kv_blocks=(16, 64), bytes_size="1b",
+            bytes_slots=64, bytes_cache=2048, bytes_live="100,500", push_size="1b", e2e=dict(hidden=512, layers=4,
             prompts=16, samples=8, max_new_tokens=64, warmup=2, steps=5), repeats=3)
 DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_remat="matmuls", train_warmup=1,
            train_steps=1,
            attn=(1, 64, 4, 2, 16), decode_batches=(2,), prompt_len=8, decode_R=4, hf_batch=2,
-           engine_slots=4, engine_prompts=8, engine_R=8, push_size="1m", e2e=dict(hidden=32, layers=2,
+           engine_slots=4, engine_prompts=8, engine_R=8, engine_kv_blocks=(16, 4), bytes_size="5m", bytes_slots=4,
+           bytes_cache=64, bytes_live="20,40", push_size="1m", e2e=dict(hidden=32, layers=2,
            prompts=2, samples=2, max_new_tokens=4, warmup=1, steps=1), repeats=1)
 DRY_DECODE_SIZE = "5m"  # bench_generate's smallest
 
@@ -318,12 +322,31 @@ def transformers_section(cfg, env, args) -> dict:
 
 def engine_section(cfg, env, args) -> dict:
   name, config, model = _decode_model(cfg, args, env)
-  ns = argparse.Namespace(slots=cfg["engine_slots"], engine_max_new_tokens=cfg["engine_R"],
-                          engine_prompts=cfg["engine_prompts"], prompt_len=cfg["prompt_len"], stop_fraction=1 / 256,
-                          chunk_steps=16, repeats=1, engine_workloads="longtail")
-  rows = bench_generate.engine_table(config, model, ns, name)
+  rows = []
+  for bs in cfg["engine_kv_blocks"]:  # the paged pool's block size: per-entry overheads vs partial blocks
+    ns = argparse.Namespace(slots=cfg["engine_slots"], engine_max_new_tokens=cfg["engine_R"],
+                            engine_prompts=cfg["engine_prompts"], prompt_len=cfg["prompt_len"], stop_fraction=1 / 256,
+                            chunk_steps=16, repeats=1, engine_workloads="longtail", kv_block_size=bs)
+    rows += [dict(r, kv_block_size=bs) for r in bench_generate.engine_table(config, model, ns, name)]
   return {"model": name, "slots": ns.slots, "prompts": ns.engine_prompts, "max_new_tokens": ns.engine_max_new_tokens,
           "rows": rows}
+
+
+def bytes_section(cfg, env, args) -> dict:
+  """One paged decode step's bytes from this GPU's own cost analysis (compile only, nothing runs), at the
+  issue-26 configuration (64 slots, cache 2048, live lengths 100..500), per KV block size."""
+  import jax.numpy as jnp
+
+  from llamarl_jax.model.hf import config_from_hf
+
+  config = config_from_hf(bench_generate.hf_config(cfg["bytes_size"]).to_dict(), dtype=jnp.dtype(args.dtype))
+  rows = []
+  for bs in cfg["engine_kv_blocks"]:
+    ns = argparse.Namespace(slots=cfg["bytes_slots"], bytes_cache=cfg["bytes_cache"], bytes_prompt=128 if not
+                            env["dry_run"] else 16, bytes_live=cfg["bytes_live"], chunk_steps=16, kv_block_size=bs,
+                            bytes_target="default")
+    rows += [dict(r, kv_block_size=bs) for r in bench_generate.bytes_table(config, ns, cfg["bytes_size"])]
+  return {"model": cfg["bytes_size"], "rows": rows}
 
 
 def weight_push_section(cfg, env, args) -> dict:
@@ -379,6 +402,7 @@ def e2e_section(cfg, env, args) -> dict:
 
 RUNNERS = {"trainer": trainer_section, "torch_peer": torch_peer_section, "attention": attention_section,
            "decode": decode_section, "transformers": transformers_section, "engine": engine_section,
+           "bytes": bytes_section,
            "weight_push": weight_push_section, "e2e": e2e_section}
 
 
@@ -438,10 +462,17 @@ def markdown(results: dict) -> str:
                 f"{r['speedup']:.2f}x |"]
     elif name == "engine":
       lines += [f"{r['model']}, {r['prompts']} prompts, {r['slots']} slots, up to {r['max_new_tokens']} new tokens",
-                "| workload | length mean / max | slots / static | slot utilization | static utilization |",
-                "|---|---|---|---|---|"]
-      lines += [f"| {x['workload']} | {x['length_mean']:.0f} / {x['length_max']} | {x['speedup']:.2f}x | "
-                f"{x['slot_utilization']:.1%} | {x['static_utilization']:.1%} |" for x in r["rows"]]
+                "| KV block | workload | length mean / max | slots / static | slot utilization (ideal) | "
+                "while prompts wait (ideal) | static utilization | device idle |", "|---|---|---|---|---|---|---|---|"]
+      lines += [f"| {x['kv_block_size']} | {x['workload']} | {x['length_mean']:.0f} / {x['length_max']} | "
+                f"{x['speedup']:.2f}x | {x['slot_utilization']:.1%} ({x['ideal_utilization']:.1%}) | "
+                f"{x['slot_utilization_queued']:.1%} ({x['ideal_utilization_queued']:.1%}) | "
+                f"{x['static_utilization']:.1%} | {x['device_idle_fraction']:.1%} |" for x in r["rows"]]
+    elif name == "bytes":
+      lines += [f"{r['model']}, one paged decode step, this GPU's cost analysis", "| KV block | layout | entries | "
+                "bytes | ideal | bytes / ideal |", "|---|---|---|---|---|---|"]
+      lines += [f"| {x['kv_block_size']} | {x['layout']} | {x['num_entries'] or '-'} | {x['bytes'] / 1e9:.3f} GB | "
+                f"{x['ideal'] / 1e9:.3f} GB | {x['ratio']:.2f}x |" for x in r["rows"]]
     elif name == "weight_push":
       lines += [r["layout"], "| params | mode | bytes | push GB/s | copy GB/s | push / copy time |",
                 "|---|---|---|---|---|---|",

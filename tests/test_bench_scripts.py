@@ -48,9 +48,11 @@ def test_bench_gpu_dry_run_writes_the_report_and_json(tmp_path):
   import json
 
   results = _load("bench_gpu").main(["--dry_run", "--out", str(tmp_path),
-                                     "--sections", "trainer,attention,weight_push"])
+                                     "--sections", "trainer,attention,weight_push,bytes"])
   saved = json.loads((tmp_path / "bench_gpu.json").read_text())
-  assert saved["sections"].keys() == {"trainer", "attention", "weight_push"} == results["sections"].keys()
+  assert saved["sections"].keys() == {"trainer", "attention", "weight_push", "bytes"} == results["sections"].keys()
+  paged = [r for r in saved["sections"]["bytes"]["rows"] if r["layout"] == "paged"]
+  assert [r["kv_block_size"] for r in paged] == [16, 4] and all(r["bytes"] >= r["weights"] for r in paged)
   trainer = saved["sections"]["trainer"]
   assert trainer["step_s"] > 0 and 0 < trainer["mfu"] < 1 and trainer["B"] * (trainer["P"] + trainer["R"]) == 256
   attention = {r["implementation"]: r for r in saved["sections"]["attention"]["rows"]}
@@ -60,6 +62,7 @@ def test_bench_gpu_dry_run_writes_the_report_and_json(tmp_path):
   assert push["bytes"] == 2 * push["params"]  # fp32 -> bf16: two bytes a parameter cross
   report = (tmp_path / "bench_gpu.md").read_text()
   assert "DRY RUN" in report and "| xla, causal + lengths |" in report and "push GB/s" in report
+  assert "| 4 | paged |" in report
 
 
 def test_bench_train_lowers_the_step_and_finds_the_largest_vocab_array(tmp_path, capsys):
