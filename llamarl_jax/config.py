@@ -253,7 +253,8 @@ class TrainConfig(_Validated):
   microbatch at the batch's full width; the same loss and gradient, far less padding on long-tailed
   batches when microbatches hold few rows (16 microbatches of 64 long-tail rows: 25% padded tokens
   instead of 611%). Off by default: a step is then one fused program, and short or equal-length
-  batches gain nothing."""
+  batches gain nothing. `scan_layers`: the layers under one `lax.scan` (compile time flat in depth);
+  False unrolls them (faster steps for small models on a CPU: the tiny configs)."""
   loss: str = "aipo"
   loss_kwargs: dict = field(default_factory=dict)
   reference_path: str | None = None
@@ -265,11 +266,12 @@ class TrainConfig(_Validated):
   attention: str = "auto"
   logprob_chunk: int | None = DEFAULT_LOGPROB_CHUNK
   group_by_length: bool = False
+  scan_layers: bool = True
   RULES: ClassVar = {"loss": _loss_rule, "microbatches": at_least(1), "checkpoint_every": at_least(0),
                      "keep_checkpoints": at_least(1),
                      "remat": one_of(False, True, *REMAT_POLICIES), "attention": one_of(*ATTENTION_IMPLEMENTATIONS),
                      "logprob_chunk": lambda v: None if v is None or v >= 1 else "None or >= 1",
-                     "group_by_length": one_of(False, True)}
+                     "group_by_length": one_of(False, True), "scan_layers": one_of(False, True)}
 
   def __post_init__(self):
     super().__post_init__()

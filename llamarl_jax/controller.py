@@ -97,7 +97,7 @@ class Controller:
       ex.trainer = TrainerExecutor(model_config, self.trainer_mesh, params, optimizer=t.optimizer, loss=t.loss,
                                    loss_kwargs=t.loss_kwargs, microbatches=t.microbatches, remat=t.remat,
                                    attention=t.attention, logprob_chunk=t.logprob_chunk,
-                                   group_by_length=t.group_by_length,
+                                   group_by_length=t.group_by_length, scan_layers=t.scan_layers,
                                    temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
                                    ref_params=ref_params, reference_is_initial=t.reference_path is None)
       self.checkpointer = Checkpointer(self.run_dir / "checkpoints", max_to_keep=t.keep_checkpoints,

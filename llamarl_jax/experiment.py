@@ -148,12 +148,13 @@ def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int,
 def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptSource, *, steps: int = 300,
                          batch_size: int = 64, learning_rate: float = 3e-3, prompt_len: int = 32,
                          resp_len: int = 16, log_every: int = 50, logger: MetricsLogger | None = None,
-                         progress: bool = True, env=None):
+                         progress: bool = True, env=None, scan_layers: bool = True):
   """Maximum-likelihood fine-tuning on the task's reference completions (`source.reference(ex)`).
 
   This is the warm start before RL, so RL starts from a policy that sometimes succeeds. env: the run's
   `Environment` (None: single-turn): a demonstration is `env.demonstration(example, completion)`, its
-  model turns trained on (each + EOS), its observations only context.
+  model turns trained on (each + EOS), its observations only context. scan_layers: as
+  `TrainConfig.scan_layers` (`scan_hidden_states`).
   """
   abstract = abstract_model(config)
   graphdef, _ = split_params(abstract)
@@ -166,7 +167,7 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
   @jax.jit
   def step(params, opt_state, pt, pm, rt, rm):
     def loss_fn(p):
-      lp = token_logprobs(graphdef, p, pt, pm, rt, rm)
+      lp = token_logprobs(graphdef, p, pt, pm, rt, rm, scan_layers=scan_layers)
       lp = lp[0] if isinstance(lp, tuple) else lp
       return -jnp.sum(lp * rm) / jnp.maximum(jnp.sum(rm), 1)
     loss, grads = jax.value_and_grad(loss_fn)(params)

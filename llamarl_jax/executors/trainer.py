@@ -112,7 +112,7 @@ def _applied_updates(opt_state) -> Array:
 
 def token_logprobs(graphdef, params, prompt_tokens, prompt_mask, response_tokens, response_mask, *,
                    temperature: float = 1.0, remat="none", with_entropy: bool = False,
-                   attention: str = "xla", logprob_chunk: int | None = None):
+                   attention: str = "xla", logprob_chunk: int | None = None, scan_layers: bool = True):
   """Log-probs `[B, R]` (fp32) of the response tokens under the policy at `temperature`.
 
   params: the model's `split_params` dict (any dtype; cast to the compute dtype here). See
@@ -123,12 +123,13 @@ def token_logprobs(graphdef, params, prompt_tokens, prompt_mask, response_tokens
   prepared = prepare_params(params, config.dtype)
   return policy_logprobs(config, prepared, prompt_tokens, prompt_mask, response_tokens, response_mask,
                          temperature=temperature, remat=remat, with_entropy=with_entropy,
-                         attention=attention, logprob_chunk=logprob_chunk)
+                         attention=attention, logprob_chunk=logprob_chunk, scan_layers=scan_layers)
 
 
 def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, response_tokens,
                     response_mask, *, temperature: float = 1.0, remat="none", with_entropy: bool = False,
-                    attention: str = "xla", logprob_chunk: int | None = None, width: int | None = None):
+                    attention: str = "xla", logprob_chunk: int | None = None, width: int | None = None,
+                    scan_layers: bool = True):
   """`token_logprobs` on params already prepared (`prepare_params`: cast, layers stacked).
 
   One forward over the rows of `trainer_layout` (real prompt tokens from position 0, then the
@@ -139,13 +140,14 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
 
   width: the forward's sequence length, at most P + R (default: P + R). Every row must fit (prompt +
   response up to its last valid token <= width, as `group_by_length` guarantees): positions past it
-  are padding and are cut off.
+  are padding and are cut off. scan_layers: see `scan_hidden_states`.
   """
   tokens, lengths, predict = trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask)
   if width is not None:
     tokens = tokens[:, :width]
     predict = jnp.minimum(predict, width - 1)  # only masked response positions point past the width
-  hidden = scan_hidden_states(config, prepared, tokens, lengths, attention=attention, remat=remat)
+  hidden = scan_hidden_states(config, prepared, tokens, lengths, attention=attention, remat=remat,
+                              scan_layers=scan_layers)
   hidden = jnp.take_along_axis(hidden, predict[..., None], axis=1)  # [B, R, E]
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), response_tokens,
                                              temperature=temperature, chunk=logprob_chunk,
@@ -252,7 +254,8 @@ class TrainerExecutor:
                temperature: float = 1.0, ref_params: Any = None, kl_coef: float = 0.0,
                reference_is_initial: bool = False, attention: str = "auto",
                logprob_chunk: int | None = DEFAULT_LOGPROB_CHUNK, platform: str | None = None,
-               group_by_length: bool = False, rules: Mapping[str, str | None] = parallel.RULES):
+               group_by_length: bool = False, scan_layers: bool = True,
+               rules: Mapping[str, str | None] = parallel.RULES):
     if microbatches < 1:
       raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     if temperature <= 0:
@@ -281,6 +284,7 @@ class TrainerExecutor:
     self.group_by_length = bool(group_by_length)
     self.remat = remat_policy(remat)
     self.logprob_chunk = logprob_chunk
+    self.scan_layers = bool(scan_layers)
     # The platform the step is compiled for: the mesh's, or another one to lower for (`lower_step`).
     self.platform = platform or mesh.devices.flat[0].platform
     self.attention = resolve_attention(attention, self.platform, config.dtype)
@@ -510,7 +514,8 @@ class TrainerExecutor:
     if kw.get("aggregation") == "seq_sum_norm" and kw.get("loss_norm_constant") is None:
       kw["loss_norm_constant"] = response_len  # the loss's default, the batch's R, not a cut microbatch's
     logprobs_of = functools.partial(policy_logprobs, self.config, temperature=self.temperature,
-                                    attention=self.attention, logprob_chunk=self.logprob_chunk, width=width)
+                                    attention=self.attention, logprob_chunk=self.logprob_chunk, width=width,
+                                    scan_layers=self.scan_layers)
     args = (mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"], mask)
     out = logprobs_of(compute, *args, remat=self.remat, with_entropy=self._with_entropy)
     logprobs, kw["entropy"] = out if self._with_entropy else (out, None)

@@ -535,12 +535,15 @@ def _block_graphdef(config: ModelConfig):
 
 
 def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengths: Array, *,
-                       attention: str = "xla", remat="none") -> Array:
+                       attention: str = "xla", remat="none", scan_layers: bool = True) -> Array:
   """Final-norm hidden states `[B, T, E]` of right-padded rows, the layers under `lax.scan`.
 
   prepared: `prepare_params(params, config.dtype)`. tokens `[B, T]`: each row's sequence from
   position 0 (positions are 0..T-1), valid up to `lengths` `[B]`; states past a row's length are
   not meaningful. attention: 'xla' or 'cudnn' (see `resolve_attention`); remat: see `remat_policy`.
+  scan_layers=False unrolls the scan (the same program, one copy per layer): compile time grows with
+  depth, but a small model on a CPU steps ~1.5x faster (BENCHMARKS.md: the main job's trainer step,
+  734 -> 492 ms), XLA:CPU's loop over stacked layers costing more than the layers themselves.
   The same math as `Llama.hidden_states` (the same Block code runs on each layer's slice).
   """
   dt = jnp.dtype(config.dtype)
@@ -561,7 +564,7 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
     layer = jax.checkpoint(layer, prevent_cse=False,
                            policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
   x = jnp.take(prepared["embed"], tokens, axis=0).astype(dt)
-  x, _ = jax.lax.scan(layer, x, prepared["layers"])
+  x, _ = jax.lax.scan(layer, x, prepared["layers"], unroll=not scan_layers)
   return rms_norm(x, prepared["final_norm"]["scale"], config.rms_norm_eps)
 
 
