@@ -196,13 +196,15 @@ class GeneratorConfig(_Validated):
   default rows per step; decode chunks of `chunk_steps`; prompts up to `max_prompt_len` tokens, default
   min(512, context - max_new_tokens); KV kept across weight swaps unless `recompute_kv`; a paged KV
   pool of `kv_block_size` positions per block; `chunks_in_flight` decode chunks dispatched before the
-  host waits) or 'static' (`Sampler.generate` per batch). `dtype` of its weights, optional int8
+  host waits; `paged_attention` the decode attention's form: 'auto' (XLA's), or 'pallas', one kernel
+  that reads each live block once, not yet timed on a GPU) or 'static' (`Sampler.generate` per batch). `dtype` of its weights, optional int8
   `quantize`; `delay_s` emulates a slower remote engine per batch (benchmarks, overlap tests)."""
   engine: str = "slots"
   slots: int = 0
   chunk_steps: int = 16
   kv_block_size: int = 16
   chunks_in_flight: int = 2
+  paged_attention: str = "auto"
   max_prompt_len: int | None = None
   recompute_kv: bool = False
   dtype: str = "float32"
@@ -210,6 +212,7 @@ class GeneratorConfig(_Validated):
   delay_s: float = 0.0
   RULES: ClassVar = {"engine": one_of(*GENERATOR_ENGINES), "slots": at_least(0), "chunk_steps": at_least(1),
                      "kv_block_size": at_least(1), "chunks_in_flight": at_least(1),
+                     "paged_attention": one_of("auto", "reduce", "dot", "pallas"),
                      "max_prompt_len": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "dtype": one_of(*GENERATOR_DTYPES), "quantize": one_of(*QUANTIZATIONS),
                      "delay_s": at_least(0.0)}
@@ -442,7 +445,8 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
     "generator_engine": ("generator", "engine"), "engine_slots": ("generator", "slots"),
     "engine_chunk_steps": ("generator", "chunk_steps"), "engine_max_prompt_len": ("generator", "max_prompt_len"),
     "engine_recompute_kv": ("generator", "recompute_kv"), "engine_kv_block_size": ("generator", "kv_block_size"),
-    "engine_chunks_in_flight": ("generator", "chunks_in_flight"), "generator_dtype": ("generator", "dtype"),
+    "engine_chunks_in_flight": ("generator", "chunks_in_flight"),
+    "engine_paged_attention": ("generator", "paged_attention"), "generator_dtype": ("generator", "dtype"),
     "quantize": ("generator", "quantize"), "generator_delay_s": ("generator", "delay_s"),
     **{k: ("train", k) for k in ("loss", "loss_kwargs", "reference_path", "optimizer", "microbatches", "remat",
                                  "checkpoint_every", "keep_checkpoints")},

@@ -122,7 +122,8 @@ class Controller:
                             num_slots=g.slots or _round_up(r.rows, parallel.batch_divisor(self.generator_mesh)),
                             sampling=self.sampling, max_prompt_len=max_prompt, chunk_steps=g.chunk_steps,
                             pad_id=tokenizer.pad_token_id or 0, recompute_kv=g.recompute_kv,
-                            kv_block_size=g.kv_block_size, chunks_in_flight=g.chunks_in_flight)
+                            kv_block_size=g.kv_block_size, chunks_in_flight=g.chunks_in_flight,
+                            paged_attention=g.paged_attention)
       ex.generator = GeneratorExecutor(self.sampler, tokenizer, prompt_source, self.sampling,
                                        prompts_per_step=r.prompts_per_step,
                                        max_policy_lag=config.schedule.max_policy_lag,

@@ -223,6 +223,8 @@ def main(argv=None):
                       help="--bytes: compile for this backend's first device (default), or for a GPU target "
                            "without one (needs the CUDA plugin: see the module docstring)")
   parser.add_argument("--kv_block_size", type=int, default=16, help="slot engine KV block (positions)")
+  parser.add_argument("--paged_attention", default="auto", choices=["auto", "reduce", "dot", "pallas"],
+                      help="slot engine: the decode attention's form (pallas: one kernel, paged_kernel.py)")
   args = parser.parse_args(argv)
   if args.device == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -333,11 +335,13 @@ def bytes_table(config, args, name, mesh=None):
   prompt = np.minimum(rng.randint(max(1, Pm // 4), Pm + 1, S), live - 1)
   sampling = SamplingParams(temperature=0, max_new_tokens=T - Pm)
   programs = SlotPrograms(config, Sampler(config, mesh), num_slots=S, sampling=sampling, max_prompt_len=Pm,
-                          chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size)
+                          chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size,
+                          paged_attention=getattr(args, "paged_attention", "auto"))
   dtype = jax.numpy.dtype(config.dtype).name
   device = programs._mesh.devices.flat[0]
   print(f"\n# one decode step's bytes: {name} {dtype}, {S} slots, cache {T} (prompt <= {Pm}), live lengths "
-        f"{lo}..{hi} (mean {live.mean():.0f}), KV blocks of {args.kv_block_size}; XLA cost analysis of the program "
+        f"{lo}..{hi} (mean {live.mean():.0f}), KV blocks of {args.kv_block_size}, paged attention "
+        f"{getattr(args, 'paged_attention', 'auto')}; XLA cost analysis of the program "
         f"compiled for {device.device_kind} ({device.platform}{', no device attached' if args.bytes_target != 'default' else ''}), "
         f"jax {jax.__version__}")
   print("| layout | entries | bytes/step | xla (as is) | ideal (weights + live KV) | bytes / ideal | "
@@ -416,7 +420,8 @@ def engine_table(config, model, args, name):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=R, stop_token_ids=stops)
     sampler = Sampler(config)
     engine = SlotEngine(config, num_slots=S, sampling=sampling, max_prompt_len=args.prompt_len,
-                        chunk_steps=args.chunk_steps, kv_block_size=getattr(args, "kv_block_size", 16))
+                        chunk_steps=args.chunk_steps, kv_block_size=getattr(args, "kv_block_size", 16),
+                        paged_attention=getattr(args, "paged_attention", "auto"))
     params = sampler.place_params(model)
 
     def static():

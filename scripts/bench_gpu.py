@@ -16,7 +16,7 @@ Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
   transformers the same weights in transformers (bf16, `generate`, dynamic cache, no torch.compile),
               decode per step at B64; skipped when torch has no CUDA
   engine      slot engine vs static sampler on a long-tail workload: tokens/s, slot utilization (and an
-              ideal scheduler's), device idle, per KV block size (scripts/bench_generate.engine_table)
+              ideal scheduler's), device idle, per KV block size and attention form (scripts/bench_generate.engine_table)
   bytes       one paged decode step's bytes from this GPU's cost analysis vs weights + live KV, per KV
               block size (scripts/bench_generate.bytes_table; compile only)
   weight_push `WeightSync.push` (fp32 trainer params -> bf16 generator layout) in GB/s against a plain
@@ -69,13 +69,15 @@ DEVICE_PEAKS = {"H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200"
 FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, train_remat="matmuls",
             train_warmup=2, train_steps=3,
             attn=(4, 2048, 32, 8, 64), decode_batches=(16, 64, 256), prompt_len=128, decode_R=64, hf_batch=64,
-            engine_slots=64, engine_prompts=256, engine_R=512, engine_kv_blocks=(16, 64), bytes_size="1b",
+            engine_slots=64, engine_prompts=256, engine_R=512, engine_variants=((16, "auto"), (64, "auto"), (16, "pallas")),
+            bytes_size="1b",
             bytes_slots=64, bytes_cache=2048, bytes_live="100,500", push_size="1b", e2e=dict(hidden=512, layers=4,
             prompts=16, samples=8, max_new_tokens=64, warmup=2, steps=5), repeats=3)
 DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_remat="matmuls", train_warmup=1,
            train_steps=1,
            attn=(1, 64, 4, 2, 16), decode_batches=(2,), prompt_len=8, decode_R=4, hf_batch=2,
-           engine_slots=4, engine_prompts=8, engine_R=8, engine_kv_blocks=(16, 4), bytes_size="5m", bytes_slots=4,
+           engine_slots=4, engine_prompts=8, engine_R=8, engine_variants=((16, "auto"), (4, "pallas")),
+           bytes_size="5m", bytes_slots=4,
            bytes_cache=64, bytes_live="20,40", push_size="1m", e2e=dict(hidden=32, layers=2,
            prompts=2, samples=2, max_new_tokens=4, warmup=1, steps=1), repeats=1)
 DRY_DECODE_SIZE = "5m"  # bench_generate's smallest
@@ -323,29 +325,31 @@ def transformers_section(cfg, env, args) -> dict:
 def engine_section(cfg, env, args) -> dict:
   name, config, model = _decode_model(cfg, args, env)
   rows = []
-  for bs in cfg["engine_kv_blocks"]:  # the paged pool's block size: per-entry overheads vs partial blocks
+  for bs, form in cfg["engine_variants"]:  # KV block size (per-entry overheads vs partial blocks), attention form
     ns = argparse.Namespace(slots=cfg["engine_slots"], engine_max_new_tokens=cfg["engine_R"],
                             engine_prompts=cfg["engine_prompts"], prompt_len=cfg["prompt_len"], stop_fraction=1 / 256,
-                            chunk_steps=16, repeats=1, engine_workloads="longtail", kv_block_size=bs)
-    rows += [dict(r, kv_block_size=bs) for r in bench_generate.engine_table(config, model, ns, name)]
+                            chunk_steps=16, repeats=1, engine_workloads="longtail", kv_block_size=bs,
+                            paged_attention=form)
+    rows += [dict(r, kv_block_size=bs, paged_attention=form) for r in bench_generate.engine_table(config, model, ns, name)]
   return {"model": name, "slots": ns.slots, "prompts": ns.engine_prompts, "max_new_tokens": ns.engine_max_new_tokens,
           "rows": rows}
 
 
 def bytes_section(cfg, env, args) -> dict:
   """One paged decode step's bytes from this GPU's own cost analysis (compile only, nothing runs), at the
-  issue-26 configuration (64 slots, cache 2048, live lengths 100..500), per KV block size."""
+  issue-26 configuration (64 slots, cache 2048, live lengths 100..500), per KV block size and attention form."""
   import jax.numpy as jnp
 
   from llamarl_jax.model.hf import config_from_hf
 
   config = config_from_hf(bench_generate.hf_config(cfg["bytes_size"]).to_dict(), dtype=jnp.dtype(args.dtype))
   rows = []
-  for bs in cfg["engine_kv_blocks"]:
+  for bs, form in cfg["engine_variants"]:
     ns = argparse.Namespace(slots=cfg["bytes_slots"], bytes_cache=cfg["bytes_cache"], bytes_prompt=128 if not
                             env["dry_run"] else 16, bytes_live=cfg["bytes_live"], chunk_steps=16, kv_block_size=bs,
-                            bytes_target="default")
-    rows += [dict(r, kv_block_size=bs) for r in bench_generate.bytes_table(config, ns, cfg["bytes_size"])]
+                            bytes_target="default", paged_attention=form)
+    rows += [dict(r, kv_block_size=bs, paged_attention=form)
+             for r in bench_generate.bytes_table(config, ns, cfg["bytes_size"])]
   return {"model": cfg["bytes_size"], "rows": rows}
 
 
@@ -462,16 +466,17 @@ def markdown(results: dict) -> str:
                 f"{r['speedup']:.2f}x |"]
     elif name == "engine":
       lines += [f"{r['model']}, {r['prompts']} prompts, {r['slots']} slots, up to {r['max_new_tokens']} new tokens",
-                "| KV block | workload | length mean / max | slots / static | slot utilization (ideal) | "
-                "while prompts wait (ideal) | static utilization | device idle |", "|---|---|---|---|---|---|---|---|"]
-      lines += [f"| {x['kv_block_size']} | {x['workload']} | {x['length_mean']:.0f} / {x['length_max']} | "
+                "| KV block | attention | workload | length mean / max | slots / static | slot utilization (ideal) | "
+                "while prompts wait (ideal) | static utilization | device idle |", "|---|---|---|---|---|---|---|---|---|"]
+      lines += [f"| {x['kv_block_size']} | {x['paged_attention']} | {x['workload']} | {x['length_mean']:.0f} / {x['length_max']} | "
                 f"{x['speedup']:.2f}x | {x['slot_utilization']:.1%} ({x['ideal_utilization']:.1%}) | "
                 f"{x['slot_utilization_queued']:.1%} ({x['ideal_utilization_queued']:.1%}) | "
                 f"{x['static_utilization']:.1%} | {x['device_idle_fraction']:.1%} |" for x in r["rows"]]
     elif name == "bytes":
-      lines += [f"{r['model']}, one paged decode step, this GPU's cost analysis", "| KV block | layout | entries | "
-                "bytes | ideal | bytes / ideal |", "|---|---|---|---|---|---|"]
-      lines += [f"| {x['kv_block_size']} | {x['layout']} | {x['num_entries'] or '-'} | {x['bytes'] / 1e9:.3f} GB | "
+      lines += [f"{r['model']}, one paged decode step, this GPU's cost analysis (+ the Pallas kernel's reads counted "
+                "from its structure)", "| KV block | attention | layout | entries | bytes | ideal | bytes / ideal |",
+                "|---|---|---|---|---|---|---|"]
+      lines += [f"| {x['kv_block_size']} | {x['paged_attention']} | {x['layout']} | {x['num_entries'] or '-'} | {x['bytes'] / 1e9:.3f} GB | "
                 f"{x['ideal'] / 1e9:.3f} GB | {x['ratio']:.2f}x |" for x in r["rows"]]
     elif name == "weight_push":
       lines += [r["layout"], "| params | mode | bytes | push GB/s | copy GB/s | push / copy time |",

@@ -124,6 +124,21 @@ def test_matches_static_sampler_with_sampling(model, static_sampler, sampling_en
   np.testing.assert_array_equal(batch.token_versions, 2)
 
 
+def test_pallas_attention_samples_what_the_static_sampler_samples(model, static_sampler, prompts):
+  """The one-kernel paged attention (`paged_attention='pallas'`, Pallas interpret mode on the CPU) in
+  the engine: the static sampler's tokens and log-probs, with a queue, stops, prefix sharing and
+  blocks of 4 (responses across several blocks)."""
+  eng = SlotEngine(model[0], num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+                   kv_block_size=4, paged_attention="pallas")
+  static = static_sampler.generate(model[1], prompts, SAMPLED, policy_version=0)
+  batch = eng.generate(model[1], prompts, SAMPLED)
+  for name in ("response_tokens", "lengths", "finish_reason"):
+    np.testing.assert_array_equal(getattr(batch, name), np.asarray(getattr(static, name)), err_msg=name)
+  np.testing.assert_allclose(batch.behaviour_logprobs, static.behaviour_logprobs, atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="must be one of"):
+    SlotEngine(model[0], num_slots=4, sampling=SAMPLED, paged_attention="flash")
+
+
 def _run_with_swap(engine, model, model_b, prompts, recompute):
   """Two prompts (4 rows) start under version 0; after one chunk (tokens 0-3) the engine swaps to 1."""
   engine.swap(model[1], 0)

@@ -48,12 +48,49 @@ def test_auto_implementation_follows_the_platform_compiled_for():
   with target_platform("gpu"):
     assert resolve_paged_implementation("auto") == "reduce"
     assert resolve_paged_implementation("dot") == "dot"
+    with target_platform("gpu", "pallas"):  # a caller's choice reaches the model's 'auto'
+      assert resolve_paged_implementation("auto") == "pallas"
     with target_platform(None):
       assert resolve_paged_implementation("auto") == ("dot" if jax.default_backend() == "cpu" else "reduce")
   assert resolve_paged_implementation("auto") == ("dot" if jax.default_backend() == "cpu" else "reduce")
   programs = SlotPrograms(COST_CONFIG, Sampler(COST_CONFIG), num_slots=2, sampling=SamplingParams(max_new_tokens=4),
                           max_prompt_len=8, chunk_steps=2, pad_id=0)
   assert programs.platform == jax.devices()[0].platform
+
+
+@pytest.mark.parametrize("per_step", [1, 2, 4])
+def test_pallas_kernel_equals_the_xla_forms_and_the_dense_reference(per_step):
+  """The one-kernel form (Pallas interpret mode) on row-contiguous, row-ascending entries: ragged rows
+  (a partial prompt block then response blocks), an idle row, two rows sharing prompt blocks, padding
+  entries on a block of 1e4 keys; per_step blocks per loop step (entries past a row's count are
+  masked, never its neighbour's). Tolerance as the XLA forms' (fp32, summation order)."""
+  from llamarl_jax.model.paged_kernel import paged_decode_attention_kernel, row_spans
+  rng = np.random.RandomState(1)
+  k_pool = rng.randn(NB, BS, KV, D).astype(np.float32)
+  v_pool = rng.randn(NB, BS, KV, D).astype(np.float32)
+  k_pool[9] = 1e4
+  q = (3 * rng.randn(4, 1, H, D)).astype(np.float32)
+  rows = {0: [(2, 4), (3, 1), (6, 2)], 1: [], 2: [(7, 4), (8, 4), (4, 3)], 3: [(2, 4), (3, 1), (5, 3)]}
+  entries = [(r, b, n) for r in range(4) for b, n in rows[r]] + [(4, 9, 0)] * 3
+  row, block, length = (jnp.array(c, jnp.int32) for c in zip(*entries))
+  np.testing.assert_array_equal(np.asarray(row_spans(row, 4)), [[0, 3], [3, 0], [3, 3], [6, 3]])
+  expected = numpy_attention(q, k_pool, v_pool, rows)
+  got = paged_decode_attention_kernel(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), row, block, length,
+                                      per_step=per_step, interpret=True)
+  np.testing.assert_allclose(np.asarray(got)[:, 0], expected, rtol=1e-5, atol=1e-5)
+  xla = paged_decode_attention(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), row, block, length, "dot")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(xla), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="power of two"):
+    paged_decode_attention_kernel(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), row, block, length,
+                                  per_step=3, interpret=True)
+
+
+def test_kernel_bytes_count_each_live_block_of_each_head_once():
+  """Hand count: 3 live entries of 4 positions x 2 KV heads x head dim 8 in bf16, k and v: 768 bytes;
+  q and the output padded to 16 rows per KV head (G = 2): 2 x 2 rows x 2 heads x 16 x 8 x 2 = 2048."""
+  from llamarl_jax.model.paged_kernel import kernel_bytes
+  assert kernel_bytes(num_rows=2, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, live_entries=3,
+                      itemsize=2) == 768 + 2048
 
 
 @pytest.mark.parametrize("implementation", ["reduce", "dot"])

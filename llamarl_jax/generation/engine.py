@@ -184,6 +184,8 @@ class SlotEngine:
     the host harvests and inserts). The samples do not depend on it (a row's keys do not depend on
     its slot or chunk); with in-flight swaps, which version a token sees does (refills start a chunk
     later), deterministically for a given setting.
+  paged_attention: the decode attention's form (`paged_attention.PAGED_IMPLEMENTATIONS`: 'auto',
+    'reduce', 'dot', or 'pallas', the one-kernel form of `paged_kernel`).
 
   Driving it: `swap(params, version)`; `submit(prompts, seed=..., version=..., tag=...)`; then
   `step()` until `idle`; each step returns the groups that completed. `generate(params, prompts)`
@@ -194,7 +196,8 @@ class SlotEngine:
                sampling: SamplingParams = SamplingParams(), max_prompt_len: int = 128, chunk_steps: int = 16,
                pad_id: int = 0, prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
                max_insert: int | None = None, recompute_kv: bool = False, chunks_in_flight: int = 2,
-               kv_block_size: int = 16, rules: Mapping[str, str | None] = parallel.RULES):
+               kv_block_size: int = 16, paged_attention: str = "auto",
+               rules: Mapping[str, str | None] = parallel.RULES):
     self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
     divisor = parallel.batch_divisor(self.mesh)
@@ -219,7 +222,7 @@ class SlotEngine:
     self.insert_sizes = sorted({min(2 ** i, self.max_insert) for i in range(self.max_insert.bit_length() + 1)})
     self.programs = SlotPrograms(config, self.sampler, num_slots=num_slots, sampling=sampling,
                                  max_prompt_len=self.max_prompt_len, chunk_steps=self.chunk_steps, pad_id=pad_id,
-                                 kv_block_size=kv_block_size)
+                                 kv_block_size=kv_block_size, paged_attention=paged_attention)
     self.params, self.version = None, None
     self._cache, self._state = self.programs.empty()
     self._owner: list[tuple[_Group, int] | None] = [None] * num_slots

@@ -31,7 +31,7 @@ from llamarl_jax.generation import paged
 from llamarl_jax.generation.paged import KVPages, PageLayout
 from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits
 from llamarl_jax.model.llama import KVCache, ModelConfig, abstract_model, merge_params, split_params
-from llamarl_jax.model import paged_attention
+from llamarl_jax.model import paged_attention as paged_attention_module
 from llamarl_jax.model.paged_attention import PagedKVCache
 
 Array = jax.Array
@@ -114,7 +114,8 @@ class SlotPrograms:
   """
 
   def __init__(self, config: ModelConfig, sampler: Sampler, *, num_slots: int, sampling: SamplingParams,
-               max_prompt_len: int, chunk_steps: int, pad_id: int, kv_block_size: int = 16):
+               max_prompt_len: int, chunk_steps: int, pad_id: int, kv_block_size: int = 16,
+               paged_attention: str = "auto"):
     self.config, self.graphdef, self.pad_id = config, sampler.graphdef, int(pad_id)
     self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
     self.R, self.max_prompt_len = sampling.max_new_tokens, max_prompt_len
@@ -126,6 +127,8 @@ class SlotPrograms:
     self._top_k = 0 if sampling.top_k >= config.vocab_size else sampling.top_k
     mesh = sampler.mesh
     self.platform = mesh.devices.flat[0].platform  # the paged attention's form follows the mesh's devices
+    paged_attention_module.resolve_paged_implementation(paged_attention, self.platform)  # a clear error early
+    self.paged_attention = paged_attention
     b1, b2 = parallel.batch_sharding(mesh, 1), parallel.batch_sharding(mesh, 2)
     repl = parallel.replicated(mesh)
     cs = sampler.cache_sharding  # [batch, len, kv_heads, head_dim]: the pool keeps its head sharding
@@ -239,7 +242,7 @@ class SlotPrograms:
                                               num_entries)
       pages = PagedKVCache(k=cache.k, v=cache.v, write_block=write_block, write_offset=write_offset,
                            entry_row=row, entry_block=block, entry_len=length)
-      with paged_attention.target_platform(self.platform):
+      with paged_attention_module.target_platform(self.platform, self.paged_attention):
         x, pages = model.hidden_states(st.cur[:, None], st.pos[:, None], pages)
       cache = KVPages(k=pages.k, v=pages.v)
     token, logprob = self._sample(token_keys(st.key, st.n_gen, st.row), model.logits(x[:, 0]))
@@ -335,11 +338,14 @@ class SlotPrograms:
     response tokens sampled; the step attends to L + n_gen positions (its live length).
     layout: 'paged' (this engine: the step reads the entry bucket of the live blocks) or 'dense'
     (the layout before pages: a `[S, Pm + R]` cache per layer, attention over all of it).
-    Returns {'bytes', 'xla_bytes', 'overcount', 'ideal', 'weights', 'kv', 'ratio', 'num_entries'}:
+    Returns {'bytes', 'xla_bytes', 'overcount', 'kernel_bytes', 'ideal', 'weights', 'kv', 'ratio',
+    'num_entries'}:
     'xla_bytes' is XLA's 'bytes accessed' as is; 'bytes' charges each fused gather the bytes it
     gathers and each in-place scatter the bytes it updates instead of its whole operand
     (`paged.fused_index_overcount`: the generic analysis charges the whole KV pool per gather and
-    per token write, and the embedding table per lookup); 'ratio' = bytes / ideal.
+    per token write, and the embedding table per lookup), and adds the Pallas kernel's reads where
+    the step uses it (`paged_kernel.kernel_bytes`, counted from its structure: XLA's analysis sees
+    a custom call as nothing); 'ratio' = bytes / ideal.
     """
     prompt_lens, n_gen = np.asarray(prompt_lens, np.int64), np.asarray(n_gen, np.int64)
     S, R, Pm = self.num_slots, self.R, self.max_prompt_len
@@ -377,6 +383,18 @@ class SlotPrograms:
     xla_bytes = paged.compiled_bytes_accessed(compiled)
     over = float(paged.fused_index_overcount(compiled.as_text()))
     ideal = paged.ideal_step_bytes(self.config, prompt_lens + n_gen)
-    return {"bytes": xla_bytes - over, "xla_bytes": xla_bytes, "overcount": over, "ideal": ideal["total"],
-            "weights": ideal["weights"], "kv": ideal["kv"], "ratio": (xla_bytes - over) / ideal["total"],
+    kernel = 0.0  # the Pallas kernel's reads, counted from its structure (a custom call to XLA's analysis;
+    # in interpret mode, on the CPU, the kernel is XLA ops and already counted)
+    triton_call = 'custom_call_target="__gpu$xla.gpu.triton"' in compiled.as_text()
+    form = paged_attention_module.resolve_paged_implementation(self.paged_attention, self.platform)
+    if layout == "paged" and form == "pallas" and triton_call:
+      from llamarl_jax.model.paged_kernel import kernel_bytes
+      c = self.config
+      live = int(np.sum(-(-prompt_lens // self.layout.block_size) + -(-n_gen // self.layout.block_size)))
+      kernel = c.num_layers * kernel_bytes(num_rows=S, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                           head_dim=c.head_dim, block_size=self.layout.block_size,
+                                           live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize)
+    total = xla_bytes - over + kernel
+    return {"bytes": total, "xla_bytes": xla_bytes, "overcount": over, "kernel_bytes": kernel,
+            "ideal": ideal["total"], "weights": ideal["weights"], "kv": ideal["kv"], "ratio": total / ideal["total"],
             "num_entries": num_entries}

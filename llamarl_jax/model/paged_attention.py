@@ -32,9 +32,15 @@ Two ways to form the per-entry products (`implementation`), the same math:
   'dot'     batched matmuls over the gathered blocks: the CPU's XLA materialises a gather whatever
             consumes it, and a multiply-reduce there also materialises the products, G = H / KV
             times the blocks; as matmuls it writes and reads each gathered block once more instead.
+  'pallas'  one Pallas kernel (`paged_kernel`): each live block of each KV head read once, the
+            softmax state in registers, no per-entry partials; needs the entries row-contiguous and
+            row-ascending (`paged.live_entries` lists them so). Triton on a GPU; on the CPU it runs in
+            Pallas' interpret mode (tests). Opt-in: not yet timed on a GPU.
   'auto'    'reduce' on accelerators, 'dot' on the CPU: the platform of the program being traced,
             i.e. the default backend's unless `target_platform` names another (the slot engine names
-            its mesh's, so a program compiled for an H100 from a CPU-only machine takes 'reduce').
+            its mesh's, so a program compiled for an H100 from a CPU-only machine takes 'reduce'),
+            unless `target_platform` also names an implementation (the slot engine's
+            `paged_attention` setting).
 """
 
 from __future__ import annotations
@@ -101,30 +107,43 @@ def write_token(pool: Array, new: Array, block: Array, offset: Array) -> Array:
   return pool.at[block, offset].set(new.astype(pool.dtype), mode="promise_in_bounds")
 
 
-PAGED_IMPLEMENTATIONS = ("auto", "reduce", "dot")
+PAGED_IMPLEMENTATIONS = ("auto", "reduce", "dot", "pallas")
 
 
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("paged_target_platform", default=None)
+_CHOSEN: contextvars.ContextVar[str] = contextvars.ContextVar("paged_implementation", default="auto")
 
 
 @contextlib.contextmanager
-def target_platform(platform: str | None):
+def target_platform(platform: str | None, implementation: str = "auto"):
   """While tracing inside, 'auto' resolves for `platform` ('cpu', 'gpu', ...; None: the default
-  backend): the platform of the devices the program is compiled for."""
-  token = _TARGET_PLATFORM.set(platform)
+  backend): the platform of the devices the program is compiled for; and to `implementation` when
+  that is not 'auto' (a caller's choice reaching the model's attention)."""
+  if implementation not in PAGED_IMPLEMENTATIONS:
+    raise ValueError(f"paged attention implementation must be one of {PAGED_IMPLEMENTATIONS}, got {implementation!r}")
+  tokens = _TARGET_PLATFORM.set(platform), _CHOSEN.set(implementation)
   try:
     yield
   finally:
-    _TARGET_PLATFORM.reset(token)
+    _TARGET_PLATFORM.reset(tokens[0])
+    _CHOSEN.reset(tokens[1])
+
+
+def _platform(platform: str | None = None) -> str:
+  return platform or _TARGET_PLATFORM.get() or jax.default_backend()
 
 
 def resolve_paged_implementation(implementation: str = "auto", platform: str | None = None) -> str:
-  """'reduce' or 'dot' (see the module docstring); 'auto' is 'dot' on the CPU, 'reduce' elsewhere
-  (platform: this argument, else `target_platform`'s, else the default backend)."""
+  """'reduce', 'dot' or 'pallas' (see the module docstring); 'auto' is `target_platform`'s choice if
+  it made one, else 'dot' on the CPU, 'reduce' elsewhere (platform: this argument, else
+  `target_platform`'s, else the default backend)."""
   if implementation not in PAGED_IMPLEMENTATIONS:
     raise ValueError(f"paged attention implementation must be one of {PAGED_IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
-    return "dot" if (platform or _TARGET_PLATFORM.get() or jax.default_backend()) == "cpu" else "reduce"
+    chosen = _CHOSEN.get()
+    if chosen != "auto":
+      return chosen
+    return "dot" if _platform(platform) == "cpu" else "reduce"
   return implementation
 
 
@@ -133,14 +152,20 @@ def paged_decode_attention(q: Array, k_pool: Array, v_pool: Array, entry_row: Ar
   """Attention of one query per row over the row's listed blocks (see the module docstring).
 
   q `[B, 1, H, D]`; k_pool, v_pool `[NB, bs, KV, D]`; entry_* int32 `[TB]`. Returns `[B, 1, H, D]`
-  in q's dtype; scores, softmax and sums in fp32. implementation: 'auto', 'reduce' or 'dot'.
+  in q's dtype; scores, softmax and sums in fp32. implementation: 'auto', 'reduce', 'dot' or
+  'pallas' ('pallas' needs row-contiguous, row-ascending entries).
   """
   B, _, H, D = q.shape
   _, bs, KV, _ = k_pool.shape
   G = H // KV
   f32 = jnp.float32
   hi = jax.lax.Precision.HIGHEST  # fp32 products and sums (no TF32 on a GPU)
-  dot = resolve_paged_implementation(implementation) == "dot"
+  form = resolve_paged_implementation(implementation)
+  if form == "pallas":
+    from llamarl_jax.model.paged_kernel import paged_decode_attention_kernel
+    return paged_decode_attention_kernel(q, k_pool, v_pool, entry_row, entry_block, entry_len,
+                                         interpret=_platform() == "cpu")
+  dot = form == "dot"
   qe = jnp.take(q.reshape(B, KV, G, D), entry_row, axis=0, mode="clip")  # [TB, KV, G, D]
   qe = qe.astype(f32) * (1.0 / math.sqrt(D))
   kb = jnp.take(k_pool, entry_block, axis=0, mode="clip")  # [TB, bs, KV, D]

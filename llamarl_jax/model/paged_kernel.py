@@ -1,0 +1,139 @@
+"""Paged decode attention as one Pallas kernel (GPU, Triton): each live block read once, no partials.
+
+The XLA forms of `paged_attention.paged_decode_attention` gather every listed block, write per-entry
+partial outputs `[TB, H, D]` in fp32 and merge them per row with a matmul; on the GPU compiler's
+program that moves 2.0-2.5x the live KV bytes (BENCHMARKS.md, issue 26). This kernel runs one
+program per (row, KV head): it walks the row's entries `P` blocks at a time, keeps the online-softmax
+state (running max, normaliser, weighted values) in registers and writes only the row's output, so a
+step reads each live block of each KV head once and nothing block-sized is written. Entries past a
+row's count (the bucket's padding) are never read.
+
+Entry list: the one `paged_attention` documents, with one more requirement: each row's entries are
+contiguous and rows appear in increasing order (`paged.live_entries` lists them so); padding entries
+(row >= B) come last. The XLA forms take any order.
+
+Numerics: scores, softmax and sums in fp32 (the blocks are cast to fp32 before each product), the
+same math as the XLA forms up to summation order; `interpret=True` runs the kernel with JAX ops on
+any backend (the CPU tests compare it with the XLA forms and the dense reference).
+
+Not measured on a GPU yet: the kernel compiles for an H100 from a CPU-only machine
+(`scripts/bench_generate.py --bytes --bytes_target h100 --paged_implementation pallas`), its speed is
+for a GPU session to time (`make bench-gpu`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+
+NEG = -0.7 * float(np.finfo(np.float32).max)  # a finite "minus infinity" for the running maximum
+
+
+def _kernel(start_ref, count_ref, block_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, per_step: int, scale: float):
+  """One (row, KV head): q_ref [Gp, D]; k_ref, v_ref [NB, bs, D] (this head's slice of the pools);
+  start_ref, count_ref [] the row's first entry and entry count; block_ref, len_ref [TBp] (the entry
+  list, padded so that `per_step` entries past any start stay in bounds); o_ref [Gp, D]."""
+  start, count = start_ref[...], count_ref[...]
+  bs = k_ref.shape[1]
+  q = q_ref[...].astype(jnp.float32) * scale  # [Gp, D]
+  Gp, D = q.shape
+  width = per_step * bs
+  offsets = jnp.arange(per_step, dtype=jnp.int32)
+  positions = jnp.arange(bs, dtype=jnp.int32)
+
+  def body(i, carry):
+    o, m, l = carry
+    first = start + i * per_step
+    blocks = block_ref[pl.ds(first, per_step)]  # [P]
+    lens = jnp.where(i * per_step + offsets < count, len_ref[pl.ds(first, per_step)], 0)  # the row's only
+    k = k_ref[blocks].reshape(width, D).astype(jnp.float32)  # [P * bs, D]
+    v = v_ref[blocks].reshape(width, D).astype(jnp.float32)
+    valid = (positions[None, :] < lens[:, None]).reshape(1, width)
+    s = jnp.where(valid, jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32), NEG)  # [Gp, P * bs]
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    o = alpha[:, None] * o + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return o, m_new, alpha * l + jnp.sum(p, axis=1)
+
+  init = (jnp.zeros((Gp, D), jnp.float32), jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32))
+  o, _, l = jax.lax.fori_loop(0, (count + per_step - 1) // per_step, body, init)
+  o_ref[...] = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+
+
+def kernel_bytes(*, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 live_entries: int, itemsize: int) -> int:
+  """Bytes one call of the kernel moves, counted from its structure (XLA's cost analysis does not see
+  inside a custom call): every live entry's block of every KV head read once for k and once for v,
+  q read and the output written ([rows, KV, Gp, D] each); the entry list and spans are ints."""
+  Gp = max(16, pl.next_power_of_2(num_heads // num_kv_heads))
+  kv = 2 * live_entries * block_size * num_kv_heads * head_dim * itemsize
+  return int(kv + 2 * num_rows * num_kv_heads * Gp * head_dim * itemsize)
+
+
+def row_spans(entry_row: Array, num_rows: int) -> Array:
+  """int32 `[num_rows, 2]`: each row's first entry and entry count in a row-contiguous, row-ascending
+  entry list (entries of rows >= num_rows are padding)."""
+  count = jnp.sum(entry_row[None, :] == jnp.arange(num_rows, dtype=entry_row.dtype)[:, None], axis=1,
+                  dtype=jnp.int32)
+  return jnp.stack([jnp.cumsum(count) - count, count], axis=1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("per_step", "interpret", "num_warps"))
+def paged_decode_attention_kernel(q: Array, k_pool: Array, v_pool: Array, entry_row: Array, entry_block: Array,
+                                  entry_len: Array, *, per_step: int = 4, interpret: bool = False,
+                                  num_warps: int = 4) -> Array:
+  """`paged_attention.paged_decode_attention` as one Pallas kernel (see the module docstring).
+
+  q `[B, 1, H, D]`; k_pool, v_pool `[NB, bs, KV, D]`; entry_* int32 `[TB]`, row-contiguous and
+  row-ascending. per_step: blocks per loop step (a power of two; per_step x bs positions at a time).
+  Returns `[B, 1, H, D]` in q's dtype. interpret: run the kernel with JAX ops (any backend).
+  """
+  B, _, H, D = q.shape
+  NB, bs, KV, _ = k_pool.shape
+  G = H // KV
+  if per_step < 1 or per_step & (per_step - 1):
+    raise ValueError(f"per_step must be a power of two, got {per_step}")
+  Gp = max(16, pl.next_power_of_2(G))  # the GPU's matrix units take at least 16 rows: q padded with zeros
+  qg = jnp.pad(q.reshape(B, KV, G, D), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+  TB = entry_row.shape[0]
+  TBp = pl.next_power_of_2(TB + per_step)  # loads of per_step entries from any start stay in bounds
+  blocks = jnp.pad(entry_block.astype(jnp.int32), (0, TBp - TB))
+  lens = jnp.pad(entry_len.astype(jnp.int32), (0, TBp - TB))
+  spans = row_spans(entry_row, B)
+  starts, counts = spans[:, 0], spans[:, 1]
+  itemsize = jnp.dtype(k_pool.dtype).itemsize
+  cost = pl.CostEstimate(  # at most every listed block of every head once, plus q and the output
+      flops=int(4 * TB * bs * H * D), transcendentals=int(TB * bs * H),
+      bytes_accessed=int(2 * TB * bs * KV * D * itemsize + 2 * B * KV * Gp * D * jnp.dtype(q.dtype).itemsize
+                         + 2 * TBp * 4 + B * 8))
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu
+    compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+  out = pl.pallas_call(
+      functools.partial(_kernel, per_step=per_step, scale=1.0 / math.sqrt(D)),
+      grid=(B, KV),
+      in_specs=[
+          pl.BlockSpec((None,), lambda r, h: (r,)),  # the row's first entry
+          pl.BlockSpec((None,), lambda r, h: (r,)),  # the row's entry count
+          pl.BlockSpec((TBp,), lambda r, h: (0,)),  # entry blocks
+          pl.BlockSpec((TBp,), lambda r, h: (0,)),  # entry lengths
+          pl.BlockSpec((None, None, Gp, D), lambda r, h: (r, h, 0, 0)),  # q of the row's head group
+          pl.BlockSpec((NB, bs, None, D), lambda r, h: (0, 0, h, 0)),  # k pool, this KV head
+          pl.BlockSpec((NB, bs, None, D), lambda r, h: (0, 0, h, 0)),  # v pool, this KV head
+      ],
+      out_specs=pl.BlockSpec((None, None, Gp, D), lambda r, h: (r, h, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, KV, Gp, D), q.dtype),
+      interpret=interpret, compiler_params=compiler_params, cost_estimate=cost,
+      name=f"paged_decode_attention_bs{bs}_p{per_step}",
+  )(starts, counts, blocks, lens, qg, k_pool, v_pool)
+  return out[:, :, :G].reshape(B, 1, H, D)
