@@ -55,6 +55,7 @@ import dataclasses
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -310,6 +311,7 @@ class SlotEngine:
       if self._watched is None:
         self._watched = queue.SimpleQueue()
         threading.Thread(target=_watch, args=(self._watched,), name="slot-engine-watcher", daemon=True).start()
+        weakref.finalize(self, self._watched.put, None)  # the thread ends with the engine
       self._watched.put(self._last_chunk)
       self.stats["chunks"] += 1
       dispatched = True
