@@ -197,7 +197,7 @@ class GeneratorConfig(_Validated):
   min(512, context - max_new_tokens); KV kept across weight swaps unless `recompute_kv`; a paged KV
   pool of `kv_block_size` positions per block; `chunks_in_flight` decode chunks dispatched before the
   host waits; `paged_attention` the decode attention's form: 'auto' (XLA's), or 'pallas', one kernel
-  that reads each live block once, not yet timed on a GPU) or 'static' (`Sampler.generate` per batch). `dtype` of its weights, optional int8
+  that reads each live block once, on a one-device generator mesh, not yet timed on a GPU) or 'static' (`Sampler.generate` per batch). `dtype` of its weights, optional int8
   `quantize`; `delay_s` emulates a slower remote engine per batch (benchmarks, overlap tests)."""
   engine: str = "slots"
   slots: int = 0

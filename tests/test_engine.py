@@ -139,6 +139,15 @@ def test_pallas_attention_samples_what_the_static_sampler_samples(model, static_
     SlotEngine(model[0], num_slots=4, sampling=SAMPLED, paged_attention="flash")
 
 
+
+@pytest.mark.devices(2)
+def test_pallas_attention_refuses_a_sharded_generator_mesh(model):
+  """A Pallas call is not partitioned over a mesh (its pools would be gathered whole): refused, named."""
+  mesh = parallel.make_mesh(jax.devices()[:2], data=2)
+  with pytest.raises(ValueError, match="unsharded"):
+    SlotEngine(model[0], mesh, num_slots=4, sampling=SAMPLED, paged_attention="pallas")
+
+
 def _run_with_swap(engine, model, model_b, prompts, recompute):
   """Two prompts (4 rows) start under version 0; after one chunk (tokens 0-3) the engine swaps to 1."""
   engine.swap(model[1], 0)

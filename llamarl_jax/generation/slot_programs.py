@@ -128,6 +128,10 @@ class SlotPrograms:
     mesh = sampler.mesh
     self.platform = mesh.devices.flat[0].platform  # the paged attention's form follows the mesh's devices
     paged_attention_module.resolve_paged_implementation(paged_attention, self.platform)  # a clear error early
+    if paged_attention == "pallas" and mesh.devices.size > 1:
+      raise ValueError(f"paged_attention='pallas' runs its kernel unsharded (a Pallas call is not partitioned "
+                       f"over the mesh: the pools would be gathered whole); this generator mesh has "
+                       f"{dict(mesh.shape)}: use one device per generator, or paged_attention='auto'")
     self.paged_attention = paged_attention
     b1, b2 = parallel.batch_sharding(mesh, 1), parallel.batch_sharding(mesh, 2)
     repl = parallel.replicated(mesh)
