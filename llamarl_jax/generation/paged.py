@@ -218,23 +218,28 @@ def _array_bytes(shape: str) -> int:
   return _DTYPE_BYTES[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",") if d] or [1]))
 
 
-def compiled_bytes_accessed(compiled) -> float:
-  """XLA's 'bytes accessed' of a compiled program (`jax.stages.Compiled`).
+def compiled_bytes_accessed(compiled) -> tuple[float, bool]:
+  """XLA's 'bytes accessed' of a compiled program (`jax.stages.Compiled`), and whether it is the
+  generic analysis's (which `fused_index_overcount` corrects).
 
-  Its backend's cost analysis where it has one; a program compiled without its devices (e.g. for an
-  H100 target from a CPU-only machine: `jax.experimental.topologies`) has none, and then XLA's
-  generic `HloCostAnalysis` (the CPU's) runs over the optimized module the target's compiler
-  produced: its fusions, i.e. its kernels, each charged what it reads and writes.
+  XLA's generic `HloCostAnalysis` (the CPU backend's) over the optimized module the target's compiler
+  produced (its fusions, i.e. its kernels, each charged what it reads and writes), whichever the
+  target: the CPU, a GPU, or a GPU compiled for without one (`jax.experimental.topologies`, whose
+  executable has no cost analysis of its own). Where the CPU backend is not available (a process
+  started with JAX_PLATFORMS=cuda), the program's own backend's analysis, uncorrected.
   """
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-  if cost and "bytes accessed" in cost:
-    return float(cost["bytes accessed"])
   from jax._src import xla_bridge  # the generic analysis is reachable only through jax's internals
   from jax._src.lib import xla_client
-  module = compiled.runtime_executable().hlo_modules()[0]
-  cost = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
-  return float(cost["bytes accessed"])
+  try:
+    cpu = xla_bridge.get_backend("cpu")
+  except Exception:  # e.g. "Unknown backend cpu" when JAX_PLATFORMS excludes it
+    cpu = None
+  if cpu is not None:
+    module = compiled.runtime_executable().hlo_modules()[0]
+    return float(xla_client._xla.hlo_module_cost_analysis(cpu, module)["bytes accessed"]), True
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  return float(cost["bytes accessed"]), False
 
 
 def fused_index_overcount(hlo_text: str) -> int:

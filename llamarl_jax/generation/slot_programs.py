@@ -384,8 +384,8 @@ class SlotPrograms:
                        in_shardings=(self._param_shardings, cache_sharding, self.state_sharding, repl),
                        out_shardings=(cache_sharding, self.state_sharding)).lower(
                            params, cache, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-    xla_bytes = paged.compiled_bytes_accessed(compiled)
-    over = float(paged.fused_index_overcount(compiled.as_text()))
+    xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
+    over = float(paged.fused_index_overcount(compiled.as_text())) if generic else 0.0
     ideal = paged.ideal_step_bytes(self.config, prompt_lens + n_gen)
     kernel = 0.0  # the Pallas kernel's reads, counted from its structure (a custom call to XLA's analysis;
     # in interpret mode, on the CPU, the kernel is XLA ops and already counted)
