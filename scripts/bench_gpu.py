@@ -17,8 +17,9 @@ Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
               decode per step at B64; skipped when torch has no CUDA
   engine      slot engine vs static sampler on a long-tail workload: tokens/s, slot utilization (and an
               ideal scheduler's), device idle, per KV block size and attention form (scripts/bench_generate.engine_table)
-  bytes       one paged decode step's bytes from XLA's cost analysis of the program compiled for this GPU vs weights + live KV, per KV
-              block size (scripts/bench_generate.bytes_table; compile only)
+  bytes       one paged decode step's bytes (XLA's cost analysis of the program compiled for this GPU)
+              vs weights + live KV, per KV block size and attention form
+              (scripts/bench_generate.bytes_table; compile only)
   weight_push `WeightSync.push` (fp32 trainer params -> bf16 generator layout) in GB/s against a plain
               copy of the same bytes: device to device between disjoint meshes with 2+ GPUs
               (scripts/bench_weight_sync.bench_one), an on-device copy with one GPU (colocated mode)
@@ -336,8 +337,8 @@ def engine_section(cfg, env, args) -> dict:
 
 
 def bytes_section(cfg, env, args) -> dict:
-  """One paged decode step's bytes from XLA's cost analysis of the program compiled for this GPU (compile only, nothing runs), at the
-  issue-26 configuration (64 slots, cache 2048, live lengths 100..500), per KV block size and attention form."""
+  """One paged decode step's bytes from XLA's cost analysis of the program compiled for this GPU
+  (compile only, nothing runs), at the issue-26 configuration (64 slots, cache 2048, live lengths 100..500), per KV block size and attention form."""
   import jax.numpy as jnp
 
   from llamarl_jax.model.hf import config_from_hf
@@ -473,8 +474,8 @@ def markdown(results: dict) -> str:
                 f"{x['slot_utilization_queued']:.1%} ({x['ideal_utilization_queued']:.1%}) | "
                 f"{x['static_utilization']:.1%} | {x['device_idle_fraction']:.1%} |" for x in r["rows"]]
     elif name == "bytes":
-      lines += [f"{r['model']}, one paged decode step, XLA's cost analysis of the program compiled for this GPU (+ the Pallas kernel's reads counted "
-                "from its structure)", "| KV block | attention | layout | entries | bytes | ideal | bytes / ideal |",
+      lines += [f"{r['model']}, one paged decode step, XLA's cost analysis of the program compiled for this GPU "
+                "(+ the Pallas kernel's reads counted from its structure)", "| KV block | attention | layout | entries | bytes | ideal | bytes / ideal |",
                 "|---|---|---|---|---|---|---|"]
       lines += [f"| {x['kv_block_size']} | {x['paged_attention']} | {x['layout']} | {x['num_entries'] or '-'} | {x['bytes'] / 1e9:.3f} GB | "
                 f"{x['ideal'] / 1e9:.3f} GB | {x['ratio']:.2f}x |" for x in r["rows"]]
