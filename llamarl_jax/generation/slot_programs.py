@@ -385,11 +385,12 @@ class SlotPrograms:
                        out_shardings=(cache_sharding, self.state_sharding)).lower(
                            params, cache, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
     xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
-    over = float(paged.fused_index_overcount(compiled.as_text())) if generic else 0.0
+    text = compiled.as_text()  # megabytes for a 1B step: read once
+    over = float(paged.fused_index_overcount(text)) if generic else 0.0
     ideal = paged.ideal_step_bytes(self.config, prompt_lens + n_gen)
     kernel = 0.0  # the Pallas kernel's reads, counted from its structure (a custom call to XLA's analysis;
     # in interpret mode, on the CPU, the kernel is XLA ops and already counted)
-    triton_call = 'custom_call_target="__gpu$xla.gpu.triton"' in compiled.as_text()
+    triton_call = 'custom_call_target="__gpu$xla.gpu.triton"' in text
     form = paged_attention_module.resolve_paged_implementation(self.paged_attention, self.platform)
     if layout == "paged" and form == "pallas" and triton_call:
       from llamarl_jax.model.paged_kernel import kernel_bytes
