@@ -193,18 +193,23 @@ class RolloutConfig(_Validated):
 @dataclass(frozen=True)
 class GeneratorConfig(_Validated):
   """The generator: `engine` 'slots' (a `SlotEngine`: continuous batching over `slots` KV slots,
-  default rows per step; decode chunks of `chunk_steps`; prompts up to `max_prompt_len` tokens, default
+  default rows per step) or 'static' (`Sampler.generate` per batch).
+  Slot engine settings: decode chunks of `chunk_steps`; prompts up to `max_prompt_len` tokens, default
   min(512, context - max_new_tokens); KV kept across weight swaps unless `recompute_kv`; a paged KV
   pool of `kv_block_size` positions per block; `chunks_in_flight` decode chunks dispatched before the
   host waits; `paged_attention` the decode attention's form: 'auto' (XLA's), or 'pallas', one kernel
-  that reads each live block once, on a one-device generator mesh, not yet timed on a GPU) or 'static' (`Sampler.generate` per batch). `dtype` of its weights, optional int8
-  `quantize`; `delay_s` emulates a slower remote engine per batch (benchmarks, overlap tests)."""
+  that reads each live block once, on a one-device generator mesh, not yet timed on a GPU;
+  `min_decode_width` the fewest rows a decode chunk computes when few slots are busy (the batch
+  shrinks to the busy slots in halvings; None: slots / 16; = slots: it never shrinks).
+  Both: `dtype` of the weights, optional int8 `quantize`; `delay_s` emulates a slower remote engine
+  per batch (benchmarks, overlap tests)."""
   engine: str = "slots"
   slots: int = 0
   chunk_steps: int = 16
   kv_block_size: int = 16
   chunks_in_flight: int = 2
   paged_attention: str = "auto"
+  min_decode_width: int | None = None
   max_prompt_len: int | None = None
   recompute_kv: bool = False
   dtype: str = "float32"
@@ -214,6 +219,7 @@ class GeneratorConfig(_Validated):
                      "kv_block_size": at_least(1), "chunks_in_flight": at_least(1),
                      "paged_attention": one_of("auto", "reduce", "dot", "pallas"),
                      "max_prompt_len": lambda v: None if v is None or v >= 1 else "None or >= 1",
+                     "min_decode_width": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "dtype": one_of(*GENERATOR_DTYPES), "quantize": one_of(*QUANTIZATIONS),
                      "delay_s": at_least(0.0)}
 

@@ -27,11 +27,14 @@ temperature 1 over the full vocabulary.
             longest row stops; the slots refill as rows stop. Measured lengths are printed (max/mean).
   equal:    no stop token: every response is --engine_max_new_tokens long (the engine's overhead case).
 Useful tokens/s = response tokens (stop token included, nothing after it) / wall time; best of
---repeats, alternating the two. Slot utilization = real tokens / (decode steps x slots), over the whole
-run and over the chunks dispatched while prompts waited for slots (a stream's steady state: the
-generator draws the next batch before the slots drain); next to each, in parentheses, an ideal
-scheduler's on the same lengths (every freed slot refilled at the next step, no host time;
-`ideal_utilization`): the whole-run figure includes the final drain, which no scheduler avoids.
+--repeats, alternating the two. Slot utilization = real tokens / rows the decode steps computed (a
+chunk computes the smallest of the engine's decode widths that holds its busy slots: the batch
+shrinks in the final drain; `--min_decode_width`), over the whole run and over the chunks dispatched
+while prompts waited for slots (a stream's steady state: the generator draws the next batch before
+the slots drain); occupancy = real tokens / (decode steps x slots), as if the batch never shrank;
+next to each, in parentheses, an ideal scheduler's on the same lengths (every freed slot refilled
+at the next step, the width chosen from the exact busy count, no host time; `ideal_utilization`):
+the whole-run occupancy includes the final drain, which no scheduler avoids.
 Device idle: the engine's `time/generate_device_idle` (an upper bound on the time the device waited
 for the host between chunks) over the slot engine's wall time.
 
@@ -223,6 +226,9 @@ def main(argv=None):
                       help="--bytes: compile for this backend's first device (default), or for a GPU target "
                            "without one (needs the CUDA plugin: see the module docstring)")
   parser.add_argument("--kv_block_size", type=int, default=16, help="slot engine KV block (positions)")
+  parser.add_argument("--min_decode_width", type=int, default=None,
+                      help="slot engine: fewest rows a decode chunk computes (default slots / 16; = --slots: "
+                           "the batch never shrinks)")
   parser.add_argument("--paged_attention", default="auto", choices=["auto", "reduce", "dot", "pallas"],
                       help="slot engine: the decode attention's form (pallas: one kernel, paged_kernel.py)")
   args = parser.parse_args(argv)
@@ -336,7 +342,8 @@ def bytes_table(config, args, name, mesh=None):
   sampling = SamplingParams(temperature=0, max_new_tokens=T - Pm)
   programs = SlotPrograms(config, Sampler(config, mesh), num_slots=S, sampling=sampling, max_prompt_len=Pm,
                           chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size,
-                          paged_attention=getattr(args, "paged_attention", "auto"))
+                          paged_attention=getattr(args, "paged_attention", "auto"),
+                        min_decode_width=getattr(args, "min_decode_width", None))
   dtype = jax.numpy.dtype(config.dtype).name
   device = programs._mesh.devices.flat[0]
   print(f"\n# one decode step's bytes: {name} {dtype}, {S} slots, cache {T} (prompt <= {Pm}), live lengths "
@@ -364,17 +371,21 @@ def bytes_table(config, args, name, mesh=None):
   return rows
 
 
-def ideal_utilization(lengths, num_slots, n=1):
+def ideal_utilization(lengths, num_slots, n=1, widths=None):
   """Slot utilization of an ideal scheduler on these response lengths: every freed slot refilled at
   the very next step (FIFO, a group of n consecutive lengths admitted when n slots are free), no host
   time. A response of l tokens holds its slot for l - 1 decode steps (the first token comes from the
-  prefill). Returns (utilization, utilization while prompts wait): the first includes the final drain
-  (the last rows finishing alone), which no scheduler avoids on a finite batch."""
+  prefill). Utilization = busy rows / rows computed; each step computes the smallest of `widths`
+  (default: only num_slots) that holds the busy slots, as the engine's chunks do
+  (`SlotPrograms.widths`). Returns (utilization, utilization while prompts wait): the first includes
+  the final drain (the last rows finishing alone), which no scheduler avoids on a finite batch; a
+  shrinking batch computes fewer idle rows there."""
   import numpy as np
 
+  widths = sorted(widths or (num_slots,))
   need = np.maximum(np.asarray(lengths, np.int64) - 1, 0).reshape(-1, n)
   left = np.zeros(num_slots, np.int64)  # decode steps each slot still holds its row for
-  head, steps, useful, q_steps, q_useful = 0, 0, 0, 0, 0
+  head, rows, useful, q_rows, q_useful = 0, 0, 0, 0, 0
   while head < len(need) or left.any():
     while head < len(need) and np.sum(left == 0) >= n:
       free = np.flatnonzero(left == 0)[:n]
@@ -383,11 +394,12 @@ def ideal_utilization(lengths, num_slots, n=1):
     busy = int(np.sum(left > 0))
     if busy == 0:
       continue
-    steps, useful = steps + 1, useful + busy
+    width = next(w for w in widths if w >= busy)
+    rows, useful = rows + width, useful + busy
     if head < len(need):
-      q_steps, q_useful = q_steps + 1, q_useful + busy
+      q_rows, q_useful = q_rows + width, q_useful + busy
     left = np.maximum(left - 1, 0)
-  return useful / max(steps * num_slots, 1), q_useful / max(q_steps * num_slots, 1)
+  return useful / max(rows, 1), q_useful / max(q_rows, 1)
 
 
 def engine_table(config, model, args, name):
@@ -407,8 +419,9 @@ def engine_table(config, model, args, name):
         f"max {R} new tokens, temperature 1, chunk {args.chunk_steps} steps, KV blocks of "
         f"{getattr(args, 'kv_block_size', 16)}, best of {args.repeats}")
   print("| workload | lengths mean / max (max/mean) | static tok/s | slots tok/s | slots / static | "
-        "slot utilization (ideal) | while prompts wait (ideal) | static utilization | device idle | same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+        "slot utilization (ideal) | while prompts wait (ideal) | occupancy (ideal) | decode rows mean | static utilization | "
+        "device idle | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   rows = []
   for workload in args.engine_workloads.split(","):
     if workload not in ("longtail", "equal"):
@@ -421,7 +434,8 @@ def engine_table(config, model, args, name):
     sampler = Sampler(config)
     engine = SlotEngine(config, num_slots=S, sampling=sampling, max_prompt_len=args.prompt_len,
                         chunk_steps=args.chunk_steps, kv_block_size=getattr(args, "kv_block_size", 16),
-                        paged_attention=getattr(args, "paged_attention", "auto"))
+                        paged_attention=getattr(args, "paged_attention", "auto"),
+                        min_decode_width=getattr(args, "min_decode_width", None))
     params = sampler.place_params(model)
 
     def static():
@@ -457,16 +471,21 @@ def engine_table(config, model, args, name):
     m = engine.take_metrics()
     util, util_q = m["generate/slot_utilization"], m["generate/slot_utilization_queued"]
     idle = m["time/generate_device_idle"] / max(slot_wall[0], 1e-9)  # an upper bound (see take_metrics)
-    ideal, ideal_q = ideal_utilization(lengths, S)  # submit order = prompt order (FIFO), n = 1
+    # submit order = prompt order (FIFO), n = 1; the engine's decode widths, and every slot (occupancy)
+    ideal, ideal_q = ideal_utilization(lengths, S, widths=engine.programs.widths)
+    ideal_occupancy = ideal_utilization(lengths, S)[0]
+    occupancy, rows_mean = m["generate/slot_occupancy"], m["generate/decode_width_mean"]
     useful = float(lengths.sum())
     print(f"| {workload} | {lengths.mean():.1f} / {lengths.max()} ({lengths.max() / lengths.mean():.1f}) | "
           f"{useful / t_static:,.0f} | {useful / t_slots:,.0f} | {t_static / t_slots:.2f}x | {util:.1%} ({ideal:.1%}) | "
-          f"{util_q:.1%} ({ideal_q:.1%}) | {(useful - N) / (static_steps * S):.1%} | {idle:.1%} | {same:.0%} |",
+          f"{util_q:.1%} ({ideal_q:.1%}) | {occupancy:.1%} ({ideal_occupancy:.1%}) | {rows_mean:.1f} | "
+          f"{(useful - N) / (static_steps * S):.1%} | {idle:.1%} | {same:.0%} |",
           flush=True)
     rows.append({"workload": workload, "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
                  "static_tokens_per_s": useful / t_static, "slots_tokens_per_s": useful / t_slots,
                  "speedup": t_static / t_slots, "slot_utilization": float(util),
                  "ideal_utilization": ideal, "device_idle_fraction": idle, "slot_utilization_queued": float(util_q), "ideal_utilization_queued": ideal_q,
+                 "slot_occupancy": float(occupancy), "ideal_occupancy": ideal_occupancy, "decode_rows_mean": float(rows_mean),
                  "static_utilization": (useful - N) / (static_steps * S), "same_tokens": float(same)})
   return rows
 

@@ -468,10 +468,12 @@ def markdown(results: dict) -> str:
     elif name == "engine":
       lines += [f"{r['model']}, {r['prompts']} prompts, {r['slots']} slots, up to {r['max_new_tokens']} new tokens",
                 "| KV block | attention | workload | length mean / max | slots / static | slot utilization (ideal) | "
-                "while prompts wait (ideal) | static utilization | device idle |", "|---|---|---|---|---|---|---|---|---|"]
+                "while prompts wait (ideal) | occupancy (ideal) | static utilization | device idle |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
       lines += [f"| {x['kv_block_size']} | {x['paged_attention']} | {x['workload']} | {x['length_mean']:.0f} / {x['length_max']} | "
                 f"{x['speedup']:.2f}x | {x['slot_utilization']:.1%} ({x['ideal_utilization']:.1%}) | "
                 f"{x['slot_utilization_queued']:.1%} ({x['ideal_utilization_queued']:.1%}) | "
+                f"{_f(x.get('slot_occupancy'), '.1%')} ({_f(x.get('ideal_occupancy'), '.1%')}) | "
                 f"{x['static_utilization']:.1%} | {x['device_idle_fraction']:.1%} |" for x in r["rows"]]
     elif name == "bytes":
       lines += [f"{r['model']}, one paged decode step, XLA's cost analysis of the program compiled for this GPU "

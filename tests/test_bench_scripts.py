@@ -131,3 +131,7 @@ def test_ideal_utilization_refills_every_freed_slot_at_the_next_step():
   assert ideal([5, 2, 2, 2], 2) == (7 / 8, 1.0)
   assert ideal([9] * 8, 4) == (1.0, 1.0)
   assert ideal([11, 2, 2], 2) == (12 / 20, 1.0)  # 10 steps: busy 2, 2, then 1 x 8; queued at step 1
+  # the batch shrinks to one row when one is busy: 2 + 2 + 8 rows computed, all busy
+  assert ideal([11, 2, 2], 2, widths=(2, 1)) == (1.0, 1.0)
+  assert ideal([5, 2, 2, 2], 2, widths=(2, 1)) == (1.0, 1.0)  # rows 2, 2, 2, 1
+  assert ideal([11, 2, 2, 2, 2], 4, widths=(4, 2)) == (14 / 22, 1.0)  # busy 4, 2, then 1 in rows of 2 x 8

@@ -255,24 +255,70 @@ def test_utilization_with_a_queue_and_stops(model, sampling_engine, prompts):
   assert batch.lengths.min() < R, "no sequence stopped early: pick other stop ids"
   useful = batch.lengths.sum() - batch.batch_size
   assert m["generate/tokens_per_decode_step"] * m["generate/decode_steps"] == pytest.approx(useful)
-  assert m["generate/slot_utilization"] == pytest.approx(useful / (4 * m["generate/decode_steps"]))
-  assert 0.5 < m["generate/slot_utilization"] <= 1.0
+  assert m["generate/slot_occupancy"] == pytest.approx(useful / (4 * m["generate/decode_steps"]))
+  computed = m["generate/decode_width_mean"] * m["generate/decode_steps"]  # rows the chunks computed
+  assert m["generate/slot_utilization"] == pytest.approx(useful / computed)
+  assert 0.5 < m["generate/slot_occupancy"] <= m["generate/slot_utilization"] <= 1.0
+
+
+def test_the_batch_shrinks_to_the_busy_slots_and_samples_the_same(model, static_sampler, prompts):
+  """8 slots (decode widths 8, 4, 2, 1), 8 prompts, 20 of the 68 tokens stop (lengths 1..R): after the
+  first rows finish, chunks compute only the busy slots' rows (gathered, decoded, scattered back;
+  each row writes its own slot's blocks), and the samples and behaviour log-probs are the static
+  sampler's. Utilization counts the rows computed; occupancy every slot."""
+  sampling = dataclasses.replace(SAMPLED, n=1, stop_token_ids=tuple(range(10, 30)))
+  eng = SlotEngine(model[0], num_slots=8, sampling=sampling, max_prompt_len=16, chunk_steps=2, kv_block_size=4)
+  assert eng.programs.widths == (8, 4, 2, 1)
+  ref = static_sampler.generate(model[1], prompts * 2, sampling)
+  eng.take_metrics()
+  got = eng.generate(model[1], prompts * 2, sampling)
+  m = eng.take_metrics()
+  np.testing.assert_array_equal(got.response_tokens, ref.response_tokens)
+  np.testing.assert_array_equal(got.lengths, ref.lengths)
+  np.testing.assert_allclose(got.behaviour_logprobs, ref.behaviour_logprobs, atol=1e-5)
+  widths = {k[1] for k in eng.programs.traced if k[0] == "decode"}
+  assert widths > {8}, f"the batch never shrank: widths {widths}, lengths {ref.lengths}"
+  useful = ref.lengths.sum() - ref.batch_size
+  steps = m["generate/decode_steps"]
+  assert m["generate/tokens_per_decode_step"] * steps == pytest.approx(useful)
+  assert m["generate/slot_occupancy"] == pytest.approx(useful / (8 * steps))
+  assert m["generate/slot_utilization"] == pytest.approx(useful / (m["generate/decode_width_mean"] * steps))
+  assert m["generate/decode_width_mean"] < 8 and m["generate/slot_utilization"] > m["generate/slot_occupancy"]
+  assert m["generate/slot_utilization"] <= 1.0
+
+
+def test_decode_widths():
+  from llamarl_jax.generation.slot_programs import decode_widths
+  assert decode_widths(64) == (64, 32, 16, 8, 4)  # down to 64 / 16
+  assert decode_widths(16) == (16, 8, 4, 2, 1)
+  assert decode_widths(64, divisor=8) == (64, 32, 16, 8)  # rows stay a multiple of the data shards
+  assert decode_widths(64, min_width=64) == (64,)  # never shrink
+  assert decode_widths(12, min_width=1) == (12, 6, 3, 1)
+  assert decode_widths(3) == (3, 1)
+  with pytest.raises(ValueError, match="min_decode_width"):
+    decode_widths(8, min_width=0)
 
 
 def test_compile_count_is_bounded(model, greedy_engine):
-  """Insert compiles once per (prompt bucket, insert size), decode once per entry bucket (the static
-  number of KV blocks a step reads; this engine's 3 slots of <= 4 prompt + 2 response blocks have
-  3 buckets: 8, 16, 24 entries), recompute once; new prompts reuse them."""
+  """Insert compiles once per (prompt bucket, insert size), decode once per (width, entry bucket) (the
+  rows a chunk computes: 3 slots, or 1 when one is busy; the static number of KV blocks a step reads:
+  this engine's 3 slots of <= 4 prompt + 2 response blocks have 3 buckets: 8, 16, 24 entries),
+  recompute once; new prompts reuse them."""
   eng = greedy_engine
-  eng.generate(model[1], [[5] * 4], GREEDY)   # bucket 8, one prompt per insert
-  eng.generate(model[1], [[7] * 12], GREEDY)  # bucket 16
+
+  def workload():
+    eng.generate(model[1], [[5] * 4], GREEDY)   # bucket 8, one prompt per insert, width 1
+    eng.generate(model[1], [[7] * 12], GREEDY)  # bucket 16
+    eng.swap(model[1], 1)
+    eng.submit([[1] * 3])
+    eng.step()
+    eng.submit([[2] * 9])  # enters beside a running sequence: width 3
+    eng.run()
+
+  workload()
   traces = eng.num_traces
-  eng.generate(model[1], [[6] * 8], GREEDY)
-  eng.swap(model[1], 1)
-  eng.submit([[1] * 3])
-  eng.step()
-  eng.submit([[2] * 9])  # enters beside a running sequence
-  eng.run()
+  eng.generate(model[1], [[6] * 8], GREEDY)  # another prompt of bucket 8
+  workload()
   assert eng.num_traces == traces
   decode = lambda: {k for k in eng.programs.traced if k[0] == "decode"}
   before = decode()
@@ -281,10 +327,11 @@ def test_compile_count_is_bounded(model, greedy_engine):
   eng.generate(model[1], [[5] * 3, [6] * 13], GREEDY)  # the same in bucket 16
   eng.generate(model[1], [[8] * 2, [9] * 16], GREEDY)
   new_decode = decode() - before
-  assert new_decode <= {("decode", 16)}  # 1 + 4 prompt blocks + 2 x 2 response blocks: 9 > 8 entries
+  assert new_decode <= {("decode", 3, 16)}  # 1 + 4 prompt blocks + 2 x 2 response blocks: 9 > 8 entries
   assert eng.num_traces == traces + 2 + len(new_decode)
   assert max(eng.programs.traced.values()) == 1  # no program traced twice
-  assert decode() <= {("decode", b) for b in eng.programs.entry_buckets} and eng.programs.entry_buckets == (8, 16, 24)
+  assert eng.programs.entry_buckets == (8, 16, 24) and eng.programs.widths == (3, 1)
+  assert decode() <= {("decode", w, b) for w in (3, 1) for b in (8, 16, 24)}
   with pytest.raises(ValueError, match="max_prompt_len=16"):
     eng.submit([[1] * 17])
 

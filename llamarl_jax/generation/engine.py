@@ -18,7 +18,9 @@ its batch is done. `SlotEngine` keeps a fixed number of KV-cache slots (static s
            running slots (a flat list of TB entries, TB a bucket the host picks from an upper bound
            without reading the device), so its bytes follow the live lengths, not Pm + R. It exits
            early when every slot is idle, or as soon as enough slots are free for the next queued
-           prompt group.
+           prompt group. When few slots are busy (a batch's last long rows) the chunk computes only
+           them: the smallest of the decode widths (`SlotPrograms.widths`: the slots, then halvings)
+           that holds the busy slots, their state gathered into that many rows and scattered back.
   harvest: each chunk's results (`ChunkResult`: done flags, tokens, log-probs, versions) leave the
            device with `copy_to_host_async` while the next chunk runs: `chunks_in_flight` (default
            2) chunks are dispatched before the host blocks on the oldest, so the device has the next
@@ -40,9 +42,9 @@ same as `Sampler.generate` on the same prompts and seed. A token's behaviour log
 the distribution that actually sampled it: with a kept cache after a swap, that is the new weights
 applied on top of the keys/values the old weights wrote (what AIPO's importance weight corrects).
 
-Compilation: insert compiles once per (prompt bucket, insert-group bucket), decode once per entry
-bucket used (`paged.entry_buckets`: geometric, <= 25% apart), recompute once; `num_traces` counts
-traces (tests assert it).
+Compilation: insert compiles once per (prompt bucket, insert-group bucket), decode once per (width,
+entry bucket) used (`paged.entry_buckets`: geometric, <= 25% apart; a narrow chunk reads few blocks,
+so it uses only the small buckets), recompute once; `num_traces` counts traces (tests assert it).
 
 The device programs (insert, decode, recompute over `SlotState` and the KV cache) are
 `slot_programs.SlotPrograms`; this module is the host's scheduling around them.
@@ -141,12 +143,12 @@ class _InFlight:
   `slot_utilization_queued`), and when the device finished it (`done_at`, set by the engine's
   watcher thread, which blocks on the result: exact to a thread wake-up, no polling)."""
 
-  def __init__(self, result: ChunkResult, gen: np.ndarray, queued: bool):
+  def __init__(self, result: ChunkResult, gen: np.ndarray, queued: bool, width: int):
     # a replicated result: every process reads its own local copy (one device's shard)
     self.local = jax.tree.map(lambda x: x.addressable_data(0), result)
     for x in jax.tree.leaves(self.local):
       x.copy_to_host_async()
-    self.gen, self.queued = gen, queued
+    self.gen, self.queued, self.width = gen, queued, width
     self.done_at: float | None = None
     self.done = threading.Event()
 
@@ -187,6 +189,9 @@ class SlotEngine:
     later), deterministically for a given setting.
   paged_attention: the decode attention's form (`paged_attention.PAGED_IMPLEMENTATIONS`: 'auto',
     'reduce', 'dot', or 'pallas', the one-kernel form of `paged_kernel`).
+  min_decode_width: the fewest rows a decode chunk computes (`slot_programs.decode_widths`; default
+    num_slots / 16; num_slots: the batch never shrinks). A row's samples do not depend on it (its keys
+    and math are per row; tests compare with the static sampler).
 
   Driving it: `swap(params, version)`; `submit(prompts, seed=..., version=..., tag=...)`; then
   `step()` until `idle`; each step returns the groups that completed. `generate(params, prompts)`
@@ -197,7 +202,7 @@ class SlotEngine:
                sampling: SamplingParams = SamplingParams(), max_prompt_len: int = 128, chunk_steps: int = 16,
                pad_id: int = 0, prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
                max_insert: int | None = None, recompute_kv: bool = False, chunks_in_flight: int = 2,
-               kv_block_size: int = 16, paged_attention: str = "auto",
+               kv_block_size: int = 16, paged_attention: str = "auto", min_decode_width: int | None = None,
                rules: Mapping[str, str | None] = parallel.RULES):
     self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
@@ -223,7 +228,8 @@ class SlotEngine:
     self.insert_sizes = sorted({min(2 ** i, self.max_insert) for i in range(self.max_insert.bit_length() + 1)})
     self.programs = SlotPrograms(config, self.sampler, num_slots=num_slots, sampling=sampling,
                                  max_prompt_len=self.max_prompt_len, chunk_steps=self.chunk_steps, pad_id=pad_id,
-                                 kv_block_size=kv_block_size, paged_attention=paged_attention)
+                                 kv_block_size=kv_block_size, paged_attention=paged_attention,
+                                 min_decode_width=min_decode_width)
     self.params, self.version = None, None
     self._cache, self._state = self.programs.empty()
     self._owner: list[tuple[_Group, int] | None] = [None] * num_slots
@@ -301,12 +307,15 @@ class SlotEngine:
       busy = np.array([o is not None for o in self._owner])
       num_entries = self.programs.num_entries([len(o[0].prompt) for o in self._owner if o is not None],
                                               self._since[busy])
+      width = self.programs.decode_width(int(busy.sum()))
+      # the busy slots (every slot not done on the device), then idle ones up to the width
+      active = np.concatenate([np.flatnonzero(busy), np.flatnonzero(~busy)])[:width].astype(np.int32)
       self._dispatching()
       self._cache, self._state, result = self.programs.decode(
           self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at),
-          num_entries=num_entries)
+          np.sort(active) if width < self.num_slots else None, num_entries=num_entries)
       self._since[busy] += self.chunk_steps
-      self._last_chunk, self._gap_noted = _InFlight(result, self._gen.copy(), bool(self._queue)), False
+      self._last_chunk, self._gap_noted = _InFlight(result, self._gen.copy(), bool(self._queue), width), False
       self._inflight.append(self._last_chunk)
       if self._watched is None:
         self._watched = queue.SimpleQueue()
@@ -407,11 +416,16 @@ class SlotEngine:
     s, self.stats = self.stats, collections.Counter()
     steps = max(s["decode_steps"], 1)
     return {
-        "generate/slot_utilization": s["useful_slot_steps"] / (steps * self.num_slots),
+        # useful rows over the rows the decode steps computed (a chunk computes the smallest of the
+        # decode widths that holds the busy slots: `SlotPrograms.widths`)
+        "generate/slot_utilization": s["useful_slot_steps"] / max(s["computed_slot_steps"], 1),
+        # useful rows over every slot at every step (as if the batch never shrank)
+        "generate/slot_occupancy": s["useful_slot_steps"] / (steps * self.num_slots),
         # over the chunks dispatched while prompts waited for slots: a stream's steady state, without
         # the final drain of a finite batch (the last long rows finishing alone)
         "generate/slot_utilization_queued": (s["queued_useful_slot_steps"]
-                                             / (max(s["queued_decode_steps"], 1) * self.num_slots)),
+                                             / max(s["queued_computed_slot_steps"], 1)),
+        "generate/decode_width_mean": s["computed_slot_steps"] / steps,
         "generate/tokens_per_decode_step": s["useful_slot_steps"] / steps,
         "generate/decode_steps": float(s["decode_steps"]),
         "generate/chunks": float(s["chunks"]),
@@ -497,9 +511,10 @@ class SlotEngine:
     self.stats["host_wait_s"] += time.perf_counter() - t
     self._count_idle()
     self.stats["decode_steps"] += int(r.steps)
+    self.stats["computed_slot_steps"] += int(r.steps) * chunk.width
     self.stats["useful_slot_steps"] += int(r.useful)
     if chunk.queued:
-      self.stats["queued_decode_steps"] += int(r.steps)
+      self.stats["queued_computed_slot_steps"] += int(r.steps) * chunk.width
       self.stats["queued_useful_slot_steps"] += int(r.useful)
     finished = [s for s, o in enumerate(self._owner)
                 if o is not None and r.done[s] and self._gen[s] == chunk.gen[s]]

@@ -106,27 +106,31 @@ class PageLayout:
     blocks = self.response_base + slot[..., None] * self.response_blocks + j
     return jnp.where((slot[..., None] >= 0) & (slot[..., None] < self.num_slots), blocks, self.num_blocks)
 
-  def write_location(self, n_gen: Array, running: Array) -> tuple[Array, Array]:
-    """(block, offset) `[S]` where each slot's decode step writes its current token (response entry
-    n_gen - 1); slots not running write to the trash block."""
-    S = n_gen.shape[0]
+  def write_location(self, n_gen: Array, running: Array, slot: Array | None = None) -> tuple[Array, Array]:
+    """(block, offset) `[W]` where each row's decode step writes its current token (response entry
+    n_gen - 1) in its slot's response blocks; rows not running write to the trash block. slot `[W]`:
+    the slot of each row (default: row i is slot i, W = S)."""
+    W = n_gen.shape[0]
+    slot = jnp.arange(W, dtype=jnp.int32) if slot is None else slot
     j = jnp.maximum(n_gen - 1, 0)
-    block = self.response_base + jnp.arange(S, dtype=jnp.int32) * self.response_blocks + j // self.block_size
+    block = self.response_base + slot * self.response_blocks + j // self.block_size
     return (jnp.where(running, block, self.trash).astype(jnp.int32),
             jnp.where(running, j % self.block_size, 0).astype(jnp.int32))
 
 
 def live_entries(layout: PageLayout, region: Array, prompt_len: Array, n_gen: Array, running: Array,
-                 num_entries: int) -> tuple[Array, Array, Array]:
+                 num_entries: int, slot: Array | None = None) -> tuple[Array, Array, Array]:
   """The flat list of blocks a decode step reads: (entry_row, entry_block, entry_len), int32 `[TB]`.
 
-  region, prompt_len, n_gen `[S]` int32, running `[S]` bool; TB = `num_entries` (static) must be >=
-  the live blocks (the host's `live_blocks_bound` guarantees it; blocks past TB would be silently
-  unread). Slot s contributes ceil(L_s / bs) prompt blocks (its group's region, shared with the
-  group's other slots) then ceil(n_gen_s / bs) response blocks, in slot order; entries past the
-  total are padding: row S (out of range), the trash block, length 0.
+  region, prompt_len, n_gen `[W]` int32, running `[W]` bool: the rows of the step; slot `[W]` the
+  slot each row decodes (default: row i is slot i, W = S: every slot). TB = `num_entries` (static)
+  must be >= the live blocks (the host's `live_blocks_bound` guarantees it; blocks past TB would be
+  silently unread). Row r contributes ceil(L_r / bs) prompt blocks (its group's region, shared with
+  the group's other slots) then ceil(n_gen_r / bs) blocks of its slot's response, in row order;
+  entries past the total are padding: row W (out of range), the trash block, length 0.
   """
   bs, S = layout.block_size, region.shape[0]
+  slot = jnp.arange(S, dtype=jnp.int32) if slot is None else slot
   prompt_blocks = jnp.where(running, -(-prompt_len // bs), 0)
   resp_blocks = jnp.where(running, -(-n_gen // bs), 0)
   ends = jnp.cumsum(prompt_blocks + resp_blocks)  # [S] inclusive
@@ -137,7 +141,7 @@ def live_entries(layout: PageLayout, region: Array, prompt_len: Array, n_gen: Ar
   in_prompt = j < prompt_blocks[r]
   jr = j - prompt_blocks[r]
   block = jnp.where(in_prompt, region[r] * layout.prompt_blocks + j,
-                    layout.response_base + r * layout.response_blocks + jr)
+                    layout.response_base + slot[r] * layout.response_blocks + jr)
   length = jnp.where(in_prompt, prompt_len[r] - j * bs, n_gen[r] - jr * bs)
   live = row < S
   return (row, jnp.where(live, block, layout.trash).astype(jnp.int32),

@@ -93,6 +93,27 @@ class ChunkResult:
   versions: Array
 
 
+def decode_widths(num_slots: int, divisor: int = 1, min_width: int | None = None) -> tuple[int, ...]:
+  """The row counts decode chunks are compiled for, largest first: `num_slots`, then its halvings
+  down to `min_width` (default: num_slots / 16, at least 1), each a multiple of `divisor` (the mesh's
+  data x fsdp: rows stay sharded like the slots). A chunk computes the smallest width that holds
+  every busy slot, so a batch's last long rows do not drag every slot through each step (at least
+  half the computed rows are slots the host last saw busy; rows that finished in the chunks still in
+  flight are computed idle); `min_width = num_slots`: never shrink."""
+  if min_width is None:
+    min_width = max(1, -(-num_slots // 16))
+  if min_width < 1:
+    raise ValueError(f"min_decode_width must be >= 1, got {min_width}")
+  out, w = [num_slots], num_slots
+  while w % 2 == 0 and w // 2 >= min_width:
+    w //= 2
+    if w % divisor == 0:
+      out.append(w)
+  if w > 1 and w % 2 and min_width == 1 and divisor == 1:  # an odd width left: then one row
+    out.append(1)
+  return tuple(out)
+
+
 def token_keys(key_data: Array, t: Array, row: Array) -> Array:
   """Per-row PRNG keys `[S]` for token index t `[S]` of row `row` `[S]` under seed keys `key_data [S, K]`.
 
@@ -115,7 +136,7 @@ class SlotPrograms:
 
   def __init__(self, config: ModelConfig, sampler: Sampler, *, num_slots: int, sampling: SamplingParams,
                max_prompt_len: int, chunk_steps: int, pad_id: int, kv_block_size: int = 16,
-               paged_attention: str = "auto"):
+               paged_attention: str = "auto", min_decode_width: int | None = None):
     self.config, self.graphdef, self.pad_id = config, sampler.graphdef, int(pad_id)
     self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
     self.R, self.max_prompt_len = sampling.max_new_tokens, max_prompt_len
@@ -133,6 +154,7 @@ class SlotPrograms:
                        f"over the mesh: the pools would be gathered whole); this generator mesh has "
                        f"{dict(mesh.shape)}: use one device per generator, or paged_attention='auto'")
     self.paged_attention = paged_attention
+    self.widths = decode_widths(num_slots, parallel.batch_divisor(mesh), min_decode_width)
     b1, b2 = parallel.batch_sharding(mesh, 1), parallel.batch_sharding(mesh, 2)
     repl = parallel.replicated(mesh)
     cs = sampler.cache_sharding  # [batch, len, kv_heads, head_dim]: the pool keeps its head sharding
@@ -146,8 +168,8 @@ class SlotPrograms:
     self.insert = jax.jit(self._insert, donate_argnums=(1, 2),
                           in_shardings=(psh, self.cache_sharding, self.state_sharding) + (repl,) * 7,
                           out_shardings=(self.cache_sharding, self.state_sharding))
-    self._decode_jit = jax.jit(self._decode, donate_argnums=(1, 2), static_argnums=(5,),
-                               in_shardings=(psh, self.cache_sharding, self.state_sharding, repl, repl),
+    self._decode_jit = jax.jit(self._decode, donate_argnums=(1, 2), static_argnums=(6,),
+                               in_shardings=(psh, self.cache_sharding, self.state_sharding, repl, repl, repl),
                                out_shardings=(self.cache_sharding, self.state_sharding, repl))
     self.recompute = jax.jit(self._recompute, donate_argnums=(1,),
                              in_shardings=(psh, self.cache_sharding, self.state_sharding),
@@ -176,6 +198,11 @@ class SlotPrograms:
     dispatched since its insert (`paged.live_blocks_bound`)."""
     need = paged.live_blocks_bound(self.layout, prompt_lens, steps_dispatched, self.chunk_steps)
     return paged.entry_bucket(need, self.entry_buckets)
+
+  def decode_width(self, busy: int) -> int:
+    """The rows the next decode chunk computes for `busy` busy slots: the smallest of `widths` that
+    holds them (host, no device read)."""
+    return min((w for w in self.widths if w >= busy), default=self.num_slots)
 
   def _sample(self, keys, logits):
     sp = self.sampling
@@ -230,20 +257,21 @@ class SlotPrograms:
         prompt_len=put(state.prompt_len, rep(lens)), region=put(state.region, rep(regions)))
     return cache, state
 
-  def _step(self, model, cache: KVPages, st: SlotState, version, num_entries: int):
-    """One decode step of every running slot: (cache, state, running `[S]`). The step reads the
-    `num_entries` (TB) listed blocks (`paged.live_entries`) and writes each running slot's current
-    token into its response block; idle slots write to the trash block. (A dense `KVCache` of
-    `[S, Pm + R]` per layer, the layout before pages, is taken too: `decode_step_cost` compares.)"""
+  def _step(self, model, cache: KVPages, st: SlotState, version, num_entries: int, slot=None):
+    """One decode step of every running row of `st` (W rows: every slot, or the rows of slots `slot
+    [W]`): (cache, state, running `[W]`). The step reads the `num_entries` (TB) listed blocks
+    (`paged.live_entries`) and writes each running row's current token into its slot's response
+    block; idle rows write to the trash block. (A dense `KVCache` of `[S, Pm + R]` per layer, the
+    layout before pages, is taken too: `decode_step_cost` compares.)"""
     S, R = st.cur.shape[0], self.R
     slots = jnp.arange(S)
     running = ~st.done
     if isinstance(cache, KVCache):  # every row attends over all Pm + R cached positions
       x, cache = model.hidden_states(st.cur[:, None], st.pos[:, None], cache.replace(index=st.pos))
     else:
-      write_block, write_offset = self.layout.write_location(st.n_gen, running)
+      write_block, write_offset = self.layout.write_location(st.n_gen, running, slot)
       row, block, length = paged.live_entries(self.layout, st.region, st.prompt_len, st.n_gen, running,
-                                              num_entries)
+                                              num_entries, slot)
       pages = PagedKVCache(k=cache.k, v=cache.v, write_block=write_block, write_offset=write_offset,
                            entry_row=row, entry_block=block, entry_len=length)
       with paged_attention_module.target_platform(self.platform, self.paged_attention):
@@ -261,32 +289,50 @@ class SlotPrograms:
         versions=st.versions.at[slots, col].set(version, mode="drop"))
     return cache, st, running
 
-  def decode(self, params, cache, state, version, refill_at, *, num_entries: int):
-    """The jitted `_decode` (cache and state donated), compiled once per entry bucket `num_entries`."""
-    return self._decode_jit(params, cache, state, version, refill_at, int(num_entries))
+  def decode(self, params, cache, state, version, refill_at, active=None, *, num_entries: int):
+    """The jitted `_decode` (cache and state donated), compiled once per (width, entry bucket).
 
-  def _decode(self, params, cache, state, version, refill_at, num_entries: int):
-    """Up to `chunk_steps` decode steps for every running slot, on device.
+    active: int32 `[W]`, distinct slots, W one of `widths`: the rows the chunk computes; it must
+    hold every slot not done (the busy ones), padded with idle slots (default: every slot)."""
+    active = np.arange(self.num_slots, dtype=np.int32) if active is None else np.asarray(active, np.int32)
+    if active.ndim != 1 or active.shape[0] not in self.widths:
+      raise ValueError(f"active must list W slots, W one of the decode widths {self.widths}; got shape {active.shape}")
+    return self._decode_jit(params, cache, state, version, refill_at, active, int(num_entries))
 
-    Exits early when no slot is running or when `refill_at` slots are free (done), so queued
-    prompts get slots without waiting for the chunk's end. `num_entries` (static): the entry bucket
-    of the chunk (`num_entries()`: at least the blocks any of its steps reads). Returns (cache,
-    state, `ChunkResult`).
+  def _decode(self, params, cache, state, version, refill_at, active, num_entries: int):
+    """Up to `chunk_steps` decode steps for the running slots among `active [W]`, on device.
+
+    W < S (the batch shrinks when few slots are busy, e.g. a batch's last long rows): the active
+    slots' state is gathered into W rows, decoded (each row writes its own slot's response blocks,
+    reads its region's and its slot's), and scattered back; slots outside `active` must be done.
+    W = S: every slot, `active` unused. Exits early when no slot is running or when `refill_at`
+    slots are free (done), so queued prompts get slots without waiting for the chunk's end.
+    `num_entries` (static): the entry bucket of the chunk (`num_entries()`: at least the blocks
+    any of its steps reads). Returns (cache, state, `ChunkResult`).
     """
+    S, W = self.num_slots, active.shape[0]
     self.num_traces += 1
-    self.traced["decode", num_entries] += 1
+    self.traced["decode", W, num_entries] += 1
     model = merge_params(self.graphdef, params)
+    if W < S:
+      rows = jax.tree.map(lambda x: jnp.take(x, active, axis=0), state)
+      rows = jax.lax.with_sharding_constraint(rows, self.state_sharding)
+      slot = active
+    else:
+      rows, slot = state, None
+    outside = S - W  # slots not in the chunk: all done
 
     def cond(c):
       i, _, st, _ = c
-      return (i < self.chunk_steps) & ~jnp.all(st.done) & (jnp.sum(st.done) < refill_at)
+      return (i < self.chunk_steps) & ~jnp.all(st.done) & (outside + jnp.sum(st.done) < refill_at)
 
     def body(c):
       i, cache, st, useful = c
-      cache, st, running = self._step(model, cache, st, version, num_entries)
+      cache, st, running = self._step(model, cache, st, version, num_entries, slot)
       return i + 1, cache, st, useful + jnp.sum(running, dtype=jnp.int32)
 
-    steps, cache, state, useful = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state, jnp.int32(0)))
+    steps, cache, rows, useful = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, rows, jnp.int32(0)))
+    state = rows if W == S else jax.tree.map(lambda full, r: full.at[active].set(r), state, rows)
     result = ChunkResult(steps=steps, useful=useful, done=state.done, stopped=state.stopped, n_gen=state.n_gen,
                          tokens=state.tokens, logprobs=state.logprobs, versions=state.versions)
     return cache, state, result
