@@ -213,6 +213,26 @@ def test_fused_index_overcount_charges_a_scatter_its_updates_and_any_fused_gathe
   assert paged.fused_index_overcount(_FUSED_HLO) == 2 * (3200 - 128) + (3200 - 160)
 
 
+# A GEMM a GPU compiler handed to cuBLAS: a custom call with a workspace in its result tuple.
+_CUBLAS_HLO = """HloModule m
+
+ENTRY %main (x: bf16[64,2048], w: bf16[2048,8192]) -> bf16[64,8192] {
+  %x = bf16[64,2048]{1,0} parameter(0)
+  %w = bf16[2048,8192]{1,0} parameter(1)
+  %custom-call.1 = (bf16[64,8192]{1,0}, s8[4194304]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", backend_config={}
+  %other = f32[8]{0} custom-call(%x), custom_call_target="something_else"
+  ROOT %get-tuple-element.1 = bf16[64,8192]{1,0} get-tuple-element(%custom-call.1), index=0
+}
+"""
+
+
+def test_library_call_bytes_charges_a_cublas_gemm_its_operands_and_output():
+  """x [64, 2048], w [2048, 8192] in, [64, 8192] out, bf16: 2 x (131072 + 16777216 + 524288) bytes;
+  the 4 MiB workspace and other custom calls are not counted."""
+  assert paged.library_call_bytes(_CUBLAS_HLO) == 2 * (64 * 2048 + 2048 * 8192 + 64 * 8192)
+  assert paged.library_call_bytes(_FUSED_HLO) == 0
+
+
 # -- one decode step's bytes (XLA's cost analysis from abstract shapes) -------------------------------
 
 # KV-heavy on purpose (weights ~0.5 MB, live KV ~20 MB): the attention's bytes dominate the step.

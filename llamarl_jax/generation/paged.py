@@ -262,8 +262,55 @@ def fused_index_overcount(hlo_text: str) -> int:
   each parameter consumed only as the target of scatters, its bytes minus the updates' bytes; for a
   root scatter (or a tuple of them), its output bytes minus its updates' bytes.
   """
-  comps: dict[str, dict[str, tuple[str, str, list[str], bool]]] = {}
-  fused: list[str] = []  # computations called by fusions
+  comps = _parse_hlo(hlo_text)
+  fused = [m.group(1) for body in comps.values() for _, op, _, _, rest in body.values() if op == "fusion"
+           for m in [re.search(r"calls=%([^\s,]+)", rest)] if m]  # computations called by fusions
+  over = 0
+  for called in fused:
+    body = comps.get(called, {})
+    size = lambda name: _array_bytes(body[name][0]) if name in body else 0
+    for pname, (pshape, opcode, _, _, _) in body.items():
+      if opcode != "parameter":
+        continue
+      users = [(shape, op, ops) for shape, op, ops, _, _ in body.values() if op != "parameter" and pname in ops]
+      if not users:
+        continue
+      if all(op == "gather" and ops[0] == pname and pname not in ops[1:] for _, op, ops in users):
+        over += _array_bytes(pshape) - sum(_array_bytes(shape) for shape, _, _ in users)
+      elif all(op == "scatter" and ops[0] == pname and pname not in ops[1:] for _, op, ops in users):
+        over += _array_bytes(pshape) - sum(size(ops[-1]) for _, _, ops in users)
+    for shape, op, ops, root, _ in body.values():
+      if not root:
+        continue
+      roots = [body[o] for o in ops if o in body] if op == "tuple" else [(shape, op, ops, root, "")]
+      for rshape, rop, rops, _, _ in roots:
+        if rop == "scatter" and rops and body.get(rops[0], ("", ""))[1] == "parameter":
+          over += _array_bytes(rshape) - size(rops[-1])
+  return max(over, 0)
+
+
+LIBRARY_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
+
+
+def library_call_bytes(hlo_text: str, targets: tuple[str, ...] = LIBRARY_CALLS) -> int:
+  """Bytes of the library calls in a compiled module's text that XLA's generic `HloCostAnalysis`
+  charges nothing (a custom call is opaque to it): each call's operands plus its result (of a tuple
+  result, the first element; the rest is the library's scratch workspace). For cuBLAS GEMMs (a GPU
+  compiled with `--xla_gpu_enable_triton_gemm=false`, or where the autotuner picks cuBLAS) that is
+  the weight matrix, the activations and the output: what the GEMM must move at least."""
+  total = 0
+  for body in _parse_hlo(hlo_text).values():
+    for shape, op, ops, _, rest in body.values():
+      if op != "custom-call" or not any(f'custom_call_target="{t}"' in rest for t in targets):
+        continue
+      total += _array_bytes(shape.lstrip("(")) + sum(_array_bytes(body[o][0]) for o in ops if o in body)
+  return total
+
+
+def _parse_hlo(hlo_text: str) -> dict[str, dict[str, tuple[str, str, list[str], bool, str]]]:
+  """A module's text as {computation: {instruction: (shape, opcode, operand names, is root, rest of
+  the line)}}."""
+  comps: dict[str, dict[str, tuple[str, str, list[str], bool, str]]] = {}
   current = None
   for line in hlo_text.splitlines():
     if current is None:
@@ -279,30 +326,5 @@ def fused_index_overcount(hlo_text: str) -> int:
       continue
     root, name, shape, opcode, operands, rest = m.groups()
     ops = [o.strip().lstrip("%") for o in operands.split(",") if o.strip().startswith("%")]
-    current[name] = (shape, opcode, ops, bool(root))
-    if opcode == "fusion":
-      called = re.search(r"calls=%([^\s,]+)", rest)
-      if called:
-        fused.append(called.group(1))
-  over = 0
-  for called in fused:
-    body = comps.get(called, {})
-    size = lambda name: _array_bytes(body[name][0]) if name in body else 0
-    for pname, (pshape, opcode, _, _) in body.items():
-      if opcode != "parameter":
-        continue
-      users = [(shape, op, ops) for shape, op, ops, _ in body.values() if op != "parameter" and pname in ops]
-      if not users:
-        continue
-      if all(op == "gather" and ops[0] == pname and pname not in ops[1:] for _, op, ops in users):
-        over += _array_bytes(pshape) - sum(_array_bytes(shape) for shape, _, _ in users)
-      elif all(op == "scatter" and ops[0] == pname and pname not in ops[1:] for _, op, ops in users):
-        over += _array_bytes(pshape) - sum(size(ops[-1]) for _, _, ops in users)
-    for shape, op, ops, root in body.values():
-      if not root:
-        continue
-      roots = [body[o] for o in ops if o in body] if op == "tuple" else [(shape, op, ops, root)]
-      for rshape, rop, rops, _ in roots:
-        if rop == "scatter" and rops and body.get(rops[0], ("", ""))[1] == "parameter":
-          over += _array_bytes(rshape) - size(rops[-1])
-  return max(over, 0)
+    current[name] = (shape, opcode, ops, bool(root), rest)
+  return comps

@@ -388,14 +388,15 @@ class SlotPrograms:
     response tokens sampled; the step attends to L + n_gen positions (its live length).
     layout: 'paged' (this engine: the step reads the entry bucket of the live blocks) or 'dense'
     (the layout before pages: a `[S, Pm + R]` cache per layer, attention over all of it).
-    Returns {'bytes', 'xla_bytes', 'overcount', 'kernel_bytes', 'ideal', 'weights', 'kv', 'ratio',
+    Returns {'bytes', 'xla_bytes', 'overcount', 'kernel_bytes', 'library_bytes', 'ideal', 'weights', 'kv', 'ratio',
     'num_entries'}:
     'xla_bytes' is XLA's 'bytes accessed' as is; 'bytes' charges each fused gather the bytes it
     gathers and each in-place scatter the bytes it updates instead of its whole operand
     (`paged.fused_index_overcount`: the generic analysis charges the whole KV pool per gather and
     per token write, and the embedding table per lookup), and adds the Pallas kernel's reads where
     the step uses it (`paged_kernel.kernel_bytes`, counted from its structure: XLA's analysis sees
-    a custom call as nothing); 'ratio' = bytes / ideal.
+    a custom call as nothing), and the operands and outputs of library GEMMs (cuBLAS custom calls,
+    `paged.library_call_bytes`); 'ratio' = bytes / ideal.
     """
     prompt_lens, n_gen = np.asarray(prompt_lens, np.int64), np.asarray(n_gen, np.int64)
     S, R, Pm = self.num_slots, self.R, self.max_prompt_len
@@ -433,6 +434,7 @@ class SlotPrograms:
     xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
     text = compiled.as_text()  # megabytes for a 1B step: read once
     over = float(paged.fused_index_overcount(text)) if generic else 0.0
+    library = float(paged.library_call_bytes(text)) if generic else 0.0  # cuBLAS GEMMs: opaque to it
     ideal = paged.ideal_step_bytes(self.config, prompt_lens + n_gen)
     kernel = 0.0  # the Pallas kernel's reads, counted from its structure (a custom call to XLA's analysis;
     # in interpret mode, on the CPU, the kernel is XLA ops and already counted)
@@ -445,7 +447,7 @@ class SlotPrograms:
       kernel = c.num_layers * kernel_bytes(num_rows=S, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                            head_dim=c.head_dim, block_size=self.layout.block_size,
                                            live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize)
-    total = xla_bytes - over + kernel
-    return {"bytes": total, "xla_bytes": xla_bytes, "overcount": over, "kernel_bytes": kernel,
+    total = xla_bytes - over + kernel + library
+    return {"bytes": total, "xla_bytes": xla_bytes, "overcount": over, "kernel_bytes": kernel, "library_bytes": library,
             "ideal": ideal["total"], "weights": ideal["weights"], "kv": ideal["kv"], "ratio": total / ideal["total"],
             "num_entries": num_entries}
