@@ -269,3 +269,14 @@ def test_decode_step_bytes_follow_live_lengths_not_the_cache_maximum():
   extra_cache = 16 * (2048 - 1024) * paged.kv_bytes_per_position(COST_CONFIG)  # 1024 more positions x 16 rows
   assert dense_2k["bytes"] - dense_1k["bytes"] >= 0.9 * extra_cache, (dense_1k, dense_2k)
   assert dense_2k["bytes"] >= 1.8 * paged_2k["bytes"], (dense_2k, paged_2k)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the kernel compiles for real")
+def test_decode_step_cost_refuses_the_interpreted_kernel():
+  """On the CPU the Pallas kernel runs in interpret mode: XLA ops whose bytes are not the kernel's
+  (46x the ideal at 5M): the cost says so instead of reporting them."""
+  sampling = SamplingParams(temperature=0, max_new_tokens=64)
+  programs = SlotPrograms(COST_CONFIG, Sampler(COST_CONFIG), num_slots=4, sampling=sampling, max_prompt_len=16,
+                          chunk_steps=8, pad_id=0, paged_attention="pallas")
+  with pytest.raises(ValueError, match="interpret mode.*bytes_target h100"):
+    programs.decode_step_cost(np.full(4, 8), np.full(4, 8))

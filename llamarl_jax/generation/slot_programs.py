@@ -405,6 +405,11 @@ class SlotPrograms:
                        f"{n_gen.shape}")
     if prompt_lens.min() < 1 or prompt_lens.max() > Pm or n_gen.min() < 1 or n_gen.max() > R - 1:
       raise ValueError(f"need 1 <= prompt_lens <= {Pm} and 1 <= n_gen <= R - 1 = {R - 1}")
+    form = paged_attention_module.resolve_paged_implementation(self.paged_attention, self.platform)
+    if layout == "paged" and form == "pallas" and self.platform != "gpu":
+      raise ValueError(f"paged_attention='pallas' on {self.platform} runs in Pallas' interpret mode: its XLA ops (a "
+                       "loop over the kernel's programs, 46x the ideal at 5M) are not the kernel's traffic; count it "
+                       "compiled for a GPU (bench_generate --bytes_target h100) or use paged_attention='auto'")
     _, shapes = split_params(abstract_model(self.config))
     sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     params = jax.tree.map(sds, shapes)
@@ -436,10 +441,8 @@ class SlotPrograms:
     over = float(paged.fused_index_overcount(text)) if generic else 0.0
     library = float(paged.library_call_bytes(text)) if generic else 0.0  # cuBLAS GEMMs: opaque to it
     ideal = paged.ideal_step_bytes(self.config, prompt_lens + n_gen)
-    kernel = 0.0  # the Pallas kernel's reads, counted from its structure (a custom call to XLA's analysis;
-    # in interpret mode, on the CPU, the kernel is XLA ops and already counted)
+    kernel = 0.0  # the Pallas kernel's reads, counted from its structure (a custom call to XLA's analysis)
     triton_call = 'custom_call_target="__gpu$xla.gpu.triton"' in text
-    form = paged_attention_module.resolve_paged_implementation(self.paged_attention, self.platform)
     if layout == "paged" and form == "pallas" and triton_call:
       from llamarl_jax.model.paged_kernel import kernel_bytes
       c = self.config
