@@ -54,8 +54,8 @@ def test_bench_gpu_dry_run_writes_the_report_and_json(tmp_path):
   paged = [r for r in saved["sections"]["bytes"]["rows"] if r["layout"] == "paged"]
   assert [(r["kv_block_size"], r["paged_attention"]) for r in paged] == [(16, "auto")]
   assert all(r["bytes"] >= r["weights"] and r["kernel_bytes"] == 0 for r in paged)
-  # on the CPU the kernel runs in interpret mode (XLA ops, not its traffic): skipped, saying so
-  assert saved["sections"]["bytes"]["skipped"] == ["KV block 4, pallas: the kernel's bytes are counted compiled for "
+  # on the CPU the kernel runs in interpret mode (XLA ops, not its traffic): not counted, saying so
+  assert saved["sections"]["bytes"]["not_counted"] == ["KV block 4, pallas: the kernel's bytes are counted compiled for "
                                                    "a GPU only (on cpu it runs in Pallas' interpret mode)"]
   trainer = saved["sections"]["trainer"]
   assert trainer["step_s"] > 0 and 0 < trainer["mfu"] < 1 and trainer["B"] * (trainer["P"] + trainer["R"]) == 256
@@ -66,7 +66,7 @@ def test_bench_gpu_dry_run_writes_the_report_and_json(tmp_path):
   assert push["bytes"] == 2 * push["params"]  # fp32 -> bf16: two bytes a parameter cross
   report = (tmp_path / "bench_gpu.md").read_text()
   assert "DRY RUN" in report and "| xla, causal + lengths |" in report and "push GB/s" in report
-  assert "- skipped: KV block 4, pallas" in report
+  assert "- not counted: KV block 4, pallas" in report
 
 
 def test_bench_train_lowers_the_step_and_finds_the_largest_vocab_array(tmp_path, capsys):
