@@ -287,6 +287,71 @@ def test_the_batch_shrinks_to_the_busy_slots_and_samples_the_same(model, static_
   assert m["generate/slot_utilization"] <= 1.0
 
 
+def _ideal_steps(lengths, lanes):
+  """Decode steps of a scheduler that refills a freed lane at the very next step, FIFO (a response of
+  l tokens holds a lane for l - 1 steps: its first token comes from the prefill)."""
+  need, left, head, steps = [max(int(l) - 1, 0) for l in lengths], [0] * lanes, 0, 0
+  while head < len(need) or any(left):
+    for i in range(lanes):
+      while left[i] == 0 and head < len(need):
+        left[i], head = need[head], head + 1
+    if any(left):
+      steps += 1
+      left = [max(x - 1, 0) for x in left]
+  return steps
+
+
+def test_staged_slots_refill_lanes_on_device_at_the_next_step(model, static_sampler, prompts):
+  """2 lanes + 6 staged slots, 8 prompts (20 of the 68 tokens stop): every prompt is prefilled at once
+  and the decode chunks admit staged slots into lanes as lanes free, on device: the decode steps are
+  exactly an ideal scheduler's (a freed lane refilled at the very next step, FIFO), whatever the
+  chunks (3 steps, 2 in flight) and the host's harvests; the samples and log-probs are the static
+  sampler's; a step never computes more than the 2 lanes."""
+  sampling = dataclasses.replace(SAMPLED, n=1, stop_token_ids=tuple(range(10, 30)))
+  eng = SlotEngine(model[0], num_slots=2, staged_slots=6, sampling=sampling, max_prompt_len=16, chunk_steps=3,
+                   kv_block_size=4)
+  assert eng.num_slots == 8 and eng.programs.num_lanes == 2 and eng.programs.widths == (2, 1)
+  ref = static_sampler.generate(model[1], prompts * 2, sampling)
+  eng.take_metrics()
+  got = eng.generate(model[1], prompts * 2, sampling)
+  m = eng.take_metrics()
+  np.testing.assert_array_equal(got.response_tokens, ref.response_tokens)
+  np.testing.assert_array_equal(got.lengths, ref.lengths)
+  np.testing.assert_allclose(got.behaviour_logprobs, ref.behaviour_logprobs, atol=1e-5)
+  assert len(set(ref.lengths.tolist())) > 2, f"lengths too alike to test the schedule: {ref.lengths}"
+  assert m["generate/prefill_calls"] == 1  # all 8 prompts staged at once
+  assert m["generate/decode_steps"] == _ideal_steps(ref.lengths, 2), (ref.lengths, m)
+  assert m["generate/decode_width_mean"] <= 2
+  # no chunk ended early for a refill: ceil(steps / 3) chunks, plus the one dispatched while the last
+  # ran (0 steps); the same engine without a stage needs a chunk per refill (14 here: the host inserts)
+  assert m["generate/chunks"] <= -(-m["generate/decode_steps"] // 3) + eng.chunks_in_flight - 1, m
+  useful = ref.lengths.sum() - ref.batch_size
+  assert m["generate/slot_occupancy"] == pytest.approx(useful / (2 * m["generate/decode_steps"]))
+
+
+_EXIT_SCRIPT = """
+from llamarl_jax.generation import SamplingParams
+from llamarl_jax.generation.engine import SlotEngine
+from llamarl_jax.model import ModelConfig, init_model
+config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                     head_dim=16, max_position_embeddings=64)
+engine = SlotEngine(config, num_slots=2, sampling=SamplingParams(temperature=0, max_new_tokens=4), max_prompt_len=8)
+print(engine.generate(init_model(config), [[1, 2, 3]]).lengths.tolist())
+"""  # the engine (and its watcher thread) still alive when the interpreter exits
+
+
+def test_a_process_exits_cleanly_with_an_engine_alive():
+  """The engine's watcher thread is stopped and joined at interpreter exit (weakref.finalize's atexit
+  hook): left running, finalization killed it mid-call, an abort with status 134."""
+  import subprocess
+  import sys
+
+  done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=240,
+                        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip().endswith("[4]")
+
+
 def test_decode_widths():
   from llamarl_jax.generation.slot_programs import decode_widths
   assert decode_widths(64) == (64, 32, 16, 8, 4)  # down to 64 / 16

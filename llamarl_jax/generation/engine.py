@@ -168,6 +168,15 @@ def _watch(chunks: "queue.SimpleQueue[_InFlight | None]") -> None:
     chunk.done.set()
 
 
+def _stop_watcher(chunks: "queue.SimpleQueue[_InFlight | None]", watcher: threading.Thread) -> None:
+  """End the watcher thread and wait for it: when the engine is collected, or at interpreter exit
+  (weakref.finalize's atexit hook), where a daemon thread still running when finalization starts is
+  killed mid-call (an abort: 'terminate called after throwing an instance of ...', exit status 134)."""
+  chunks.put(None)
+  if watcher is not threading.current_thread():
+    watcher.join(timeout=60.0)
+
+
 class SlotEngine:
   """Continuous-batching generator over `num_slots` KV-cache slots (see the module docstring).
 
@@ -189,6 +198,10 @@ class SlotEngine:
     later), deterministically for a given setting.
   paged_attention: the decode attention's form (`paged_attention.PAGED_IMPLEMENTATIONS`: 'auto',
     'reduce', 'dot', or 'pallas', the one-kernel form of `paged_kernel`).
+  staged_slots: KV slots beyond the `num_slots` lanes (rows a decode step computes): queued prompts
+    are prefilled into them ahead and a decode chunk admits them into lanes as lanes free, on device
+    (FIFO), so finished rows are refilled at the next step without a host round trip while staged
+    slots last (0: a freed lane waits for the host's insert after it harvested the chunk).
   min_decode_width: the fewest rows a decode chunk computes (`slot_programs.decode_widths`; default
     num_slots / 16; num_slots: the batch never shrinks). A row's samples do not depend on it (its keys
     and math are per row; tests compare with the static sampler).
@@ -203,13 +216,18 @@ class SlotEngine:
                pad_id: int = 0, prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
                max_insert: int | None = None, recompute_kv: bool = False, chunks_in_flight: int = 2,
                kv_block_size: int = 16, paged_attention: str = "auto", min_decode_width: int | None = None,
-               rules: Mapping[str, str | None] = parallel.RULES):
+               staged_slots: int = 0, rules: Mapping[str, str | None] = parallel.RULES):
     self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
     divisor = parallel.batch_divisor(self.mesh)
     if num_slots < 1 or num_slots % divisor:
       raise ValueError(f"num_slots must be a positive multiple of the mesh's data x fsdp size ({divisor}), "
                        f"got {num_slots}")
+    if staged_slots < 0 or staged_slots % divisor:
+      raise ValueError(f"staged_slots must be a non-negative multiple of the mesh's data x fsdp size ({divisor}), "
+                       f"got {staged_slots}")
+    self.num_lanes = num_slots  # rows a decode step computes at most
+    num_slots += staged_slots  # KV slots: the lanes' and the stage's
     if sampling.n > num_slots:
       raise ValueError(f"sampling.n = {sampling.n} samples per prompt need as many slots; num_slots is {num_slots}")
     if chunk_steps < 1:
@@ -229,7 +247,7 @@ class SlotEngine:
     self.programs = SlotPrograms(config, self.sampler, num_slots=num_slots, sampling=sampling,
                                  max_prompt_len=self.max_prompt_len, chunk_steps=self.chunk_steps, pad_id=pad_id,
                                  kv_block_size=kv_block_size, paged_attention=paged_attention,
-                                 min_decode_width=min_decode_width)
+                                 min_decode_width=min_decode_width, num_lanes=self.num_lanes)
     self.params, self.version = None, None
     self._cache, self._state = self.programs.empty()
     self._owner: list[tuple[_Group, int] | None] = [None] * num_slots
@@ -243,6 +261,7 @@ class SlotEngine:
     self._watched: queue.SimpleQueue | None = None  # the watcher thread's chunks (started on first dispatch)
     self._queue: collections.deque[_Group] = collections.deque()
     self._uid = 0
+    self._seq = 0  # insert order: staged slots are admitted into lanes in it
     self.stats = collections.Counter()
 
   # -- public ---------------------------------------------------------------------------------------
@@ -305,22 +324,21 @@ class SlotEngine:
     dispatched = False
     if self.num_busy and len(self._inflight) < self.chunks_in_flight:
       busy = np.array([o is not None for o in self._owner])
+      width = self.programs.decode_width(int(busy.sum()))  # >= the running slots: busy ones, or all lanes
       num_entries = self.programs.num_entries([len(o[0].prompt) for o in self._owner if o is not None],
-                                              self._since[busy])
-      width = self.programs.decode_width(int(busy.sum()))
-      # the busy slots (every slot not done on the device), then idle ones up to the width
-      active = np.concatenate([np.flatnonzero(busy), np.flatnonzero(~busy)])[:width].astype(np.int32)
+                                              self._since[busy], width)
       self._dispatching()
       self._cache, self._state, result = self.programs.decode(
           self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at),
-          np.sort(active) if width < self.num_slots else None, num_entries=num_entries)
+          width=width, num_entries=num_entries)
       self._since[busy] += self.chunk_steps
       self._last_chunk, self._gap_noted = _InFlight(result, self._gen.copy(), bool(self._queue), width), False
       self._inflight.append(self._last_chunk)
       if self._watched is None:
         self._watched = queue.SimpleQueue()
-        threading.Thread(target=_watch, args=(self._watched,), name="slot-engine-watcher", daemon=True).start()
-        weakref.finalize(self, self._watched.put, None)  # the thread ends with the engine
+        watcher = threading.Thread(target=_watch, args=(self._watched,), name="slot-engine-watcher", daemon=True)
+        watcher.start()
+        weakref.finalize(self, _stop_watcher, self._watched, watcher)  # the thread ends with the engine
       self._watched.put(self._last_chunk)
       self.stats["chunks"] += 1
       dispatched = True
@@ -419,8 +437,8 @@ class SlotEngine:
         # useful rows over the rows the decode steps computed (a chunk computes the smallest of the
         # decode widths that holds the busy slots: `SlotPrograms.widths`)
         "generate/slot_utilization": s["useful_slot_steps"] / max(s["computed_slot_steps"], 1),
-        # useful rows over every slot at every step (as if the batch never shrank)
-        "generate/slot_occupancy": s["useful_slot_steps"] / (steps * self.num_slots),
+        # useful rows over every lane at every step (as if the batch never shrank)
+        "generate/slot_occupancy": s["useful_slot_steps"] / (steps * self.num_lanes),
         # over the chunks dispatched while prompts waited for slots: a stream's steady state, without
         # the final drain of a finite batch (the last long rows finishing alone)
         "generate/slot_utilization_queued": (s["queued_useful_slot_steps"]
@@ -481,8 +499,10 @@ class SlotEngine:
       rows[i, :g.n] = g.row0 + np.arange(g.n)
       keys[i] = g.key
     self._dispatching()
+    seqs = self._seq + np.arange(size, dtype=np.int32)
+    self._seq += size
     self._cache, self._state = self.programs.insert(self.params, self._cache, self._state, tokens, lens, dst, rows, keys,
-                                               np.int32(self.version), regions)
+                                               np.int32(self.version), regions, seqs)
     self.stats["inserts"] += 1
     self.stats["first_tokens"] += sum(g.n for g, _ in items)
 

@@ -149,17 +149,21 @@ def live_entries(layout: PageLayout, region: Array, prompt_len: Array, n_gen: Ar
 
 
 def live_blocks_bound(layout: PageLayout, prompt_lens: np.ndarray, steps_dispatched: np.ndarray,
-                      chunk_steps: int) -> int:
+                      chunk_steps: int, lanes: int | None = None) -> int:
   """An upper bound (host numpy, no device read) on the blocks any step of the next decode chunk reads.
 
   prompt_lens, steps_dispatched `[busy]`: each busy slot's prompt length and the decode steps
   dispatched since its insert (chunks x chunk_steps, whether or not they ran them all). A slot
   inserted with n_gen = 1 has n_gen <= 1 + steps_dispatched when the chunk starts, and its steps in
-  the chunk read at most min(R - 1, steps_dispatched + chunk_steps) response entries.
+  the chunk read at most min(R - 1, steps_dispatched + chunk_steps) response entries. lanes: a step
+  computes at most this many of the slots (`SlotPrograms.num_lanes`): the sum of the largest bounds.
   """
   bs, R = layout.block_size, layout.max_new_tokens
   resp = np.minimum(R - 1, np.asarray(steps_dispatched, np.int64) + chunk_steps)
-  return int(np.sum(-(-np.asarray(prompt_lens, np.int64) // bs) + -(-resp // bs)))
+  per_slot = -(-np.asarray(prompt_lens, np.int64) // bs) + -(-resp // bs)
+  if lanes is not None and lanes < per_slot.size:
+    per_slot = np.sort(per_slot)[per_slot.size - lanes:]
+  return int(np.sum(per_slot))
 
 
 def entry_buckets(max_entries: int, step: int = 8) -> tuple[int, ...]:

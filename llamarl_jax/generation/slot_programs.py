@@ -54,6 +54,9 @@ class SlotState:
   prompt      int32  [S, Pm] the prompt, right-padded (read by the KV recompute)
   prompt_len  int32  [S]
   region      int32  [S]     the prompt region (`PageLayout`) of the slot's group
+  staged      bool   [S]     prefilled, waiting for a lane: a decode chunk admits it (FIFO by `seq`)
+                             as soon as a lane is free, on device (running = not done, not staged)
+  seq         int32  [S]     admission order of a staged slot (the host's insert counter)
   """
 
   cur: Array
@@ -69,6 +72,8 @@ class SlotState:
   prompt: Array
   prompt_len: Array
   region: Array
+  staged: Array
+  seq: Array
 
 
 @flax.struct.dataclass
@@ -136,7 +141,7 @@ class SlotPrograms:
 
   def __init__(self, config: ModelConfig, sampler: Sampler, *, num_slots: int, sampling: SamplingParams,
                max_prompt_len: int, chunk_steps: int, pad_id: int, kv_block_size: int = 16,
-               paged_attention: str = "auto", min_decode_width: int | None = None):
+               paged_attention: str = "auto", min_decode_width: int | None = None, num_lanes: int | None = None):
     self.config, self.graphdef, self.pad_id = config, sampler.graphdef, int(pad_id)
     self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
     self.R, self.max_prompt_len = sampling.max_new_tokens, max_prompt_len
@@ -154,7 +159,10 @@ class SlotPrograms:
                        f"over the mesh: the pools would be gathered whole); this generator mesh has "
                        f"{dict(mesh.shape)}: use one device per generator, or paged_attention='auto'")
     self.paged_attention = paged_attention
-    self.widths = decode_widths(num_slots, parallel.batch_divisor(mesh), min_decode_width)
+    self.num_lanes = num_slots if num_lanes is None else int(num_lanes)
+    if not 1 <= self.num_lanes <= num_slots:
+      raise ValueError(f"num_lanes must be in 1..num_slots ({num_slots}), got {num_lanes}")
+    self.widths = decode_widths(self.num_lanes, parallel.batch_divisor(mesh), min_decode_width)
     b1, b2 = parallel.batch_sharding(mesh, 1), parallel.batch_sharding(mesh, 2)
     repl = parallel.replicated(mesh)
     cs = sampler.cache_sharding  # [batch, len, kv_heads, head_dim]: the pool keeps its head sharding
@@ -166,10 +174,10 @@ class SlotPrograms:
     psh = sampler.param_shardings
     self._mesh, self._param_shardings, self._dense_cache_sharding = mesh, psh, cs
     self.insert = jax.jit(self._insert, donate_argnums=(1, 2),
-                          in_shardings=(psh, self.cache_sharding, self.state_sharding) + (repl,) * 7,
+                          in_shardings=(psh, self.cache_sharding, self.state_sharding) + (repl,) * 8,
                           out_shardings=(self.cache_sharding, self.state_sharding))
-    self._decode_jit = jax.jit(self._decode, donate_argnums=(1, 2), static_argnums=(6,),
-                               in_shardings=(psh, self.cache_sharding, self.state_sharding, repl, repl, repl),
+    self._decode_jit = jax.jit(self._decode, donate_argnums=(1, 2), static_argnums=(5, 6),
+                               in_shardings=(psh, self.cache_sharding, self.state_sharding, repl, repl),
                                out_shardings=(self.cache_sharding, self.state_sharding, repl))
     self.recompute = jax.jit(self._recompute, donate_argnums=(1,),
                              in_shardings=(psh, self.cache_sharding, self.state_sharding),
@@ -189,20 +197,22 @@ class SlotPrograms:
     return SlotState(cur=zi(S), pos=zi(S), n_gen=zi(S), done=np.ones(S, bool), stopped=np.zeros(S, bool),
                      tokens=np.full((S, R), self.pad_id, np.int32), logprobs=np.zeros((S, R), np.float32),
                      versions=zi(S, R), key=np.zeros((S, self.key_words), np.uint32), row=zi(S),
-                     prompt=np.full((S, Pm), self.pad_id, np.int32), prompt_len=zi(S), region=np.full(S, S, np.int32))
+                     prompt=np.full((S, Pm), self.pad_id, np.int32), prompt_len=zi(S), region=np.full(S, S, np.int32),
+                     staged=np.zeros(S, bool), seq=zi(S))
 
-  def num_entries(self, prompt_lens: np.ndarray, steps_dispatched: np.ndarray) -> int:
-    """The entry bucket (`decode(..., num_entries=)`) of the next chunk: host numpy, no device read.
+  def num_entries(self, prompt_lens: np.ndarray, steps_dispatched: np.ndarray, width: int | None = None) -> int:
+    """The entry bucket (`decode(..., num_entries=)`) of the next chunk of `width` lanes: host numpy,
+    no device read.
 
     prompt_lens, steps_dispatched `[busy]`: each busy slot's prompt length and decode steps
-    dispatched since its insert (`paged.live_blocks_bound`)."""
-    need = paged.live_blocks_bound(self.layout, prompt_lens, steps_dispatched, self.chunk_steps)
+    dispatched since its insert (`paged.live_blocks_bound`; a staged slot's count is an over-estimate)."""
+    need = paged.live_blocks_bound(self.layout, prompt_lens, steps_dispatched, self.chunk_steps, width)
     return paged.entry_bucket(need, self.entry_buckets)
 
   def decode_width(self, busy: int) -> int:
-    """The rows the next decode chunk computes for `busy` busy slots: the smallest of `widths` that
-    holds them (host, no device read)."""
-    return min((w for w in self.widths if w >= busy), default=self.num_slots)
+    """The lanes the next decode chunk computes for `busy` busy slots (running or staged): the
+    smallest of `widths` that holds them, at most `num_lanes` (host, no device read)."""
+    return min((w for w in self.widths if w >= busy), default=self.num_lanes)
 
   def _sample(self, keys, logits):
     sp = self.sampling
@@ -212,8 +222,9 @@ class SlotPrograms:
   def _is_stop(self, tokens):
     return jnp.any(tokens[:, None] == jnp.asarray(self._stop_ids)[None, :], axis=-1)
 
-  def _insert(self, params, cache, state, tokens, lens, dst, rows, keys, version, regions):
-    """Prefill prompts `[G, Pb]` (right-padded, lengths [G]) and start samples in slots `dst [G, n]`.
+  def _insert(self, params, cache, state, tokens, lens, dst, rows, keys, version, regions, seqs):
+    """Prefill prompts `[G, Pb]` (right-padded, lengths [G]) and stage samples in slots `dst [G, n]`
+    (admission order `seqs [G]`: a decode chunk admits staged slots into its lanes FIFO).
 
     One forward over the G prompts; prompt g's keys/values of positions [0, Pb) go to the first
     ceil(Pb / bs) blocks of its prompt region `regions[g]`, which its n slots then all read (prefix
@@ -250,6 +261,7 @@ class SlotPrograms:
     state = SlotState(
         cur=put(state.cur, token), pos=put(state.pos, rep(lens)), n_gen=put(state.n_gen, jnp.ones(M, jnp.int32)),
         done=put(state.done, stop | (R == 1)), stopped=put(state.stopped, stop),
+        staged=put(state.staged, ~(stop | (R == 1))), seq=put(state.seq, rep(seqs)),
         tokens=put(state.tokens, jnp.full((M, R), self.pad_id, jnp.int32).at[:, 0].set(token)),
         logprobs=put(state.logprobs, jnp.zeros((M, R), jnp.float32).at[:, 0].set(logprob)),
         versions=put(state.versions, jnp.full((M, R), version, jnp.int32)),
@@ -289,50 +301,82 @@ class SlotPrograms:
         versions=st.versions.at[slots, col].set(version, mode="drop"))
     return cache, st, running
 
-  def decode(self, params, cache, state, version, refill_at, active=None, *, num_entries: int):
+  def decode(self, params, cache, state, version, refill_at, *, width: int | None = None, num_entries: int):
     """The jitted `_decode` (cache and state donated), compiled once per (width, entry bucket).
 
-    active: int32 `[W]`, distinct slots, W one of `widths`: the rows the chunk computes; it must
-    hold every slot not done (the busy ones), padded with idle slots (default: every slot)."""
-    active = np.arange(self.num_slots, dtype=np.int32) if active is None else np.asarray(active, np.int32)
-    if active.ndim != 1 or active.shape[0] not in self.widths:
-      raise ValueError(f"active must list W slots, W one of the decode widths {self.widths}; got shape {active.shape}")
-    return self._decode_jit(params, cache, state, version, refill_at, active, int(num_entries))
+    width: the lanes (rows) the chunk computes per step, one of `widths` (default the most,
+    `num_lanes`); it must be >= the slots running when the chunk starts."""
+    width = self.num_lanes if width is None else int(width)
+    if width not in self.widths:
+      raise ValueError(f"width must be one of the decode widths {self.widths}, got {width}")
+    return self._decode_jit(params, cache, state, version, refill_at, width, int(num_entries))
 
-  def _decode(self, params, cache, state, version, refill_at, active, num_entries: int):
-    """Up to `chunk_steps` decode steps for the running slots among `active [W]`, on device.
+  def _lanes(self, st: SlotState, width: int) -> Array:
+    """The W slots the next step computes: every running slot, then staged ones by `seq` (FIFO), then
+    idle ones (int32 `[W]`). W >= the running slots (the host's width, and admission only into lanes)."""
+    running = ~st.done & ~st.staged
+    waiting = ~st.done & st.staged
+    big = jnp.iinfo(jnp.int32).max
+    key = jnp.where(running, -1, jnp.where(waiting, st.seq, big))
+    return jnp.argsort(key, stable=True)[:width].astype(jnp.int32)
 
-    W < S (the batch shrinks when few slots are busy, e.g. a batch's last long rows): the active
-    slots' state is gathered into W rows, decoded (each row writes its own slot's response blocks,
-    reads its region's and its slot's), and scattered back; slots outside `active` must be done.
-    W = S: every slot, `active` unused. Exits early when no slot is running or when `refill_at`
-    slots are free (done), so queued prompts get slots without waiting for the chunk's end.
-    `num_entries` (static): the entry bucket of the chunk (`num_entries()`: at least the blocks
-    any of its steps reads). Returns (cache, state, `ChunkResult`).
+  def _decode(self, params, cache, state, version, refill_at, width: int, num_entries: int):
+    """Up to `chunk_steps` decode steps of the running slots, `width` (W) rows per step, on device.
+
+    Lanes: each step computes W rows, the running slots' and, in the lanes left, staged slots'
+    (prefilled by `insert`), admitted in insert order the step after a lane frees: a finished row is
+    refilled on device, with no host round trip, while staged slots last. W = all slots: every
+    staged slot is admitted at the chunk's start and rows are slots. W < slots (a stage beyond the
+    lanes, or few busy slots: the batch shrinks): the lanes' state is gathered into W rows (each row
+    writes its own slot's blocks, reads its region's) and scattered back whenever a lane is refilled
+    and at the chunk's end. Exits early when nothing runs or waits, or when `refill_at` slots are
+    free (done), so the host can insert queued prompts. `num_entries` (static): the entry bucket of
+    the chunk (`num_entries()`: at least the blocks any W lanes read). Returns (cache, state,
+    `ChunkResult`).
     """
-    S, W = self.num_slots, active.shape[0]
+    S, W = self.num_slots, width
     self.num_traces += 1
     self.traced["decode", W, num_entries] += 1
     model = merge_params(self.graphdef, params)
-    if W < S:
-      rows = jax.tree.map(lambda x: jnp.take(x, active, axis=0), state)
-      rows = jax.lax.with_sharding_constraint(rows, self.state_sharding)
-      slot = active
+    gather = lambda full, slot: jax.lax.with_sharding_constraint(
+        jax.tree.map(lambda x: jnp.take(x, slot, axis=0), full), self.state_sharding)
+    scatter = lambda full, slot, rows: jax.tree.map(lambda f, r: f.at[slot].set(r), full, rows)
+
+    def relane(full, rows, slot):  # rows back into the state; the next lanes gathered, staged ones admitted
+      full = scatter(full, slot, rows)
+      slot = self._lanes(full, W)
+      full = full.replace(staged=full.staged.at[slot].set(False))
+      return full, gather(full, slot), slot
+
+    if W == S:  # every slot is a lane: admit every staged slot now (no later insert inside the chunk)
+      state = state.replace(staged=jnp.zeros_like(state.staged))
+      rows, slot = state, jnp.arange(S, dtype=jnp.int32)
     else:
-      rows, slot = state, None
-    outside = S - W  # slots not in the chunk: all done
+      slot = self._lanes(state, W)
+      state = state.replace(staged=state.staged.at[slot].set(False))
+      rows = gather(state, slot)
+
+    def free(full, rows, slot):  # done slots: outside the lanes (the state) plus the lanes' own
+      if W == S:
+        return jnp.sum(rows.done)
+      return jnp.sum(full.done) - jnp.sum(full.done[slot]) + jnp.sum(rows.done)
 
     def cond(c):
-      i, _, st, _ = c
-      return (i < self.chunk_steps) & ~jnp.all(st.done) & (outside + jnp.sum(st.done) < refill_at)
+      i, _, full, rows, slot, _ = c
+      waiting = jnp.any(full.staged & ~full.done) if W < S else False
+      return (i < self.chunk_steps) & (~jnp.all(rows.done) | waiting) & (free(full, rows, slot) < refill_at)
 
     def body(c):
-      i, cache, st, useful = c
-      cache, st, running = self._step(model, cache, st, version, num_entries, slot)
-      return i + 1, cache, st, useful + jnp.sum(running, dtype=jnp.int32)
+      i, cache, full, rows, slot, useful = c
+      cache, rows, running = self._step(model, cache, rows, version, num_entries, None if W == S else slot)
+      if W < S:  # a lane finished and a staged slot waits: refill it (on device)
+        refill = jnp.any(rows.done) & jnp.any(full.staged & ~full.done)
+        full, rows, slot = jax.lax.cond(refill, relane, lambda f, r, s: (f, r, s), full, rows, slot)
+      return i + 1, cache, full, rows, slot, useful + jnp.sum(running, dtype=jnp.int32)
 
-    steps, cache, rows, useful = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, rows, jnp.int32(0)))
-    state = rows if W == S else jax.tree.map(lambda full, r: full.at[active].set(r), state, rows)
+    steps, cache, state, rows, slot, useful = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), cache, state, rows, slot, jnp.int32(0)))
+    state = rows if W == S else scatter(state, slot, rows)
     result = ChunkResult(steps=steps, useful=useful, done=state.done, stopped=state.stopped, n_gen=state.n_gen,
                          tokens=state.tokens, logprobs=state.logprobs, versions=state.versions)
     return cache, state, result
