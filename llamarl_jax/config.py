@@ -200,7 +200,8 @@ class GeneratorConfig(_Validated):
   host waits; `paged_attention` the decode attention's form: 'auto' (XLA's), or 'pallas', one kernel
   that reads each live block once, on a one-device generator mesh, not yet timed on a GPU;
   `min_decode_width` the fewest rows a decode chunk computes when few slots are busy (the batch
-  shrinks to the busy slots in halvings; None: slots / 16; = slots: it never shrinks).
+  shrinks to the busy slots in halvings; None: slots / 16; = slots: it never shrinks); `staged_slots`
+  KV slots beyond `slots`: prompts prefilled ahead that decode chunks admit on device as rows finish.
   Both: `dtype` of the weights, optional int8 `quantize`; `delay_s` emulates a slower remote engine
   per batch (benchmarks, overlap tests)."""
   engine: str = "slots"
@@ -210,6 +211,7 @@ class GeneratorConfig(_Validated):
   chunks_in_flight: int = 2
   paged_attention: str = "auto"
   min_decode_width: int | None = None
+  staged_slots: int = 0
   max_prompt_len: int | None = None
   recompute_kv: bool = False
   dtype: str = "float32"
@@ -220,6 +222,7 @@ class GeneratorConfig(_Validated):
                      "paged_attention": one_of("auto", "reduce", "dot", "pallas"),
                      "max_prompt_len": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "min_decode_width": lambda v: None if v is None or v >= 1 else "None or >= 1",
+                     "staged_slots": at_least(0),
                      "dtype": one_of(*GENERATOR_DTYPES), "quantize": one_of(*QUANTIZATIONS),
                      "delay_s": at_least(0.0)}
 

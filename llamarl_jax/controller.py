@@ -123,7 +123,8 @@ class Controller:
                             sampling=self.sampling, max_prompt_len=max_prompt, chunk_steps=g.chunk_steps,
                             pad_id=tokenizer.pad_token_id or 0, recompute_kv=g.recompute_kv,
                             kv_block_size=g.kv_block_size, chunks_in_flight=g.chunks_in_flight,
-                            paged_attention=g.paged_attention, min_decode_width=g.min_decode_width)
+                            paged_attention=g.paged_attention, min_decode_width=g.min_decode_width,
+                            staged_slots=g.staged_slots)
       ex.generator = GeneratorExecutor(self.sampler, tokenizer, prompt_source, self.sampling,
                                        prompts_per_step=r.prompts_per_step,
                                        max_policy_lag=config.schedule.max_policy_lag,

@@ -226,6 +226,8 @@ def main(argv=None):
                       help="--bytes: compile for this backend's first device (default), or for a GPU target "
                            "without one (needs the CUDA plugin: see the module docstring)")
   parser.add_argument("--kv_block_size", type=int, default=16, help="slot engine KV block (positions)")
+  parser.add_argument("--staged_slots", type=int, default=0,
+                      help="slot engine: KV slots beyond --slots, prefilled ahead and admitted on device")
   parser.add_argument("--min_decode_width", type=int, default=None,
                       help="slot engine: fewest rows a decode chunk computes (default slots / 16; = --slots: "
                            "the batch never shrinks)")
@@ -315,6 +317,10 @@ def main(argv=None):
     engine_table(config, init_model(config, seed=0), args, name)
 
 
+def _pct(x):
+  return "-" if x is None else f"{x:.1%}"
+
+
 def _gb(n):
   return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
@@ -343,7 +349,8 @@ def bytes_table(config, args, name, mesh=None):
   programs = SlotPrograms(config, Sampler(config, mesh), num_slots=S, sampling=sampling, max_prompt_len=Pm,
                           chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size,
                           paged_attention=getattr(args, "paged_attention", "auto"),
-                        min_decode_width=getattr(args, "min_decode_width", None))
+                        min_decode_width=getattr(args, "min_decode_width", None),
+                        staged_slots=getattr(args, "staged_slots", 0))
   dtype = jax.numpy.dtype(config.dtype).name
   device = programs._mesh.devices.flat[0]
   print(f"\n# one decode step's bytes: {name} {dtype}, {S} slots, cache {T} (prompt <= {Pm}), live lengths "
@@ -419,9 +426,9 @@ def engine_table(config, model, args, name):
         f"max {R} new tokens, temperature 1, chunk {args.chunk_steps} steps, KV blocks of "
         f"{getattr(args, 'kv_block_size', 16)}, best of {args.repeats}")
   print("| workload | lengths mean / max (max/mean) | static tok/s | slots tok/s | slots / static | "
-        "slot utilization (ideal) | while prompts wait (ideal) | occupancy (ideal) | decode rows mean | static utilization | "
-        "device idle | same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "slot utilization (ideal) | while prompts wait (ideal) | occupancy (ideal) | decode rows mean | chunks / run | "
+        "static utilization | device idle | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   rows = []
   for workload in args.engine_workloads.split(","):
     if workload not in ("longtail", "equal"):
@@ -435,7 +442,8 @@ def engine_table(config, model, args, name):
     engine = SlotEngine(config, num_slots=S, sampling=sampling, max_prompt_len=args.prompt_len,
                         chunk_steps=args.chunk_steps, kv_block_size=getattr(args, "kv_block_size", 16),
                         paged_attention=getattr(args, "paged_attention", "auto"),
-                        min_decode_width=getattr(args, "min_decode_width", None))
+                        min_decode_width=getattr(args, "min_decode_width", None),
+                        staged_slots=getattr(args, "staged_slots", 0))
     params = sampler.place_params(model)
 
     def static():
@@ -470,22 +478,25 @@ def engine_table(config, model, args, name):
       t_static, t_slots = best_times([static, slots], args.repeats, ["static", "slots"])
     m = engine.take_metrics()
     util, util_q = m["generate/slot_utilization"], m["generate/slot_utilization_queued"]
+    if not m["generate/decode_steps_queued"]:  # prompts never waited (e.g. all of them staged at once)
+      util_q = None
     idle = m["time/generate_device_idle"] / max(slot_wall[0], 1e-9)  # an upper bound (see take_metrics)
     # submit order = prompt order (FIFO), n = 1; the engine's decode widths, and every slot (occupancy)
     ideal, ideal_q = ideal_utilization(lengths, S, widths=engine.programs.widths)
     ideal_occupancy = ideal_utilization(lengths, S)[0]
     occupancy, rows_mean = m["generate/slot_occupancy"], m["generate/decode_width_mean"]
+    chunks = m["generate/chunks"] / args.repeats  # host round trips per run (each a harvest)
     useful = float(lengths.sum())
     print(f"| {workload} | {lengths.mean():.1f} / {lengths.max()} ({lengths.max() / lengths.mean():.1f}) | "
           f"{useful / t_static:,.0f} | {useful / t_slots:,.0f} | {t_static / t_slots:.2f}x | {util:.1%} ({ideal:.1%}) | "
-          f"{util_q:.1%} ({ideal_q:.1%}) | {occupancy:.1%} ({ideal_occupancy:.1%}) | {rows_mean:.1f} | "
+          f"{_pct(util_q)} ({ideal_q:.1%}) | {occupancy:.1%} ({ideal_occupancy:.1%}) | {rows_mean:.1f} | {chunks:.0f} | "
           f"{(useful - N) / (static_steps * S):.1%} | {idle:.1%} | {same:.0%} |",
           flush=True)
     rows.append({"workload": workload, "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
                  "static_tokens_per_s": useful / t_static, "slots_tokens_per_s": useful / t_slots,
                  "speedup": t_static / t_slots, "slot_utilization": float(util),
-                 "ideal_utilization": ideal, "device_idle_fraction": idle, "slot_utilization_queued": float(util_q), "ideal_utilization_queued": ideal_q,
-                 "slot_occupancy": float(occupancy), "ideal_occupancy": ideal_occupancy, "decode_rows_mean": float(rows_mean),
+                 "ideal_utilization": ideal, "device_idle_fraction": idle, "slot_utilization_queued": None if util_q is None else float(util_q), "ideal_utilization_queued": ideal_q,
+                 "slot_occupancy": float(occupancy), "ideal_occupancy": ideal_occupancy, "decode_rows_mean": float(rows_mean), "chunks_per_run": float(chunks),
                  "static_utilization": (useful - N) / (static_steps * S), "same_tokens": float(same)})
   return rows
 

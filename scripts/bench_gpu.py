@@ -70,14 +70,14 @@ DEVICE_PEAKS = {"H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200"
 FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, train_remat="matmuls",
             train_warmup=2, train_steps=3,
             attn=(4, 2048, 32, 8, 64), decode_batches=(16, 64, 256), prompt_len=128, decode_R=64, hf_batch=64,
-            engine_slots=64, engine_prompts=256, engine_R=512, engine_variants=((16, "auto"), (64, "auto"), (16, "pallas")),
+            engine_slots=64, engine_prompts=256, engine_R=512, engine_variants=((16, "auto", 0), (64, "auto", 0), (16, "pallas", 0), (16, "auto", 64)),
             bytes_size="1b",
             bytes_slots=64, bytes_cache=2048, bytes_live="100,500", push_size="1b", e2e=dict(hidden=512, layers=4,
             prompts=16, samples=8, max_new_tokens=64, warmup=2, steps=5), repeats=3)
 DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_remat="matmuls", train_warmup=1,
            train_steps=1,
            attn=(1, 64, 4, 2, 16), decode_batches=(2,), prompt_len=8, decode_R=4, hf_batch=2,
-           engine_slots=4, engine_prompts=8, engine_R=8, engine_variants=((16, "auto"), (4, "pallas")),
+           engine_slots=4, engine_prompts=8, engine_R=8, engine_variants=((16, "auto", 0), (4, "pallas", 0), (16, "auto", 4)),
            bytes_size="5m", bytes_slots=4,
            bytes_cache=64, bytes_live="20,40", push_size="1m", e2e=dict(hidden=32, layers=2,
            prompts=2, samples=2, max_new_tokens=4, warmup=1, steps=1), repeats=1)
@@ -326,12 +326,14 @@ def transformers_section(cfg, env, args) -> dict:
 def engine_section(cfg, env, args) -> dict:
   name, config, model = _decode_model(cfg, args, env)
   rows = []
-  for bs, form in cfg["engine_variants"]:  # KV block size (per-entry overheads vs partial blocks), attention form
+  # KV block size (per-entry overheads vs partial blocks), attention form, staged slots (refills on device)
+  for bs, form, staged in cfg["engine_variants"]:
     ns = argparse.Namespace(slots=cfg["engine_slots"], engine_max_new_tokens=cfg["engine_R"],
                             engine_prompts=cfg["engine_prompts"], prompt_len=cfg["prompt_len"], stop_fraction=1 / 256,
                             chunk_steps=16, repeats=1, engine_workloads="longtail", kv_block_size=bs,
-                            paged_attention=form)
-    rows += [dict(r, kv_block_size=bs, paged_attention=form) for r in bench_generate.engine_table(config, model, ns, name)]
+                            paged_attention=form, staged_slots=staged)
+    rows += [dict(r, kv_block_size=bs, paged_attention=form, staged_slots=staged)
+             for r in bench_generate.engine_table(config, model, ns, name)]
   return {"model": name, "slots": ns.slots, "prompts": ns.engine_prompts, "max_new_tokens": ns.engine_max_new_tokens,
           "rows": rows}
 
@@ -339,15 +341,14 @@ def engine_section(cfg, env, args) -> dict:
 def bytes_section(cfg, env, args) -> dict:
   """One paged decode step's bytes from XLA's cost analysis of the program compiled for this GPU
   (compile only, nothing runs), at the issue-26 configuration (64 slots, cache 2048, live lengths 100..500), per KV block size and attention form."""
+  import jax
   import jax.numpy as jnp
 
   from llamarl_jax.model.hf import config_from_hf
 
-  import jax
-
   config = config_from_hf(bench_generate.hf_config(cfg["bytes_size"]).to_dict(), dtype=jnp.dtype(args.dtype))
   rows, not_counted = [], []
-  for bs, form in cfg["engine_variants"]:
+  for bs, form in dict.fromkeys(v[:2] for v in cfg["engine_variants"]):  # the stage does not change a step
     if form == "pallas" and jax.default_backend() != "gpu":  # interpret mode: XLA ops, not the kernel's traffic
       not_counted.append(f"KV block {bs}, {form}: the kernel's bytes are counted compiled for a GPU only "
                      f"(on {jax.default_backend()} it runs in Pallas' interpret mode)")
@@ -473,14 +474,15 @@ def markdown(results: dict) -> str:
                 f"{r['speedup']:.2f}x |"]
     elif name == "engine":
       lines += [f"{r['model']}, {r['prompts']} prompts, {r['slots']} slots, up to {r['max_new_tokens']} new tokens",
-                "| KV block | attention | workload | length mean / max | slots / static | slot utilization (ideal) | "
-                "while prompts wait (ideal) | occupancy (ideal) | static utilization | device idle |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-      lines += [f"| {x['kv_block_size']} | {x['paged_attention']} | {x['workload']} | {x['length_mean']:.0f} / {x['length_max']} | "
+                "| KV block | attention | staged slots | workload | length mean / max | slots / static | slot utilization (ideal) | "
+                "while prompts wait (ideal) | occupancy (ideal) | chunks | static utilization | device idle |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+      lines += [f"| {x['kv_block_size']} | {x['paged_attention']} | {x.get('staged_slots', 0)} | {x['workload']} | "
+                f"{x['length_mean']:.0f} / {x['length_max']} | "
                 f"{x['speedup']:.2f}x | {x['slot_utilization']:.1%} ({x['ideal_utilization']:.1%}) | "
-                f"{x['slot_utilization_queued']:.1%} ({x['ideal_utilization_queued']:.1%}) | "
+                f"{_f(x['slot_utilization_queued'], '.1%')} ({x['ideal_utilization_queued']:.1%}) | "
                 f"{_f(x.get('slot_occupancy'), '.1%')} ({_f(x.get('ideal_occupancy'), '.1%')}) | "
-                f"{x['static_utilization']:.1%} | {x['device_idle_fraction']:.1%} |" for x in r["rows"]]
+                f"{_f(x.get('chunks_per_run'), '.0f')} | {x['static_utilization']:.1%} | {x['device_idle_fraction']:.1%} |" for x in r["rows"]]
     elif name == "bytes":
       lines += [f"{r['model']}, one paged decode step, XLA's cost analysis of the program compiled for this GPU "
                 "(+ the Pallas kernel's reads counted from its structure)", "| KV block | attention | layout | entries | bytes | ideal | bytes / ideal |",

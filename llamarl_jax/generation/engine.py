@@ -444,6 +444,7 @@ class SlotEngine:
         "generate/slot_utilization_queued": (s["queued_useful_slot_steps"]
                                              / max(s["queued_computed_slot_steps"], 1)),
         "generate/decode_width_mean": s["computed_slot_steps"] / steps,
+        "generate/decode_steps_queued": float(s["queued_decode_steps"]),
         "generate/tokens_per_decode_step": s["useful_slot_steps"] / steps,
         "generate/decode_steps": float(s["decode_steps"]),
         "generate/chunks": float(s["chunks"]),
@@ -534,6 +535,7 @@ class SlotEngine:
     self.stats["computed_slot_steps"] += int(r.steps) * chunk.width
     self.stats["useful_slot_steps"] += int(r.useful)
     if chunk.queued:
+      self.stats["queued_decode_steps"] += int(r.steps)
       self.stats["queued_computed_slot_steps"] += int(r.steps) * chunk.width
       self.stats["queued_useful_slot_steps"] += int(r.useful)
     finished = [s for s, o in enumerate(self._owner)
