@@ -3,24 +3,28 @@
 `Sampler.generate` decodes a static batch: a row that finishes early idles until the longest row of
 its batch is done. `SlotEngine` keeps a fixed number of KV-cache slots (static shapes) busy instead:
 
-  slots:   `num_slots` independent sequences (prompts up to Pm = the largest prompt bucket, R =
-           max_new_tokens), each with its own position, length, finish state and, per token, the
-           policy version that sampled it (`SlotState`), over a paged KV pool (`paged.PageLayout`):
-           a prompt region per group (the n samples of a prompt read the same blocks: prefix
-           sharing) and response blocks per slot, allocated once.
+  slots:   `num_slots` lanes (rows a decode step computes) plus `staged_slots`: independent
+           sequences (prompts up to Pm = the largest prompt bucket, R = max_new_tokens), each with
+           its own position, length, finish state and, per token, the policy version that sampled
+           it (`SlotState`), over a paged KV pool (`paged.PageLayout`): a prompt region per group
+           (the n samples of a prompt read the same blocks: prefix sharing) and response blocks per
+           slot, allocated once.
   insert:  queued prompts are prefilled by one jitted call (pool and slot state donated): G prompts
            right-padded to a bucket length run through the model once, each prompt's KV goes to its
            group's region (one prefill for its n samples), and the first response token of each of
-           its slots is sampled from the prompt's last logits. Regions are handed out at admission
-           and freed when a group's last sample is harvested.
+           its slots is sampled from the prompt's last logits. The slots are staged: a decode chunk
+           admits them into lanes (FIFO). Regions are handed out at admission and freed when a
+           group's last sample is harvested.
   decode:  one jitted call runs up to `chunk_steps` decode steps in a `lax.while_loop` on device (no
            host round trip per token); each step's attention reads only the live blocks of the
            running slots (a flat list of TB entries, TB a bucket the host picks from an upper bound
            without reading the device), so its bytes follow the live lengths, not Pm + R. It exits
-           early when every slot is idle, or as soon as enough slots are free for the next queued
-           prompt group. When few slots are busy (a batch's last long rows) the chunk computes only
-           them: the smallest of the decode widths (`SlotPrograms.widths`: the slots, then halvings)
-           that holds the busy slots, their state gathered into that many rows and scattered back.
+           early when nothing runs or waits, or as soon as enough slots are free for the next
+           queued prompt group. Each step computes W lanes: the running slots and, in lanes left
+           free, staged ones, admitted on device the step after a lane frees (with staged slots
+           beyond the lanes, a finished row is refilled without waiting for the host). W is the
+           smallest of the decode widths (`SlotPrograms.widths`: the lanes, then halvings) that
+           holds the busy slots: in a batch's final drain the step computes only its last rows.
   harvest: each chunk's results (`ChunkResult`: done flags, tokens, log-probs, versions) leave the
            device with `copy_to_host_async` while the next chunk runs: `chunks_in_flight` (default
            2) chunks are dispatched before the host blocks on the oldest, so the device has the next

@@ -135,8 +135,10 @@ class SlotPrograms:
   sampler: the `Sampler` whose model code, parameter shardings, cache sharding and prompt buckets the
   programs share (`graphdef`, `param_shardings`, `cache_sharding`). sampling: R, n, stop ids and the
   sampling settings (compiled in). `num_traces` counts traces (tests assert compile counts) and
-  `traced` counts them per program: ('insert', prompt bucket, groups), ('decode', entry bucket),
-  ('recompute',): each once per shape (decode: at most len(`entry_buckets`) programs).
+  `traced` counts them per program: ('insert', prompt bucket, groups), ('decode', width, entry bucket),
+  ('recompute',): each once per shape (decode: at most len(`widths`) x len(`entry_buckets`) programs).
+  num_lanes: the rows a decode step computes at most (default num_slots; fewer: the other slots are
+  a stage, prefilled ahead and admitted into lanes on device); min_decode_width: `decode_widths`.
   """
 
   def __init__(self, config: ModelConfig, sampler: Sampler, *, num_slots: int, sampling: SamplingParams,
