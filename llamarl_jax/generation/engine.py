@@ -256,7 +256,9 @@ class SlotEngine:
     self._cache, self._state = self.programs.empty()
     self._owner: list[tuple[_Group, int] | None] = [None] * num_slots
     self._free_regions = list(range(num_slots))  # prompt regions of the KV pool not held by a group
-    self._since = np.zeros(num_slots, np.int64)  # decode steps dispatched since the slot's insert (paged bound)
+    # an upper bound on the decode steps each slot has run (paged bound): steps dispatched since its
+    # insert, tightened at each harvest to what it had run by then (a staged slot may wait for a lane)
+    self._since = np.zeros(num_slots, np.int64)
     self._gen = np.zeros(num_slots, np.int64)  # bumped when a slot is filled: results of older chunks skip it
     self._inflight: collections.deque[_InFlight] = collections.deque()
     self._last_chunk: _InFlight | None = None  # the last dispatched chunk (device idle time)
@@ -542,6 +544,9 @@ class SlotEngine:
       self.stats["queued_decode_steps"] += int(r.steps)
       self.stats["queued_computed_slot_steps"] += int(r.steps) * chunk.width
       self.stats["queued_useful_slot_steps"] += int(r.useful)
+    current = np.array([o is not None and self._gen[s] == chunk.gen[s] for s, o in enumerate(self._owner)])
+    later = self.chunk_steps * len(self._inflight)  # steps of the chunks dispatched after this one
+    self._since[current] = np.minimum(self._since[current], r.n_gen[current] - 1 + later)
     finished = [s for s, o in enumerate(self._owner)
                 if o is not None and r.done[s] and self._gen[s] == chunk.gen[s]]
     if not finished:

@@ -332,7 +332,7 @@ class SlotPrograms:
     lanes, or few busy slots: the batch shrinks): the lanes' state is gathered into W rows (each row
     writes its own slot's blocks, reads its region's) and scattered back whenever a lane is refilled
     and at the chunk's end. Exits early when nothing runs or waits, or when `refill_at` slots are
-    free (done), so the host can insert queued prompts. `num_entries` (static): the entry bucket of
+    free (done) and no staged slot waits, so the host can insert queued prompts. `num_entries` (static): the entry bucket of
     the chunk (`num_entries()`: at least the blocks any W lanes read). Returns (cache, state,
     `ChunkResult`).
     """
@@ -366,7 +366,8 @@ class SlotPrograms:
     def cond(c):
       i, _, full, rows, slot, _ = c
       waiting = jnp.any(full.staged & ~full.done) if W < S else False
-      return (i < self.chunk_steps) & (~jnp.all(rows.done) | waiting) & (free(full, rows, slot) < refill_at)
+      # exit for the host's insert only once no staged slot waits (while one does, lanes are refilled here)
+      return (i < self.chunk_steps) & (~jnp.all(rows.done) | waiting) & ((free(full, rows, slot) < refill_at) | waiting)
 
     def body(c):
       i, cache, full, rows, slot, useful = c
