@@ -495,8 +495,10 @@ def engine_table(config, model, args, name):
     rows.append({"workload": workload, "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
                  "static_tokens_per_s": useful / t_static, "slots_tokens_per_s": useful / t_slots,
                  "speedup": t_static / t_slots, "slot_utilization": float(util),
-                 "ideal_utilization": ideal, "device_idle_fraction": idle, "slot_utilization_queued": None if util_q is None else float(util_q), "ideal_utilization_queued": ideal_q,
-                 "slot_occupancy": float(occupancy), "ideal_occupancy": ideal_occupancy, "decode_rows_mean": float(rows_mean), "chunks_per_run": float(chunks),
+                 "ideal_utilization": ideal, "device_idle_fraction": idle,
+                 "slot_utilization_queued": None if util_q is None else float(util_q), "ideal_utilization_queued": ideal_q,
+                 "slot_occupancy": float(occupancy), "ideal_occupancy": ideal_occupancy,
+                 "decode_rows_mean": float(rows_mean), "chunks_per_run": float(chunks),
                  "static_utilization": (useful - N) / (static_steps * S), "same_tokens": float(same)})
   return rows
 

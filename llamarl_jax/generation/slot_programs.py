@@ -332,9 +332,9 @@ class SlotPrograms:
     lanes, or few busy slots: the batch shrinks): the lanes' state is gathered into W rows (each row
     writes its own slot's blocks, reads its region's) and scattered back whenever a lane is refilled
     and at the chunk's end. Exits early when nothing runs or waits, or when `refill_at` slots are
-    free (done) and no staged slot waits, so the host can insert queued prompts. `num_entries` (static): the entry bucket of
-    the chunk (`num_entries()`: at least the blocks any W lanes read). Returns (cache, state,
-    `ChunkResult`).
+    free (done) and no staged slot waits, so the host can insert queued prompts. `num_entries`
+    (static): the entry bucket of the chunk (`num_entries()`: at least the blocks any W lanes
+    read). Returns (cache, state, `ChunkResult`).
     """
     S, W = self.num_slots, width
     self.num_traces += 1
