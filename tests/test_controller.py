@@ -7,6 +7,8 @@ generator data-parallel over 2 others, so every weight push is a real cross-mesh
 scored inline (the process pool has its own tests) unless a test needs the pool.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -39,12 +41,14 @@ def policy(tokenizer):
 pytestmark = pytest.mark.devices(4)
 
 
-def make_controller(policy, tokenizer, tmp_path, *, source=None, reward=None, **kw):
+def make_controller(policy, tokenizer, tmp_path, *, source=None, reward=None, generator=None, **kw):
   config, params = policy
   defaults = dict(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2, generator_dp=2,
                   optimizer=OptimizerConfig(lr=1e-3), step_timeout_s=120)
   defaults.update(kw)
   run = run_config(reward_fn=reward or RewardExecutor("arithmetic", inline=True), **defaults)
+  if generator:  # GeneratorConfig settings without a flat (wave-two) name
+    run = dataclasses.replace(run, generator=dataclasses.replace(run.generator, **generator))
   return Controller(config, params, tokenizer, source if source is not None else PromptSource(task="arithmetic", seed=0),
                     run_dir=tmp_path, config=run, progress=False)
 
@@ -273,12 +277,13 @@ def test_latest_schedule_is_still_available(policy, tokenizer, tmp_path):
 def test_slot_engine_trains_like_the_static_engine_at_lag_0(policy, tokenizer, tmp_path):
   """At lag 0 no weight swap can fall inside a sequence and the slot engine samples the static sampler's
   tokens (same seed and rows), so both generator engines give the same training run, whatever the
-  engine's KV block size and chunks in flight (GeneratorConfig reaches the engine). Tolerance: the
+  engine's KV block size, chunks in flight and stage (GeneratorConfig reaches the engine). Tolerance: the
   two compute behaviour log-probs with different cache lengths (summation order, ~1e-6)."""
   _, slots = run(policy, tokenizer, tmp_path / "slots", 2, max_policy_lag=0, generator_engine="slots")
   c, small = run(policy, tokenizer, tmp_path / "small", 2, max_policy_lag=0, generator_engine="slots",
-                 engine_kv_block_size=2, engine_chunks_in_flight=1)
-  assert (c.ex.generator.engine.programs.layout.block_size, c.ex.generator.engine.chunks_in_flight) == (2, 1)
+                 engine_kv_block_size=2, engine_chunks_in_flight=1, generator={"staged_slots": 4})
+  engine = c.ex.generator.engine
+  assert (engine.programs.layout.block_size, engine.chunks_in_flight, engine.num_slots - engine.num_lanes) == (2, 1, 4)
   _, static = run(policy, tokenizer, tmp_path / "static", 2, max_policy_lag=0, generator_engine="static")
   for a, b in list(zip(slots, static)) + list(zip(small, static)):
     a, b = schedule_metrics(a), schedule_metrics(b)
