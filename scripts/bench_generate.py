@@ -348,9 +348,7 @@ def bytes_table(config, args, name, mesh=None):
   sampling = SamplingParams(temperature=0, max_new_tokens=T - Pm)
   programs = SlotPrograms(config, Sampler(config, mesh), num_slots=S, sampling=sampling, max_prompt_len=Pm,
                           chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size,
-                          paged_attention=getattr(args, "paged_attention", "auto"),
-                        min_decode_width=getattr(args, "min_decode_width", None),
-                        staged_slots=getattr(args, "staged_slots", 0))
+                          paged_attention=getattr(args, "paged_attention", "auto"))
   dtype = jax.numpy.dtype(config.dtype).name
   device = programs._mesh.devices.flat[0]
   print(f"\n# one decode step's bytes: {name} {dtype}, {S} slots, cache {T} (prompt <= {Pm}), live lengths "
