@@ -261,21 +261,31 @@ def test_utilization_with_a_queue_and_stops(model, sampling_engine, prompts):
   assert 0.5 < m["generate/slot_occupancy"] <= m["generate/slot_utilization"] <= 1.0
 
 
+STOP_OFTEN = dataclasses.replace(SAMPLED, n=1, stop_token_ids=tuple(range(10, 30)))  # 20 of 68 tokens stop
+
+
+def _samples_as_static(eng, static_sampler, model, prompts, sampling):
+  """Generate with the engine and the static sampler: the same tokens, lengths and behaviour log-probs
+  (fp32, 1e-5); returns the static batch and the engine's metrics of that generation."""
+  ref = static_sampler.generate(model[1], prompts, sampling)
+  eng.take_metrics()
+  got = eng.generate(model[1], prompts, sampling)
+  m = eng.take_metrics()
+  np.testing.assert_array_equal(got.response_tokens, ref.response_tokens)
+  np.testing.assert_array_equal(got.lengths, ref.lengths)
+  np.testing.assert_allclose(got.behaviour_logprobs, ref.behaviour_logprobs, atol=1e-5)
+  return ref, m
+
+
 def test_the_batch_shrinks_to_the_busy_slots_and_samples_the_same(model, static_sampler, prompts):
   """8 slots (decode widths 8, 4, 2, 1), 8 prompts, 20 of the 68 tokens stop (lengths 1..R): after the
   first rows finish, chunks compute only the busy slots' rows (gathered, decoded, scattered back;
   each row writes its own slot's blocks), and the samples and behaviour log-probs are the static
   sampler's. Utilization counts the rows computed; occupancy every slot."""
-  sampling = dataclasses.replace(SAMPLED, n=1, stop_token_ids=tuple(range(10, 30)))
+  sampling = STOP_OFTEN
   eng = SlotEngine(model[0], num_slots=8, sampling=sampling, max_prompt_len=16, chunk_steps=2, kv_block_size=4)
   assert eng.programs.widths == (8, 4, 2, 1)
-  ref = static_sampler.generate(model[1], prompts * 2, sampling)
-  eng.take_metrics()
-  got = eng.generate(model[1], prompts * 2, sampling)
-  m = eng.take_metrics()
-  np.testing.assert_array_equal(got.response_tokens, ref.response_tokens)
-  np.testing.assert_array_equal(got.lengths, ref.lengths)
-  np.testing.assert_allclose(got.behaviour_logprobs, ref.behaviour_logprobs, atol=1e-5)
+  ref, m = _samples_as_static(eng, static_sampler, model, prompts * 2, sampling)
   widths = {k[1] for k in eng.programs.traced if k[0] == "decode"}
   assert widths > {8}, f"the batch never shrank: widths {widths}, lengths {ref.lengths}"
   useful = ref.lengths.sum() - ref.batch_size
@@ -307,17 +317,11 @@ def test_staged_slots_refill_lanes_on_device_at_the_next_step(model, static_samp
   exactly an ideal scheduler's (a freed lane refilled at the very next step, FIFO), whatever the
   chunks (3 steps, 2 in flight) and the host's harvests; the samples and log-probs are the static
   sampler's; a step never computes more than the 2 lanes."""
-  sampling = dataclasses.replace(SAMPLED, n=1, stop_token_ids=tuple(range(10, 30)))
+  sampling = STOP_OFTEN
   eng = SlotEngine(model[0], num_slots=2, staged_slots=6, sampling=sampling, max_prompt_len=16, chunk_steps=3,
                    kv_block_size=4)
   assert eng.num_slots == 8 and eng.programs.num_lanes == 2 and eng.programs.widths == (2, 1)
-  ref = static_sampler.generate(model[1], prompts * 2, sampling)
-  eng.take_metrics()
-  got = eng.generate(model[1], prompts * 2, sampling)
-  m = eng.take_metrics()
-  np.testing.assert_array_equal(got.response_tokens, ref.response_tokens)
-  np.testing.assert_array_equal(got.lengths, ref.lengths)
-  np.testing.assert_allclose(got.behaviour_logprobs, ref.behaviour_logprobs, atol=1e-5)
+  ref, m = _samples_as_static(eng, static_sampler, model, prompts * 2, sampling)
   assert len(set(ref.lengths.tolist())) > 2, f"lengths too alike to test the schedule: {ref.lengths}"
   assert m["generate/prefill_calls"] == 1  # all 8 prompts staged at once
   assert m["generate/decode_steps"] == _ideal_steps(ref.lengths, 2), (ref.lengths, m)
