@@ -42,8 +42,13 @@ TINY = [
 
 # A warm start (a short supervised run on the task, on the trainer mesh) so that rewards, advantages,
 # losses and ratios are not all 0: the equality tests then compare a run that learns, every metric
-# but timings. 200 steps of the 2-layer model give a reward of 0.125 at step 3 (measured).
+# but timings. 200 steps of the 2-layer model give a reward of 0.125 at step 3 (measured). It runs
+# once per module (`warm_start`, exported in HF format); every run, one process or many, starts RL
+# from that export, so no job repeats it (across processes its 200 steps are 200 cross-process
+# all-reduces).
 WARM = ["--gin_param=run_experiment.sft = True", "--gin_param=supervised_warmstart.steps = 200"]
+# demonstrations in the verifier's format (the dynamic-sampling test: rewards from step 1)
+PLAIN_FORMAT = ["--gin_param=PromptSource.task_kwargs = {'min_digits': 1, 'max_digits': 2, 'num_operands': 2, 'ops': '+'}"]
 
 
 def _script(name):
@@ -114,15 +119,35 @@ def test_a_failed_process_stops_every_other_naming_it(kill, consequence):
 # whole runs
 
 
-@pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory):
-  """The reference: scripts/train.py in this (8-device) process, 5 steps."""
-  run_dir = tmp_path_factory.mktemp("one") / "run"
+def _train(run_dir, steps, *extra):
+  """scripts/train.py in this (8-device) process."""
   gin.clear_config()
   try:
-    _script("train").main(_args(run_dir, 5, *WARM))
+    _script("train").main(_args(run_dir, steps, *extra))
   finally:
     gin.clear_config()
+
+
+def _warm_export(tmp_path_factory, *extra):
+  """The warm start alone (no RL step), exported in HF format; returns the arguments that start a run
+  from it (`build_policy.model_path`, no warm start of its own)."""
+  run_dir = tmp_path_factory.mktemp("warm") / "run"
+  _train(run_dir, 0, *WARM, "--gin_param=run_experiment.export = True", *extra)
+  export = run_dir / "hf_export"
+  assert (export / "config.json").exists(), sorted(p.name for p in run_dir.iterdir())
+  return [f"--gin_param=build_policy.model_path = '{export}'", *extra]
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+  return _warm_export(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, warm_start):
+  """The reference: scripts/train.py in this (8-device) process, 5 steps from the warm start."""
+  run_dir = tmp_path_factory.mktemp("one") / "run"
+  _train(run_dir, 5, *warm_start)
   steps = _steps(run_dir)
   assert any(m["reward/mean"] > 0 for m in steps[:3]), [m["reward/mean"] for m in steps]  # compared: not all 0
   return steps
@@ -130,7 +155,7 @@ def one_process_run(tmp_path_factory):
 
 @pytest.mark.devices(8)
 @pytest.mark.timeout(900)  # the warm start and 2-4 interpreters on 2 cores; the launcher's own hard limit is 420 s
-def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
+def test_two_processes_give_the_one_process_metrics(one_process_run, warm_start, tmp_path):
   """1 trainer process (fsdp2 x tp2) + 1 generator process (dp2 x tp2), launched as a user types it.
   With held-out evaluations (greedy + sampled) before RL, at step 2 and after step 3: across processes
   the run is split at step 2 for it, which must not change what is trained (the one-process reference
@@ -138,7 +163,7 @@ def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
   evals = [f"--gin_param={b}" for b in ("run_experiment.eval_size = 4", "run_experiment.eval_every = 2",
                                         "run_experiment.eval_samples = 2")]
   cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--num_processes", "2", "--timeout_s", "420",
-         "--heartbeat_timeout_s", "5", "--", *_args(tmp_path / "run", 3, *WARM), *evals]
+         "--heartbeat_timeout_s", "5", "--", *_args(tmp_path / "run", 3, *warm_start), *evals]
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
   assert done.returncode == 0, done.stdout + done.stderr
   assert "[rank 0] [llamarl] process 0/2 role=trainer" in done.stdout and "process 1/2 role=generator" in done.stdout
@@ -156,9 +181,9 @@ def test_two_processes_give_the_one_process_metrics(one_process_run, tmp_path):
 
 @pytest.mark.devices(8)
 @pytest.mark.timeout(900)  # the warm start and 2-4 interpreters on 2 cores; the launcher's own hard limit is 420 s
-def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):
+def test_four_processes_give_the_one_process_metrics(one_process_run, warm_start, tmp_path):
   """Trainer FSDP over processes 0-1 (tp inside each), generator data-parallel over processes 2-3."""
-  status, out = _launch(4, _args(tmp_path / "run", 3, *WARM), timeout_s=420)
+  status, out = _launch(4, _args(tmp_path / "run", 3, *warm_start), timeout_s=420)
   assert status == 0, out
   assert "roles: 0=trainer, 1=trainer, 2=generator, 3=generator" in out
   steps = _steps(tmp_path / "run")
@@ -169,7 +194,8 @@ def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):
 
 @pytest.mark.devices(8)
 @pytest.mark.timeout(900)  # the warm start and 2-4 interpreters on 2 cores; the launcher's own hard limit is 420 s
-def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process_run, tmp_path, monkeypatch):
+def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process_run, warm_start, tmp_path,
+                                                                     monkeypatch):
   """Kill the generator process after the step-2 checkpoint: the trainer exits non-zero within
   seconds naming it; the last checkpoint is intact, and --resume finishes the run from it with the
   uninterrupted run's metrics (data position, version schedule and the generator weights of the
@@ -177,7 +203,7 @@ def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process
   run_dir = tmp_path / "run"
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))  # shared by the two jobs
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  args = _args(run_dir, 5, *WARM, "--gin_param=TrainConfig.checkpoint_every = 1",
+  args = _args(run_dir, 5, *warm_start, "--gin_param=TrainConfig.checkpoint_every = 1",
                "--gin_param=GeneratorConfig.delay_s = 0.5")  # steps slow enough to kill mid-run
   killed = {}
 
@@ -207,20 +233,16 @@ def test_killed_generator_stops_the_run_and_resume_continues_exactly(one_process
   shutil.rmtree(run_dir)
 
 
-def test_dynamic_sampling_two_processes_give_the_one_process_metrics(tmp_path):
-  """DAPO's dynamic sampling (static engine), from the warm start (rewards not all 0, so groups are
+def test_dynamic_sampling_two_processes_give_the_one_process_metrics(tmp_path_factory, tmp_path):
+  """DAPO's dynamic sampling (static engine), from a warm start (rewards not all 0, so groups are
   informative or not): the generator process redraws batch k's flat groups with batch k's version and
   derived seeds, scores them itself, keeps the informative ones first, and every per-step metric
   matches the one-process run's."""
   extra = ["--gin_param=GeneratorConfig.engine = 'static'",
            "--gin_param=RolloutConfig.dynamic_sampling = @DynamicSampling()", "--gin_param=DynamicSampling.max_draws = 2",
-           # demonstrations in the verifier's format: the 200-step warm start then earns rewards from step 1
-           "--gin_param=PromptSource.task_kwargs = {'min_digits': 1, 'max_digits': 2, 'num_operands': 2, 'ops': '+'}"]
-  try:
-    _script("train").main(_args(tmp_path / "one", 3, *WARM, *extra))
-  finally:
-    gin.clear_config()
-  status, out = _launch(2, _args(tmp_path / "two", 3, *WARM, *extra), timeout_s=300)
+           *_warm_export(tmp_path_factory, *PLAIN_FORMAT)]
+  _train(tmp_path / "one", 3, *extra)
+  status, out = _launch(2, _args(tmp_path / "two", 3, *extra), timeout_s=300)
   assert status == 0, out
   one, two = _steps(tmp_path / "one"), _steps(tmp_path / "two")
   assert len(one) == len(two) == 3
