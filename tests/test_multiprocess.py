@@ -43,9 +43,9 @@ TINY = [
 # A warm start (a short supervised run on the task, on the trainer mesh) so that rewards, advantages,
 # losses and ratios are not all 0: the equality tests then compare a run that learns, every metric
 # but timings. 200 steps of the 2-layer model give a reward of 0.125 at step 3 (measured). It runs
-# once per module (`warm_start`, exported in HF format); every run, one process or many, starts RL
-# from that export, so no job repeats it (across processes its 200 steps are 200 cross-process
-# all-reduces).
+# once per module (`warm_start`, exported in HF format) and the runs start RL from that export; only
+# the four-process job repeats it, across its trainer processes (its 200 steps are 200 cross-process
+# all-reduces there).
 WARM = ["--gin_param=run_experiment.sft = True", "--gin_param=supervised_warmstart.steps = 200"]
 # demonstrations in the verifier's format (the dynamic-sampling test: rewards from step 1)
 PLAIN_FORMAT = ["--gin_param=PromptSource.task_kwargs = {'min_digits': 1, 'max_digits': 2, 'num_operands': 2, 'ops': '+'}"]
@@ -181,9 +181,12 @@ def test_two_processes_give_the_one_process_metrics(one_process_run, warm_start,
 
 @pytest.mark.devices(8)
 @pytest.mark.timeout(900)  # the warm start and 2-4 interpreters on 2 cores; the launcher's own hard limit is 420 s
-def test_four_processes_give_the_one_process_metrics(one_process_run, warm_start, tmp_path):
-  """Trainer FSDP over processes 0-1 (tp inside each), generator data-parallel over processes 2-3."""
-  status, out = _launch(4, _args(tmp_path / "run", 3, *warm_start), timeout_s=420)
+def test_four_processes_give_the_one_process_metrics(one_process_run, tmp_path):
+  """Trainer FSDP over processes 0-1 (tp inside each), generator data-parallel over processes 2-3.
+  This job does the warm start itself, across its two trainer processes (the other runs start from
+  its export): the reference started from the one-process warm start's HF export, so the equality
+  also shows the cross-process warm start equal to the one-process one and the export exact."""
+  status, out = _launch(4, _args(tmp_path / "run", 3, *WARM), timeout_s=420)
   assert status == 0, out
   assert "roles: 0=trainer, 1=trainer, 2=generator, 3=generator" in out
   steps = _steps(tmp_path / "run")
