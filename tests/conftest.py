@@ -44,13 +44,7 @@ def pytest_collection_modifyitems(config, items):
   """`@pytest.mark.devices(n)`: skip with fewer than n JAX devices; `@pytest.mark.gpu`: skip without a GPU.
 
   Each skip says what was needed and what is present, so a one-device run reports which cases it could
-  not run instead of failing in mesh construction (or passing by checking less).
-
-  Files holding `slow` tests (whole runs, multi-process jobs) run first, each file's tests in their own
-  order: `make test`'s workers take a file at a time in this order, so the longest files start at once
-  and the short ones fill in at the end, instead of one long file running alone last."""
-  slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-  items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
+  not run instead of failing in mesh construction (or passing by checking less)."""
   import jax
 
   available = jax.devices()
