@@ -50,8 +50,10 @@ from llamarl_jax.rewards.math_expr import (MAX_ANSWER_CHARS, MAX_BITS, MAX_DEPTH
 MAX_RESPONSE_CHARS = 100_000   # longer responses score 0
 MAX_LIST_ITEMS = 32            # elements of a tuple / set / matrix row
 MAX_RUN_BOXES = 8              # boxes joined into one answer
-MAX_LATER_STATEMENTS = 16      # answer statements after the final one checked for hedging
-REL_TOL = 1e-6                 # float comparison once irrationals are involved
+MAX_STATEMENTS = 8             # answer statements of each kind (boxes, `####`, "answer is") checked for hedging
+MAX_DISTINCT_ANSWERS = 2       # different answers a response may state: one answer and one self-correction
+LONG_DECIMAL_PLACES = 10       # a decimal with this many places is a printout of a value, not a rounding
+REL_TOL = 1e-9                 # float comparison once irrationals are involved
 ABS_TOL = 1e-9
 
 __all__ = ["Answer", "MAX_ANSWER_CHARS", "MAX_BITS", "MAX_DEPTH", "MAX_TOKENS", "Number", "ParseError",
@@ -138,12 +140,14 @@ _MATH_SEGMENT_RE = re.compile(r"\$\$([^$]{1,1000})\$\$|\$([^$]{1,1000})\$|\\\((.
 _QUALIFIER_RE = re.compile(
     r"\b(?:at\s+(?:least|most)|or\s+(?:more|less|fewer|greater|higher|lower|above|below|under|over)|"
     r"(?:more|less|fewer|greater|smaller|larger|higher|lower)\s+than|no\s+(?:more|less|fewer)|up\s+to|"
-    r"over|under|above|below|nearly|almost|minimum|maximum|exceed\w*|not|never|cannot|isn't)\b", re.IGNORECASE)
+    r"over|under|above|below|nearly|almost|minimum|maximum|exceed\w*|not|never|cannot|isn't|"
+    r"maybe|perhaps|probably|possibly|likely|might|guess|unsure|could\s+be)\b", re.IGNORECASE)
 _QUALIFIER_BEFORE_RE = re.compile(
     r"(?:\b(?:at\s+(?:least|most)|(?:more|less|fewer|greater|smaller|larger|higher|lower)\s+than|no\s+(?:more|less|"
-    r"fewer)|up\s+to|over|under|above|below|nearly|almost|not|never)|[<>≤≥]=?|\\[lg]e(?:q)?)\s*\$?\s*\Z",
+    r"fewer)|up\s+to|over|under|above|below|nearly|almost|not|never|or|either|maybe|perhaps|probably|possibly|"
+    r"(?:might|could)\s+be)|[<>≤≥]=?|\\[lg]e(?:q)?)\s*\$?\s*\Z",
     re.IGNORECASE)
-_QUALIFIER_AFTER_RE = re.compile(r"\s*(?:\+|or\s+(?:more|less|fewer|greater|higher|lower|above|below))", re.IGNORECASE)
+_QUALIFIER_AFTER_RE = re.compile(r"\s*(?:\+|\?|or\b|I\s+(?:guess|think)|maybe|perhaps|probably)", re.IGNORECASE)
 
 
 def last_number(text: str) -> str | None:
@@ -200,9 +204,38 @@ class _Statement:
   text: str
 
 
-def _statements(response: str) -> tuple[_Statement | None, list[_Statement], list[_Statement]]:
-  """The box run, the `####` lines and the answer-is sentences (the last MAX_LATER_STATEMENTS of each)."""
-  run = None
+# Words that withdraw an earlier answer: "no wait", "that is wrong", "let me recheck".
+_RETRACTION_RE = re.compile(
+    r"\b(?:wait|wrong|incorrect|mistakes?|mistaken|errors?|oops|actually|correction|corrected|re-?check\w*|"
+    r"reconsider\w*|recalculat\w*|recomput\w*|re-?evaluat\w*|scratch\s+that|redo)\b|\bno\s*[,:;.!]", re.IGNORECASE)
+_DOUBLED_RE = re.compile(r"\\\\(?=[A-Za-z])")
+_SINGLE_CMD_RE = re.compile(r"(?<!\\)\\[A-Za-z]")
+
+
+def _undouble(text: str) -> str:
+  """JSON-escaped LaTeX (`\\\\boxed{\\\\frac{1}{2}}`) as written: every `\\\\` halved, when no command has one backslash."""
+  if "\\\\" in text and _DOUBLED_RE.search(text) and not _SINGLE_CMD_RE.search(text):
+    return text.replace("\\\\", "\\")
+  return text
+
+
+def _earlier_boxes(text: str, end: int) -> list[_Statement]:
+  """The last MAX_STATEMENTS well-formed boxes that end before `end`, one statement each."""
+  out: list[_Statement] = []
+  while len(out) < MAX_STATEMENTS:
+    start = _last_box_start(text, end)
+    got = _box_at(text, start) if start >= 0 else None
+    if got is None:
+      break
+    out.append(_Statement(start, got[1], got[0]))
+    end = start
+  return out
+
+
+def _statements(response: str) -> tuple[_Statement | None, list[_Statement], list[_Statement], list[_Statement]]:
+  """The last box run, the boxes before it, the `####` lines and the answer-is sentences (the last
+  MAX_STATEMENTS of each kind)."""
+  run, boxes = None, []
   if "\\boxed" in response or "\\fbox" in response:
     got = _box_run(response)
     if got is None:
@@ -211,14 +244,15 @@ def _statements(response: str) -> tuple[_Statement | None, list[_Statement], lis
       contents, start, end = got
       run = _Statement(start, end, " or ".join(contents)) if all(c.strip() for c in contents) else \
           _Statement(-1, -1, "")  # an empty box: no answer
-  hashes = collections.deque(maxlen=MAX_LATER_STATEMENTS)
+      boxes = _earlier_boxes(response, start)
+  hashes = collections.deque(maxlen=MAX_STATEMENTS)
   i = response.find("####")
   while i >= 0:
     line_end = response.find("\n", i)
     line_end = len(response) if line_end < 0 else line_end
     hashes.append(_Statement(i, line_end, response[i + 4:line_end].strip()))
     i = response.find("####", line_end)
-  said = collections.deque(maxlen=MAX_LATER_STATEMENTS)
+  said = collections.deque(maxlen=MAX_STATEMENTS)
   for m in _ANSWER_RE.finditer(response):
     said.append(m)
   answers = []
@@ -228,14 +262,18 @@ def _statements(response: str) -> tuple[_Statement | None, list[_Statement], lis
     if parsed is not None and parsed.kind == "text":
       sentence = _single_number(line) or sentence
     answers.append(_Statement(m.start(), m.end(), sentence))
-  return run, list(hashes), answers
+  return run, boxes, list(hashes), answers
 
 
 def extract_answer(response: str) -> str | None:
   """The final-answer text of a response (see the module docstring), or None (none, malformed, hedged)."""
   if not isinstance(response, str) or len(response) > MAX_RESPONSE_CHARS:
     return None
-  run, hashes, said = _statements(response)
+  response = _undouble(response)
+  think = response.rfind("</think>")
+  if think >= 0:
+    response = response[think + len("</think>"):]
+  run, boxes, hashes, said = _statements(response)
   if run is not None:
     if run.start < 0:
       return None
@@ -246,13 +284,32 @@ def extract_answer(response: str) -> str | None:
     final = said[-1]
   else:
     return _fallback(response)
-  later = [s for s in hashes + said if s.start >= final.end and "\\boxed" not in s.text]
-  if later:
-    mine = parse_answer(final.text)
-    for s in later:
-      other = parse_answer(s.text)
-      if other is not None and other.kind != "text" and (mine is None or not _equal(mine, other)):
-        return None  # a different answer stated after the final one: hedged
+  withdrawn = _RETRACTION_RE.search(response, final.end)
+  if withdrawn is not None:
+    after = last_number(response[withdrawn.end():])
+    if after is not None and not answers_equal(after, final.text):
+      return None  # "The answer is 12. Hmm, no: it is 15.": the final answer withdrawn
+  others = [s for s in boxes + hashes + said
+            if s is not final and not (s.start < final.end and s.end > final.start) and "\\boxed" not in s.text
+            and "\\fbox" not in s.text]
+  if not others:
+    return final.text
+  mine = parse_answer(final.text)
+  stated = [mine] if mine is not None else []
+  last_withdrawn = -1
+  for s in others:
+    other = parse_answer(s.text)
+    if other is None or other.kind == "text" or (mine is not None and _equal(mine, other)):
+      continue
+    if s.start >= final.end:
+      return None  # a different answer stated after the final one: hedged
+    if not any(_equal(other, x) for x in stated):
+      stated.append(other)
+      if len(stated) > MAX_DISTINCT_ANSWERS:
+        return None  # answers sprayed: several different ones stated
+    last_withdrawn = max(last_withdrawn, s.end)
+  if last_withdrawn >= 0 and not _RETRACTION_RE.search(response, last_withdrawn, final.start):
+    return None  # a different earlier answer never withdrawn: two answers
   return final.text
 
 
@@ -273,7 +330,7 @@ _REMOVE = ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\
            "\\(", "\\)", "\\[", "\\]", "**")
 _SPACES = ("\\ ", "\\quad", "\\qquad", "~")
 _UNICODE = {"−": "-", "–": "-", "×": "*", "÷": "/", "·": "*", "≤": "\\le ", "≥": "\\ge ", "∞": "\\infty ",
-            "∪": "\\cup ", "π": "\\pi ", "√": "\\sqrt", "±": "\\pm "}
+            "∪": "\\cup ", "π": "\\pi ", "√": "\\sqrt", "±": "\\pm ", "ℝ": "\\mathbb{R}", "∶": ":"}
 _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|mbox|mathrm|mathbf|mathit|mathsf|"
                           r"boldsymbol|bm|operatorname)\s*\{([^{}]*)\}")
 _RELATION_CMDS = [(re.compile(r"\\(?:leqslant|leq|le)(?![A-Za-z])"), "<="),
@@ -284,6 +341,8 @@ _LATEX_THOUSANDS_RE = re.compile(r"(\d),\\!\s*(?=\d{3}(?!\d))")
 _THOUSANDS_RE = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
 _SPACE_THOUSANDS_RE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?![\d.,])")
 _REPEATING_RE = re.compile(r"(\d*)\.(\d*)\\overline\{?(\d{1,12})\}?")
+_SCALES = {"thousand": 3, "million": 6, "billion": 9, "trillion": 12}
+_SCALE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(thousand|million|billion|trillion)s?\b", re.IGNORECASE)
 # Unit words after a number: 3+ letters, or a 2-letter unit (never `xy`, which is algebra).
 _UNIT_WORD = r"(?:[A-Za-z]{3,}|cm|mm|km|nm|ft|in|yd|mi|kg|mg|lb|oz|ml|hr|ha|sq|cu|st|nd|rd|th|m|s|g|h)"
 _TRAILING_WORDS_RE = re.compile(rf"(?:\s+{_UNIT_WORD}(?:\s*\^\s*\{{?\d\}}?)?(?:/[A-Za-z]+)?\.?)+\s*$")
@@ -316,7 +375,8 @@ def _clean(text: str) -> str:
   for token in _SPACES:
     if token in s:
       s = s.replace(token, " ")
-  s = s.replace("{,}", ",").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+  s = s.replace("{,}", ",").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\cfrac", "\\frac")
+  s = s.replace("\\colon", ":")
   for pattern, repl in _RELATION_CMDS:
     s = pattern.sub(repl, s)
   if not any(c in s for c in "([") and "\\{" not in s:
@@ -324,6 +384,7 @@ def _clean(text: str) -> str:
   s = _SPACE_THOUSANDS_RE.sub(lambda m: m.group().replace(" ", ""), s)
   if "\\approx" in s:
     s = s.rsplit("\\approx", 1)[1]
+  s = _SCALE_RE.sub(lambda m: f"({m.group(1)}*10^{_SCALES[m.group(2).lower()]})", s)  # 2 million
   s = s.strip().rstrip(".;:").strip()
   return s
 
@@ -367,7 +428,8 @@ class Answer:
     "eq": (lhs AST, rhs AST)               "tuple": (open bracket, [AST], close bracket)
     "set": [Answer] (alt: the number a decimal comma makes of "3,5")
     "intervals": [(lo, lo_closed, hi, hi_closed)] sorted and merged; lo/hi numbers, +-inf
-    "matrix": [[AST]]                      "text": normalised string
+    "matrix": [[AST]]                      "ratio": [AST] (`3:4`, `1:2:3`)
+    "text": normalised string
   """
   kind: str
   value: Any
@@ -469,6 +531,40 @@ def _inequality(s: str) -> Answer | None:
   return _intervals([(lo, lo_c, hi, hi_c)])
 
 
+_REALS_RE = re.compile(r"\\mathbb\s*\{?R\}?|\\R|\\Reals|\(-\\infty,\s*\+?\\infty\)|all\s+real\s+numbers",
+                       re.IGNORECASE)
+_CONJUNCTION_RE = re.compile(r"\sand\s|\\(?:land|wedge)(?![A-Za-z])")
+
+
+def _intersect(a: list, b: list) -> list:
+  """The intersection of two unions of intervals (lists of (lo, lo_closed, hi, hi_closed))."""
+  out = []
+  for lo1, lc1, hi1, hc1 in a:
+    for lo2, lc2, hi2, hc2 in b:
+      lo, lc = max((lo1, lc1), (lo2, lc2), key=lambda t: (t[0], not t[1]))
+      hi, hc = min((hi1, hc1), (hi2, hc2), key=lambda t: (t[0], t[1]))
+      if lo < hi:
+        out.append((lo, lc, hi, hc))
+  return out
+
+
+def _join_intervals(s: str, sep, items: list[Answer]) -> Answer:
+  """Interval answers joined by `or` / `\\cup` (a union), by `and` (an intersection: `x > -2 and x < 5`), or
+  by commas (a union only when the parts are disjoint: `x > 1, x < 3` is ambiguous)."""
+  spans = [span for i in items for span in i.value]
+  if sep is _OR_AND_RE and _CONJUNCTION_RE.search(s):
+    if re.search(r"\sor\s|\\(?:lor|vee)(?![A-Za-z])|;", s):
+      return _text(s)  # `and` with `or`: no precedence is assumed
+    common = items[0].value
+    for i in items[1:]:
+      common = _intersect(common, i.value)
+    return _intervals(common) if common else _text(s)
+  union = _intervals(spans)
+  if sep == "," and (union is None or len(union.value) != len(spans)):
+    return _text(s)
+  return union or _text(s)
+
+
 def _matrix(s: str) -> Answer | None:
   m = re.fullmatch(r"\\begin\{([pbBvV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}", s, re.DOTALL)
   if m is None or m.group(1) in ("vmatrix", "Vmatrix"):
@@ -485,13 +581,20 @@ def _matrix(s: str) -> Answer | None:
   return Answer("matrix", cells)
 
 
-def _is_name(s: str) -> bool:
-  """A left-hand side that only names the answer: `x`, `f(x)`, `a_n`, `(p, q)`, `Area`, or plain arithmetic.
+_GEOMETRY_RE = re.compile(r"\\(?:angle|measuredangle|overline|overrightarrow|triangle)|\bm(?=\\angle)|[{}\[\]|\s]")
+_POINTS_RE = re.compile(r"[A-Z]{1,4}'?(?::[A-Z]{1,4}'?)*|[a-z](?::[a-z])+")  # AB, \angle ABC, [ABC], AB:BC, p:q
 
-  Words need 3+ letters: `xy = 6` is an equation, not a name for 6.
+
+def _is_name(s: str) -> bool:
+  """A left-hand side that only names the answer: `x`, `f(x)`, `a_n`, `(p, q)`, `Area`, `AB`, `\\angle ABC`,
+  `AB:BC`, `p:q`, or plain arithmetic.
+
+  Lower-case words need 3+ letters: `xy = 6` is an equation, not a name for 6; capitals name points.
   """
   s = s.strip()
   if _NAME_RE.fullmatch(s) or re.fullmatch(r"[A-Za-z]{3,}(?:\s+[A-Za-z]{3,}){0,3}", s):
+    return True
+  if _POINTS_RE.fullmatch(_GEOMETRY_RE.sub("", s)):
     return True
   if s[:1] == "(" and s[-1:] == ")":
     parts = _split_top(s[1:-1], ",")
@@ -521,6 +624,8 @@ def _parse(s: str, depth: int) -> Answer | None:
   if "\\pm" in s:  # x = \pm 2, 1 \pm \sqrt{2}: two answers
     items = [_parse(s.replace("\\pm", sign), depth + 1) for sign in ("+", "-")] if s.count("\\pm") == 1 else [None]
     return _set(items) if all(i is not None and i.kind != "text" for i in items) else _text(s)
+  if _REALS_RE.fullmatch(s):
+    return _intervals([(-math.inf, False, math.inf, False)])
   for sep in (_OR_AND_RE, ","):
     parts = _split_top(s, sep)
     if parts is None:
@@ -530,15 +635,23 @@ def _parse(s: str, depth: int) -> Answer | None:
       if any(i is None or i.kind == "text" for i in items):
         return _text(s)
       if all(i.kind == "intervals" for i in items):
-        return _intervals([span for i in items for span in i.value])
+        return _join_intervals(s, sep, items)
       alt = None
       if sep == "," and re.fullmatch(r"-?\d+,\d+", s):
         alt = Fraction(s.replace(",", "."))  # "3,5": a decimal comma where a single number is expected
       return _set(items, alt)
   s = re.sub(r"^[A-Za-z]\s*\\in\s*", "", s)
+  if _REALS_RE.fullmatch(s):
+    return _intervals([(-math.inf, False, math.inf, False)])
   if "\\cup" in s:
+    parts = s.split("\\cup")
+    if len(parts) > MAX_LIST_ITEMS:
+      return _text(s)
+    if all(p.strip().startswith("\\{") for p in parts):  # \{1\} \cup \{2, 3\}: a set
+      items = [_parse(p, depth + 1) for p in parts]
+      return _set(items) if all(i is not None and i.kind in ("set", "expr") for i in items) else _text(s)
     spans = []
-    for part in s.split("\\cup"):
+    for part in parts:
       got = _interval(part.strip())
       if got is None:
         return _text(s)
@@ -560,6 +673,12 @@ def _parse(s: str, depth: int) -> Answer | None:
       return _text(s)
   if _RELATION_RE.search(s):
     return _inequality(s) or _text(s)
+  ratio = _split_top(s, ":")
+  if ratio is not None and len(ratio) > 1:
+    try:
+      return Answer("ratio", [parse(_strip_units(p)) for p in ratio])
+    except ParseError:
+      return _text(s)
   if s.startswith("\\{") and s.endswith("\\}"):
     parts = _split_top(s[2:-2], ",")
     items = [_parse(p, depth + 1) for p in parts] if parts else [None]
@@ -611,12 +730,35 @@ def _values(nodes, names: list[str]):
   return out
 
 
+def _decimal_places(node) -> int:
+  """Places after the point of a decimal literal (`0.3333`, `-2.50`), else 0."""
+  node = node[1] if node[0] == "neg" else node
+  if node[0] != "num" or "." not in node[2] or "e" in node[2].lower():
+    return 0
+  return len(node[2].split(".", 1)[1])
+
+
+def _long_decimal_equal(a, b) -> bool | None:
+  """A long decimal (LONG_DECIMAL_PLACES+ places, a printout such as 0.3333333333333333) against a value that
+  is not a decimal literal: equal within one unit of its last place. None when the rule does not apply."""
+  pa, pb = _decimal_places(a), _decimal_places(b)
+  if (pa >= LONG_DECIMAL_PLACES) == (pb >= LONG_DECIMAL_PLACES) or min(pa, pb) > 0:
+    return None
+  places = max(pa, pb)
+  x, y = evaluate(a), evaluate(b)
+  if isinstance(x, Fraction) and isinstance(y, Fraction):
+    return abs(x - y) <= Fraction(1, 10 ** places)
+  x, y = float(x), float(y)
+  return abs(x - y) <= 10.0 ** -places + 4e-16 * max(1.0, abs(x))
+
+
 def _expr_equal(a, b) -> bool:
   names = sorted(variables(a) | variables(b))
   if not names:
     try:
-      return _close(evaluate(a), evaluate(b))
-    except ParseError:
+      long = _long_decimal_equal(a, b)
+      return long if long is not None else _close(evaluate(a), evaluate(b))
+    except (ParseError, OverflowError):
       return False
   points = [v for v in _values([a, b], names) if v is not None]
   return len(points) >= 2 and all(_close(x, y) for x, y in points)
@@ -644,6 +786,19 @@ def _as_intervals(a: Answer) -> Answer | None:
       return None
     return _intervals([(lo, False, hi, False)])
   return None
+
+
+def _ratio_equal(r, q) -> bool:
+  """Ratios equal up to a common factor: 3:4 == 6:8 (terms evaluated exactly, or as floats)."""
+  if len(r) != len(q):
+    return False
+  try:
+    x, y = [evaluate(t) for t in r], [evaluate(t) for t in q]
+  except ParseError:
+    return False
+  if x[0] == 0 or y[0] == 0:
+    return False
+  return all(_close(xi * y[0], yi * x[0]) for xi, yi in zip(x, y))
 
 
 def _equal(a: Answer, b: Answer) -> bool:
@@ -677,6 +832,11 @@ def _equal(a: Answer, b: Answer) -> bool:
   if kinds == {"tuple"}:
     (ao, ax, ac), (bo, bx, bc) = a.value, b.value
     return (ao, ac) == (bo, bc) and len(ax) == len(bx) and all(_expr_equal(x, y) for x, y in zip(ax, bx))
+  if kinds == {"ratio"}:
+    return _ratio_equal(a.value, b.value)
+  if kinds == {"ratio", "expr"}:
+    r, e = (a, b) if a.kind == "ratio" else (b, a)
+    return len(r.value) == 2 and _expr_equal(("div", *r.value), e.value)
   if kinds == {"matrix"}:
     return len(a.value) == len(b.value) and all(
         len(r) == len(s) and all(_expr_equal(x, y) for x, y in zip(r, s)) for r, s in zip(a.value, b.value))

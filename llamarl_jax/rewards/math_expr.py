@@ -7,13 +7,17 @@ stage is bounded up front (length, tokens, nesting depth, digits per literal, bi
 value, exponent size), so any input costs well under a few milliseconds.
 
 Grammar: numbers, single-letter variables, `+ - * / ^` (and `**`, `\\cdot`, `\\times`, `\\div`),
-parentheses/braces, `\\frac`, `\\sqrt`, `\\sqrt[n]`, `\\pi`. Implicit multiplication is read only where
+parentheses/braces, `\\frac` (`\\dfrac`, `\\tfrac`, `\\cfrac`), `\\sqrt`, `\\sqrt[n]`, `\\pi`, and the
+functions `\\sin \\cos \\tan \\sec \\csc \\cot \\arcsin \\arccos \\arctan \\ln \\log \\exp` (with or
+without the backslash). A function's argument is a bracketed group or, as TeX reads `\\sin 2x`, the
+factors up to the next operator; `\\sin^2 x` is (sin x)^2, `\\sin^{-1} x` is arcsin x, `\\log` is natural
+and `\\log_b x` has base b. Implicit multiplication is read only where
 it is unambiguous algebra (`2x`, `3\\sqrt{2}`, `2(x+1)`, `xy`), never when the right factor starts with
 a number: `2 3` is an error, not 6. An integer followed by a proper fraction of integers is a mixed
 number: `4\\frac{4}{9}` and `3 1/2` are 40/9 and 7/2, not products.
 
 AST nodes: ("num", Fraction, literal) ("const", float) ("var", name) ("neg", a) ("root", a, n)
-("add"|"sub"|"mul"|"div"|"pow", a, b).
+("fn", name, a) ("add"|"sub"|"mul"|"div"|"pow", a, b).
 """
 
 from __future__ import annotations
@@ -46,14 +50,19 @@ _TOKEN_RE = re.compile(r"""
     (?P<ws>\s+)
   | (?P<num>(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)
   | (?P<cmd>\\[A-Za-z]+)
+  | (?P<fn>(?:arc)?(?:sin|cos|tan|sec|csc|cot)|ln|log|exp)(?![A-Za-z])
   | (?P<var>[A-Za-z])
   | (?P<pow>\*\*)
-  | (?P<op>[-+*/^(){}\[\],])
+  | (?P<op>[-+*/^(){}\[\],_])
 """, re.VERBOSE)
 
 _CONSTANTS = {"pi": math.pi}
 _COMMAND_OPS = {"cdot": "*", "times": "*", "div": "/", "ast": "*"}
 _LATEX_DIGIT_ARGS = {"frac": 2, "sqrt": 1}  # \frac12 == \frac{1}{2}, \sqrt2 == \sqrt{2}
+_FUNCTIONS = {"sin": math.sin, "cos": math.cos, "tan": math.tan, "sec": lambda x: 1 / math.cos(x),
+              "csc": lambda x: 1 / math.sin(x), "cot": lambda x: 1 / math.tan(x), "arcsin": math.asin,
+              "arccos": math.acos, "arctan": math.atan, "ln": math.log, "log": math.log, "exp": math.exp}
+_INVERSE = {"sin": "arcsin", "cos": "arccos", "tan": "arctan"}  # \sin^{-1} x
 
 
 def tokenize(text: str) -> list[tuple[str, str]]:
@@ -83,11 +92,13 @@ def tokenize(text: str) -> list[tuple[str, str]]:
         value = value[n:]
         if not value:
           continue
+    elif kind == "fn":
+      kind = "cmd"
     elif kind == "cmd":
       value = value[1:]
       if value in _COMMAND_OPS:
         kind, value = "op", _COMMAND_OPS[value]
-      elif value in ("dfrac", "tfrac"):
+      elif value in ("dfrac", "tfrac", "cfrac"):
         value = "frac"
     elif kind == "pow":
       kind, value = "op", "^"
@@ -240,6 +251,33 @@ class _Parser:
     self.pos = start
     return None
 
+  def function(self, name: str):
+    """`\\sin x`, `\\sin(2x)`, `\\sin^2 x`, `\\sin^{-1} x`, `\\log_2 8`: after the function's name."""
+    self.enter()
+    base = None
+    if name == "log" and self.peek() == ("op", "_"):
+      self.take()
+      base = self.atom()
+    power = None
+    if self.peek() == ("op", "^"):
+      self.take()
+      power = self.unary()
+      if power == ("neg", ("num", Fraction(1), "1")) and name in _INVERSE:
+        name, power = _INVERSE[name], None
+    if self.peek() in (("op", "("), ("op", "{")):
+      arg = self.atom()
+    else:  # TeX's reading: \sin 2x is sin(2x), \sin x \cos x is a product of two functions
+      arg = self.power()
+      while self.peek()[0] == "var" and self.allow_vars:
+        arg = ("mul", arg, self.power())
+    node = ("fn", name, arg)
+    if base is not None:
+      node = ("div", node, ("fn", "log", base))
+    if power is not None:
+      node = ("pow", node, power)
+    self.depth -= 1
+    return node
+
   def atom(self):
     kind, v = self.take()
     if kind == "num":
@@ -262,6 +300,8 @@ class _Parser:
     if kind == "cmd" and self.allow_latex:
       if v in _CONSTANTS:
         return ("const", _CONSTANTS[v])
+      if v in _FUNCTIONS:
+        return self.function(v)
       if v == "frac":
         self.enter()
         num, den = self.latex_arg(), self.latex_arg()
@@ -387,6 +427,12 @@ def evaluate(node, env: dict[str, Number] | None = None) -> Number:
     return -evaluate(node[1], env)
   if kind == "root":
     return _root(evaluate(node[1], env), node[2])
+  if kind == "fn":
+    x = _to_float(evaluate(node[2], env))
+    try:
+      return _check(float(_FUNCTIONS[node[1]](x)))
+    except (ValueError, OverflowError, ZeroDivisionError) as err:
+      raise ParseError(f"{node[1]}({x}) is undefined: {err}") from err
   a, b = evaluate(node[1], env), evaluate(node[2], env)
   if isinstance(a, float) or isinstance(b, float):
     a, b = _to_float(a), _to_float(b)
