@@ -129,8 +129,11 @@ def _box_run(text: str) -> tuple[list[str], int, int] | None:
 # ---------------------------------------------------------------------------------------------
 # Answer statements and the last number
 
-_NUMBER_RE = re.compile(r"(?<![\w.])(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+\b)?"
-                        r"(?:\s*/\s*\d+(?:\.\d+)?)?")
+_NUMBER_RE = re.compile(
+    r"(?<![\w.])(?:(?<![\w)\]}])-)?"
+    r"(?:(?<![,\d(\[{])(?:\d+,\d{1,2}|0,\d+|\d{4,},\d+)(?![\d,])"  # decimal commas: 2,5  0,111  1000,99
+    r"|[1-9]\d{0,2}(?:,\d{3})+|\d{1,3}(?: \d{3})+(?![\d.,])|\d+|(?=\.\d))"  # 1,000  10 000  12  .5
+    r"(?:\.\d+)?(?:[eE][-+]?\d+\b)?(?:\s*/\s*\d+(?:\.\d+)?)?")
 _ANSWER_RE = re.compile(r"\b(?:final\s+answer|answer)(?:\s*\*\*)?\s*(?:is\b|[:：])", re.IGNORECASE)
 _SENTENCE_END_RE = re.compile(r"\.(?=\s|$)|[!?](?=\s|$)|\bI hope\b|,\s+(?!(?:and|or)\b)(?=[A-Za-z]{2,})"
                               r"|\s(?:because|since|which|where|as|so|given|when)\b")
@@ -177,24 +180,31 @@ def _single_number(line: str) -> str | None:
   return numbers[0]
 
 
+_SCALE_AFTER_RE = re.compile(r"\s*(?:thousand|million|billion|trillion)s?\b", re.IGNORECASE)
+_END_RE = re.compile(r"[\s.!]*\Z")
+
+
 def _fallback(response: str) -> str | None:
-  """No marked answer: the last number (or the last `$...$` that contains it), unless qualified."""
+  """No marked answer: the last number (or the last `$...$` that contains it, or a `$...$` that ends the
+  text after it), unless qualified or hedged."""
   tail_start = max(0, len(response) - 4 * MAX_ANSWER_CHARS)
   tail = response[tail_start:]
   last = None
   for last in _NUMBER_RE.finditer(tail):
     pass
-  if last is None:
-    return last_number(response[:tail_start]) if tail_start else None
   segment = None
   for segment in _MATH_SEGMENT_RE.finditer(tail):
     pass
-  if segment is not None and segment.start() <= last.start() < segment.end():
+  if segment is not None and (last is None or segment.start() <= last.start() < segment.end() or
+                              (segment.start() >= last.end() and _END_RE.match(tail, segment.end()))):
     return next(g for g in segment.groups() if g is not None)
+  if last is None:
+    return last_number(response[:tail_start]) if tail_start else None
   if _QUALIFIER_BEFORE_RE.search(tail[max(0, last.start() - 24):last.start()]) or \
      _QUALIFIER_AFTER_RE.match(tail, last.end()):
     return None
-  return last.group()
+  scale = _SCALE_AFTER_RE.match(tail, last.end())
+  return last.group() + scale.group() if scale else last.group()
 
 
 @dataclass(frozen=True)
@@ -256,8 +266,14 @@ def _statements(response: str) -> tuple[_Statement | None, list[_Statement], lis
   for m in _ANSWER_RE.finditer(response):
     said.append(m)
   answers = []
-  for m in said:
+  said = list(said)
+  for k, m in enumerate(said):
+    if k + 1 < len(said) and said[k + 1].start() - m.end() < 40 and \
+       not re.search(r"\n|[.!?]\s", response[m.end():said[k + 1].start()]):
+      continue  # "Final Answer: The final answer is $24$": the inner marker states it
     sentence, line = _sentence(response[m.end():])
+    if "\\boxed" in line or "\\fbox" in line:
+      continue  # "The final answer is $\\boxed{5}$": the box is the statement
     parsed = parse_answer(sentence)
     if parsed is not None and parsed.kind == "text":
       sentence = _single_number(line) or sentence
@@ -338,7 +354,7 @@ _RELATION_CMDS = [(re.compile(r"\\(?:leqslant|leq|le)(?![A-Za-z])"), "<="),
                   (re.compile(r"\\lt(?![A-Za-z])"), "<"), (re.compile(r"\\gt(?![A-Za-z])"), ">"),
                   (re.compile(r"\\(?:neq|ne)(?![A-Za-z])"), "!=")]
 _LATEX_THOUSANDS_RE = re.compile(r"(\d),\\!\s*(?=\d{3}(?!\d))")
-_THOUSANDS_RE = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
+_THOUSANDS_RE = re.compile(r"(?<![\d.,])[1-9]\d{0,2}(?:,\d{3})+(?!\d|,\d)")  # 0,111 is a decimal comma
 _SPACE_THOUSANDS_RE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?![\d.,])")
 _REPEATING_RE = re.compile(r"(\d*)\.(\d*)\\overline\{?(\d{1,12})\}?")
 _SCALES = {"thousand": 3, "million": 6, "billion": 9, "trillion": 12}

@@ -57,6 +57,8 @@ _TOKEN_RE = re.compile(r"""
 """, re.VERBOSE)
 
 _CONSTANTS = {"pi": math.pi}
+_GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "theta", "vartheta", "lambda", "mu", "nu",
+          "rho", "sigma", "tau", "phi", "varphi", "psi", "omega"}  # variables, like single letters
 _COMMAND_OPS = {"cdot": "*", "times": "*", "div": "/", "ast": "*"}
 _LATEX_DIGIT_ARGS = {"frac": 2, "sqrt": 1}  # \frac12 == \frac{1}{2}, \sqrt2 == \sqrt{2}
 _FUNCTIONS = {"sin": math.sin, "cos": math.cos, "tan": math.tan, "sec": lambda x: 1 / math.cos(x),
@@ -98,6 +100,8 @@ def tokenize(text: str) -> list[tuple[str, str]]:
       value = value[1:]
       if value in _COMMAND_OPS:
         kind, value = "op", _COMMAND_OPS[value]
+      elif value in _GREEK:
+        kind = "var"
       elif value in ("dfrac", "tfrac", "cfrac"):
         value = "frac"
     elif kind == "pow":
@@ -290,7 +294,7 @@ class _Parser:
     if kind == "var":
       if not self.allow_vars:
         raise ParseError(f"variable {v!r} not allowed")
-      return ("var", v)
+      return ("const", math.e) if v == "e" else ("var", v)
     if kind == "op" and v in ("(", "{"):
       self.enter()
       node = self.expr()
