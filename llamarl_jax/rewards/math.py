@@ -145,6 +145,7 @@ _QUALIFIER_RE = re.compile(
     r"(?:more|less|fewer|greater|smaller|larger|higher|lower)\s+than|no\s+(?:more|less|fewer)|up\s+to|"
     r"over|under|above|below|nearly|almost|minimum|maximum|exceed\w*|not|never|cannot|isn't|"
     r"maybe|perhaps|probably|possibly|likely|might|guess|unsure|could\s+be)\b", re.IGNORECASE)
+_HEDGE_RE = re.compile(r"\b(?:maybe|perhaps|probably|possibly|might|could\s+be|not\s+sure|unsure)\b", re.IGNORECASE)
 _QUALIFIER_BEFORE_RE = re.compile(
     r"(?:\b(?:at\s+(?:least|most)|(?:more|less|fewer|greater|smaller|larger|higher|lower)\s+than|no\s+(?:more|less|"
     r"fewer)|up\s+to|over|under|above|below|nearly|almost|not|never|or|either|maybe|perhaps|probably|possibly|"
@@ -274,6 +275,8 @@ def _statements(response: str) -> tuple[_Statement | None, list[_Statement], lis
     sentence, line = _sentence(response[m.end():])
     if "\\boxed" in line or "\\fbox" in line:
       continue  # "The final answer is $\\boxed{5}$": the box is the statement
+    if _HEDGE_RE.search(line):
+      sentence = line  # "7, but it might be 8": the answer line hedges
     parsed = parse_answer(sentence)
     if parsed is not None and parsed.kind == "text":
       sentence = _single_number(line) or sentence
@@ -549,6 +552,7 @@ def _inequality(s: str) -> Answer | None:
 
 _REALS_RE = re.compile(r"\\mathbb\s*\{?R\}?|\\R|\\Reals|\(-\\infty,\s*\+?\\infty\)|all\s+real\s+numbers",
                        re.IGNORECASE)
+_SET_BUILDER_RE = re.compile(r"\\\{\s*[A-Za-z]\s*(?::|\||\\mid)(.+)\\\}", re.DOTALL)
 _CONJUNCTION_RE = re.compile(r"\sand\s|\\(?:land|wedge)(?![A-Za-z])")
 
 
@@ -636,6 +640,10 @@ def _parse(s: str, depth: int) -> Answer | None:
   matrix = _matrix(s)
   if matrix is not None:
     return matrix
+  builder = _SET_BUILDER_RE.fullmatch(s)
+  if builder is not None:  # \{x : -1 \le x \le 1\}: the condition's solution set
+    inner = _parse(builder.group(1), depth + 1)
+    return inner if inner is not None and inner.kind == "intervals" else _text(s)
   s = _strip_units(s)
   if "\\pm" in s:  # x = \pm 2, 1 \pm \sqrt{2}: two answers
     items = [_parse(s.replace("\\pm", sign), depth + 1) for sign in ("+", "-")] if s.count("\\pm") == 1 else [None]
