@@ -155,9 +155,13 @@ _QUALIFIER_AFTER_RE = re.compile(r"\s*(?:\+|\?|or\b|I\s+(?:guess|think)|maybe|pe
 
 
 def last_number(text: str) -> str | None:
-  """The last number in `text` (`-3`, `1,234.5`, `3/4`, `1.5e3`), or None."""
+  """The last number in `text` (`-3`, `1,234.5`, `3/4`, `1.5e3`), or None. Reads only the text near the
+  last digit (numbers longer than that window fail to parse anyway), so its cost is the length of a scan."""
+  end = max(text.rfind(d) for d in "0123456789")
+  if end < 0:
+    return None
   last = None
-  for last in _NUMBER_RE.finditer(text):
+  for last in _NUMBER_RE.finditer(text, max(0, end - 2 * MAX_ANSWER_CHARS), end + 2):
     pass
   return last.group() if last is not None else None
 
@@ -359,9 +363,9 @@ _RELATION_CMDS = [(re.compile(r"\\(?:leqslant|leq|le)(?![A-Za-z])"), "<="),
 _LATEX_THOUSANDS_RE = re.compile(r"(\d),\\!\s*(?=\d{3}(?!\d))")
 _THOUSANDS_RE = re.compile(r"(?<![\d.,])[1-9]\d{0,2}(?:,\d{3})+(?!\d|,\d)")  # 0,111 is a decimal comma
 _SPACE_THOUSANDS_RE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?![\d.,])")
-_REPEATING_RE = re.compile(r"(\d*)\.(\d*)\\overline\{?(\d{1,12})\}?")
+_REPEATING_RE = re.compile(r"(?<!\d)(\d*)\.(\d*)\\overline\{?(\d{1,12})\}?")
 _SCALES = {"thousand": 3, "million": 6, "billion": 9, "trillion": 12}
-_SCALE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(thousand|million|billion|trillion)s?\b", re.IGNORECASE)
+_SCALE_RE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(thousand|million|billion|trillion)s?\b", re.IGNORECASE)
 # Unit words after a number: 3+ letters, or a 2-letter unit (never `xy`, which is algebra).
 _UNIT_WORD = r"(?:[A-Za-z]{3,}|cm|mm|km|nm|ft|in|yd|mi|kg|mg|lb|oz|ml|hr|ha|sq|cu|st|nd|rd|th|m|s|g|h)"
 _TRAILING_WORDS_RE = re.compile(rf"(?:\s+{_UNIT_WORD}(?:\s*\^\s*\{{?\d\}}?)?(?:/[A-Za-z]+)?\.?)+\s*$")
