@@ -14,8 +14,8 @@ Each field is checked in exactly one place: its class's `RULES` (applied by `__p
 `config_check` to gin bindings before anything is built, so every bad binding is reported at once).
 Choice lists come from the modules that own them (losses, advantages, schedule, ...), never repeated.
 No gin here: `experiment.py` registers these classes with gin (`MeshConfig.trainer_fsdp = 2`, ...).
-Gin files written for the flat `Controller.*` keys of wave two get an error naming the new key
-(`LEGACY_KEYS`, `legacy_key_problems`).
+A gin binding of a flat `Controller.<key>` gets an error naming the typed key that holds the setting
+(`LEGACY_KEYS`, `legacy_key_problems`); `run_config(**flat)` builds a RunConfig from the flat names.
 """
 
 from __future__ import annotations
@@ -323,12 +323,14 @@ class ScheduleConfig(_Validated):
 
 ENVIRONMENTS = ("single_turn", "tools")
 TOOL_NAMES = ("calc", "python")
+MAX_TOOL_TIMEOUT_S = 300.0  # a tool call longer than this holds a rollout for too long to be a tool
+STEP_MARGIN_S = 30.0  # an env.step's limit beyond its tool's: a sandboxed call's start-up and clean-up
 
 
 @dataclass(frozen=True)
 class EnvConfig(_Validated):
   """The episode an example becomes (`llamarl_jax.envs`): 'single_turn' (one model turn, scored by the
-  reward function: the default, and every run before issue 28) or 'tools' (`ToolEnvironment`: a turn
+  reward function: the default) or 'tools' (`ToolEnvironment`: a turn
   that is a tool call `name(args)` gets the tool's output appended as an observation and the model
   writes another turn).
 
@@ -341,7 +343,9 @@ class EnvConfig(_Validated):
     process; 'python': the sandbox of `llamarl_jax.tools`, one child process per call). Empty: the
     no-tool baseline (a tool call is just a wrong answer).
   tool_workers: threads running tool calls (off the generator and trainer threads).
-  tool_timeout_s: wall seconds per tool call ('python': also its CPU limit).
+  tool_timeout_s: wall seconds per tool call ('python': also its CPU limit), at most
+    MAX_TOOL_TIMEOUT_S. A tool's timeout is an observation; an environment step still running
+    `step_limit_s` (tool_timeout_s + STEP_MARGIN_S) after it started stops the run (envs/episodes.py).
   """
   name: str = "single_turn"
   max_turns: int = 1
@@ -352,7 +356,7 @@ class EnvConfig(_Validated):
   tool_timeout_s: float = 5.0
   RULES: ClassVar = {"name": one_of(*ENVIRONMENTS), "max_turns": int_at_least(1), "max_total_tokens": int_at_least(0),
                      "max_observation_tokens": int_at_least(1), "tool_workers": int_at_least(1),
-                     "tool_timeout_s": above(0.0),
+                     "tool_timeout_s": between(0.0, MAX_TOOL_TIMEOUT_S, lo_open=True),
                      "tools": lambda v: (None if isinstance(v, (tuple, list)) and set(v) <= set(TOOL_NAMES)
                                          else f"a list drawn from {list(TOOL_NAMES)}")}
 
@@ -366,6 +370,11 @@ class EnvConfig(_Validated):
   @property
   def multi_turn(self) -> bool:
     return self.name != "single_turn"
+
+  @property
+  def step_limit_s(self) -> float:
+    """Seconds an environment step may run: its tool call's limit plus the sandbox's start-up and clean-up."""
+    return self.tool_timeout_s + STEP_MARGIN_S
 
   def response_width(self, max_new_tokens: int) -> int:
     """The episode's response width R (the trainer's): max_total_tokens, or room for every turn and
@@ -406,6 +415,14 @@ class RunConfig(_Validated):
   reward: RewardConfig = field(default_factory=RewardConfig)
   env: EnvConfig = field(default_factory=EnvConfig)
 
+  def __post_init__(self):
+    super().__post_init__()
+    if self.env.multi_turn and self.rollout.overlong.buffer_len:
+      raise ConfigError(
+          f"OverlongShaping.buffer_len={self.rollout.overlong.buffer_len} with EnvConfig.name={self.env.name!r}: "
+          "the overlong penalty measures one response against RolloutConfig.max_new_tokens, and a multi-turn "
+          "episode is several turns with observations between them; set OverlongShaping.buffer_len = 0 "
+          "(OverlongShaping.mask_truncated works with episodes: it masks those the budget cut)")
 
   def check_layout(self, trainer_batch_divisor: int, num_processes: int) -> None:
     """The checks that need the meshes or the job: rows per step split evenly over microbatches and
@@ -442,7 +459,7 @@ class RunConfig(_Validated):
 
 
 # --------------------------------------------------------------------------------------------------
-# The flat keys of wave two (`Controller.<key>` in gin, keyword arguments of the old Controller)
+# The flat keys (`run_config(max_policy_lag=2)`; a gin binding `Controller.<key>` is refused with the typed key)
 
 SECTIONS = {"mesh": MeshConfig, "rollout": RolloutConfig, "generator": GeneratorConfig, "train": TrainConfig,
             "schedule": ScheduleConfig, "reward": RewardConfig, "env": EnvConfig}
@@ -471,7 +488,7 @@ def new_key(legacy: str) -> str:
 
 
 def run_config(base: RunConfig | None = None, **flat) -> RunConfig:
-  """A RunConfig from wave two's flat keyword names (`max_policy_lag=2, generator_engine='static'`),
+  """A RunConfig from the flat keyword names (`max_policy_lag=2, generator_engine='static'`),
   over `base` (default: all defaults). Convenient in tests and scripts; unknown names raise."""
   unknown = sorted(k for k in flat if k not in LEGACY_KEYS)
   if unknown:
@@ -488,9 +505,9 @@ _LEGACY_BINDING = re.compile(r"(?<![\w.])Controller\.(\w+)\s*=")
 
 
 def legacy_key_problems(text: str) -> list[str]:
-  """One line per `Controller.<key> = ...` binding in gin text (the flat keys of wave two), naming its new key."""
+  """One line per `Controller.<key> = ...` binding in gin text (a flat key), naming the typed key that holds it."""
   out = []
   for key in dict.fromkeys(_LEGACY_BINDING.findall(text)):
-    target = new_key(key) if key in LEGACY_KEYS else "no setting of that name (see llamarl_jax/config.py)"
-    out.append(f"Controller.{key} is now {target}")
+    out.append(f"Controller.{key}: " + (f"use {new_key(key)}" if key in LEGACY_KEYS
+                                         else "no setting of that name (see llamarl_jax/config.py)"))
   return out

@@ -329,8 +329,8 @@ class Controller:
           params, _ = self.ex.weights.to_generator(self.trainer.params)
       # Episodes as in training (one turn, or turns with tools), each generate call taking the device turn.
       gen = self.ex.generator
-      rollout = gen._sample(examples, 0, params, 0, greedy=True, n=1, record=False)
-      sampled = gen._sample(examples, seed, params, 0, n=samples, record=False) if samples else None
+      rollout = gen.sample(examples, 0, params, 0, greedy=True, n=1, record=False)
+      sampled = gen.sample(examples, seed, params, 0, n=samples, record=False) if samples else None
       if self.mp is None or jax.process_index() == self.roles.generator_leader:
         result = self._score_eval(examples, rollout, sampled, samples)
     if self.mp is not None:

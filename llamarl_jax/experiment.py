@@ -37,13 +37,13 @@ for _cls in (*cfg.SECTIONS.values(), cfg.OptimizerConfig, cfg.OverlongShaping, c
 
 
 def parse_gin(files, bindings=()) -> None:
-  """`gin.parse_config_files_and_bindings`, first refusing the flat `Controller.*` keys of wave two
-  (in the files, the files they include, and the bindings) with the new key of each."""
+  """`gin.parse_config_files_and_bindings`, first refusing bindings of flat `Controller.*` keys (in the
+  files, the files they include, and the bindings), each with the typed key that holds its setting."""
   problems = []
   for text in [*(_gin_text(f) for f in files), *bindings]:
     problems += cfg.legacy_key_problems(text)
   if problems:
-    raise ConfigError("the run's settings moved from Controller.* to typed configs (llamarl_jax/config.py); "
+    raise ConfigError("the run's settings are typed configs (llamarl_jax/config.py), not Controller.* keys; "
                       "rename these binding(s):\n  " + "\n  ".join(dict.fromkeys(problems)))
   gin.parse_config_files_and_bindings(list(files), list(bindings))
 
@@ -368,7 +368,7 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
   elif sft and controller.is_trainer:
     source = sft_source or rl_source.fork(seed_offset=1)
     env = None
-    if controller.config.env.multi_turn:  # demonstrations are episodes (a trainer-only process has no env yet)
+    if controller.config.env.multi_turn:  # demonstrations are episodes (a trainer-only process has no env)
       from llamarl_jax.envs import make_environment
 
       env = controller.env if controller.env is not None else make_environment(controller.config.env)

@@ -18,6 +18,14 @@ from pathlib import Path
 from typing import Mapping
 
 START = -(2**62)  # `rewind_to` value that drops every row (SFT logs at negative steps)
+KEEP = 10_000  # entries a run keeps of a history or timeline (a long run must not grow without bound)
+
+
+def append_bounded(items: list, item, keep: int = KEEP) -> None:
+  """Append `item`; once `items` holds 2 * keep entries, drop all but the newest `keep` (amortised O(1))."""
+  items.append(item)
+  if len(items) >= 2 * keep:
+    del items[:-keep]
 
 
 def _plain(v):

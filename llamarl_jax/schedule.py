@@ -8,7 +8,7 @@ generator processes) and every process of a job computes the same answer without
   scheduled_version(k)        the version that generates batch k ('fixed': max(v0, k - lag))
   batch_seed(seed, k)         batch k's sampling seed (draw_seed: of its redraws under dynamic sampling)
   versions_kept(...)          generator weights a checkpoint at step r must hold (r - lag .. r - 1)
-  kept_for_checkpoint(...)    whether the weights of a version must be kept for a later checkpoint
+  keeps_versions / prune_kept which pushed versions a run keeps for its checkpoints
   transfer_schedule(...)      the order of cross-process transfers (weights W(v), batches R(k))
   share_rows(...)             a generator process's share of a batch's prompts (rewards are split)
   check_lag / lag_metrics     the bound itself, checked on each trained batch, and its summary
@@ -56,18 +56,14 @@ def versions_kept(step: int, max_policy_lag: int, first_version: int, version_sc
   return list(range(scheduled_version(step, max_policy_lag, first_version), step))
 
 
-def kept_for_checkpoint(version: int, *, max_policy_lag: int, checkpoint_every: int, end: int,
-                        version_schedule: str = "fixed") -> bool:
-  """Whether a checkpoint of this run, or the next `run` call, will need `version`'s generator weights.
+def keeps_versions(max_policy_lag: int, version_schedule: str = "fixed") -> bool:
+  """Whether a run keeps the generator weights of the versions it makes, for its checkpoints.
 
-  A checkpoint at step r (like a run starting at r) needs versions r - lag .. r - 1; checkpoints come
-  every `checkpoint_every` steps and at the run's `end` (where a next run call, e.g. after an
-  evaluation, starts). Only those versions are kept.
+  The one rule of every runner: a checkpoint at step r holds `versions_kept(r)`, and a checkpoint may
+  come at any step (periodic, at the end of a run call, on an interrupt), so under 'fixed' with a lag
+  every version is kept until `prune_kept` drops it: lag + 1 versions at most. Otherwise none is.
   """
-  if version_schedule != "fixed" or not max_policy_lag:
-    return False
-  return any((checkpoint_every and (version + j) % checkpoint_every == 0) or version + j == end
-             for j in range(1, max_policy_lag + 1))
+  return version_schedule == "fixed" and max_policy_lag > 0
 
 
 def prune_kept(kept: dict[int, object], newest: int, max_policy_lag: int) -> dict[int, object]:

@@ -61,8 +61,8 @@ def test_misspelt_binding_fails(parsed, tmp_path, monkeypatch):
     gin.parse_config_files_and_bindings([str(bad)], [], skip_unknown=False)
 
 
-def test_wave_two_controller_keys_are_refused_naming_the_new_key(parsed, tmp_path, monkeypatch):
-  """Gin files written for the flat `Controller.*` keys fail at parse time with each key's new name,
+def test_controller_keys_are_refused_naming_the_typed_key(parsed, tmp_path, monkeypatch):
+  """Gin bindings of flat `Controller.*` keys fail at parse time naming each setting's typed key,
   in the file, in what it includes and in --gin_param bindings."""
   from llamarl_jax.config_check import ConfigError
 
@@ -73,10 +73,10 @@ def test_wave_two_controller_keys_are_refused_naming_the_new_key(parsed, tmp_pat
   with pytest.raises(ConfigError) as info:
     experiment.parse_gin([str(old)], ["Controller.reward_fn = 'math'"])
   message = str(info.value)
-  for line in ("Controller.max_policy_lag is now ScheduleConfig.max_policy_lag",
-               "Controller.generator_engine is now GeneratorConfig.engine",
-               "Controller.reward_fn is now RewardConfig.fn",
-               "Controller.trainer_fdsp is now no setting of that name"):
+  for line in ("Controller.max_policy_lag: use ScheduleConfig.max_policy_lag",
+               "Controller.generator_engine: use GeneratorConfig.engine",
+               "Controller.reward_fn: use RewardConfig.fn",
+               "Controller.trainer_fdsp: no setting of that name"):
     assert line in message
 
 

@@ -1,9 +1,10 @@
-"""Episodes (issue 28): the Environment protocol, the calculator and tool environment, the one rollout
+"""Episodes: the Environment protocol, the calculator and tool environment, the one rollout
 path (`run_episodes`), observation masking through the trainer, exact behaviour log-probs after a tool
 turn, demonstrations for the warm start, and the config's refusals."""
 
 import dataclasses
 import functools
+import time
 
 import jax
 import numpy as np
@@ -11,9 +12,10 @@ import pytest
 from flax import nnx
 
 from llamarl_jax import parallel
-from llamarl_jax.config import ConfigError, EnvConfig, RunConfig, run_config
+from llamarl_jax.config import MAX_TOOL_TIMEOUT_S, STEP_MARGIN_S, ConfigError, EnvConfig, OverlongShaping, RunConfig, run_config
 from llamarl_jax.envs import SingleTurn, ToolEnvironment, Transition, calc, make_environment, run_episodes, turn_seed
-from llamarl_jax.envs.episodes import _bucket
+from llamarl_jax.envs.base import ToolCall
+from llamarl_jax.envs.episodes import EnvironmentFailed, ToolSteps, _bucket
 from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor, token_logprobs
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch, ScoredBatch
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
@@ -107,6 +109,11 @@ def test_env_config_refusals():
   assert cfg.env.tools == ("calc",) and cfg.env.response_width(16) == 16 * 2 + 32
   assert "env" in cfg.record() and "env" not in RunConfig().record()  # old checkpoints compare as before
   assert isinstance(make_environment(EnvConfig()), SingleTurn)
+  # the overlong penalty measures one turn against max_new_tokens: refused for episodes, masking is not
+  tools = EnvConfig(name="tools", max_turns=2)
+  with pytest.raises(ConfigError, match=r"OverlongShaping.buffer_len=4 with EnvConfig.name='tools'.*buffer_len = 0"):
+    RunConfig(env=tools, rollout=run_config(overlong=OverlongShaping(buffer_len=4)).rollout)
+  assert RunConfig(env=tools, rollout=run_config(overlong=OverlongShaping(mask_truncated=True)).rollout).env == tools
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,6 +192,86 @@ def test_run_episodes_budget_cuts_and_single_turn_is_the_sampler_batch():
   single = run_episodes(lambda p, s: first, SingleTurn(), ["a"], [[1] + ids("1*2=")], sampling, tokenizer=TOK,
                         response_width=12)
   assert single.rollout is first and single.answers is None and single.env_rewards is None
+
+
+class _Broken:
+  """An environment whose step has a bug (a TypeError), or takes `sleep_s` before answering."""
+  max_turns = 3
+
+  def __init__(self, sleep_s=0.0, bug=True):
+    self.sleep_s, self.bug = sleep_s, bug
+
+  def step(self, example, turns, text):
+    time.sleep(self.sleep_s)
+    if self.bug:
+      return len(None)  # TypeError
+    return Transition(observation="[ok]", done=False, call=ToolCall("calc", "ok", self.sleep_s))
+
+  def answer(self, turns):
+    return turns[-1]
+
+
+@pytest.mark.parametrize("threads", [False, True])
+def test_an_environment_bug_stops_the_rollout_with_its_traceback(threads):
+  """A TypeError inside env.step is not turned into an observation that is trained on: the rollout
+  raises EnvironmentFailed, chained to the TypeError (its traceback points into the step)."""
+  generate, _ = scripted_generate({"1*2=": "calc(1*2)"})
+  sampling = SamplingParams(max_new_tokens=12, n=2, stop_token_ids=(EOS,), seed=0)
+  env = _Broken()
+  steps = ToolSteps(env, 2, limit_s=10.0) if threads else None
+  try:
+    with pytest.raises(EnvironmentFailed, match=r"raised TypeError.*'calc\(1\*2\)'.*fix the environment") as info:
+      run_episodes(generate, env, ["a"], [[1] + ids("1*2=")], sampling, tokenizer=TOK, response_width=32,
+                   tool_steps=steps)
+  finally:
+    if steps is not None:
+      steps.close()
+  assert isinstance(info.value.__cause__, TypeError)
+  assert info.value.__cause__.__traceback__.tb_next is not None  # the step's own frames
+
+
+def test_a_step_past_its_limit_stops_the_rollout_and_the_threads_still_end():
+  """A step still running limit_s after it started is the environment's bug (its tools bound their own
+  time); the run stops and `close` does not wait for the stuck thread (a daemon)."""
+  steps = ToolSteps(_Broken(sleep_s=1.0, bug=False), 1, limit_s=0.2)
+  t0 = time.monotonic()
+  with pytest.raises(EnvironmentFailed, match=r"still running 0.2 s after it started.*tool_timeout_s"):
+    steps.run_all({0: ("a", [], "calc(1)")})
+  steps.close()
+  assert time.monotonic() - t0 < 0.9 and steps.overran
+  assert all(t.daemon for t in steps._threads)
+
+
+def test_the_step_limit_counts_from_the_start_and_no_thread_outlives_close():
+  """Four 0.15 s steps on one thread, limit 0.25 s: the last waits 0.45 s in the queue and still
+  answers (queueing is not running); after `close` every tool thread has ended."""
+  steps = ToolSteps(_Broken(sleep_s=0.15, bug=False), 1, limit_s=0.25)
+  out = steps.run_all({i: ("a", [], "calc(1)") for i in range(4)})
+  assert [tr.observation for tr in out.values()] == ["[ok]"] * 4
+  steps.close()
+  assert not any(t.is_alive() for t in steps._threads) and not steps.overran
+
+
+def test_tool_limits_in_the_config():
+  assert EnvConfig(name="tools", max_turns=2, tool_timeout_s=7.0).step_limit_s == 7.0 + STEP_MARGIN_S
+  for bad in (0.0, MAX_TOOL_TIMEOUT_S + 1):
+    with pytest.raises(ConfigError, match=r"EnvConfig.tool_timeout_s: expected in \(0.0, 300.0\]"):
+      EnvConfig(name="tools", max_turns=2, tool_timeout_s=bad)
+
+
+def test_episode_metrics_count_every_tool_status():
+  """tool/memory, tool/output_limit and tool/forbidden (the sandbox's statuses) are counted per batch
+  beside tool/timeouts, each also in tool/errors."""
+  from llamarl_jax.envs.episodes import EpisodeRows
+
+  ep = EpisodeRows(_Broken(), ["a"], [[1]], 5, tokenizer=TOK, response_width=40, max_observation_tokens=8,
+                   stop_token_ids=(EOS,))
+  for i, status in enumerate(["ok", "timeout", "memory", "output_limit", "forbidden"]):
+    ep.add_turn(i, np.array(ids("x") + [EOS]), np.zeros(2), np.zeros(2, np.int32), 2, FINISH_STOP)
+    ep.add_transition(i, Transition(observation="[e]", done=False, call=ToolCall("python", status, 0.5)))
+  m = ep.metrics(1.0)
+  assert (m["tool/calls"], m["tool/errors"]) == (5, 4)
+  assert [m[k] for k in ("tool/timeouts", "tool/memory", "tool/output_limit", "tool/forbidden")] == [1, 1, 1, 1]
 
 
 def test_bucket():

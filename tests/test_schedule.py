@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from llamarl_jax import schedule
-from llamarl_jax.schedule import (LagBoundViolated, batch_seed, check_lag, kept_for_checkpoint, lag_metrics,
+from llamarl_jax.schedule import (LagBoundViolated, batch_seed, check_lag, keeps_versions, lag_metrics,
                                   prune_kept, scheduled_version, share_rows, transfer_schedule, versions_kept)
 
 
@@ -37,13 +37,14 @@ def test_a_checkpoint_keeps_the_versions_that_generate_the_next_lag_batches():
   assert versions_kept(10, 3, first_version=0, version_schedule="latest") == []
 
 
-def test_only_versions_a_checkpoint_or_the_next_run_needs_are_kept():
-  kw = dict(max_policy_lag=2, checkpoint_every=10, end=25)
-  kept = [v for v in range(0, 25) if kept_for_checkpoint(v, **kw)]
-  assert kept == [8, 9, 18, 19, 23, 24]  # checkpoints at 10 and 20 need v - 2 .. v - 1; the run's end 25 too
-  for c in (10, 20, 25):
-    assert set(versions_kept(c, 2, 0)) <= set(kept)
-  assert not any(kept_for_checkpoint(v, max_policy_lag=0, checkpoint_every=10, end=25) for v in range(25))
+def test_kept_versions_cover_a_checkpoint_at_any_step():
+  """Keeping every pushed version, pruned to the lag, holds what a checkpoint at any step needs (an
+  interrupt may write one anywhere), and never more than lag + 1 versions."""
+  assert keeps_versions(2) and not keeps_versions(0) and not keeps_versions(2, "latest")
+  kept = {}
+  for step in range(25):  # version `step` is pushed at step `step` (0: the run's start); a checkpoint may follow
+    kept = prune_kept({**kept, step: step}, step, 2)
+    assert set(versions_kept(step, 2, first_version=0)) <= set(kept) and len(kept) <= 3
 
 
 def test_prune_keeps_the_last_lag_plus_one_versions():
@@ -96,6 +97,16 @@ def test_the_lag_check_refuses_stale_and_future_tokens():
 
 
 def test_the_schedule_module_is_pure():
-  """No JAX, no threads, no globals besides constants: importable and testable alone."""
+  """Its source imports nothing but numpy and `__future__` (no JAX, no threads, no gin, nothing of the
+  project) and binds no module-level state but constants: importable and testable alone."""
+  import ast
+  import inspect
+
+  tree = ast.parse(inspect.getsource(schedule))
+  imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+              for alias in node.names}
+  imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+  assert imported == {"__future__", "numpy"}
+  assigned = [t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets]
+  assert assigned and all(name.isupper() for name in assigned)  # VERSION_SCHEDULES: constants only
   assert schedule.VERSION_SCHEDULES == ("fixed", "latest")
-  assert not [n for n in vars(schedule) if n in ("jax", "threading", "gin")]

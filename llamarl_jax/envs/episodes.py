@@ -1,11 +1,11 @@
-"""The one rollout path: prompts -> episodes -> one `RolloutBatch` for the trainer (issue 28).
+"""The one rollout path: prompts -> episodes -> one `RolloutBatch` for the trainer.
 
 `run_episodes(generate, env, examples, prompts, sampling, ...)`:
 
   turn 1   `generate(prompts, sampling)`: the n samples of every prompt (one `Sampler.generate` call).
-           With `SingleTurn` that is the whole rollout: the batch is returned as it came, so single-turn
-           runs are exactly what they were before episodes existed.
-  then     each finished turn goes to `env.step` on the tool threads (`tool_pool`; never on the
+           With `SingleTurn` that is the whole rollout: the batch is returned as it came (a single-turn
+           run is exactly one sampler call per batch).
+  then     each finished turn goes to `env.step` on the tool threads (`ToolSteps`; never on the
            generator's thread); an observation is tokenized (at most `max_observation_tokens`) and
            appended to the row's response with mask 0; rows that go on are re-prefilled with their
            whole context (prompt + turns + observations) and sample their next turn, all together in
@@ -22,7 +22,16 @@ from given the whole context so far (0 on observations); token_versions the vers
 model token (an observation: its turn's; policy_version is the row's first token's, what the lag bound
 limits); lengths the tokens used (model + observation); finish_reason LENGTH when the budget cut an
 episode or its last turn hit max_new_tokens. The slot engine builds the same batch (`EpisodeRows`),
-each row's later turns re-prefilled into a free slot (`GeneratorExecutor._resume_rows`).
+each row's later turns re-prefilled into a free slot by the generator executor.
+
+Failures. A tool's failure (the model's malformed call, an unknown tool, the tool's own error or
+timeout, hostile code) is the environment's business: it comes back as an observation with its
+`ToolCall` status, the episode goes on, and the metrics count it. An exception out of `env.step`, or a
+step still running `EnvConfig.step_limit_s` after it started, is a bug in the environment: it raises
+`EnvironmentFailed` (chained to the step's own exception and traceback) and the run stops, so no
+episode is trained on a turn its environment failed to answer. Tools enforce their own time limits
+(the sandbox kills a call at `tool_timeout_s`; the calculator's input is bounded), so a correct
+environment's step always returns within the limit and never leaves a tool thread busy after it.
 
 Re-prefill versus extending the row's KV cache: re-prefill recomputes the context's keys and values
 (a prompt's worth of compute per turn, no cache kept across the tool call) and so needs no memory
@@ -31,8 +40,9 @@ while a row waits, and its log-probs are exactly a single forward's over the who
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import queue
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -41,7 +51,14 @@ import numpy as np
 from llamarl_jax.envs.base import SingleTurn, ToolCall, Transition
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 
-STEP_GRACE_S = 30.0  # an env.step still running this long after its turn is an error observation
+
+# The per-status counts of a batch's tool calls (`ToolCall.status`; each is also in tool/errors).
+TOOL_STATUS_METRICS = {"tool/timeouts": "timeout", "tool/memory": "memory", "tool/output_limit": "output_limit",
+                       "tool/forbidden": "forbidden"}
+
+
+class EnvironmentFailed(RuntimeError):
+  """`env.step` raised, or ran past its time limit: a bug in the environment (module docstring)."""
 
 
 def turn_seed(seed: int, turn: int, row: int | None = None) -> int:
@@ -210,7 +227,7 @@ class EpisodeRows:
         "episode/tool_wait_fraction": self.tool_wait / max(elapsed, 1e-9),
         "episode/frac_cut": float(np.mean(self.finish == FINISH_LENGTH)),
         "tool/calls": float(len(self.calls)), "tool/errors": float(len(failed)),
-        "tool/timeouts": float(sum(c.status == "timeout" for c in self.calls)),
+        **{key: float(sum(c.status == status for c in self.calls)) for key, status in TOOL_STATUS_METRICS.items()},
     }
     if self.calls:
       out["tool/latency_mean_s"] = float(np.mean([c.seconds for c in self.calls]))
@@ -220,12 +237,13 @@ class EpisodeRows:
 
 def run_episodes(generate: Callable[[Sequence[Sequence[int]], Any], RolloutBatch], env, examples: Sequence,
                  prompts: Sequence[Sequence[int]], sampling, *, tokenizer, response_width: int,
-                 max_observation_tokens: int = 32, tool_pool: concurrent.futures.Executor | None = None,
+                 max_observation_tokens: int = 32, tool_steps: ToolSteps | None = None,
                  batch_multiple: int = 1, pad_id: int = 0) -> Episodes:
   """Roll out one episode per (prompt, sample) on a static sampler; see the module docstring.
 
   generate(prompts, sampling) -> host RolloutBatch: the caller's sampler call (its params, version and
   device turn bound). sampling: the batch's SamplingParams (n samples per prompt, its seed).
+  tool_steps: where `env.step` runs (its threads and time limit); None: on this thread, unlimited.
   """
   t_start = time.perf_counter()  # tool_wait_fraction: of the whole episode time, generation included
   first = generate(prompts, sampling)
@@ -244,7 +262,8 @@ def run_episodes(generate: Callable[[Sequence[Sequence[int]], Any], RolloutBatch
       if text is not None:
         pending[i] = ep.request(i, text)
     t0 = time.perf_counter()
-    answers = step_all(env, tool_pool, pending)  # every finished turn at once, on the tool threads
+    answers = (tool_steps.run_all(pending) if tool_steps is not None  # every finished turn at once
+               else {i: call_step(env, *args) for i, args in pending.items()})
     ep.tool_wait += time.perf_counter() - t0
     active = [i for i in sorted(pending) if ep.add_transition(i, answers[i])]
     if not active:
@@ -265,31 +284,101 @@ def _take_rows(batch: RolloutBatch, count: int) -> RolloutBatch:
                          for f in dataclasses.fields(batch)})
 
 
-def safe_step(env, example, turns, text) -> Transition:
-  """env.step, with an environment's own exception turned into an error observation (counted)."""
-  t0 = time.monotonic()
+@dataclasses.dataclass(eq=False)
+class PendingStep:
+  """One `env.step` call on the tool threads: its arguments, when a thread started it (monotonic;
+  None while queued), and its outcome once `finished` is set."""
+  args: tuple
+  started: float | None = None
+  transition: Transition | None = None
+  error: BaseException | None = None
+  finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+  def done(self) -> bool:
+    return self.finished.is_set()
+
+
+def _failure(args: tuple, what: str) -> str:
+  text = args[2]
+  return (f"the environment's step {what} on the model turn {text[:80]!r}: a bug in the environment, not a "
+          "tool failure (a tool's error, timeout or bad call must come back as an observation, as "
+          "ToolEnvironment.run_tool returns them); fix the environment's step")
+
+
+def call_step(env, example, turns, text) -> Transition:
+  """`env.step` on this thread; an exception out of it is `EnvironmentFailed`, chained to it."""
   try:
     return env.step(example, turns, text)
-  except Exception as e:  # noqa: BLE001 - an environment bug scores that episode, it does not stop the run
-    return Transition(observation=f"[environment error: {type(e).__name__}]", done=False,
-                      call=ToolCall("?", "error", time.monotonic() - t0))
+  except Exception as e:
+    raise EnvironmentFailed(_failure((example, turns, text), f"raised {type(e).__name__}: {e}")) from e
 
 
-def step_result(future: concurrent.futures.Future, deadline: float) -> Transition:
-  """A submitted `safe_step`'s Transition, or a timeout observation once `deadline` (monotonic) passes:
-  a step still running then cannot hold the generator (its thread is left to finish)."""
-  try:
-    return future.result(timeout=max(0.0, deadline - time.monotonic()))
-  except concurrent.futures.TimeoutError:
-    return Transition(observation="[the tool did not answer in time]", done=False,
-                      call=ToolCall("?", "timeout", STEP_GRACE_S))
+class ToolSteps:
+  """`env.step` calls on `workers` tool threads (off the generator's and the trainer's threads).
 
+  `submit` queues a step; `result` waits for it and returns its Transition, or raises
+  `EnvironmentFailed` when the step raised or has run `limit_s` seconds (counted from when a thread
+  started it: queueing behind other steps does not count). The threads are daemons, so a step that
+  overran its limit (the run stops on it) cannot hold the process at exit.
+  """
 
-def step_all(env, pool, requests: dict[int, tuple]) -> dict[int, Transition]:
-  """env.step for every request, on `pool`'s threads (inline without one); a step that raises or runs
-  past STEP_GRACE_S becomes an error observation (the episode goes on, the failure is counted)."""
-  if pool is None:
-    return {i: safe_step(env, *args) for i, args in requests.items()}
-  futures = {i: pool.submit(safe_step, env, *args) for i, args in requests.items()}
-  deadline = time.monotonic() + STEP_GRACE_S
-  return {i: step_result(f, deadline) for i, f in futures.items()}
+  def __init__(self, env, workers: int, limit_s: float):
+    if workers < 1 or limit_s <= 0:
+      raise ValueError(f"ToolSteps needs workers >= 1 and limit_s > 0, got {workers} and {limit_s}")
+    self.env, self.limit_s = env, float(limit_s)
+    self.overran = False  # a step ran past its limit: its thread is still busy with it
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._threads = [threading.Thread(target=self._work, name=f"tools-{i}", daemon=True) for i in range(workers)]
+    for t in self._threads:
+      t.start()
+
+  def _work(self) -> None:
+    while True:
+      step = self._queue.get()
+      if step is None:
+        return
+      step.started = time.monotonic()
+      try:
+        step.transition = self.env.step(*step.args)
+      except BaseException as e:  # noqa: BLE001 - handed to the waiting thread by `result`
+        step.error = e
+      step.finished.set()
+
+  def submit(self, example, turns, text) -> PendingStep:
+    step = PendingStep((example, turns, text))
+    self._queue.put(step)
+    return step
+
+  def overdue(self, step: PendingStep) -> bool:
+    started = step.started
+    return not step.done() and started is not None and time.monotonic() - started >= self.limit_s
+
+  def result(self, step: PendingStep) -> Transition:
+    """The step's Transition, waiting for it; `EnvironmentFailed` if it raised or overran its limit."""
+    while not step.finished.wait(self._left(step)):
+      if self.overdue(step):
+        self.overran = True
+        raise EnvironmentFailed(_failure(step.args, f"was still running {self.limit_s:g} s after it started "
+                                                    "(EnvConfig.step_limit_s: tool_timeout_s plus a margin)"))
+    if step.error is not None:
+      e = step.error
+      raise EnvironmentFailed(_failure(step.args, f"raised {type(e).__name__}: {e}")) from e
+    return step.transition
+
+  def _left(self, step: PendingStep) -> float:
+    started = step.started
+    return self.limit_s if started is None else max(0.0, started + self.limit_s - time.monotonic()) + 1e-3
+
+  def run_all(self, requests: dict[int, tuple]) -> dict[int, Transition]:
+    """Every request's step at once on the threads; their Transitions by key."""
+    steps = {i: self.submit(*args) for i, args in requests.items()}
+    return {i: self.result(step) for i, step in steps.items()}
+
+  def close(self) -> None:
+    """Stop the threads once the queued steps are done (idempotent). After an overrun the threads are
+    not waited for: one of them is still inside the step that overran."""
+    for _ in self._threads:
+      self._queue.put(None)
+    if not self.overran:
+      for t in self._threads:
+        t.join()

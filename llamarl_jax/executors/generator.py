@@ -45,7 +45,8 @@ from llamarl_jax.generation.rollout import FINISH_LENGTH
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.config import DynamicSampling
 from llamarl_jax.envs import Episodes, SingleTurn, run_episodes
-from llamarl_jax.envs.episodes import STEP_GRACE_S, EpisodeRows, safe_step, step_result, turn_seed
+from llamarl_jax.envs.episodes import TOOL_STATUS_METRICS, EpisodeRows, ToolSteps, turn_seed
+from llamarl_jax.metrics import append_bounded
 from llamarl_jax.schedule import batch_seed, draw_seed, scheduled_version
 
 
@@ -80,16 +81,25 @@ def take_groups(rollouts: list, picks: list[tuple[int, int]], samples_per_prompt
   return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts)
 
 
-@dataclass
 class Timer:
-  """Seconds busy and waiting since the last `take` (thread-safe enough: one writer, one reader)."""
-  busy: float = 0.0
-  wait: float = 0.0
+  """Seconds busy and waiting since the last `take`; written by an executor's thread, taken by the
+  trainer's (every access holds the lock, so no second is lost between a read and the reset)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._busy = self._wait = 0.0
+
+  def add(self, *, busy: float = 0.0, wait: float = 0.0) -> None:
+    with self._lock:
+      self._busy += busy
+      self._wait += wait
 
   def take(self) -> tuple[float, float]:
-    b, w = self.busy, self.wait
-    self.busy = self.wait = 0.0
-    return b, w
+    """(busy, wait) since the last take, and both reset to 0."""
+    with self._lock:
+      out = (self._busy, self._wait)
+      self._busy = self._wait = 0.0
+    return out
 
 
 @dataclass
@@ -133,16 +143,14 @@ class GeneratorExecutor:
                env: Any = None, env_config: Any = None):
     self.env = env if env is not None else SingleTurn()
     self.env_config = env_config
-    self.tool_pool = None
+    self.tool_steps = None  # env.step on the tool threads, time-limited (multi-turn)
     if not isinstance(self.env, SingleTurn):
       if env_config is None:
         raise ValueError("multi-turn episodes need their EnvConfig (response width, observation budget, tool threads)")
-      import concurrent.futures
-
-      self.tool_pool = concurrent.futures.ThreadPoolExecutor(env_config.tool_workers, thread_name_prefix="tools")
+      self.tool_steps = ToolSteps(self.env, env_config.tool_workers, env_config.step_limit_s)
     if dynamic_sampling is not None and (engine is not None or score is None):
       raise ValueError("dynamic sampling needs the static engine (GeneratorConfig.engine='static') and a score "
-                       "function; the slot engine streams batches and cannot redraw one yet")
+                       "function; the slot engine streams batches and does not redraw one")
     self.dynamic_sampling, self.score = dynamic_sampling, score
     if engine is not None and dataclasses.replace(engine.sampling, seed=0) != dataclasses.replace(sampling, seed=0):
       raise ValueError(f"the SlotEngine samples with {engine.sampling}, the generator with {sampling}; build the "
@@ -179,16 +187,16 @@ class GeneratorExecutor:
     if self.dynamic_sampling is not None:
       item = self.generate_informative(index, params, version)
       t2 = time.perf_counter()
-      self.timer.busy += t2 - t1
+      self.timer.add(busy=t2 - t1)
       tokens = item.metrics.pop("generate/tokens")
       item.metrics["throughput/gen_tokens_per_s"] = tokens / max(t2 - t1, 1e-9)
       return item
     examples = self.prompt_source.next_batch(self.prompts_per_step)
     data_state = self.prompt_source.state_dict()
-    episodes = self._sample(examples, batch_seed(self.seed, index), params, version)
+    episodes = self.sample(examples, batch_seed(self.seed, index), params, version)
     rollout = episodes.rollout
     t2 = time.perf_counter()
-    self.timer.busy += t2 - t1
+    self.timer.add(busy=t2 - t1)
     counters = self.prompt_source.counters()  # data/truncated_prompts, data/skipped_rows
     return Generated(index, rollout, examples, data_state, {
         "throughput/gen_tokens_per_s": float(np.sum(rollout.response_mask)) / max(t2 - t1, 1e-9),
@@ -196,8 +204,8 @@ class GeneratorExecutor:
         "generate/frac_truncated": float(np.mean(rollout.finish_reason == FINISH_LENGTH)), **counters,
         **episodes.metrics}, answers=episodes.answers, env_rewards=episodes.env_rewards)
 
-  def _sample(self, examples, seed: int, params: Any, version: int, *, greedy: bool = False,
-              n: int | None = None, record: bool = True) -> Episodes:
+  def sample(self, examples, seed: int, params: Any, version: int, *, greedy: bool = False,
+             n: int | None = None, record: bool = True) -> Episodes:
     """The episodes of `examples` (`envs.run_episodes`: one `Sampler.generate` call per turn on the
     generator's devices, each taking the device turn) -> host batch, answers, environment rewards and
     metrics. greedy / n: temperature 0 / samples per prompt instead of the run's (evaluations);
@@ -213,9 +221,7 @@ class GeneratorExecutor:
           time.sleep(self.delay_s)
         t2 = time.perf_counter()
       if record:
-        self.timeline.append(("generate", t_dev, t2))
-        if len(self.timeline) > 20_000:  # bounded over a long run
-          del self.timeline[:-10_000]
+        append_bounded(self.timeline, ("generate", t_dev, t2))
       return rollout
 
     env_config = self.env_config
@@ -224,13 +230,13 @@ class GeneratorExecutor:
                         response_width=(env_config.response_width(sampling.max_new_tokens) if env_config
                                         else sampling.max_new_tokens),
                         max_observation_tokens=env_config.max_observation_tokens if env_config else 0,
-                        tool_pool=self.tool_pool, batch_multiple=self.sampler.batch_multiple,
+                        tool_steps=self.tool_steps, batch_multiple=self.sampler.batch_multiple,
                         pad_id=self.sampler.pad_id)
 
   def close(self) -> None:
     """Stop the tool threads and the environment's tools (idempotent)."""
-    if self.tool_pool is not None:
-      self.tool_pool.shutdown(wait=True)
+    if self.tool_steps is not None:
+      self.tool_steps.close()
     if hasattr(self.env, "close"):
       self.env.close()
 
@@ -247,7 +253,7 @@ class GeneratorExecutor:
       drawn = self.prompt_source.next_batch(pps)
       if len(drawn) < pps and d > 0:  # a finite source ran out: keep what the earlier draws have
         break
-      episodes = self._sample(drawn, draw_seed(self.seed, index, d), params, version)
+      episodes = self.sample(drawn, draw_seed(self.seed, index, d), params, version)
       rollout = episodes.rollout
       texts = episodes.answers if episodes.answers is not None else decode_responses(self.tokenizer, rollout)
       r, m = self.score(texts, [ex.ground_truth for ex in drawn for _ in range(n)])
@@ -284,7 +290,7 @@ class GeneratorExecutor:
         **counters}
     for k in episode_metrics[0]:  # the episode metrics of all draws: means of means, sums of counts
       values = [m.get(k, 0.0) for m in episode_metrics]
-      metrics[k] = float(sum(values) if k in ("tool/calls", "tool/errors", "tool/timeouts") else np.mean(values))
+      metrics[k] = float(sum(values) if k in ("tool/calls", "tool/errors", *TOOL_STATUS_METRICS) else np.mean(values))
     return Generated(index, rollout, [examples[d][g] for d, g in picks], data_state, metrics,
                      rewards=batch_rewards, reward_metrics=reward_metrics, answers=batch_answers,
                      env_rewards=batch_env_rewards)
@@ -301,7 +307,7 @@ class GeneratorExecutor:
       got = self.wait_for_weights(weights, k, first_version, stop)
       if got is None:
         return
-      self.timer.wait += time.perf_counter() - t0
+      self.timer.add(wait=time.perf_counter() - t0)
       params, version = got
       self.status = (f"generating batch {k} with policy version {version}", time.monotonic())
       item = self.generate(k, params, version)
@@ -325,7 +331,7 @@ class GeneratorExecutor:
           return weights.latest()
       return None
     finally:
-      self.timer.wait += time.perf_counter() - t0
+      self.timer.add(wait=time.perf_counter() - t0)
 
   def _run_slots(self, weights, emit, stop, *, start_index: int, first_version: int) -> None:
     """The streaming loop (see the module docstring): draw when slots free up, swap on schedule, step, hand on."""
@@ -333,7 +339,7 @@ class GeneratorExecutor:
     multi_turn = not isinstance(self.env, SingleTurn)
     eng.reset()
     draws: dict[int, dict] = {}  # batch index -> its prompts, data state and completed groups
-    pending: list[tuple[int, int, int, Any]] = []  # tool steps in flight: (batch, row, turn, future)
+    pending: list[tuple[int, int, int, Any]] = []  # tool steps in flight: (batch, row, turn, PendingStep)
     next_draw = next_emit = start_index
     self._busy = 0.0  # seconds of work since the last batch was handed on
     while not stop.is_set():
@@ -372,9 +378,7 @@ class GeneratorExecutor:
         t_dev = time.perf_counter()
         completed = eng.step()
         t_end = time.perf_counter()
-      self.timeline.append(("generate", t_dev, t_end))
-      if len(self.timeline) > 20_000:  # bounded over a long run
-        del self.timeline[:-10_000]
+      append_bounded(self.timeline, ("generate", t_dev, t_end))
       for g in completed:
         if len(g.tag) == 2:  # a prompt's n samples (an episode's first turn)
           draws[g.tag[0]]["groups"][g.tag[1]] = g
@@ -399,7 +403,7 @@ class GeneratorExecutor:
 
   def _turns_done(self, draw: dict, g) -> list[tuple[int, int, int, Any]]:
     """A completed group's turns into its batch's episodes; the tool steps they start (on the tool
-    threads): (batch, row, turn, future). A first turn's group holds a prompt's n rows; a later turn's
+    threads): (batch, row, turn, PendingStep). A first turn's group holds a prompt's n rows; a later turn's
     group is one row, tagged (batch, row, turn)."""
     ep: EpisodeRows = draw["episodes"]
     if len(g.tag) == 2:
@@ -412,7 +416,7 @@ class GeneratorExecutor:
     for j, row in enumerate(rows):
       text = ep.add_turn(row, g.tokens[j], g.logprobs[j], g.versions[j], g.lengths[j], g.finish[j])
       if text is not None:
-        started.append((k, row, turn, self.tool_pool.submit(safe_step, self.env, *ep.request(row, text))))
+        started.append((k, row, turn, self.tool_steps.submit(*ep.request(row, text))))
     return started
 
   def _resume_rows(self, draws: dict, pending: list, *, wait: bool) -> list:
@@ -424,13 +428,13 @@ class GeneratorExecutor:
     Returns the steps still pending."""
     left = []
     t0 = time.perf_counter()
-    deadline = time.monotonic() + STEP_GRACE_S  # as the static engine's: a hung step cannot hold the loop
-    for k, row, turn, future in pending:
-      if not wait and not future.done():
-        left.append((k, row, turn, future))
+    steps = self.tool_steps
+    for k, row, turn, step in pending:
+      if not wait and not step.done() and not steps.overdue(step):
+        left.append((k, row, turn, step))
         continue
       ep: EpisodeRows = draws[k]["episodes"]
-      if ep.add_transition(row, step_result(future, deadline)):
+      if ep.add_transition(row, steps.result(step)):  # EnvironmentFailed: the environment's bug stops the run
         self.engine.submit([ep.context(row)], seed=turn_seed(batch_seed(self.seed, k), turn, row), n=1,
                            tags=[(k, row, turn + 1)])
     waited = time.perf_counter() - t0
@@ -460,11 +464,11 @@ class GeneratorExecutor:
       with self.device_turn:
         t0 = time.perf_counter()
         time.sleep(self.delay_s)
-        self.timeline.append(("generate", t0, time.perf_counter()))
+        append_bounded(self.timeline, ("generate", t0, time.perf_counter()))
       self._busy += self.delay_s
     metrics = self.engine.take_metrics()
     tokens = metrics.pop("generate/tokens")
-    self.timer.busy += self._busy
+    self.timer.add(busy=self._busy)
     metrics.update({
         "throughput/gen_tokens_per_s": tokens / max(self._busy, 1e-9),
         "generate/response_length_mean": float(np.mean(rollout.lengths)),

@@ -10,25 +10,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from llamarl_jax.metrics import append_bounded
 from llamarl_jax.schedule import prune_kept
-
-_KEEP = 10_000  # entries kept in per-step histories and timelines (a long run must not grow without bound)
-
-
-class WeightSource(Protocol):
-  """Where the generator takes policy weights from: `WeightSync` (one process: the trainer pushes into
-  it) or `multiprocess.protocol.RemoteWeights` (a generator process: the transfer thread receives into it).
-  Versions are the trainer's step counts; `take` hands out exactly one version ('fixed' schedule),
-  `latest`/`wait_for_version` the newest ('latest' schedule)."""
-
-  def take(self, version: int, timeout: float | None = None) -> tuple[Any, int] | None: ...
-  def latest(self) -> tuple[Any, int]: ...
-  def wait_for_version(self, version: int, timeout: float | None = None) -> bool: ...
-  @property
-  def version(self) -> int: ...
-  def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +38,8 @@ class RunState:
     return self if self.first_version is not None else dataclasses.replace(self, first_version=self.step)
 
   def keep(self, version: int, weights: Any, max_policy_lag: int) -> "RunState":
-    """With `version`'s generator weights kept, and the ones no later checkpoint can need dropped."""
+    """With `version`'s generator weights kept, and the ones no later checkpoint can need dropped (the
+    runners keep every version when `schedule.keeps_versions`)."""
     return dataclasses.replace(self, kept=prune_kept({**self.kept, version: weights}, version, max_policy_lag))
 
 
@@ -78,9 +64,7 @@ class Executors:
   timeline: list = field(default_factory=list)
 
   def mark(self, what: str, start: float, end: float) -> None:
-    self.timeline.append((what, start, end))
-    if len(self.timeline) > 2 * _KEEP:
-      del self.timeline[:-_KEEP]
+    append_bounded(self.timeline, (what, start, end))
 
 
 # Metrics that measure time or depend on thread timing (how far ahead the generator ran); everything
@@ -122,9 +106,7 @@ class StepRecorder:
                "time/generate": generator_times[0], "time/generator_wait": generator_times[1],
                "time/reward": reward_times[0], "time/reward_wait": reward_times[1],
                "throughput/train_tokens_per_s": train_tokens / max(t2 - t1, 1e-9)}
-    self.history.append(metrics)
-    if len(self.history) > 2 * _KEEP:
-      del self.history[:-_KEEP]
+    append_bounded(self.history, metrics)
     if self.logger is not None:
       self.logger.log(state.step, metrics)
     if self.save is not None and self.checkpoint_every and state.step % self.checkpoint_every == 0:

@@ -67,8 +67,7 @@ def run(ex: Executors, state: RunState, config: RunConfig, num_steps: int) -> Ru
       t1 = time.perf_counter()
       scored, metrics, texts = _score_share(ex, config, run_id, item)
       t2 = time.perf_counter()
-      reward_timer.wait += t1 - t0
-      reward_timer.busy += t2 - t1
+      reward_timer.add(busy=t2 - t1, wait=t1 - t0)
       ex.mark("reward", t1, t2)
       lag = lag_metrics(scored.rollout.token_versions, scored.rollout.response_mask, item.index)
       last_state["data"] = item.data_state

@@ -29,7 +29,7 @@ from llamarl_jax.executors.generator import Generated, Timer
 from llamarl_jax.executors.scoring import score_generated
 from llamarl_jax.replay import BufferClosed, ReplayBuffer
 from llamarl_jax.runners.common import Executors, RunState, StepRecorder, progress_bar, show_progress
-from llamarl_jax.schedule import check_lag, lag_metrics, versions_kept
+from llamarl_jax.schedule import check_lag, keeps_versions, lag_metrics, versions_kept
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,8 @@ class _Pipeline:
                                                  overlong=rollout_cfg.overlong,
                                                  max_new_tokens=rollout_cfg.max_new_tokens)
         t2 = time.perf_counter()
+        self.reward_timer.add(busy=t2 - t1, wait=t1 - t0)
         with self.lock:
-          self.reward_timer.wait += t1 - t0
-          self.reward_timer.busy += t2 - t1
           self.ex.mark("reward", t1, t2)
         version = int(np.min(item.rollout.policy_version))  # the oldest token: what the lag bound limits
         self.reward_status = (f"putting batch {item.index} into the replay buffer", time.monotonic())
@@ -146,19 +145,20 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
   generator keeps generating meanwhile, within the lag bound. The executors are stopped on return;
   in-flight batches are discarded (the next call draws their prompts again from `state.data_state`).
   """
-  lag, fixed = config.schedule.max_policy_lag, config.schedule.version_schedule == "fixed"
+  lag = config.schedule.max_policy_lag
+  keep = keeps_versions(lag, config.schedule.version_schedule)
   state = state.started()
   start, first = state.step, state.first_version
   pipe = _Pipeline(ex, config)
   ex.weights.reopen()
   ex.weights.drop_pending()
-  ex.generator.timer = Timer()
+  ex.generator.timer.take()  # this run's generator seconds start at 0
   if state.data_state is not None:  # prompts drawn for batches that were never trained are drawn again
     ex.prompt_source.load_state_dict(state.data_state)
 
   def remember(s: RunState, version: int) -> RunState:
     """Keep the generator weights of `version` (just pushed) while a checkpoint may need them."""
-    if not fixed or not lag:
+    if not keep:
       return s
     params, newest = ex.weights.latest()
     assert newest == version, (newest, version)

@@ -20,7 +20,7 @@ from llamarl_jax.config import RunConfig
 from llamarl_jax.generation.rollout import ScoredBatch
 from llamarl_jax.multiprocess.protocol import Slots, Worker, raise_failed, run_key, wait_key
 from llamarl_jax.runners.common import Executors, RunState, StepRecorder, progress_bar, show_progress
-from llamarl_jax.schedule import check_lag, kept_for_checkpoint, transfer_schedule
+from llamarl_jax.schedule import check_lag, keeps_versions, transfer_schedule
 
 
 def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfig, num_steps: int, *,
@@ -52,14 +52,11 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
   for v in sorted(sent_versions):
     if v < start:  # an exact resume: the generator weights of versions before `start`, from the checkpoint
       staged.put(v, state.kept[v])
-  end = start + num_steps
+  keep = keeps_versions(sched.max_policy_lag, sched.version_schedule)
 
   def stage(s: RunState) -> RunState:
-    """After step s.step - 1: stage its weights if they are sent, or a checkpoint will hold them."""
+    """After step s.step - 1: stage its weights if they are sent, or a checkpoint may hold them."""
     version = s.step
-    keep = kept_for_checkpoint(version, max_policy_lag=sched.max_policy_lag,
-                               checkpoint_every=config.train.checkpoint_every, end=end,
-                               version_schedule=sched.version_schedule)
     if version in sent_versions or keep:
       wire = mp.weights.stage(ex.trainer.params)
       if keep:
@@ -72,6 +69,7 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
   worker.start()
   bar = progress_bar(progress, num_steps)
   steps: list[dict] = []
+  finished = interrupted = False
   try:
     for s in range(start, start + num_steps):
       t0 = time.perf_counter()
@@ -99,9 +97,17 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
       show_progress(bar, metrics)
     worker.join(timeout)
     raise_failed([worker])
+    finished = True
+  except KeyboardInterrupt:  # Ctrl-C, or SIGTERM routed here by scripts/train.py
+    interrupted = True
+    raise
   finally:
     stop.set()
     if bar is not None:
       bar.close()
-  recorder.finish(state)
+    # Every trainer process writes its shards of a checkpoint together: at the end, and on an interrupt
+    # (which reaches them all), as the one-process runner does. After another failure a peer may be gone
+    # and never join the write; the newest periodic checkpoint stands.
+    if finished or interrupted:
+      recorder.finish(state, interrupted=interrupted)
   return state, steps
