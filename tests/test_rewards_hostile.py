@@ -1,4 +1,5 @@
-"""Hostile model text: code-injection strings score 0 and execute nothing; pathological sizes are fast.
+"""Hostile model text: code-injection strings score 0 and execute nothing; pathological sizes, huge numbers,
+pathological LaTeX, hedged and sprayed answers score 0 in under 50 ms a call.
 
 "Execute nothing" is shown two ways: a sentinel file the payloads try to create never appears, and,
 in a fresh interpreter, a Python audit hook sees no exec/compile/import/os.system/subprocess/open
@@ -6,6 +7,7 @@ event while the verifiers run over every payload (with a positive control that t
 """
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -108,7 +110,8 @@ print(json.dumps({"control": control, "events": events}))
 
 
 def test_verifiers_trigger_no_code_execution_events(sentinel):
-  stdin = json.dumps([payloads(str(sentinel)), str(sentinel)])
+  texts = payloads(str(sentinel)) + list(pathological(20_000).values()) + [r for r, _ in hedged_and_sprayed().values()]
+  stdin = json.dumps([texts, str(sentinel)])
   out = subprocess.run([sys.executable, "-c", _AUDIT_SCRIPT], input=stdin, capture_output=True, text=True,
                        timeout=60, check=True)
   report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -140,17 +143,86 @@ def pathological(n: int = 1_000_000) -> dict[str, str]:
       "answer-is spam": "answer is " * 50_000,
       "exponent float": "1e999999",
       "tiny decimal": "0." + "0" * 99_990 + "1",
+      # huge numbers
+      "10-tower": box("10^{10^{10}}"),
+      "999-digit literal": box("9" * 999),
+      "scaled huge literal": box("9" * 99 + " trillion"),
+      "990-place decimal": box("0." + "3" * 990),
+      "exp overflow": box("\\exp(\\exp(\\exp(100)))"),
+      "log of zero": box("\\ln 0"),
+      # pathological LaTeX
+      "deep sin": box("\\sin " * 400 + "x"),
+      "sin power tower": box("\\sin^{" * 100 + "2" + "}" * 100 + " x"),
+      "deep log bases": box("\\log_{" * 100 + "2" + "}" * 100 + " 8"),
+      "deep left": box("\\left(" * 300 + "1" + "\\right)" * 300),
+      "32x32 polynomial matrix": box("\\begin{pmatrix}" + "\\\\".join(["&".join(["x^2+1"] * 32)] * 32) +
+                                     "\\end{pmatrix}"),
+      "long union": box("\\cup".join(["[1,2]"] * 200)),
+      "nested set builders": box("\\{x : " * 200 + "x>1" + "\\}" * 200),
+      "long ratio": box(":".join(["7"] * 300)),
+      "long and chain": box(" and ".join(["x>1"] * 30)),
+      "pm chain": box("\\pm 1" * 200),
+      "doubled backslashes": "\\\\" * 50_000,
+      "dollars": "$" * 99_000,
+      "think tags": "<think>" * 10_000 + "</think>" * 10_000,
+      "decimal commas": "1,5 " * 20_000,
   }
+
+
+def _seconds(response: str, truth: str) -> float:
+  """The best of three timings of one call: the call's own cost, without another process's time slice."""
+  best = math.inf
+  for _ in range(3):
+    t0 = time.perf_counter()
+    M.verify(response, truth)
+    best = min(best, time.perf_counter() - t0)
+  return best
 
 
 @pytest.mark.parametrize("name", list(pathological()))
 def test_pathological_inputs_return_quickly_with_zero(name):
   text = pathological()[name]
-  for response, truth in ((text, "1"), ("1", text)):
-    t0 = time.perf_counter()
-    assert M.verify(response, truth) == 0.0
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 0.5, f"{name}: {elapsed:.3f}s (bounds should keep every input in milliseconds)"
+  for response, truth in ((text, "1"), ("1", text), (text, text[:900])):
+    if response != truth:
+      assert M.verify(response, truth) == 0.0
+    elapsed = _seconds(response, truth)
+    assert elapsed < 0.05, f"{name}: {elapsed * 1000:.1f} ms a call (bounds should keep every input in milliseconds)"
+
+
+_POLY = "+".join(f"{k}x^{k}y" for k in range(1, 30))  # within MAX_TOKENS: each one parses
+
+
+def hedged_and_sprayed() -> dict[str, tuple[str, list[str]]]:
+  """name -> (response, the answers it states): none of them may be paid."""
+  box = lambda s: "\\boxed{" + s + "}"  # noqa: E731
+  return {
+      "or": ("The answer is 5 or 6.", ["5", "6"]),
+      "boxes or": (box("5") + " or " + box("6"), ["5", "6"]),
+      "maybe": ("The answer is maybe 6.", ["6"]),
+      "might be": ("I think the answer is 7, but it might be 8.", ["7", "8"]),
+      "question marks": ("12? 13? 14? 15?", ["12", "15"]),
+      "two boxes apart": (box("12") + "\n\nAlternatively, " + box("15"), ["12", "15"]),
+      "withdrawn final": ("The answer is 12. Hmm, no: it is 15.", ["12", "15"]),
+      "later hash": (box("5") + "\n#### 6", ["5", "6"]),
+      "boxes sprayed": (" hmm ".join(box(str(k)) for k in range(1, 2000)), ["1", "7", "1999"]),
+      "boxes sprayed with retractions": (" Wait, no. ".join(box(str(k)) for k in range(1, 50)), ["48", "49"]),
+      "answer-is sprayed": (" ".join(f"The answer is {k}." for k in range(1, 3000)), ["1", "2999"]),
+      "hashes sprayed": ("\n".join(f"#### {k}" for k in range(1, 3000)), ["1", "2999"]),
+      "one box holding many": (box(", ".join(str(k) for k in range(1, 30))), ["1", "29"]),
+      "choices sprayed": ("The answer is (A). The answer is (B). The answer is (C). " + box("D"), ["A", "D"]),
+      "retractions sprayed": ("The answer is 7. Wait, no: 8. " * 2000, ["7", "8"]),
+      "polynomials sprayed": ("\n".join(f"The answer is ${_POLY.replace('x', v)}$. Wait," for v in "abcdefghijklmnop") +
+                              box(_POLY), [_POLY, _POLY.replace("x", "p")]),
+  }
+
+
+@pytest.mark.parametrize("name", list(hedged_and_sprayed()))
+def test_hedged_and_sprayed_answers_score_zero_quickly(name):
+  response, stated = hedged_and_sprayed()[name]
+  for truth in stated:
+    assert M.verify(response, truth) == 0.0, (name, truth)
+    elapsed = _seconds(response, truth)
+    assert elapsed < 0.05, f"{name}: {elapsed * 1000:.1f} ms a call"
 
 
 def test_payloads_and_pathological_inputs_through_the_executor(sentinel):

@@ -1,5 +1,6 @@
 """rewards.math.verify: a table of GSM8K- and MATH-style responses, correct and incorrect."""
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -165,3 +166,155 @@ def test_parse_rejects(text):
 ])
 def test_extract_answer(response, answer):
   assert M.extract_answer(response) == answer
+
+
+# The kinds of answers verifiers disagree on, one rule each (see the module docstring of rewards.math).
+
+# Self-correction and spraying: the last stated answer counts when every different earlier one is withdrawn
+# ("wait", "wrong", "no:", "mistake", ...) and at most MAX_DISTINCT_ANSWERS are stated; a withdrawal after the
+# final answer, a different answer after it, a hedge, or a third different answer scores 0.
+@pytest.mark.parametrize("response,truth,expected", [
+    ("The answer is 12. Wait, that is wrong: the answer is 15.", "15", 1.0),
+    ("The answer is 12. Wait, that is wrong: the answer is 15.", "12", 0.0),
+    (r"I first got $\boxed{12}$, but I made a mistake. Redoing it: $\boxed{15}$.", "15", 1.0),
+    (r"So \boxed{7}. Checking: 3 + 4 = 7, so \boxed{7}.", "7", 1.0),
+    ("The answer is 12. Hmm, no: it is 15.", "12", 0.0),  # withdrawn after the final statement
+    ("The answer is 12. Hmm, no: it is 15.", "15", 0.0),  # 15 is never stated as the answer
+    ("#### 12\nActually, I made a mistake; it should be 12.", "12", 1.0),  # withdrawn, then restated
+    ("\\boxed{12}\n\nAlternatively, \\boxed{15}.", "15", 0.0),  # two answers, neither withdrawn
+    ("The answer is 12. The answer is 15.", "15", 0.0),
+    (r"\boxed{12}. Wait, \boxed{13}. Wait, \boxed{14}. No wait, \boxed{15}.", "15", 0.0),  # sprayed
+    ("#### 12\n#### 13\n#### 15", "15", 0.0),
+    ("I think the answer is 7, but it might be 8.", "7", 0.0),
+    ("The answer is probably 15.", "15", 0.0),
+    ("It could be 12, 13, 14 or 15", "15", 0.0),
+    ("Maybe 15?", "15", 0.0),
+    ("<think>\nIs it 12? No, 3 * 5 = 15.\n</think>\nThe answer is $\\boxed{15}$.", "15", 1.0),
+    ("<think>\nThe answer is \\boxed{15}.\n</think>\nThe answer is $\\boxed{12}$.", "15", 0.0),
+])
+def test_self_correction_and_spraying(response, truth, expected):
+  assert M.verify(response, truth) == expected
+
+
+# Boxes separated only by connectors form one answer (a set), compared as a set.
+@pytest.mark.parametrize("response,truth,expected", [
+    (r"$\boxed{2}, \boxed{3}$", r"\{2, 3\}", 1.0),
+    (r"The solutions are $x = \boxed{2}$ and $x = \boxed{3}$.", r"\{3,2\}", 1.0),
+    (r"$\boxed{-3}$ and $\boxed{3}$", r"\pm 3", 1.0),
+    (r"$\boxed{2}, \boxed{3}$", r"\{2, 3, 4\}", 0.0),
+    (r"$\boxed{2}, \boxed{3}$", "2", 0.0),
+    (r"\boxed{12} \boxed{13} \boxed{14} \boxed{15}", "15", 0.0),
+])
+def test_several_boxes_form_one_answer(response, truth, expected):
+  assert M.verify(response, truth) == expected
+
+
+# A reference's label names the answer: points (AB, \angle ABC), one letter, named ratios.
+@pytest.mark.parametrize("response,truth,expected", [
+    (r"\boxed{4}", "AB = 4", 1.0),
+    (r"\boxed{AB = 4}", "4", 1.0),
+    (r"\boxed{5}", "AB = 4", 0.0),
+    (r"\boxed{1/3}", r"x = \frac{1}{3}", 1.0),
+    (r"\boxed{30^\circ}", r"\angle ABC = 30^\circ", 1.0),
+    (r"\boxed{3:4}", "AB:BC = 3:4", 1.0),
+    (r"\boxed{6:8}", "3:4", 1.0),  # ratios are equal up to a common factor
+    (r"\boxed{\frac{3}{4}}", "AB:BC = 3:4", 1.0),  # a two-term ratio is its quotient
+    (r"\boxed{4:3}", "AB:BC = 3:4", 0.0),
+    (r"\boxed{1:3:2}", "a:b:c = 2:4:6", 0.0),
+    (r"\boxed{6}", "xy = 6", 0.0),  # lower-case letters side by side are a product: an equation
+])
+def test_labels_in_the_reference(response, truth, expected):
+  assert M.verify(response, truth) == expected
+
+
+@pytest.mark.parametrize("response,truth,expected", [
+    (r"\boxed{2,5}", "2.5", 1.0),  # a decimal comma, where the reference is one number
+    ("La réponse est 2,5 litres.", "2.5", 1.0),
+    (r"\boxed{2,5}", "25", 0.0),
+    (r"\boxed{1,234}", "1234", 1.0),  # three digits after the comma: a thousands separator
+    (r"\boxed{1,234}", "1.234", 0.0),
+    (r"\boxed{0,111}", "0.111", 1.0),  # a leading 0 never starts a thousands group
+    (r"\boxed{2 \text{ million}}", "2000000", 1.0),
+    (r"\boxed{2 \text{ million}}", "2", 0.0),
+    ("The population is 2.5 million.", "2500000", 1.0),
+    (r"\boxed{0.3333333333333333}", r"\frac{1}{3}", 1.0),  # a float printout: within a unit of its last place
+    (r"\boxed{0.6666666666666667}", r"\frac{2}{3}", 1.0),
+    (r"\boxed{3.141592653589793}", r"\pi", 1.0),
+    (r"\boxed{0.333333}", r"\frac{1}{3}", 0.0),  # fewer than LONG_DECIMAL_PLACES places: a rounding, not 1/3
+    (r"\boxed{3.14159}", r"\pi", 0.0),
+    (r"\boxed{0.3333333333333}", r"\frac{1}{4}", 0.0),
+    (r"\boxed{\cfrac{2}{1+\cfrac{1}{2}}}", r"\frac43", 1.0),
+    ("\\\\boxed{\\\\frac{1}{3}}", r"\frac13", 1.0),  # JSON-escaped LaTeX
+    ("\\\\boxed{\\\\frac{1}{4}}", r"\frac13", 0.0),
+])
+def test_number_forms(response, truth, expected):
+  assert M.verify(response, truth) == expected
+
+
+@pytest.mark.parametrize("response,truth,expected", [
+    (r"\boxed{\pm 3}", r"\{-3, 3\}", 1.0),
+    (r"\boxed{\pm 3}", "3", 0.0),
+    (r"\boxed{\mathbb{R}}", r"(-\infty, \infty)", 1.0),
+    (r"\boxed{(-\infty, \infty)}", r"\mathbb{R}", 1.0),
+    (r"\boxed{\text{all real numbers}}", r"(-\infty,\infty)", 1.0),
+    (r"\boxed{\mathbb{R}}", r"(0, \infty)", 0.0),
+    (r"\boxed{\{1\} \cup \{2, 3\}}", r"\{1, 2, 3\}", 1.0),
+    (r"\boxed{\{1\} \cup \{2\}}", r"\{1, 2, 3\}", 0.0),
+    (r"\boxed{5 \geq x > -2}", "(-2, 5]", 1.0),
+    (r"\boxed{-2 \le x < 5}", "(-2, 5)", 0.0),
+    (r"\boxed{x > -2 \text{ and } x < 5}", "(-2, 5)", 1.0),  # `and`: an intersection
+    (r"\boxed{x > 1 \text{ and } x < 3}", r"\mathbb{R}", 0.0),
+    (r"\boxed{x > -2 \text{ or } x < 5}", "(-2, 5)", 0.0),  # `or`: a union (all of R here)
+    (r"\boxed{[-1, 1]}", r"\{x : -1 \le x \le 1\}", 1.0),
+])
+def test_sets_and_intervals(response, truth, expected):
+  assert M.verify(response, truth) == expected
+
+
+@pytest.mark.parametrize("response,truth,expected", [
+    (r"\boxed{\sec^2 y}", r"\tan^2 y + 1", 1.0),
+    (r"\boxed{\sec^2 y}", r"\tan^2 y", 0.0),
+    (r"\boxed{2\sin x \cos x}", r"\sin 2x", 1.0),
+    (r"\boxed{\sin 2x}", r"2\sin x", 0.0),
+    (r"\boxed{\frac{1}{\cos^2\theta}}", r"1 + \tan^2\theta", 1.0),
+    (r"\boxed{\log_2 8}", "3", 1.0),
+    (r"\boxed{\ln e^2}", "2", 1.0),
+    (r"\boxed{2x + 3y - z = 6}", "2x + 3y - z - 6 = 0", 1.0),  # a plane: equal up to a nonzero factor
+    (r"\boxed{-2x - 3y + z + 6 = 0}", "2x+3y-z=6", 1.0),
+    (r"\boxed{z = 6 - 2x - 3y}", "2x + 3y + z = 6", 1.0),
+    (r"\boxed{2x + 3y - z = 6}", "2x + 3y + z = 6", 0.0),
+    (r"\boxed{x - 2y + 3z - 4 = 0}", "x-2y+3z=-4", 0.0),
+    (r"\boxed{2x + 3y - z}", "2x + 3y - z = 6", 0.0),
+])
+def test_identities_and_planes(response, truth, expected):
+  assert M.verify(response, truth) == expected
+
+
+@pytest.mark.parametrize("text,env,value", [
+    (r"\sin^2 x + \cos^2 x", {"x": 0.7}, 1.0), (r"\sin^{-1} x", {"x": 0.5}, math.pi / 6),
+    (r"\log_{10} 1000", {}, 3.0), (r"\tan\theta", {"theta": 0.3}, math.tan(0.3)), ("cos(0)", {}, 1.0),
+    (r"e^{2}", {}, math.e ** 2), (r"\sin x \cos x", {"x": 0.4}, math.sin(0.4) * math.cos(0.4)),
+])
+def test_functions_evaluate(text, env, value):
+  assert M.evaluate(M.parse(text), env) == pytest.approx(value, rel=1e-12)
+
+
+@pytest.mark.parametrize("text", [r"\ln 0", r"\ln(-1)", r"\arcsin 2", r"\exp(\exp(100))", r"\sin"])
+def test_functions_reject_outside_their_domain(text):
+  with pytest.raises(M.ParseError):
+    M.evaluate(M.parse(text))
+
+
+def test_doubled_backslashes_are_halved_only_when_every_command_is_doubled():
+  # A matrix row break `\\` next to single-backslash commands is not doubled escaping.
+  matrix = r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}"
+  assert M.verify(matrix, r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}") == 1.0
+  doubled = matrix.replace("\\", "\\\\")
+  assert M.verify(doubled, r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}") == 1.0
+
+
+def test_verify_is_a_pure_function_of_response_and_reference():
+  pairs = [(r, t) for r, t, _ in GSM8K_CASES + MATH_CASES]
+  first = [M.verify(r, t) for r, t in pairs]
+  again = [M.verify(r, t) for r, t in reversed(pairs)][::-1]
+  assert first == again == [e for *_, e in GSM8K_CASES + MATH_CASES]

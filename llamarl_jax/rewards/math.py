@@ -223,6 +223,7 @@ class _Statement:
 _RETRACTION_RE = re.compile(
     r"\b(?:wait|wrong|incorrect|mistakes?|mistaken|errors?|oops|actually|correction|corrected|re-?check\w*|"
     r"reconsider\w*|recalculat\w*|recomput\w*|re-?evaluat\w*|scratch\s+that|redo)\b|\bno\s*[,:;.!]", re.IGNORECASE)
+_CHOICE_RE = re.compile(r"[a-e]")  # a multiple-choice letter, the one text answer that counts as stated
 _DOUBLED_RE = re.compile(r"\\\\(?=[A-Za-z])")
 _SINGLE_CMD_RE = re.compile(r"(?<!\\)\\[A-Za-z]")
 
@@ -277,7 +278,7 @@ def _statements(response: str) -> tuple[_Statement | None, list[_Statement], lis
        not re.search(r"\n|[.!?]\s", response[m.end():said[k + 1].start()]):
       continue  # "Final Answer: The final answer is $24$": the inner marker states it
     sentence, line = _sentence(response[m.end():])
-    if "\\boxed" in line or "\\fbox" in line:
+    if "\\boxed" in sentence or "\\fbox" in sentence:
       continue  # "The final answer is $\\boxed{5}$": the box is the statement
     if _HEDGE_RE.search(line):
       sentence = line  # "7, but it might be 8": the answer line hedges
@@ -322,8 +323,9 @@ def extract_answer(response: str) -> str | None:
   last_withdrawn = -1
   for s in others:
     other = parse_answer(s.text)
-    if other is None or other.kind == "text" or (mine is not None and _equal(mine, other)):
-      continue
+    if other is None or (other.kind == "text" and not _CHOICE_RE.fullmatch(other.value)) or \
+       (mine is not None and _equal(mine, other)):
+      continue  # not an answer (a sentence of words), or the final answer again
     if s.start >= final.end:
       return None  # a different answer stated after the final one: hedged
     if not any(_equal(other, x) for x in stated):
