@@ -44,7 +44,8 @@ test-quick: install
 test-gpu: install-gpu
 	JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false $(BIN)/python -m pytest -q $(ARGS)
 
-# One command for the GPU numbers (~8 min on one H100): results/bench_gpu/bench_gpu.{md,json}; the JSON
+# One command for the GPU numbers: results/bench_gpu/bench_gpu.{md,json} (written after each section). It has
+# not completed on a GPU: on one H200 its engine section was still compiling after 230 s (shared/GPU.md). The JSON
 # calibrates the step-time model: python -m llamarl_jax.perf_model --calibrate results/bench_gpu/bench_gpu.json
 bench-gpu: install-gpu
 	$(BIN)/python scripts/bench_gpu.py --out results/bench_gpu $(ARGS)

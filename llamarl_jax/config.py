@@ -198,7 +198,7 @@ class GeneratorConfig(_Validated):
   min(512, context - max_new_tokens); KV kept across weight swaps unless `recompute_kv`; a paged KV
   pool of `kv_block_size` positions per block; `chunks_in_flight` decode chunks dispatched before the
   host waits; `paged_attention` the decode attention's form: 'auto' (XLA's), or 'pallas', one kernel
-  that reads each live block once, on a one-device generator mesh, not yet timed on a GPU;
+  that reads each live block once, on a one-device generator mesh, untimed on a GPU;
   `min_decode_width` the fewest rows a decode chunk computes when few slots are busy (the batch
   shrinks to the busy slots in halvings; None: slots / 16; = slots: it never shrinks); `staged_slots`
   KV slots beyond `slots`: prompts prefilled ahead that decode chunks admit on device as rows finish.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28's evidence: configs/tiny_tools.gin (calculator) vs configs/tiny_tools_notool.gin (no tool), same
+# The tool study's runs: configs/tiny_tools.gin (calculator) vs configs/tiny_tools_notool.gin (no tool), same
 # budget, seeds given as arguments (default 0 1 2), one run at a time; results in runs/tools/<config>_s<seed>/.
 # Summarise with: python scripts/tool_study_report.py
 set -euo pipefail

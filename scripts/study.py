@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Learning-quality study (issue 18): does asynchronous AIPO match synchronous RL? Seeds, intervals, plots.
+"""Learning-quality study: does asynchronous AIPO match synchronous RL? Seeds, intervals, plots.
 
   make study      # = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 ... \
                   #   python scripts/study.py --gin_file=configs/study.gin --out runs/study --seeds 5
@@ -19,7 +19,7 @@
    issue; tables as markdown/JSON/CSV and PNG plots (OUT/report/, `--docs` also copies the plots to
    docs/).
 
-Issue 30's off-policy grid (`OFF_POLICY_CELLS`: lag 4 and 8 x AIPO / CISPO / GSPO / sequence TIS /
+The off-policy grid (`OFF_POLICY_CELLS`: lag 4 and 8 x AIPO / CISPO / GSPO / sequence TIS /
 sequence MIS x with and without DAPO dynamic sampling, all on the static engine) is not in the default
 grid: `--cells op_lag4_aipo,op_lag4_aipo_dyn,...` with its own --out (`make study-offpolicy`); its report
 adds the dropped-group rate, the paired objective-vs-AIPO and dynamic-vs-not questions and two figures.
@@ -62,7 +62,7 @@ CELLS: dict[str, tuple[str, dict]] = {
 
 
 def _off_policy_cells() -> dict[str, tuple[str, dict]]:
-  """Issue 30's grid (not in the default study; select with --cells, in its own --out): at lag 4 and 8,
+  """The off-policy grid (not in the default study; select with --cells, in its own --out): at lag 4 and 8,
   AIPO detached vs CISPO vs GSPO vs sequence-level TIS vs sequence-level MIS, each without and with
   DAPO dynamic sampling. All on the static engine (dynamic sampling needs it), so the pairs differ
   only in the objective or the sampling. 20 cells x 5 seeds ~ 2 h of 2 cores.
@@ -104,7 +104,7 @@ def _parse(argv):
   p.add_argument("--out", default="runs/study", help="study directory (results, SFT checkpoint, report)")
   p.add_argument("--seeds", type=int, default=5, help="seeds 0..S-1 per cell")
   p.add_argument("--cells", default=",".join(CELLS),
-                 help=f"comma-separated subset of {list(CELLS)} (the default), or of issue 30's {list(OFF_POLICY_CELLS)}")
+                 help=f"comma-separated subset of {list(CELLS)} (the default), or of the off-policy grid's {list(OFF_POLICY_CELLS)}")
   p.add_argument("--threshold", type=float, default=0.5,
                  help="training-reward threshold for 'steps to threshold' (trailing mean, see --threshold_window)")
   p.add_argument("--threshold_window", type=int, default=5, help="trailing window (steps) of that mean")
@@ -136,7 +136,7 @@ def _settings(cells=()) -> dict:
            for name in ("MeshConfig", "RolloutConfig", "GeneratorConfig", "TrainConfig", "ScheduleConfig",
                         "RewardConfig", "OptimizerConfig", "ModelConfig", "PromptSource", "supervised_warmstart",
                         "build_policy")}
-  if gin.get_bindings("EnvConfig"):  # multi-turn episodes (issue 28); absent from studies made before them
+  if gin.get_bindings("EnvConfig"):  # multi-turn episodes; recorded only when bound (single-turn studies match without it)
     bound["EnvConfig"] = repr(sorted(gin.get_bindings("EnvConfig").items()))
   bound["study"] = repr(sorted(_study_knobs().items()))
   settings = {"bindings": bound, "cells": {name: repr(CELLS[name]) for name in CELLS}}
@@ -441,7 +441,7 @@ QUESTIONS = (  # (a, b, key, margin, question)
 
 
 def _off_policy_questions() -> tuple:
-  """Issue 30's comparisons: at each lag every objective against AIPO detached (held-out, AUC), dynamic
+  """The off-policy grid's comparisons: at each lag every objective against AIPO detached (held-out, AUC), dynamic
   sampling against none for every objective (held-out, AUC), and lag 8 against lag 4 (held-out)."""
   names = {"cispo": "CISPO", "gspo": "GSPO", "seq_tis": "sequence TIS", "mis": "sequence MIS", "aipo": "AIPO"}
   out = []
@@ -610,7 +610,7 @@ def plots(results: dict[str, list[dict]], table: dict, report: Path, *, smooth: 
 
 
 def off_policy_plots(results: dict[str, list[dict]], table: dict, report: Path, *, smooth: int) -> list[Path]:
-  """Issue 30's figures: training-reward curves per lag (objectives without / with dynamic sampling), and
+  """The off-policy grid's figures: training-reward curves per lag (objectives without / with dynamic sampling), and
   held-out accuracy, KL(mu||pi) and the clipped / masked fraction per objective and lag."""
   import matplotlib.pyplot as plt
   import numpy as np

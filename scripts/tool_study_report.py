@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 28's comparison: the tool task with the calculator vs the same budget without tools, over seeds.
+"""The tool study: the tool task with the calculator vs the same budget without tools, over seeds.
 
   scripts/run_tool_seeds.sh 0 1 2          # runs/tools/tiny_tools_s<k>, runs/tools/tiny_tools_notool_s<k>
   python scripts/tool_study_report.py      # this table (markdown), from their summary.json and metrics.jsonl

@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     bindings.append(f"run_experiment.run_dir = '{args.run_dir}'")
   if args.resume:
     bindings.append("run_experiment.resume = True")
-  experiment.parse_gin(args.gin_file, bindings)  # refuses wave two's Controller.* keys, naming the new ones
+  experiment.parse_gin(args.gin_file, bindings)  # refuses flat Controller.* keys, naming the typed ones
   if _join_job(args):
     return _run_one_of_many(experiment)
 

@@ -93,7 +93,7 @@ def test_each_config_class_validates_its_fields_once_when_built_from_python():
     cfg.run_config(max_lag=2)
   built = cfg.run_config(max_policy_lag=3, generator_engine="static", reward_fn="math")
   assert (built.schedule.max_policy_lag, built.generator.engine, built.reward.fn) == (3, "static", "math")
-  # every flat key of wave two maps to a field that exists
+  # every flat key maps to a field that exists
   for key in cfg.LEGACY_KEYS:
     section, name = cfg.LEGACY_KEYS[key]
     assert name in {f.name for f in __import__("dataclasses").fields(cfg.SECTIONS[section])}, key

@@ -47,7 +47,7 @@ def make_controller(policy, tokenizer, tmp_path, *, source=None, reward=None, ge
                   optimizer=OptimizerConfig(lr=1e-3), step_timeout_s=120)
   defaults.update(kw)
   run = run_config(reward_fn=reward or RewardExecutor("arithmetic", inline=True), **defaults)
-  if generator:  # GeneratorConfig settings without a flat (wave-two) name
+  if generator:  # GeneratorConfig settings without a flat key
     run = dataclasses.replace(run, generator=dataclasses.replace(run.generator, **generator))
   return Controller(config, params, tokenizer, source if source is not None else PromptSource(task="arithmetic", seed=0),
                     run_dir=tmp_path, config=run, progress=False)

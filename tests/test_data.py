@@ -190,7 +190,7 @@ def test_bad_inputs_have_clear_errors(tmp_path):
     PromptSource(template="no placeholder")
 
 
-# ---- bad rows and the context limit (issue 19) ----
+# ---- bad rows and the context limit ----
 
 def _write_lines(path, lines):
   path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))

@@ -197,7 +197,7 @@ def test_runs_that_never_reach_the_threshold_count_as_the_budget():
 
 
 def test_off_policy_cells_are_opt_in_and_report_their_rejected_fraction():
-  """Issue 30's cells are selectable but not part of the default study (whose recorded settings stay
+  """The off-policy grid's cells are selectable but not part of the default study (whose recorded settings stay
   unchanged); an MIS run's rejected-token fraction is what the table's dropped/clipped column shows."""
   study = _study_module()
   assert set(study.OFF_POLICY_CELLS).isdisjoint(study.CELLS) and len(study.OFF_POLICY_CELLS) == 20
@@ -210,7 +210,7 @@ def test_off_policy_cells_are_opt_in_and_report_their_rejected_fraction():
   scalars = study.run_scalars(r, eval_window=3, threshold=0.7, threshold_window=2)
   assert scalars["frac_truncated"] == pytest.approx(0.25)
   old = study.run_scalars(_fake_result("lag1", 0, 0.8), eval_window=3, threshold=0.7, threshold_window=2)
-  assert old["frac_truncated"] == pytest.approx(0.001)  # results written before these keys existed
+  assert old["frac_truncated"] == pytest.approx(0.001)  # a result without the rollout_corr keys: its policy/frac_truncated
   import gin
 
   from llamarl_jax import experiment  # noqa: F401  (registers the configurables _settings reads)

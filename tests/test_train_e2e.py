@@ -32,11 +32,11 @@ def _train_main():
   return module.main
 
 
-def _run(run_dir, *extra_args, steps, small=SMALL):
+def _run(run_dir, *extra_args, steps, small=SMALL, gin_file="tiny_cpu.gin"):
   gin.clear_config()
   try:
     params = [f"--gin_param={b}" for b in small + [f"run_experiment.rl_steps = {steps}"]]
-    return _train_main()(["--gin_file", str(ROOT / "configs" / "tiny_cpu.gin"), "--run_dir", str(run_dir),
+    return _train_main()(["--gin_file", str(ROOT / "configs" / gin_file), "--run_dir", str(run_dir),
                           "--gin_param=run_experiment.progress = False", *params, *extra_args])
   finally:
     gin.clear_config()
@@ -143,6 +143,33 @@ def test_the_hf_export_scores_the_same_in_transformers(finished_run):
     our_text = tokenizer.decode(our_tokens[len(ids):], skip_special_tokens=True)
     assert our_text == ref_text
     assert score_arithmetic(our_text, truth) == score_arithmetic(ref_text, truth)
+
+
+def test_a_tool_run_logs_every_episode_and_tool_metric_the_readme_lists(tmp_path):
+  """configs/tiny_tools.gin (calculator episodes, static engine) for 2 RL steps after a short SFT whose
+  teacher always calls the tool: every `tool/...` and `episode/...` metric README.md names is in every
+  RL step's row of metrics.jsonl (the sandbox's statuses included, counted per batch)."""
+  import re
+
+  readme = (ROOT / "README.md").read_text()
+  listed = set()
+  for name in re.findall(r"`((?:tool|episode)/[a-z_]*(?:\{[a-z_,]+\}[a-z_]*)?)`", readme):
+    head, _, rest = name.partition("{")
+    listed |= {head + alt + rest.partition("}")[2] for alt in rest.partition("}")[0].split(",")} if rest else {name}
+  assert {"tool/memory", "tool/output_limit", "tool/forbidden", "tool/latency_max_s", "episode/frac_cut"} <= listed
+  small = ["ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
+           "supervised_warmstart.steps = 20", "supervised_warmstart.batch_size = 16", "run_experiment.eval_size = 0",
+           "RolloutConfig.prompts_per_step = 4", "RolloutConfig.samples_per_prompt = 4",
+           "PromptSource.task_kwargs = {'min_digits': 3, 'max_digits': 3, 'num_operands': 2, 'ops': '*', "
+           "'demo_tool': 'calc', 'demo_tool_rate': 1.0}"]
+  run_dir = tmp_path / "run"
+  _run(run_dir, steps=2, small=small, gin_file="tiny_tools.gin")
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in rows if "reward/mean" in r]
+  assert [r["step"] for r in rl] == [1, 2]
+  for r in rl:
+    assert listed <= set(r), sorted(listed - set(r))
+    assert r["tool/errors"] >= r["tool/timeouts"] + r["tool/memory"] + r["tool/output_limit"] + r["tool/forbidden"]
 
 
 def test_rl_from_a_saved_qwen3_checkpoint(tmp_path):

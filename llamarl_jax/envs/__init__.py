@@ -1,4 +1,4 @@
-"""Episodes (issue 28): the `Environment` protocol, single-turn and tool-calling environments, and the one
+"""Episodes: the `Environment` protocol, single-turn and tool-calling environments, and the one
 rollout path `run_episodes` that turns prompts into a trainable batch."""
 
 from llamarl_jax.envs.base import Environment, SingleTurn, ToolCall, Transition

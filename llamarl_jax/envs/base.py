@@ -1,4 +1,4 @@
-"""The `Environment` protocol: what an episode is, turn by turn (issue 28).
+"""The `Environment` protocol: what an episode is, turn by turn.
 
 An episode starts from a prompt (`PromptExample`). The model writes a turn (sampled up to its stop
 token); the environment reads the turn's text and answers with a `Transition`: the text to append
@@ -10,9 +10,10 @@ the transitions' rewards.
 
 Implementations are plain Python (no JAX): `step` runs on a worker thread of the rollout's tool
 pool, never on the generator's or the trainer's thread, and must be thread-safe for distinct
-episodes. `SingleTurn` is the one-turn case every run before multi-turn episodes was: the rollout
-path is the same for both (`envs.episodes.run_episodes`), and for `SingleTurn` it is exactly one
-`Sampler.generate` call, so single-turn runs are bit-for-bit what they were.
+episodes. A tool's failure is an observation the step returns; an exception out of `step` is a bug in
+the environment and stops the run (`envs.episodes.EnvironmentFailed`). `SingleTurn` is the one-turn
+case: the rollout path is the same for both (`envs.episodes.run_episodes`), and for `SingleTurn` it is
+exactly one `Sampler.generate` call.
 """
 
 from __future__ import annotations

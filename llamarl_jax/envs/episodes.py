@@ -229,9 +229,8 @@ class EpisodeRows:
         "tool/calls": float(len(self.calls)), "tool/errors": float(len(failed)),
         **{key: float(sum(c.status == status for c in self.calls)) for key, status in TOOL_STATUS_METRICS.items()},
     }
-    if self.calls:
-      out["tool/latency_mean_s"] = float(np.mean([c.seconds for c in self.calls]))
-      out["tool/latency_max_s"] = float(np.max([c.seconds for c in self.calls]))
+    seconds = [c.seconds for c in self.calls] or [0.0]  # no call: 0 (every batch logs the same keys)
+    out["tool/latency_mean_s"], out["tool/latency_max_s"] = float(np.mean(seconds)), float(np.max(seconds))
     return out
 
 

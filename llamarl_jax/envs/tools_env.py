@@ -1,4 +1,4 @@
-"""`ToolEnvironment`: episodes in which the model may call tools before it answers (issue 28).
+"""`ToolEnvironment`: episodes in which the model may call tools before it answers.
 
 A model turn whose whole text is a call `name(args)` of an offered tool runs the tool; its output
 comes back as the observation `[output]` (the plain marker format of the embedded char tokenizer:

@@ -58,7 +58,7 @@ class ArithmeticTask:
   answer format; RL learns the format from the reward).
   demo_tool / demo_tool_rate: with that probability the demonstration is the tool call
   `demo_tool(expression)` instead of the answer (a multi-turn `ToolEnvironment` runs the call and
-  completes the demonstration with the tool's output as the answer; the tool task of issue 28).
+  completes the demonstration with the tool's output as the answer; configs/tiny_tools.gin).
   """
   min_digits: int = 1
   max_digits: int = 2

@@ -1,4 +1,4 @@
-"""Tools an episode can call (issue 28): a sandboxed Python interpreter."""
+"""Tools an episode can call: a sandboxed Python interpreter."""
 
 from llamarl_jax.tools.sandbox import (STATUSES, SandboxCapabilities, SandboxLimits, SandboxPool, ToolResult,
                                        capabilities, run_python)

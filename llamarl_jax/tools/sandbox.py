@@ -483,7 +483,7 @@ class SandboxPool:
     self._lock = threading.Lock()
     self.totals: collections.Counter = collections.Counter()
     self._window: collections.Counter = collections.Counter()
-    self._latencies: list[float] = []
+    self._latency_sum = self._latency_max = 0.0  # of the window's calls (constant memory over a run)
 
   def submit(self, code: str) -> concurrent.futures.Future:
     """Start a call; a Future of its ToolResult."""
@@ -512,20 +512,21 @@ class SandboxPool:
         counter["calls"] += 1
         counter["errors"] += result.status != "ok"
         counter[result.status] += 1
-      self._latencies.append(latency)
+      self._latency_sum += latency
+      self._latency_max = max(self._latency_max, latency)
     return result
 
   def metrics(self) -> dict[str, float]:
     """Counts and latencies of the calls finished since the previous `metrics()` (see the class doc)."""
     with self._lock:
-      window, latencies = self._window, self._latencies
-      self._window, self._latencies = collections.Counter(), []
+      window, latency_sum, latency_max = self._window, self._latency_sum, self._latency_max
+      self._window, self._latency_sum, self._latency_max = collections.Counter(), 0.0, 0.0
     out = {"tool/calls": float(window["calls"]), "tool/errors": float(window["errors"]),
            "tool/timeouts": float(window["timeout"]), "tool/memory": float(window["memory"]),
            "tool/output_limit": float(window["output_limit"]), "tool/forbidden": float(window["forbidden"])}
-    if latencies:
-      out["tool/latency_mean_s"] = sum(latencies) / len(latencies)
-      out["tool/latency_max_s"] = max(latencies)
+    if window["calls"]:
+      out["tool/latency_mean_s"] = latency_sum / window["calls"]
+      out["tool/latency_max_s"] = latency_max
     return out
 
   def close(self) -> None:
