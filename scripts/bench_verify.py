@@ -1,11 +1,15 @@
 #!/usr/bin/env python
-"""Our math verifier (`rewards.math.verify`) against Math-Verify on the labelled suite, one invocation.
+"""Our math verifier (`rewards.math.verify`) against Math-Verify on two labelled corpora, one invocation.
 
-For both verifiers on tests/verify_suite.py (hand-labelled GSM8K / MATH / Minerva / lm-eval / chat-model
-answers): right answers accepted and wrong answers rewarded (false positives) per category, agreement
-between the two, every case where one is wrong against the label, and calls/s of each in this process
-(Math-Verify as reward_fn='math_verify' calls it: `math_verify.parse` + `math_verify.verify`, label as
-`$label$`). `--executor` also times both through `RewardExecutor` (worker processes, per-sample timeout).
+The corpora of tests/verify_suite.py: `suite` (hand-labelled GSM8K / MATH / Minerva / lm-eval / chat-model
+answers) and `peers` (cases written in the spirit of Math-Verify's, hendrycks MATH's, Qwen2.5-Math's, verl's
+and lm-eval's test suites, plus the hard kinds: self-correction, spraying, labelled references, number
+forms, sets, identities). For both verifiers on each: right answers accepted and wrong answers rewarded
+(false positives) per category; agreement between the two, overall and where Math-Verify agrees with the
+label (the cases the peers settle alike); every case where one is wrong against the label; and calls/s
+of each in this process (Math-Verify as reward_fn='math_verify' calls it: `math_verify.parse` +
+`math_verify.verify`, label as `$label$`). `--executor` also times both through `RewardExecutor` (worker
+processes, per-sample timeout).
 
   python scripts/bench_verify.py                  # needs `pip install 'llamarl_jax[math]'` for the peer
   python scripts/bench_verify.py --executor 2     # and through a 2-worker reward pool
@@ -47,57 +51,37 @@ def _short(text: str, n: int = 70) -> str:
   return text if len(text) <= n else text[:n - 3] + "..."
 
 
-def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--repeats", type=int, default=5, help="passes over the suite when timing ours")
-  parser.add_argument("--peer_repeats", type=int, default=1, help="passes over the suite when timing Math-Verify")
-  parser.add_argument("--limit", type=int, default=0, help="use only the first N cases (smoke tests)")
-  parser.add_argument("--no_peer", action="store_true", help="skip Math-Verify even if installed")
-  parser.add_argument("--executor", type=int, default=0, help="also time both through a RewardExecutor of N workers")
-  args = parser.parse_args(argv)
-
-  import verify_suite as S
-  from llamarl_jax.rewards import get_reward_fn
-
-  cases = S.CASES[:args.limit] if args.limit else S.CASES
-  verifiers = {"ours": "math"}
-  if not args.no_peer:
-    try:
-      get_reward_fn("math_verify")
-      verifiers["math_verify"] = "math_verify"
-      logging.getLogger("math_verify").setLevel(logging.ERROR)  # its per-sample parse warnings
-    except ImportError as e:
-      print(f"Math-Verify not compared: {e}\n")
-
-  predictions, rates, pool_rates = {}, {}, {}
-  for name, reward in verifiers.items():
-    repeats = args.repeats if name == "ours" else args.peer_repeats
-    predictions[name], rates[name] = _timed(get_reward_fn(reward), cases, repeats)
-    if args.executor:
-      pool_rates[name] = _executor_rate(reward, cases, args.executor)
-
+def _report(title: str, cases, predictions: dict[str, list[int]], rates: dict, pool_rates: dict, executor: int,
+            category_report) -> dict:
+  """Print one corpus's tables; return its summary numbers."""
   right = sum(c.label for c in cases)
-  print(f"## {len(cases)} cases: {right} right answers, {len(cases) - right} wrong answers\n")
-  print(S.category_report(predictions, cases) + "\n")
+  print(f"## {title}: {len(cases)} cases, {right} right answers, {len(cases) - right} wrong answers\n")
+  print(category_report(predictions, cases) + "\n")
   print("| verifier | accuracy | right accepted | false positives | calls/s (in process)"
-        + (f" | calls/s ({args.executor}-worker RewardExecutor)" if args.executor else "") + " |")
-  print("|---|---|---|---|---|" + ("---|" if args.executor else ""))
+        + (f" | calls/s ({executor}-worker RewardExecutor)" if executor else "") + " |")
+  print("|---|---|---|---|---|" + ("---|" if executor else ""))
   summary = {"cases": len(cases), "right": right}
   for name, p in predictions.items():
     correct = sum(int(x == c.label) for x, c in zip(p, cases))
     accepted = sum(x for x, c in zip(p, cases) if c.label == 1)
     fp = sum(x for x, c in zip(p, cases) if c.label == 0)
-    summary[name] = {"correct": correct, "accepted": accepted, "false_positives": fp, "calls_per_s": rates[name]}
-    pool = f" | {pool_rates[name]:.0f}" if args.executor else ""
+    summary[name] = {"correct": correct, "accepted": accepted, "false_positives": fp}
+    rate = f"{rates[name]:.0f}" if name in rates else "-"
+    pool = (f" | {pool_rates[name]:.0f}" if name in pool_rates else " | -") if executor else ""
     print(f"| {name} | {correct}/{len(cases)} ({100 * correct / len(cases):.1f}%) | {accepted}/{right} "
-          f"({100 * accepted / max(right, 1):.1f}%) | {fp}/{len(cases) - right} | {rates[name]:.0f}{pool} |")
+          f"({100 * accepted / max(right, 1):.1f}%) | {fp}/{len(cases) - right} | {rate}{pool} |")
 
   if "math_verify" in predictions:
     ours, peer = predictions["ours"], predictions["math_verify"]
     agree = sum(int(a == b) for a, b in zip(ours, peer))
+    settled = [i for i, c in enumerate(cases) if peer[i] == c.label]
+    agree_settled = sum(int(ours[i] == peer[i]) for i in settled)
     summary["agreement"] = agree
-    print(f"\nAgreement with Math-Verify: {agree}/{len(cases)} ({100 * agree / len(cases):.1f}%); "
-          f"speed ratio ours / Math-Verify: {rates['ours'] / rates['math_verify']:.0f}x\n")
+    summary["settled"] = len(settled)
+    summary["agreement_settled"] = agree_settled
+    print(f"\nAgreement with Math-Verify: {agree}/{len(cases)} ({100 * agree / len(cases):.1f}%); where Math-Verify "
+          f"agrees with the label: {agree_settled}/{len(settled)} ({100 * agree_settled / max(len(settled), 1):.1f}%)"
+          + (f"; speed ratio ours / Math-Verify: {rates['ours'] / rates['math_verify']:.0f}x" if rates else "") + "\n")
   for name, p in predictions.items():
     wrong = [i for i, (c, x) in enumerate(zip(cases, p)) if x != c.label]
     print(f"### {name}: {len(wrong)} cases wrong against the label\n")
@@ -109,6 +93,47 @@ def main(argv: list[str] | None = None) -> dict:
         others = " | ".join(str(predictions[n][i]) for n in predictions)
         print(f"| {c.category} | {c.label} | {others} | `{_short(c.response)}` | `{_short(c.truth, 40)}` |")
       print()
+  return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--repeats", type=int, default=5, help="passes over the suite when timing ours")
+  parser.add_argument("--peer_repeats", type=int, default=1, help="passes over the suite when timing Math-Verify")
+  parser.add_argument("--limit", type=int, default=0, help="use only the first N cases of each corpus (smoke tests)")
+  parser.add_argument("--corpus", choices=["suite", "peers", "both"], default="both", help="which corpora to run")
+  parser.add_argument("--no_peer", action="store_true", help="skip Math-Verify even if installed")
+  parser.add_argument("--executor", type=int, default=0, help="also time both through a RewardExecutor of N workers")
+  args = parser.parse_args(argv)
+
+  import verify_suite as S
+  from llamarl_jax.rewards import get_reward_fn
+
+  corpora = {"suite": S.CASES, "peers": S.PEER_CASES}
+  if args.corpus != "both":
+    corpora = {args.corpus: corpora[args.corpus]}
+  if args.limit:
+    corpora = {k: v[:args.limit] for k, v in corpora.items()}
+  verifiers = {"ours": "math"}
+  if not args.no_peer:
+    try:
+      get_reward_fn("math_verify")
+      verifiers["math_verify"] = "math_verify"
+      logging.getLogger("math_verify").setLevel(logging.ERROR)  # its per-sample parse warnings
+    except ImportError as e:
+      print(f"Math-Verify not compared: {e}\n")
+
+  summary = {}
+  for corpus, cases in corpora.items():
+    predictions, rates, pool_rates = {}, {}, {}
+    for name, reward in verifiers.items():
+      repeats = args.repeats if name == "ours" else args.peer_repeats
+      predictions[name], rates[name] = _timed(get_reward_fn(reward), cases, repeats)
+      if args.executor:
+        pool_rates[name] = _executor_rate(reward, cases, args.executor)
+    summary[corpus] = _report(corpus, cases, predictions, rates, pool_rates, args.executor, S.category_report)
+    for name in verifiers:
+      summary[corpus][name]["calls_per_s"] = rates[name]
   return summary
 
 
