@@ -67,7 +67,7 @@ def one_of(*choices) -> Rule:
 def loss_names() -> tuple[str, ...]:
   from llamarl_jax import losses
 
-  return tuple(losses.LOSSES)
+  return losses.TRAINER_LOSSES
 
 
 def _loss_rule(v):
@@ -253,7 +253,7 @@ class OptimizerConfig(_Validated):
 
 @dataclass(frozen=True)
 class TrainConfig(_Validated):
-  """The trainer: `loss` (losses.get_loss name) with `loss_kwargs`; a KL reference (`reference_path`,
+  """The trainer: `loss` (a name in losses.TRAINER_LOSSES) with `loss_kwargs`; a KL reference (`reference_path`,
   an HF directory; None = the policy RL starts from) when loss_kwargs has `kl_coef`; the optimizer;
   `microbatches` per step (gradient accumulation), `remat` ('none' | 'matmuls': save matmul outputs |
   'full'; True = 'full'); a checkpoint every `checkpoint_every` steps (0: only at exit), the newest
@@ -298,7 +298,7 @@ def loss_kwargs_problems(loss: str, kwargs: Any) -> str | None:
 
   from llamarl_jax import losses
 
-  if not isinstance(kwargs, dict) or loss not in losses.LOSSES:
+  if not isinstance(kwargs, dict) or loss not in losses.TRAINER_LOSSES:
     return None
   params = set(inspect.signature(losses.get_loss(loss)).parameters)
   reserved = {"logprobs", "behaviour_logprobs", "advantages", "mask", "ref_logprobs", "entropy"}

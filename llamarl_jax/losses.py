@@ -674,9 +674,17 @@ LOSSES = types.MappingProxyType({"aipo": aipo_loss, "ppo_clip": ppo_clip_loss,
                                  "cispo": cispo_loss, "seq_tis": seq_tis_loss, "mis": mis_loss})
 
 
-def get_loss(name: str) -> Callable[..., tuple[Array, dict[str, Array]]]:
+# The losses the trainer (`TrainConfig.loss`) offers. decoupled_ppo is left out on purpose: with one
+# optimizer step per batch its proximal policy is the current policy, and then its gradient is exactly
+# AIPO's (the function stays in the library for trainers that take several steps per batch).
+TRAINER_LOSSES = ("aipo", "ppo_clip", "gspo", "cispo", "seq_tis", "mis")
+
+
+def get_loss(name: str, *, trainer: bool = False) -> Callable[..., tuple[Array, dict[str, Array]]]:
   """The loss function registered under `name`: "aipo", "ppo_clip", "decoupled_ppo", "gspo",
-  "cispo", "seq_tis" (sequence-level truncated IS) or "mis" (masked IS / rejection sampling)."""
-  if name not in LOSSES:
-    raise ValueError(f"unknown loss {name!r}; expected one of {tuple(LOSSES)}")
+  "cispo", "seq_tis" (sequence-level truncated IS) or "mis" (masked IS / rejection sampling).
+  trainer=True: only the names in `TRAINER_LOSSES`."""
+  names = TRAINER_LOSSES if trainer else tuple(LOSSES)
+  if name not in names:
+    raise ValueError(f"unknown loss {name!r}{' for the trainer' if trainer else ''}; expected one of {names}")
   return LOSSES[name]

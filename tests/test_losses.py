@@ -698,6 +698,20 @@ def test_get_loss():
     get_loss("grpo")
 
 
+def test_the_trainer_offers_every_loss_but_decoupled_ppo_and_the_config_agrees():
+  """decoupled_ppo with one optimizer step per batch is AIPO: the trainer's names leave it out, and
+  TrainConfig refuses it at construction (not later, when the trainer is built)."""
+  from llamarl_jax.config import ConfigError, TrainConfig
+  from llamarl_jax.losses import LOSSES, TRAINER_LOSSES
+
+  assert set(TRAINER_LOSSES) == set(LOSSES) - {"decoupled_ppo"}
+  assert get_loss("cispo", trainer=True) is cispo_loss
+  with pytest.raises(ValueError, match="unknown loss 'decoupled_ppo' for the trainer"):
+    get_loss("decoupled_ppo", trainer=True)
+  with pytest.raises(ConfigError, match="TrainConfig.loss"):
+    TrainConfig(loss="decoupled_ppo")
+
+
 def test_jit_grad_and_vmap_compose():
   # vmap over a stack of 2 microbatches of per-example (loss, metrics, grad), under jit, equals
   # one jitted call per microbatch.

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -160,21 +160,6 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
 
 
 # --------------------------------------------------------------------------------------------------
-# losses
-
-# The trainer's losses, by name (functions in `llamarl_jax.losses`). decoupled_ppo is left out on
-# purpose: with one optimizer step per batch its proximal policy is the current policy, and then its
-# gradient is exactly AIPO's.
-TRAINER_LOSSES = ("aipo", "ppo_clip", "gspo", "cispo", "seq_tis", "mis")
-
-
-def get_loss(name: str) -> Callable:
-  if name not in TRAINER_LOSSES:
-    raise ValueError(f"unknown loss {name!r} for the trainer; expected one of {TRAINER_LOSSES}")
-  return losses.get_loss(name)
-
-
-# --------------------------------------------------------------------------------------------------
 # grouping rows by length
 
 MIN_WIDTH = 16  # the narrowest microbatch width: below it a narrower program saves nothing worth a compile
@@ -236,7 +221,7 @@ class TrainerExecutor:
 
   config: the model architecture (its `dtype` is the compute dtype). mesh: the trainer mesh
   `(data, fsdp, tp)`. params: initial params (nested dict as from `split_params`; host or device,
-  any dtype; copied, cast to fp32 and sharded). loss: a name in `TRAINER_LOSSES`; loss_kwargs go to it
+  any dtype; copied, cast to fp32 and sharded). loss: a name in `losses.TRAINER_LOSSES`; loss_kwargs go to it
   (e.g. `rho_max`). microbatches: gradient-accumulation slices of the batch (B must be a multiple of
   `microbatches * data * fsdp`). group_by_length: sort the rows into the microbatches by length and run
   each at its own width (see the module docstring); off: one fused program per step, every
@@ -267,7 +252,7 @@ class TrainerExecutor:
     self.mesh = mesh
     self.optimizer_config = optimizer or OptimizerConfig()
     self.loss_name = loss
-    self.loss_fn = get_loss(loss)
+    self.loss_fn = losses.get_loss(loss, trainer=True)
     self.loss_kwargs = dict(loss_kwargs or {})
     for reserved in ("ref_logprobs", "entropy"):
       if reserved in self.loss_kwargs:
