@@ -55,7 +55,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
+  """Whether JAX is configured for the CPU backend (JAX_PLATFORMS or jax_platforms names cpu first)."""
   platforms = (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").lower()
   return platforms.split(",")[0].strip() == "cpu"
 
@@ -85,7 +86,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     raise ValueError(f"num_processes must be >= 1, got {num_processes}")
   if cpu_devices is not None:
     jax.config.update("jax_num_cpu_devices", int(cpu_devices))
-  if transfer_address is None and _on_cpu():
+  if transfer_address is None and on_cpu():
     local = coordinator_address is not None and coordinator_address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
     host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
     transfer_address = f"{host}:{free_port(host)}"

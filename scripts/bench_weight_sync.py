@@ -72,20 +72,6 @@ def trainer_params(config, mesh, seed=0):
   return jax.block_until_ready(jax.device_put(host, parallel.param_shardings(shapes, axes, mesh))), axes
 
 
-def copy_limit_tree(sync, params):
-  """(tree, target shardings) with exactly the bytes and layout `sync.push` moves across meshes."""
-  import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  if sync.quantize == "int8":  # the int8 + scale tree push builds, and the shardings push gives it
-    moved = sync._quant(params)
-    targets = jax.tree.map(lambda s, qs: (s, None if qs[1] is None else NamedSharding(s.mesh, P())),
-                           sync.gen_shardings, moved, is_leaf=lambda x: isinstance(x, tuple))
-  else:
-    moved, targets = sync._cast(params), sync.gen_shardings
-  return moved, targets
-
-
 def same_layout_on(devices_mesh, target):
   """`target`'s sharding, over the devices of `devices_mesh` reshaped like `target`'s mesh."""
   from jax.sharding import Mesh, NamedSharding
@@ -109,7 +95,7 @@ def bench_one(params, axes, trainer_mesh, gen_mesh, mode, repeats):
   push = [sync.push(params, v + 1)["sync/seconds"] for v in range(repeats)]
   nbytes = int(sync.history[-1]["sync/bytes"])
 
-  moved, targets = copy_limit_tree(sync, params)
+  moved, targets = sync.wire(params)  # exactly the bytes and layout a push moves across meshes
   is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
   sources = jax.tree.map(lambda t: same_layout_on(trainer_mesh, t), targets, is_leaf=is_sharding)
   source = jax.block_until_ready(jax.device_put(moved, sources))

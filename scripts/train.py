@@ -83,7 +83,7 @@ def _join_job(args) -> bool:
   from llamarl_jax import distributed
 
   cpu_devices = args.cpu_devices
-  if cpu_devices is None and args.num_processes and args.num_processes > 1 and distributed._on_cpu():
+  if cpu_devices is None and args.num_processes and args.num_processes > 1 and distributed.on_cpu():
     needed = _config_devices()
     if needed % args.num_processes:
       raise SystemExit(f"the config's meshes use {needed} devices, which {args.num_processes} processes cannot "

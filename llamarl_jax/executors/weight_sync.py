@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from llamarl_jax.metrics import append_bounded
+
 
 def tree_bytes(tree: Any) -> int:
   return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
@@ -73,21 +75,25 @@ class WeightSync:
                                q, is_leaf=lambda x: isinstance(x, tuple)),
         out_shardings=gen_shardings)
 
+  def wire(self, params: Any) -> tuple[Any, Any]:
+    """What a push moves for `params` (trainer mesh): the tree cast to the generator dtype (int8: each
+    matrix as (int8 values, scale)), still on the trainer's devices, and the generator-mesh shardings
+    it is `device_put` into (scales replicated)."""
+    if self.quantize == "int8":
+      q = self._quant(params)
+      return q, jax.tree.map(lambda s, qs: (s, None if qs[1] is None else NamedSharding(s.mesh, P())),
+                             self.gen_shardings, q, is_leaf=lambda x: isinstance(x, tuple))
+    return self._cast(params), self.gen_shardings
+
   def to_generator(self, params: Any) -> tuple[Any, int]:
     """`params` (trainer mesh) cast/quantised and resharded to the generator layout, and the bytes moved.
 
     Registers nothing: `push` does that; evaluation uses this directly so that it never disturbs the
     versions the generator is waiting for.
     """
-    if self.quantize == "int8":
-      q = self._quant(params)
-      q_shardings = jax.tree.map(
-          lambda s, qs: (s, None if qs[1] is None else NamedSharding(s.mesh, P())), self.gen_shardings, q,
-          is_leaf=lambda x: isinstance(x, tuple))
-      moved = jax.device_put(q, q_shardings)
-      return self._dequant(moved), tree_bytes(moved)
-    gen_params = jax.device_put(self._cast(params), self.gen_shardings)
-    return gen_params, tree_bytes(gen_params)
+    tree, shardings = self.wire(params)
+    moved = jax.device_put(tree, shardings)
+    return (self._dequant(moved) if self.quantize == "int8" else moved), tree_bytes(moved)
 
   def push(self, params: Any, version: int) -> dict:
     """Cast/quantise `params` (trainer mesh) and reshard to the generator; returns timing metrics."""
@@ -101,9 +107,7 @@ class WeightSync:
       self._versions[int(version)] = gen_params
       if not self.keep_pending:
         self._drop_below(int(version))
-      self.history.append(metrics)
-      if len(self.history) > 20_000:  # bounded over a long run
-        del self.history[:-10_000]
+      append_bounded(self.history, metrics)
       self._cond.notify_all()
     return metrics
 
