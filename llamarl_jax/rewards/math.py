@@ -462,6 +462,9 @@ class Answer:
   alt: Any = None
 
 
+_TEXT_WORD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mbox)\s*\{\s*([A-Za-z]{2,})\s*\}|(no|No|NO)")
+
+
 def _text(s: str) -> Answer:
   t = re.sub(r"\s+", "", s).lower().strip("{}")
   if re.fullmatch(r"\([a-z]\)", t):  # multiple choice: (C) == C
@@ -633,6 +636,9 @@ def parse_answer(text: str) -> Answer | None:
   """An answer text as an `Answer` (see the module docstring), or None if empty or too long."""
   if not isinstance(text, str) or len(text) > MAX_ANSWER_CHARS:
     return None
+  word = _TEXT_WORD_RE.fullmatch(text.strip())
+  if word is not None:  # `\\text{No}`, `No`: a word, never the product of its letters
+    return _text(word.group(1) or word.group(2))
   s = _clean(text)
   return _parse(s, 0) if s else None
 
