@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from llamarl_jax.generation import Sampler, SamplingParams, paged
-from llamarl_jax.generation.paged import PageLayout, entry_buckets, live_blocks_bound, live_entries
+from llamarl_jax.generation.paged import PageLayout, live_blocks_bound, live_entries
 from llamarl_jax.generation.slot_programs import SlotPrograms
 from llamarl_jax.model import ModelConfig
 from llamarl_jax.model.paged_attention import paged_attention_reference, paged_decode_attention
@@ -155,13 +155,9 @@ def test_the_hosts_bound_covers_every_step_of_the_chunk():
       assert blocks <= bound
 
 
-def test_entry_buckets_are_geometric_and_cover_the_pool():
-  b = np.array(entry_buckets(8704))
-  assert b[0] == 8 and b[-1] >= 8704 and np.all(b % 8 == 0)
-  growth = b[1:] / b[:-1]
-  assert growth[b[:-1] >= 64].max() <= 1.25  # <= 25% padding beyond the bound
-  assert len(b) <= 32
-  assert paged.entry_bucket(81, tuple(b)) == 96 and paged.entry_bucket(10 ** 6, tuple(b)) == b[-1]
+def test_entry_bucket_is_the_smallest_that_holds_the_bound():
+  assert paged.entry_bucket(81, (160, 640)) == 160 and paged.entry_bucket(161, (160, 640)) == 640
+  assert paged.entry_bucket(10 ** 6, (160, 640)) == 640  # the largest holds every lane at full length
 
 
 def test_fused_index_overcount_charges_what_a_gather_reads():
@@ -240,7 +236,7 @@ COST_CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                           num_kv_heads=4, head_dim=32)
 
 
-def _step_cost(max_new_tokens, layout):
+def _step_cost(max_new_tokens, layout, exact=False):
   S, Pm = 16, 64
   rng = np.random.RandomState(0)
   live = rng.randint(100, 501, S)  # mean ~300, as the issue's configuration
@@ -248,27 +244,33 @@ def _step_cost(max_new_tokens, layout):
   sampling = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
   programs = SlotPrograms(COST_CONFIG, Sampler(COST_CONFIG), num_slots=S, sampling=sampling, max_prompt_len=Pm,
                           chunk_steps=8, pad_id=0)
-  return programs.decode_step_cost(prompt, live - prompt, layout=layout)
+  need = int(np.sum(-(-prompt // 16) + -(-(live - prompt) // 16)))
+  return programs.decode_step_cost(prompt, live - prompt, layout=layout, num_entries=need if exact else None)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the bounds are the CPU compiler's")
 def test_decode_step_bytes_follow_live_lengths_not_the_cache_maximum():
   """16 rows of 100..500 live positions (mean ~300) in caches of 1024 and 2048 positions.
 
-  Paged: the same bytes for both caches: nothing the step reads scales with the pool (the old dense
-  layout fails this: it reads every cached position, +1024 x 16 positions here). Measured on CPU
-  4.09x the ideal (weights + live KV) in this KV-heavy model, flat in the cache: the CPU's XLA
-  materialises each gather before the matmul that reads it, so a live block moves ~3 times (read,
-  write the gathered copy, read it), plus blocks and bucket padding (~8% here) and per-block
-  partials (scores, sums: ~1x more at bs 16, 8 heads). Bound 4.5. Dense: 4.27x at 1024 positions,
-  8.38x at 2048 (its KV bytes double with the cache); bound: >= 1.8x the paged step at 2048."""
-  paged_1k, paged_2k = _step_cost(960, "paged"), _step_cost(1984, "paged")
+  Paged, listing the live blocks: the same bytes for both caches: nothing the step reads scales
+  with the pool (the dense layout fails this: it reads every cached position, +1024 x 16 positions
+  here). Measured on CPU 4.09x the ideal (weights + live KV) in this KV-heavy model, flat in the
+  cache: the CPU's XLA materialises each gather before the matmul that reads it, so a live block
+  moves ~3 times (read, write the gathered copy, read it), plus blocks and per-block partials
+  (scores, sums: ~1x more at bs 16, 8 heads). Bound 4.5. Dense: 4.27x at 1024 positions, 8.38x at
+  2048 (its KV bytes double with the cache); bound: >= 1.8x the paged step at 2048.
+  The program set's entry counts (a quarter of the pool's and all of it, at the full width) read
+  at most 4x the live blocks in an XLA form: its bytes here are within 4x the live-block step's."""
+  paged_1k, paged_2k = _step_cost(960, "paged", exact=True), _step_cost(1984, "paged", exact=True)
   dense_1k, dense_2k = _step_cost(960, "dense"), _step_cost(1984, "dense")
   assert paged_1k["bytes"] == pytest.approx(paged_2k["bytes"], rel=0.01), (paged_1k, paged_2k)
   assert paged_2k["ratio"] <= 4.5, paged_2k
   extra_cache = 16 * (2048 - 1024) * paged.kv_bytes_per_position(COST_CONFIG)  # 1024 more positions x 16 rows
   assert dense_2k["bytes"] - dense_1k["bytes"] >= 0.9 * extra_cache, (dense_1k, dense_2k)
   assert dense_2k["bytes"] >= 1.8 * paged_2k["bytes"], (dense_2k, paged_2k)
+  for R in (960, 1984):
+    in_set = _step_cost(R, "paged")
+    assert in_set["bytes"] <= 4 * _step_cost(R, "paged", exact=True)["bytes"], in_set
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the kernel compiles for real")

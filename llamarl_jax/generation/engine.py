@@ -10,20 +10,21 @@ its batch is done. `SlotEngine` keeps a fixed number of KV-cache slots (static s
            (the n samples of a prompt read the same blocks: prefix sharing) and response blocks per
            slot, allocated once.
   insert:  queued prompts are prefilled by one jitted call (pool and slot state donated): G prompts
-           right-padded to a bucket length run through the model once, each prompt's KV goes to its
+           right-padded to a bucket length (a fixed G per bucket, `SlotPrograms.insert_groups`;
+           fewer prompts are padded with dropped groups) run through the model once, each prompt's KV goes to its
            group's region (one prefill for its n samples), and the first response token of each of
            its slots is sampled from the prompt's last logits. The slots are staged: a decode chunk
            admits them into lanes (FIFO). Regions are handed out at admission and freed when a
            group's last sample is harvested.
   decode:  one jitted call runs up to `chunk_steps` decode steps in a `lax.while_loop` on device (no
            host round trip per token); each step's attention reads only the live blocks of the
-           running slots (a flat list of TB entries, TB a bucket the host picks from an upper bound
-           without reading the device), so its bytes follow the live lengths, not Pm + R. It exits
+           running slots (a flat list of TB entries, TB one of the program set's sizes, picked by the
+           host from an upper bound without reading the device), so its bytes follow the live lengths, not Pm + R. It exits
            early when nothing runs or waits, or as soon as enough slots are free for the next
            queued prompt group. Each step computes W lanes: the running slots and, in lanes left
            free, staged ones, admitted on device the step after a lane frees (with staged slots
            beyond the lanes, a finished row is refilled without waiting for the host). W is the
-           smallest of the decode widths (`SlotPrograms.widths`: the lanes, then halvings) that
+           smallest of the decode widths (`SlotPrograms.widths`: the lanes, then quarterings) that
            holds the busy slots: in a batch's final drain the step computes only its last rows.
   harvest: each chunk's results (`ChunkResult`: done flags, tokens, log-probs, versions) leave the
            device with `copy_to_host_async` while the next chunk runs: `chunks_in_flight` (default
@@ -46,9 +47,13 @@ same as `Sampler.generate` on the same prompts and seed. A token's behaviour log
 the distribution that actually sampled it: with a kept cache after a swap, that is the new weights
 applied on top of the keys/values the old weights wrote (what AIPO's importance weight corrects).
 
-Compilation: insert compiles once per (prompt bucket, insert-group bucket), decode once per (width,
-entry bucket) used (`paged.entry_buckets`: geometric, <= 25% apart; a narrow chunk reads few blocks,
-so it uses only the small buckets), recompute once; `num_traces` counts traces (tests assert it).
+Compilation: the engine's programs are a set fixed by its configuration (`SlotPrograms.program_keys`:
+insert per prompt bucket, decode per width and entry size, recompute when swaps recompute; at most 8
+at 64 slots, prompts of 1024 and responses of 4096), compiled at construction, concurrently, with a
+progress line; nothing compiles afterwards whatever the lengths, groups or swaps. A second engine of
+the same configuration in the process takes the first one's programs (`SlotPrograms.shared`), and on
+a GPU JAX's persistent compilation cache keeps them across processes (`compile_cache`).
+`num_traces` counts traces (tests assert it).
 
 The device programs (insert, decode, recompute over `SlotState` and the KV cache) are
 `slot_programs.SlotPrograms`; this module is the host's scheduling around them.
@@ -59,6 +64,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -69,6 +75,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from llamarl_jax import parallel
+from llamarl_jax.compile_cache import enable_persistent_cache
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, validate_prompts)
 from llamarl_jax.generation.slot_programs import ChunkResult, SlotPrograms, SlotState, token_keys  # noqa: F401
@@ -190,8 +197,11 @@ class SlotEngine:
     every request (they are compiled in); `seed` is per `submit` call.
   max_prompt_len: longest prompt accepted (rounded up to a bucket); the cache holds Pm + R tokens.
   chunk_steps: decode steps per jitted call at most (the host schedules between chunks).
-  max_insert: prompts prefilled per insert call at most (default: as many as the slots hold);
-    calls are bucketed to powers of two up to it.
+  max_insert: prompt groups prefilled per insert call at most (default: as many as the slots hold);
+  prefill_tokens: prompt tokens one insert call prefills at most: a call of prompt bucket Pb takes
+    max(1, min(max_insert, prefill_tokens // Pb)) groups (a fixed count per bucket);
+  prompt_bucket_count: inserts pad prompts to the largest this many of `prompt_buckets` up to
+    max_prompt_len (e.g. 256, 512, 1024 for prompts up to 1024 tokens).
   recompute_kv: the default of `swap`: keep the KV cache (False) or recompute it.
   kv_block_size: positions per block of the paged KV pool (`paged.PageLayout`); a decode step reads
     each running row's blocks, so its bytes follow the live lengths (rounded up to blocks).
@@ -206,8 +216,8 @@ class SlotEngine:
     are prefilled into them ahead and a decode chunk admits them into lanes as lanes free, on device
     (FIFO), so finished rows are refilled at the next step without a host round trip while staged
     slots last (0: a freed lane waits for the host's insert after it harvested the chunk).
-  min_decode_width: the fewest rows a decode chunk computes (`slot_programs.decode_widths`; default
-    num_slots / 16; num_slots: the batch never shrinks). A row's samples do not depend on it (its keys
+  min_decode_width: the fewest rows a decode chunk computes (`slot_programs.decode_widths`: the
+    lanes, then quarterings; default num_slots / 16; num_slots: the batch never shrinks). A row's samples do not depend on it (its keys
     and math are per row; tests compare with the static sampler).
 
   Driving it: `swap(params, version)`; `submit(prompts, seed=..., version=..., tag=...)`; then
@@ -220,7 +230,8 @@ class SlotEngine:
                pad_id: int = 0, prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
                max_insert: int | None = None, recompute_kv: bool = False, chunks_in_flight: int = 2,
                kv_block_size: int = 16, paged_attention: str = "auto", min_decode_width: int | None = None,
-               staged_slots: int = 0, rules: Mapping[str, str | None] = parallel.RULES):
+               staged_slots: int = 0, prefill_tokens: int = 4096, prompt_bucket_count: int = 3,
+               progress: bool = True, rules: Mapping[str, str | None] = parallel.RULES):
     self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
     divisor = parallel.batch_divisor(self.mesh)
@@ -243,15 +254,22 @@ class SlotEngine:
     self.R, self.n = sampling.max_new_tokens, sampling.n
     self.max_prompt_len = self.sampler.prompt_bucket(max_prompt_len)
     self.recompute_kv = recompute_kv
-    top = num_slots // self.n
-    self.max_insert = min(int(max_insert or top), top)
-    if self.max_insert < 1:
+    if max_insert is not None and max_insert < 1:
       raise ValueError(f"max_insert must be >= 1, got {max_insert}")
-    self.insert_sizes = sorted({min(2 ** i, self.max_insert) for i in range(self.max_insert.bit_length() + 1)})
-    self.programs = SlotPrograms(config, self.sampler, num_slots=num_slots, sampling=sampling,
-                                 max_prompt_len=self.max_prompt_len, chunk_steps=self.chunk_steps, pad_id=pad_id,
-                                 kv_block_size=kv_block_size, paged_attention=paged_attention,
-                                 min_decode_width=min_decode_width, num_lanes=self.num_lanes)
+    self.programs = SlotPrograms.shared(
+        config, self.sampler, num_slots=num_slots, sampling=sampling, max_prompt_len=self.max_prompt_len,
+        chunk_steps=self.chunk_steps, pad_id=self.pad_id, kv_block_size=int(kv_block_size),
+        paged_attention=paged_attention, min_decode_width=min_decode_width, num_lanes=self.num_lanes,
+        max_insert=max_insert, prefill_tokens=int(prefill_tokens), prompt_bucket_count=int(prompt_bucket_count),
+        recompute=bool(recompute_kv))
+    self.max_insert = self.programs.max_insert
+    enable_persistent_cache(self.programs.platform)
+    t = time.perf_counter()
+    compiled = self.programs.compile(progress=progress)
+    self.warmup_s = time.perf_counter() - t  # compiling (or loading) the program set; 0 when shared
+    if progress and not compiled:
+      print(f"slot engine: {self.programs.num_compiled} programs, compiled by an engine of the same configuration",
+            file=sys.stderr, flush=True)
     self.params, self.version = None, None
     self._cache, self._state = self.programs.empty()
     self._owner: list[tuple[_Group, int] | None] = [None] * num_slots
@@ -273,12 +291,15 @@ class SlotEngine:
   # -- public ---------------------------------------------------------------------------------------
 
   def swap(self, params_or_model, version: int, *, recompute_kv: bool | None = None) -> None:
-    """Install new weights (between chunks); running sequences continue under them.
+    """Install new weights (between chunks); running sequences continue under them. Weights in
+    another dtype than the engine's model config's `param_dtype` are cast to it.
 
     recompute_kv (default: the engine's): re-prefill the running slots' prompt + generated tokens
     under the new weights, so later tokens see no keys/values of the old weights.
     """
-    self.params = self.sampler.place_params(params_or_model)
+    avals = self.programs.param_avals  # the dtypes the programs were compiled for
+    self.params = jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype),
+                               self.sampler.place_params(params_or_model), avals)
     had = self.version is not None
     self.version = int(version)
     if had and self.num_busy:
@@ -485,13 +506,21 @@ class SlotEngine:
         self._gen[s] += 1
         self._since[s] = 0
       take.append((g, slots))
-    while take:
-      size = next((b for b in self.insert_sizes if b >= len(take)), self.insert_sizes[-1])
-      now, take = take[:size], take[size:]
-      self._insert_groups(now, size)
+    batch: list[tuple[_Group, list[int]]] = []
+    longest = 0
+    for item in take:  # FIFO; a call holds as many groups as its bucket's program takes
+      grown = max(longest, len(item[0].prompt))
+      if batch and len(batch) + 1 > self.programs.insert_groups[self.programs.prompt_bucket(grown)]:
+        self._insert_groups(batch)
+        batch, grown = [], len(item[0].prompt)
+      batch.append(item)
+      longest = grown
+    if batch:
+      self._insert_groups(batch)
 
-  def _insert_groups(self, items: list[tuple[_Group, list[int]]], size: int) -> None:
-    Pb = self.sampler.prompt_bucket(max(len(g.prompt) for g, _ in items))
+  def _insert_groups(self, items: list[tuple[_Group, list[int]]]) -> None:
+    Pb = self.programs.prompt_bucket(max(len(g.prompt) for g, _ in items))
+    size = self.programs.insert_groups[Pb]
     tokens = np.full((size, Pb), self.pad_id, np.int32)
     lens = np.ones(size, np.int32)
     dst = np.full((size, self.n), self.num_slots, np.int32)  # out of range: dropped by the scatter

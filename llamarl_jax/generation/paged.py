@@ -18,8 +18,8 @@ A decode step of slot s (running, n_gen = m: response tokens 0..m-1 sampled, tok
 the cache) writes token m-1 at response entry m-1 and attends to its prompt's L positions and
 response entries 0..m-1: ceil(L / bs) + ceil(m / bs) blocks. `live_entries` lists those blocks of
 every running slot as a flat `[TB]` list (`paged_attention.paged_decode_attention`'s input); TB is a
-static bucket (`entry_buckets`) the host picks per decode chunk from an upper bound it computes
-without reading the device (`live_blocks_bound`).
+static size of the engine's program set (`SlotPrograms.entry_plan`) the host picks per decode chunk
+from an upper bound it computes without reading the device (`live_blocks_bound`).
 """
 
 from __future__ import annotations
@@ -166,23 +166,9 @@ def live_blocks_bound(layout: PageLayout, prompt_lens: np.ndarray, steps_dispatc
   return int(np.sum(per_slot))
 
 
-def entry_buckets(max_entries: int, step: int = 8) -> tuple[int, ...]:
-  """The TB values decode programs are compiled for: multiples of `step`, each at most 25% (and at
-  least `step`) above the previous, from `step` up to the first one >= max_entries. A chunk reads
-  at most 25% padding blocks beyond its bound (or `step` blocks): KV bytes only, a few percent of a
-  step whose weights dominate; the number of programs (each a compilation of the whole decode
-  chunk, tens of seconds for a 1B model on a GPU) is logarithmic in the pool: 8 up to 64 entries,
-  then about 3.1 per doubling; 31 for Llama-3.2-1B shapes at 64 slots of 128 + 1920 positions (8,192
-  blocks of 16), where 12.5% steps made 53."""
-  out = [step]
-  while out[-1] < max_entries:
-    b = out[-1]
-    out.append(max(b + step, (b * 5 // 4) // step * step))
-  return tuple(out)
-
-
 def entry_bucket(needed: int, buckets: tuple[int, ...]) -> int:
-  """The smallest bucket >= needed (the largest bucket holds every slot at full length)."""
+  """The smallest of `buckets` (ascending) >= needed; the largest when none is (it holds every lane at
+  its full length: `SlotPrograms.entry_plan`)."""
   for b in buckets:
     if b >= needed:
       return b

@@ -8,8 +8,19 @@ is allocated once (`empty`) and updated in place.
 KV layout: a paged pool (`paged.KVPages`, `paged.PageLayout`): a prompt region per group (its n
 samples share one prefill and read the same blocks), response blocks per slot, and a trash block.
 A decode step reads only the live blocks of the running slots: a flat list of TB entries built on
-device (`paged.live_entries`), TB a static bucket the host picks per chunk (`num_entries`), so the
-bytes a step reads follow each row's length, not the cache's maximum (`decode_step_cost`).
+device (`paged.live_entries`) from per-row lengths, TB a static size the host picks per chunk from
+the program set (`num_entries`), so the bytes a step reads follow each row's length, not the
+cache's maximum (`decode_step_cost`).
+
+The program set is fixed by the configuration and small (`program_keys`; at most 8 at 64 slots,
+prompts of 1024 and responses of 4096): insert per prompt bucket (the largest `prompt_bucket_count`
+of the sampler's buckets up to Pm) with a fixed group count each (`prefill_tokens` / bucket, at most
+`max_insert`); decode per width (`decode_widths`: the lanes, then quarterings) with one entry size,
+the most that width can read - the Pallas kernel walks each row's own blocks, so the size costs it
+nothing - and, for the XLA forms, whose gathers read every listed entry, a quarter size beside the
+full one at the full width; recompute when swaps recompute the KV cache. `compile` lowers them all
+and compiles them concurrently (XLA releases the GIL), ahead of the first call; `shared` hands a
+second engine of the same configuration the first one's programs.
 
 Exactness: the model code, the sampling step (`sample_logits`) and the behaviour log-probs are the
 static sampler's; token t of row r of a request with seed s draws with fold_in(fold_in(key(s), t), r)
@@ -19,7 +30,14 @@ static sampler's; token t of row r of a request with seed s draws with fold_in(f
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import os
+import sys
+import threading
+import time
+
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -99,22 +117,22 @@ class ChunkResult:
 
 
 def decode_widths(num_slots: int, divisor: int = 1, min_width: int | None = None) -> tuple[int, ...]:
-  """The row counts decode chunks are compiled for, largest first: `num_slots`, then its halvings
-  down to `min_width` (default: num_slots / 16, at least 1), each a multiple of `divisor` (the mesh's
-  data x fsdp: rows stay sharded like the slots). A chunk computes the smallest width that holds
-  every busy slot, so a batch's last long rows do not drag every slot through each step (at least
-  half the computed rows are slots the host last saw busy; rows that finished in the chunks still in
-  flight are computed idle); `min_width = num_slots`: never shrink."""
+  """The row counts decode chunks are compiled for, largest first: `num_slots`, then its quarterings
+  down to `min_width` (default: num_slots / 16, at least 1; so at most three widths), each a
+  multiple of `divisor` (the mesh's data x fsdp: rows stay sharded like the slots). A chunk computes
+  the smallest width that holds every busy slot, so a batch's last long rows do not drag every slot
+  through each step; quarters rather than halves keep the program set small (each width is a
+  compilation of the whole decode chunk); `min_width = num_slots`: never shrink."""
   if min_width is None:
     min_width = max(1, -(-num_slots // 16))
   if min_width < 1:
     raise ValueError(f"min_decode_width must be >= 1, got {min_width}")
   out, w = [num_slots], num_slots
-  while w % 2 == 0 and w // 2 >= min_width:
-    w //= 2
+  while w % 4 == 0 and w // 4 >= min_width:
+    w //= 4
     if w % divisor == 0:
       out.append(w)
-  if w > 1 and w % 2 and min_width == 1 and divisor == 1:  # an odd width left: then one row
+  if 1 < w < 4 and min_width == 1 and divisor == 1:  # a width of 2 or 3 left: then one row
     out.append(1)
   return tuple(out)
 
@@ -128,27 +146,40 @@ def token_keys(key_data: Array, t: Array, row: Array) -> Array:
   return jax.vmap(one)(key_data, t, row)
 
 
+# Programs of the configurations built in this process (`SlotPrograms.shared`), most recent last: a
+# second engine of a configuration reuses the first one's compiled programs.
+_SHARED: "collections.OrderedDict[tuple, SlotPrograms]" = collections.OrderedDict()
+_SHARED_LOCK = threading.Lock()
+SHARED_PROGRAM_SETS = 8  # configurations kept
+
+
 class SlotPrograms:
   """The jitted programs over `num_slots` slots of a paged KV pool (prompts up to `max_prompt_len`,
   R response tokens, `kv_block_size` positions per block; see `paged.PageLayout`).
 
   sampler: the `Sampler` whose model code, parameter shardings, cache sharding and prompt buckets the
   programs share (`graphdef`, `param_shardings`, `cache_sharding`). sampling: R, n, stop ids and the
-  sampling settings (compiled in). `num_traces` counts traces (tests assert compile counts) and
-  `traced` counts them per program: ('insert', prompt bucket, groups), ('decode', width, entry bucket),
-  ('recompute',): each once per shape (decode: at most len(`widths`) x len(`entry_buckets`) programs).
-  num_lanes: the rows a decode step computes at most (default num_slots; fewer: the other slots are
-  a stage, prefilled ahead and admitted into lanes on device); min_decode_width: `decode_widths`.
+  sampling settings (compiled in). num_lanes: the rows a decode step computes at most (default
+  num_slots; fewer: the other slots are a stage, prefilled ahead and admitted into lanes on device);
+  min_decode_width: `decode_widths`. max_insert: prompt groups one insert prefills at most;
+  prefill_tokens: prompt tokens one insert prefills at most (an insert of bucket Pb takes
+  max(1, min(max_insert, prefill_tokens // Pb)) groups); prompt_bucket_count: how many buckets
+  inserts pad to: Pm and the sampler's largest below it; recompute: whether the KV recompute is in the program set.
+
+  The program set (`program_keys`): ('insert', prompt bucket, groups), ('decode', width, entries),
+  ('recompute',). `compile` builds it ahead; a call outside it compiles on demand (counted).
+  `num_traces` counts traces and `traced` counts them per program key (tests assert both).
   """
 
   def __init__(self, config: ModelConfig, sampler: Sampler, *, num_slots: int, sampling: SamplingParams,
                max_prompt_len: int, chunk_steps: int, pad_id: int, kv_block_size: int = 16,
-               paged_attention: str = "auto", min_decode_width: int | None = None, num_lanes: int | None = None):
+               paged_attention: str = "auto", min_decode_width: int | None = None, num_lanes: int | None = None,
+               max_insert: int | None = None, prefill_tokens: int = 4096, prompt_bucket_count: int = 3,
+               recompute: bool = False):
     self.config, self.graphdef, self.pad_id = config, sampler.graphdef, int(pad_id)
     self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
     self.R, self.max_prompt_len = sampling.max_new_tokens, max_prompt_len
     self.layout = PageLayout(num_slots, max_prompt_len, self.R, int(kv_block_size))
-    self.entry_buckets = paged.entry_buckets(self.layout.max_entries)
     self.key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
     stops = sampling.stop_token_ids
     self._stop_ids = np.array(stops if stops else [-1], np.int32)
@@ -161,10 +192,25 @@ class SlotPrograms:
                        f"over the mesh: the pools would be gathered whole); this generator mesh has "
                        f"{dict(mesh.shape)}: use one device per generator, or paged_attention='auto'")
     self.paged_attention = paged_attention
+    with paged_attention_module.target_platform(self.platform, paged_attention):
+      self.attention_form = paged_attention_module.resolve_paged_implementation("auto", self.platform)
     self.num_lanes = num_slots if num_lanes is None else int(num_lanes)
     if not 1 <= self.num_lanes <= num_slots:
       raise ValueError(f"num_lanes must be in 1..num_slots ({num_slots}), got {num_lanes}")
     self.widths = decode_widths(self.num_lanes, parallel.batch_divisor(mesh), min_decode_width)
+    self.entry_plan = self._entry_plan()
+    if prompt_bucket_count < 1:
+      raise ValueError(f"prompt_bucket_count must be >= 1, got {prompt_bucket_count}")
+    if prefill_tokens < 1:
+      raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+    fit = [b for b in sampler.prompt_buckets if b < max_prompt_len] + [max_prompt_len]
+    self.prompt_buckets = tuple(fit[-prompt_bucket_count:])
+    top = max(1, num_slots // sampling.n)
+    self.max_insert = min(int(max_insert or top), top)
+    if self.max_insert < 1:
+      raise ValueError(f"max_insert must be >= 1, got {max_insert}")
+    self.insert_groups = {b: max(1, min(self.max_insert, int(prefill_tokens) // b)) for b in self.prompt_buckets}
+    self.recompute_in_set = bool(recompute)
     b1, b2 = parallel.batch_sharding(mesh, 1), parallel.batch_sharding(mesh, 2)
     repl = parallel.replicated(mesh)
     cs = sampler.cache_sharding  # [batch, len, kv_heads, head_dim]: the pool keeps its head sharding
@@ -175,17 +221,134 @@ class SlotPrograms:
                                                 else b1) for f in dataclasses.fields(SlotState)})
     psh = sampler.param_shardings
     self._mesh, self._param_shardings, self._dense_cache_sharding = mesh, psh, cs
-    self.insert = jax.jit(self._insert, donate_argnums=(1, 2),
-                          in_shardings=(psh, self.cache_sharding, self.state_sharding) + (repl,) * 8,
-                          out_shardings=(self.cache_sharding, self.state_sharding))
+    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    self.param_avals = jax.tree.map(sds, split_params(abstract_model(config))[1])
+    self._insert_jit = jax.jit(self._insert, donate_argnums=(1, 2),
+                               in_shardings=(psh, self.cache_sharding, self.state_sharding) + (repl,) * 8,
+                               out_shardings=(self.cache_sharding, self.state_sharding))
     self._decode_jit = jax.jit(self._decode, donate_argnums=(1, 2), static_argnums=(5, 6),
                                in_shardings=(psh, self.cache_sharding, self.state_sharding, repl, repl),
                                out_shardings=(self.cache_sharding, self.state_sharding, repl))
-    self.recompute = jax.jit(self._recompute, donate_argnums=(1,),
-                             in_shardings=(psh, self.cache_sharding, self.state_sharding),
-                             out_shardings=self.cache_sharding)
+    self._recompute_jit = jax.jit(self._recompute, donate_argnums=(1,),
+                                  in_shardings=(psh, self.cache_sharding, self.state_sharding),
+                                  out_shardings=self.cache_sharding)
     self.num_traces = 0
     self.traced = collections.Counter()
+    self.compile_seconds: dict[tuple, float] = {}  # per program: XLA's compile (wall, concurrent with others)
+    self._compiled: dict[tuple, Any] = {}
+    self._lock = threading.Lock()
+
+  @classmethod
+  def shared(cls, config: ModelConfig, sampler: Sampler, **kwargs) -> "SlotPrograms":
+    """The programs of this configuration, built once per process: an engine of a configuration
+    built before (the same model config, mesh, sharding rules, prompt buckets and program settings;
+    the sampling seed aside) gets the same object, its compiled programs included."""
+    sampling = kwargs["sampling"]
+    key = (config, sampler.mesh, tuple(sampler.prompt_buckets), tuple(sorted(sampler.rules.items())),
+           dataclasses.replace(sampling, seed=0),
+           tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("sampling", "recompute"))))
+    with _SHARED_LOCK:
+      programs = _SHARED.pop(key, None)
+      if programs is None:
+        programs = cls(config, sampler, **kwargs)
+      programs.recompute_in_set |= bool(kwargs.get("recompute", False))
+      _SHARED[key] = programs
+      while len(_SHARED) > SHARED_PROGRAM_SETS:
+        _SHARED.popitem(last=False)
+    return programs
+
+  # -- the program set --------------------------------------------------------------------------------
+
+  def _entry_plan(self) -> dict[int, tuple[int, ...]]:
+    """width -> the entry counts (TB) its decode programs take, ascending. The largest is every
+    block W lanes can read (each lane at its longest prompt and response); the XLA forms also take a
+    quarter of it at the full width (their gathers read every listed entry: a chunk that needs
+    fewer reads fewer)."""
+    per_lane = self.layout.prompt_blocks + self.layout.response_blocks
+    plan = {}
+    for w in self.widths:
+      top = w * per_lane
+      quarter = -(-top // 4)
+      xla_full_width = w == self.widths[0] and self.attention_form != "pallas" and quarter < top
+      plan[w] = (quarter, top) if xla_full_width else (top,)
+    return plan
+
+  def program_keys(self) -> list[tuple]:
+    """The program set: ('insert', prompt bucket, groups) per bucket, ('decode', width, entries) per
+    width and entry count, and ('recompute',) when swaps recompute the KV cache."""
+    keys = [("insert", b, self.insert_groups[b]) for b in self.prompt_buckets]
+    keys += [("decode", w, tb) for w in self.widths for tb in self.entry_plan[w]]
+    return keys + ([("recompute",)] if self.recompute_in_set else [])
+
+  def prompt_bucket(self, length: int) -> int:
+    """The insert bucket of a prompt of `length` tokens (<= Pm)."""
+    for b in self.prompt_buckets:
+      if length <= b:
+        return b
+    raise ValueError(f"a prompt of {length} tokens is longer than this engine's max_prompt_len={self.max_prompt_len}")
+
+  def _lower(self, key: tuple):
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    cache = jax.eval_shape(lambda: self.layout.empty_pages(self.config))
+    state = jax.eval_shape(self.empty_state)
+    if key[0] == "insert":
+      _, Pb, G = key
+      n = self.sampling.n
+      return self._insert_jit.lower(self.param_avals, cache, state, i32(G, Pb), i32(G), i32(G, n), i32(G, n),
+                                    jax.ShapeDtypeStruct((G, self.key_words), jnp.uint32), i32(), i32(G), i32(G))
+    if key[0] == "decode":
+      return self._decode_jit.lower(self.param_avals, cache, state, i32(), i32(), key[1], key[2])
+    if key[0] == "recompute":
+      return self._recompute_jit.lower(self.param_avals, cache, state)
+    raise ValueError(f"no program {key}")
+
+  def compile(self, keys: Sequence[tuple] | None = None, *, progress: bool = False) -> int:
+    """Lower the programs `keys` (default: the program set) not compiled yet, one after another (a
+    trace runs Python), and compile them concurrently (XLA compiles outside the GIL); returns how
+    many were compiled. progress: one line on stderr as they finish, with each one's seconds."""
+    with self._lock:
+      keys = [k for k in (self.program_keys() if keys is None else keys) if k not in self._compiled]
+      if not keys:
+        return 0
+      t0 = time.perf_counter()
+      lowered = [(k, self._lower(k)) for k in keys]
+      t_lower = time.perf_counter() - t0
+
+      def build(item):
+        t = time.perf_counter()
+        exe = item[1].compile()
+        return item[0], exe, time.perf_counter() - t
+
+      workers = max(1, min(len(lowered), os.cpu_count() or 1))
+      with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="slot-compile") as pool:
+        for done, (k, exe, seconds) in enumerate(pool.map(build, lowered), 1):
+          self._compiled[k], self.compile_seconds[k] = exe, seconds
+          if progress:
+            print(f"\rslot engine: compiled {done}/{len(lowered)} programs ({time.perf_counter() - t0:.1f} s; "
+                  f"traced in {t_lower:.1f} s)", end="" if done < len(lowered) else "\n", file=sys.stderr,
+                  flush=True)
+      return len(lowered)
+
+  @property
+  def num_compiled(self) -> int:
+    return len(self._compiled)
+
+  def _program(self, key: tuple):
+    exe = self._compiled.get(key)
+    if exe is None:
+      self.compile([key])
+      exe = self._compiled[key]
+    return exe
+
+  def insert(self, params, cache, state, tokens, lens, dst, rows, keys, version, regions, seqs):
+    """The compiled `_insert` of this (prompt bucket, groups) = tokens' shape (cache and state donated)."""
+    G, Pb = np.shape(tokens)
+    return self._program(("insert", Pb, G))(params, cache, state, tokens, lens, dst, rows, keys, version, regions,
+                                            seqs)
+
+  def recompute(self, params, cache, state):
+    """The compiled `_recompute` (cache donated)."""
+    return self._program(("recompute",))(params, cache, state)
 
   def empty(self) -> tuple[KVPages, SlotState]:
     """A fresh KV pool and slot state (every slot idle), placed on the mesh: allocated once per engine."""
@@ -203,13 +366,14 @@ class SlotPrograms:
                      staged=np.zeros(S, bool), seq=zi(S))
 
   def num_entries(self, prompt_lens: np.ndarray, steps_dispatched: np.ndarray, width: int | None = None) -> int:
-    """The entry bucket (`decode(..., num_entries=)`) of the next chunk of `width` lanes: host numpy,
-    no device read.
+    """The entry count (`decode(..., num_entries=)`) of the next chunk of `width` lanes: the smallest
+    of the width's (`entry_plan`) that holds the chunk's bound (host numpy, no device read).
 
     prompt_lens, steps_dispatched `[busy]`: each busy slot's prompt length and decode steps
     dispatched since its insert (`paged.live_blocks_bound`; a staged slot's count is an over-estimate)."""
+    width = self.num_lanes if width is None else int(width)
     need = paged.live_blocks_bound(self.layout, prompt_lens, steps_dispatched, self.chunk_steps, width)
-    return paged.entry_bucket(need, self.entry_buckets)
+    return paged.entry_bucket(need, self.entry_plan[width])
 
   def decode_width(self, busy: int) -> int:
     """The lanes the next decode chunk computes for `busy` busy slots (running or staged): the
@@ -304,14 +468,15 @@ class SlotPrograms:
     return cache, st, running
 
   def decode(self, params, cache, state, version, refill_at, *, width: int | None = None, num_entries: int):
-    """The jitted `_decode` (cache and state donated), compiled once per (width, entry bucket).
+    """The compiled `_decode` of (width, num_entries) (cache and state donated).
 
     width: the lanes (rows) the chunk computes per step, one of `widths` (default the most,
-    `num_lanes`); it must be >= the slots running when the chunk starts."""
+    `num_lanes`); it must be >= the slots running when the chunk starts. num_entries: one of the
+    width's `entry_plan`, at least the blocks the chunk's steps read (`num_entries()`)."""
     width = self.num_lanes if width is None else int(width)
     if width not in self.widths:
       raise ValueError(f"width must be one of the decode widths {self.widths}, got {width}")
-    return self._decode_jit(params, cache, state, version, refill_at, width, int(num_entries))
+    return self._program(("decode", width, int(num_entries)))(params, cache, state, version, refill_at)
 
   def _lanes(self, st: SlotState, width: int) -> Array:
     """The W slots the next step computes: every running slot, then staged ones by `seq` (FIFO), then
@@ -427,14 +592,16 @@ class SlotPrograms:
 
   # -- cost of one decode step (bench_generate --bytes, tests) ----------------------------------------
 
-  def decode_step_cost(self, prompt_lens, n_gen, *, layout: str = "paged") -> dict[str, float]:
+  def decode_step_cost(self, prompt_lens, n_gen, *, layout: str = "paged",
+                       num_entries: int | None = None) -> dict[str, float]:
     """XLA's cost analysis of ONE decode step, lowered and compiled from abstract shapes (nothing
     allocated), next to the ideal bytes (`paged.ideal_step_bytes`: weights + live KV).
 
     prompt_lens, n_gen `[S]` (host ints): every slot running with this prompt length and n_gen
     response tokens sampled; the step attends to L + n_gen positions (its live length).
-    layout: 'paged' (this engine: the step reads the entry bucket of the live blocks) or 'dense'
-    (the layout before pages: a `[S, Pm + R]` cache per layer, attention over all of it).
+    layout: 'paged' (this engine: the step lists `num_entries` blocks, default the program set's
+    smallest entry count that holds the live blocks) or 'dense' (a `[S, Pm + R]` cache per layer,
+    attention over all of it).
     Returns {'bytes', 'xla_bytes', 'overcount', 'kernel_bytes', 'library_bytes', 'ideal', 'weights', 'kv', 'ratio',
     'num_entries'}:
     'xla_bytes' is XLA's 'bytes accessed' as is; 'bytes' charges each fused gather the bytes it
@@ -462,10 +629,14 @@ class SlotPrograms:
     params = jax.tree.map(sds, shapes)
     state = jax.tree.map(sds, jax.eval_shape(lambda: self.empty_state()))
     repl = parallel.replicated(self._mesh)
-    num_entries = 0
     if layout == "paged":
       bs = self.layout.block_size
-      num_entries = paged.entry_bucket(int(np.sum(-(-prompt_lens // bs) + -(-n_gen // bs))), self.entry_buckets)
+      need = int(np.sum(-(-prompt_lens // bs) + -(-n_gen // bs)))
+      plan = self.entry_plan[self.widths[0]]  # the full width's programs (need: more, with a stage)
+      if num_entries is None:
+        num_entries = paged.entry_bucket(need, plan) if need <= plan[-1] else need
+      elif num_entries < need:
+        raise ValueError(f"num_entries={num_entries} is fewer than the {need} live blocks")
       cache = jax.eval_shape(lambda: self.layout.empty_pages(self.config))
       cache_sharding = self.cache_sharding
     elif layout == "dense":
@@ -475,6 +646,7 @@ class SlotPrograms:
                                index=self.state_sharding.n_gen)
     else:
       raise ValueError(f"layout must be 'paged' or 'dense', got {layout!r}")
+    num_entries = int(num_entries or 0)
 
     def step(params, cache, state, version):
       return self._step(merge_params(self.graphdef, params), cache, state, version, num_entries)[:2]
