@@ -38,6 +38,7 @@ import numpy as np
 
 from llamarl_jax import distributed, parallel
 from llamarl_jax.checkpoint import Checkpointer
+from llamarl_jax.compile_cache import enable_persistent_cache
 from llamarl_jax.config import RunConfig
 from llamarl_jax.executors.generator import GeneratorExecutor
 from llamarl_jax.executors.reward import RewardExecutor
@@ -75,6 +76,7 @@ class Controller:
                                    max_new_tokens=r.max_new_tokens, n=r.samples_per_prompt,
                                    stop_token_ids=stop_ids, seed=r.seed)
     self.trainer_mesh, self.generator_mesh = parallel.make_meshes(**dataclasses.asdict(config.mesh))
+    enable_persistent_cache()  # on a GPU: a restarted or repeated run loads its programs (`compile_cache`)
     config.check_layout(parallel.batch_divisor(self.trainer_mesh), jax.process_count())
     # Roles: in one process both; across processes each process builds only its role's executors.
     self.roles = distributed.derive_roles(self.trainer_mesh, self.generator_mesh)
