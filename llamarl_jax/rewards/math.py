@@ -7,32 +7,47 @@ Model text is never evaluated as code: expressions go through the restricted gra
 bounded up front, so any input returns within milliseconds; `RewardExecutor` adds a hard
 per-sample timeout on top.
 
-Final answer of a response (one answer, or none):
+Final answer of a response (one answer, or none), read after the last `</think>` when there is one:
   1. the last `\\boxed{...}` / `\\fbox{...}` / `\\boxed 5`, together with the boxes just before it when
-     only connectors separate them (`$\\boxed{2}$ and $\\boxed{3}$` is the list 2, 3); a malformed last
-     box means no answer;
+     only connectors separate them (`$\\boxed{2}$ and $\\boxed{3}$` is the set {2, 3}); a malformed or
+     empty last box means no answer;
   2. else the text after the last `####` (GSM8K), to the end of the line;
   3. else the sentence after the last "answer is" / "answer:" / "Final Answer:" / "**Answer:**" (the
      next line when that line is empty), cut at the sentence end (Minerva's "$24$. I hope it is
      correct." gives 24); a sentence of words around exactly one number gives that number;
-  4. else the last number of the text (or the last `$...$` when that number is inside it), unless a
-     qualifier surrounds it ("at least 5", "12 or more").
-  A response that states a different answer after its final one (`\\boxed{5}` then `#### 6`, or "The
-  answer is 6") is hedged: no answer. Qualified answers ("at least 5", `\\geq 5`, "40 or less") and
-  two answers ("5 or 6", `\\boxed{3, 4}`, `\\pm 3`) never equal a single number.
+  4. else the last number of the text (or the `$...$` that contains it, or a `$...$` that ends the text
+     after it), unless a qualifier or hedge surrounds it ("at least 5", "12 or more", "maybe 5", "5?").
+Self-correction and spraying. Every box, `####` line and answer sentence is a stated answer. The final
+answer counts only if (a) no different answer is stated after it, (b) no withdrawal ("wait", "no:",
+"wrong", "mistake", "actually", "recheck", ...) follows it with a different number after the withdrawal,
+(c) every different earlier answer is withdrawn before the final one ("\\boxed{3} is wrong, so
+\\boxed{4}" gives 4; "\\boxed{3}. Alternatively \\boxed{4}" gives none), and (d) at most
+MAX_DISTINCT_ANSWERS different answers are stated in all (one answer and one correction: a third means
+spraying, and none counts). Hedged answers ("5 or 6", "probably 6", "7, but it might be 8", `\\pm 3`
+against 3) never equal a single answer. Sentences of words are not answers; a choice letter is.
 
-Answers are normalised, then read as one of: an expression; an equation; an ordered tuple; a set
-(`\\{...\\}`, a bare comma list, "x = 2 or x = 3", `\\pm`, several boxes; order-insensitive); a union
-of intervals (`[a, b)`, `\\cup`, `\\infty`, and one-variable inequalities `-2 \\le x < 5`, `x > 3 or x < 1`);
-a matrix (`pmatrix` / `bmatrix`); or text (`\\text{(C)}`, `Monday`).
+Answers are normalised, then read as one of: an expression (numbers, variables, `\\frac`/`\\dfrac`/
+`\\cfrac`, roots, powers, `\\pi`, `e`, `\\sin`...`\\arctan`, `\\ln`, `\\log_b`); an equation; an ordered
+tuple; a set (`\\{...\\}`, a bare comma list, "x = 2 or x = 3", `\\pm`, several boxes, `\\{1\\} \\cup \\{2\\}`;
+order-insensitive); a union of intervals (`[a, b)`, `\\cup`, `\\infty`, `\\mathbb{R}`, "all real numbers",
+`\\{x : ...\\}`, one-variable inequalities `-2 \\le x < 5`, `x > 3 or x < 1` (a union), `x > -2 and x < 5`
+(an intersection)); a ratio (`3:4`, `1:2:3`); a matrix (`pmatrix` / `bmatrix`); or text (`\\text{(C)}`,
+`Monday`, `\\text{No}`).
 Normalisation drops `$`, `\\%`, degrees, `\\left`/`\\right`, spacing, `\\text{}` wrappers, thousands
-separators (`1,000`, `32,\\!349`, `1{,}000`, `1\\,000`, `10 000`), trailing unit words ("5 apples",
-`12\\text{ cm}^2`), and a left-hand side that is a name (`x =`, `f(x) =`, `(p, q) =`) or arithmetic.
+separators (`1,000`, `32,\\!349`, `1{,}000`, `1\\,000`, `10 000`; a group never starts at 0: `0,111` is a
+decimal), trailing unit words ("5 apples", `12\\text{ cm}^2`), scale words (`2 million` is 2000000), JSON
+doubling of backslashes (`\\\\frac` when no command has a single one), and a left-hand side that is a name
+(`x =`, `f(x) =`, `(p, q) =`, `AB =`, `\\angle ABC =`, `AB:BC =`) or arithmetic.
 Equivalence: exact rational equality (0.5 == 1/2 == \\frac{1}{2}; mixed numbers `4\\frac{4}{9}` == 40/9),
-float closeness (relative 1e-6) once irrationals appear, expressions in variables by exact
-evaluation at several rational points (2x+2 == 2(x+1)), equations up to a constant factor
-(x + y = 4 == 2x + 2y = 8), intervals after merging, text by normalised string. A decimal comma is
-read only where unambiguous: "3,5" (not a thousands group) against a single-number reference is 3.5.
+float closeness (relative 1e-9) once irrationals appear, expressions in variables by exact evaluation
+at several rational points (2x+2 == 2(x+1), `\\sec^2 y` == `\\tan^2 y + 1`), equations up to a nonzero
+constant factor (planes: x + y - z = 4 == -2x - 2y + 2z + 8 = 0), ratios up to a common factor (3:4 ==
+6:8 == 3/4), intervals after merging, text by normalised string. A decimal of LONG_DECIMAL_PLACES or more
+places is a printout: it equals a value within one unit of its last place (0.3333333333333333 == 1/3);
+shorter decimals must be exact (0.333333 != 1/3, 3.14159 != pi). A decimal comma is read only where
+unambiguous: "3,5" (not a thousands group) against a single-number reference is 3.5.
+Contested cases, decided: an ordered tuple never equals a set; `(1, 2)` equals the open interval; a
+percentage equals its number (`50\\%` == 50), never its fraction (0.5); `\\log` is natural.
 """
 
 from __future__ import annotations
