@@ -375,7 +375,7 @@ class _Weights:
     return self.params, 0
 
 
-def _generate_batches(params, sampling, *, engine, num_batches=2):
+def _generate_batches(params, sampling, *, engine, num_batches=2, env=None):
   import threading
 
   from llamarl_jax.data import PromptSource
@@ -387,7 +387,7 @@ def _generate_batches(params, sampling, *, engine, num_batches=2):
          if engine else None)
   env_config = EnvConfig(name="tools", max_turns=3, max_total_tokens=40, max_observation_tokens=8)
   gen = GeneratorExecutor(sampler, TOK, PromptSource(task="arithmetic", seed=0), sampling, prompts_per_step=3,
-                          max_policy_lag=10, seed=4, engine=eng, env=EchoTool(), env_config=env_config)
+                          max_policy_lag=10, seed=4, engine=eng, env=env or EchoTool(), env_config=env_config)
   out = []
 
   def emit(item):
@@ -417,6 +417,18 @@ def test_slot_engine_episodes_equal_static_episodes_greedy(random_model_episodes
     np.testing.assert_array_equal(a.rollout.prompt_tokens[:, -5:], b.rollout.prompt_tokens[:, -5:])
     np.testing.assert_allclose(a.rollout.behaviour_logprobs, b.rollout.behaviour_logprobs, atol=1e-4)
     assert a.answers == b.answers
+
+
+@pytest.mark.slow  # engine compilations
+@pytest.mark.parametrize("engine", [False, True])
+def test_an_environment_bug_stops_the_generator_on_either_engine(random_model_episodes, engine):
+  """Through the GeneratorExecutor's loop (static batches, or rows leaving and re-entering slots): the
+  first turn that reaches the buggy step raises EnvironmentFailed out of `run`."""
+  params, _ = random_model_episodes
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=6, n=2, stop_token_ids=tuple(range(2, 80)))
+  with pytest.raises(EnvironmentFailed, match="raised TypeError") as info:
+    _generate_batches(params, greedy, engine=engine, env=_Broken())
+  assert isinstance(info.value.__cause__, TypeError)
 
 
 @pytest.mark.slow  # trainer / engine compilations
