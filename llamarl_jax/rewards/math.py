@@ -769,11 +769,16 @@ def _close(a: Number, b: Number) -> bool:
 _POINTS = (Fraction(7, 3), Fraction(-5, 11), Fraction(13, 4), Fraction(29, 17), Fraction(-8, 5))
 
 
+def _env(k: int, names: list[str]) -> dict[str, Fraction]:
+  """The k-th comparison point: a distinct rational per variable."""
+  return {name: _POINTS[(k + i) % len(_POINTS)] + i for i, name in enumerate(names)}
+
+
 def _values(nodes, names: list[str]):
   """Per point, the values of `nodes` (None where one fails, e.g. a division by zero there)."""
   out = []
   for k in range(len(_POINTS)):
-    env = {name: _POINTS[(k + i) % len(_POINTS)] + i for i, name in enumerate(names)}
+    env = _env(k, names)
     try:
       out.append([evaluate(n, env) for n in nodes])
     except ParseError:
@@ -811,8 +816,17 @@ def _expr_equal(a, b) -> bool:
       return long if long is not None else _close(evaluate(a), evaluate(b))
     except (ParseError, OverflowError):
       return False
-  points = [v for v in _values([a, b], names) if v is not None]
-  return len(points) >= 2 and all(_close(x, y) for x, y in points)
+  compared = 0
+  for k in range(len(_POINTS)):  # point by point: a difference ends the comparison early
+    env = _env(k, names)
+    try:
+      x, y = evaluate(a, env), evaluate(b, env)
+    except ParseError:
+      continue  # undefined at this point (a division by zero there)
+    if not _close(x, y):
+      return False
+    compared += 1
+  return compared >= 2
 
 
 def _eq_equal(e1, e2) -> bool:
