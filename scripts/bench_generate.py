@@ -497,7 +497,10 @@ def engine_table(config, model, args, name):
                  "slot_utilization_queued": None if util_q is None else float(util_q), "ideal_utilization_queued": ideal_q,
                  "slot_occupancy": float(occupancy), "ideal_occupancy": ideal_occupancy,
                  "decode_rows_mean": float(rows_mean), "chunks_per_run": float(chunks),
-                 "static_utilization": (useful - N) / (static_steps * S), "same_tokens": float(same)})
+                 "static_utilization": (useful - N) / (static_steps * S), "same_tokens": float(same),
+                 # the engine's construction: its program set compiled (or loaded from the persistent cache)
+                 "warmup_s": engine.warmup_s, "programs": engine.programs.num_compiled,
+                 "ms_per_decode_step": t_slots * 1e3 * args.repeats / max(m["generate/decode_steps"], 1)})
   return rows
 
 

@@ -15,8 +15,14 @@ Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
               (scripts/bench_generate: weights + mean valid KV bytes per step / step / peak bandwidth)
   transformers the same weights in transformers (bf16, `generate`, dynamic cache, no torch.compile),
               decode per step at B64; skipped when torch has no CUDA
-  engine      slot engine vs static sampler on a long-tail workload: tokens/s, slot utilization (and an
-              ideal scheduler's), device idle, per KV block size and attention form (scripts/bench_generate.engine_table)
+  engine      slot engine vs static sampler on a long-tail workload and one of equal lengths (every slot
+              busy: the engine's ms per decode step): tokens/s, slot utilization (and an ideal
+              scheduler's), device idle, the engine's warm-up (its program set compiled, or loaded from
+              the persistent cache) and program count, per KV block size and attention form
+              (scripts/bench_generate.engine_table)
+  profile     a JAX profiler trace of slot-engine decode chunks (every slot busy) and of one trainer
+              step: the top 20 kernels by GPU time (name, count, total microseconds, share) and the
+              kernels launched per decode step, read from the trace's JSON (no new dependencies)
   bytes       one paged decode step's bytes (XLA's cost analysis of the program compiled for this GPU)
               vs weights + live KV, per KV block size and attention form
               (scripts/bench_generate.bytes_table; compile only)
@@ -61,7 +67,8 @@ import bench_generate  # noqa: E402
 import bench_train  # noqa: E402
 import bench_weight_sync  # noqa: E402
 
-SECTIONS = ("trainer", "torch_peer", "attention", "decode", "transformers", "engine", "bytes", "weight_push", "e2e")
+SECTIONS = ("trainer", "torch_peer", "attention", "decode", "transformers", "engine", "profile", "bytes", "weight_push",
+            "e2e")
 # device kind substring: (dense bf16 peak FLOP/s, HBM bytes/s)
 DEVICE_PEAKS = {"H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12),
                 "A100": (312e12, 2.0e12), "L4": (121e12, 0.3e12)}
@@ -73,6 +80,7 @@ FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, tr
             engine_slots=64, engine_prompts=256, engine_R=512,
             # (KV block, attention, staged slots); block 64 was measured compiled for an H100 (BENCHMARKS)
             engine_variants=((16, "auto", 0), (16, "pallas", 0), (16, "auto", 64)),
+            profile_chunks=4,
             bytes_size="1b",
             bytes_slots=64, bytes_cache=2048, bytes_live="100,500", push_size="1b", e2e=dict(hidden=512, layers=4,
             prompts=16, samples=8, max_new_tokens=64, warmup=2, steps=5), repeats=3)
@@ -80,6 +88,7 @@ DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_
            train_steps=1,
            attn=(1, 64, 4, 2, 16), decode_batches=(2,), prompt_len=8, decode_R=4, hf_batch=2,
            engine_slots=4, engine_prompts=8, engine_R=8, engine_variants=((16, "auto", 0), (4, "pallas", 0), (16, "auto", 4)),
+           profile_chunks=2,
            bytes_size="5m", bytes_slots=4,
            bytes_cache=64, bytes_live="20,40", push_size="1m", e2e=dict(hidden=32, layers=2,
            prompts=2, samples=2, max_new_tokens=4, warmup=1, steps=1), repeats=1)
@@ -332,12 +341,87 @@ def engine_section(cfg, env, args) -> dict:
   for bs, form, staged in cfg["engine_variants"]:
     ns = argparse.Namespace(slots=cfg["engine_slots"], engine_max_new_tokens=cfg["engine_R"],
                             engine_prompts=cfg["engine_prompts"], prompt_len=cfg["prompt_len"], stop_fraction=1 / 256,
-                            chunk_steps=16, repeats=1, engine_workloads="longtail", kv_block_size=bs,
+                            chunk_steps=16, repeats=1, engine_workloads="longtail,equal", kv_block_size=bs,
                             paged_attention=form, staged_slots=staged)
     rows += [dict(r, kv_block_size=bs, paged_attention=form, staged_slots=staged)
              for r in bench_generate.engine_table(config, model, ns, name)]
   return {"model": name, "slots": ns.slots, "prompts": ns.engine_prompts, "max_new_tokens": ns.engine_max_new_tokens,
           "rows": rows}
+
+
+def top_kernels(trace_dir, top: int = 20) -> dict:
+  """The kernels of a JAX profiler trace (`perfetto_trace.json.gz` under `trace_dir`), by total time:
+  the complete events ('X') of the device processes ('/device:GPU:0' ...); without one (a CPU run),
+  the XLA executor threads' events. Returns {'total_us', 'events', 'top': [{name, count, us, share}]}."""
+  import collections
+  import glob
+  import gzip
+
+  files = sorted(glob.glob(os.path.join(str(trace_dir), "**", "perfetto_trace.json.gz"), recursive=True))
+  if not files:
+    raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+  with gzip.open(files[-1]) as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  device = {pid for pid, n in names.items() if n.startswith("/device:")}
+  if device:
+    keep = lambda e: e["pid"] in device
+  else:
+    keep = lambda e: threads.get((e["pid"], e.get("tid")), "").startswith("tf_XLA")
+  time_by, count_by = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and keep(e):
+      time_by[e["name"]] += float(e.get("dur", 0.0))
+      count_by[e["name"]] += 1
+  total = sum(time_by.values())
+  return {"total_us": total, "events": sum(count_by.values()), "source": "device" if device else "host threads",
+          "top": [{"name": n, "count": count_by[n], "us": t, "share": t / total if total else 0.0}
+                  for n, t in time_by.most_common(top)]}
+
+
+def profile_section(cfg, env, args) -> dict:
+  """Traces: `profile_chunks` slot-engine decode chunks with every slot busy (equal lengths, no stop
+  tokens; one chunk in flight, so each step() is one whole chunk of `chunk_steps` steps), then one
+  trainer step at the trainer section's shapes; the top kernels of each and kernels per decode step."""
+  import jax
+  import numpy as np
+
+  from llamarl_jax.generation import SamplingParams
+  from llamarl_jax.generation.engine import SlotEngine
+
+  name, config, model = _decode_model(cfg, args, env)
+  S, P, R = cfg["engine_slots"], cfg["prompt_len"], cfg["engine_R"]
+  chunks = cfg["profile_chunks"]
+  steps = max(1, min(16, R // (chunks + 2)))  # every chunk runs all its steps: no row reaches R
+  engine = SlotEngine(config, num_slots=S, sampling=SamplingParams(temperature=1.0, max_new_tokens=R),
+                      max_prompt_len=P, chunk_steps=steps, chunks_in_flight=1)
+  rng = np.random.RandomState(0)
+  engine.swap(engine.sampler.place_params(model), 0)
+  engine.submit(rng.randint(1, config.vocab_size, (S, P)).tolist(), seed=0)
+  engine.step()  # inserts every prompt, runs the first chunk (warm)
+  out = Path(tempfile.mkdtemp(prefix="bench_gpu_profile_"))
+  t0 = time.perf_counter()
+  with bench_generate.profiled(str(out), "decode"):
+    for _ in range(chunks):
+      engine.step()
+  wall = time.perf_counter() - t0
+  decode_steps = chunks * steps
+  decode = top_kernels(out / "decode")
+  decode.update(steps=decode_steps, wall_ms_per_step=wall * 1e3 / decode_steps if decode_steps else None,
+                kernels_per_step=decode["events"] / decode_steps if decode_steps else None,
+                device_us_per_step=decode["total_us"] / decode_steps if decode_steps else None)
+  del engine
+  ns = bench_train.build_parser().parse_args([])
+  ns.__dict__.update(dtype=args.dtype, microbatches=cfg["microbatches"], remat=cfg["train_remat"], tp=1,
+                     batch=cfg["train_B"], prompt_len=cfg["train_P"], resp_len=cfg["train_R"], warmup=1, steps=1,
+                     profile=str(out))
+  bench_train.bench(cfg["size"], ns, 1.0)
+  train = top_kernels(out / "train_step")
+  jax.clear_caches()
+  return {"model": name, "slots": S, "chunk_steps": steps, "decode": decode, "train": train, "trace_dir": str(out)}
 
 
 def bytes_section(cfg, env, args) -> dict:
@@ -416,6 +500,7 @@ def e2e_section(cfg, env, args) -> dict:
 
 RUNNERS = {"trainer": trainer_section, "torch_peer": torch_peer_section, "attention": attention_section,
            "decode": decode_section, "transformers": transformers_section, "engine": engine_section,
+           "profile": profile_section,
            "bytes": bytes_section,
            "weight_push": weight_push_section, "e2e": e2e_section}
 
@@ -477,14 +562,27 @@ def markdown(results: dict) -> str:
     elif name == "engine":
       lines += [f"{r['model']}, {r['prompts']} prompts, {r['slots']} slots, up to {r['max_new_tokens']} new tokens",
                 "| KV block | attention | staged slots | workload | length mean / max | slots / static | slot utilization (ideal) | "
-                "while prompts wait (ideal) | occupancy (ideal) | chunks | static utilization | device idle |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "while prompts wait (ideal) | occupancy (ideal) | chunks | static utilization | device idle | "
+                "ms / decode step | warm-up s (programs) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
       lines += [f"| {x['kv_block_size']} | {x['paged_attention']} | {x.get('staged_slots', 0)} | {x['workload']} | "
                 f"{x['length_mean']:.0f} / {x['length_max']} | "
                 f"{x['speedup']:.2f}x | {x['slot_utilization']:.1%} ({x['ideal_utilization']:.1%}) | "
                 f"{_f(x['slot_utilization_queued'], '.1%')} ({x['ideal_utilization_queued']:.1%}) | "
                 f"{_f(x.get('slot_occupancy'), '.1%')} ({_f(x.get('ideal_occupancy'), '.1%')}) | "
-                f"{_f(x.get('chunks_per_run'), '.0f')} | {x['static_utilization']:.1%} | {x['device_idle_fraction']:.1%} |" for x in r["rows"]]
+                f"{_f(x.get('chunks_per_run'), '.0f')} | {x['static_utilization']:.1%} | {x['device_idle_fraction']:.1%} | "
+                f"{_f(x.get('ms_per_decode_step'), '.2f')} | {_f(x.get('warmup_s'), '.1f')} ({x.get('programs', '-')}) |"
+                for x in r["rows"]]
+    elif name == "profile":
+      d = r["decode"]
+      lines.append(f"{r['model']}, slot engine with {r['slots']} busy slots, {d['steps']} decode steps traced: "
+                   f"{_f(d['kernels_per_step'], '.0f')} kernels and {_f(d['device_us_per_step'], '.0f')} us of "
+                   f"{d['source']} time per step ({_f(d['wall_ms_per_step'], '.2f')} ms wall)")
+      for part in ("decode", "train"):
+        t = r[part]
+        lines += ["", f"{part}: top kernels by time ({t['total_us'] / 1e3:.1f} ms in {t['events']} events)",
+                  "| kernel | count | total us | share |", "|---|---|---|---|"]
+        lines += [f"| `{k['name'][:90]}` | {k['count']} | {k['us']:.0f} | {k['share']:.1%} |" for k in t["top"]]
     elif name == "bytes":
       lines += [f"{r['model']}, one paged decode step, XLA's cost analysis of the program compiled for this GPU "
                 "(+ the Pallas kernel's reads counted from its structure)", "| KV block | attention | layout | entries | bytes | ideal | bytes / ideal |",

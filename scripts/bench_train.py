@@ -251,6 +251,12 @@ def bench(name, args, peak_tflops):
     trainer.step(batches[i % 2])
   warmup_s = time.perf_counter() - t0
   times = [trainer.step(batches[i % 2])["time/train_step"] for i in range(args.steps)]
+  profile_dir = getattr(args, "profile", None)
+  if profile_dir:  # one more step under the profiler (bench_gpu's profile section reads its trace)
+    import bench_generate
+
+    with bench_generate.profiled(profile_dir, "train_step"):
+      trainer.step(batches[0])
   step_s = statistics.median(times)
   tokens = B * (P + R)
   n = matmul_params(config)
