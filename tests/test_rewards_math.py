@@ -181,6 +181,8 @@ def test_extract_answer(response, answer):
     ("The answer is 12. Hmm, no: it is 15.", "12", 0.0),  # withdrawn after the final statement
     ("The answer is 12. Hmm, no: it is 15.", "15", 0.0),  # 15 is never stated as the answer
     ("#### 12\nActually, I made a mistake; it should be 12.", "12", 1.0),  # withdrawn, then restated
+    (r"\boxed{0.05}. The margin of error is 5%.", "0.05", 1.0),  # "error" and "mistake" withdraw only as
+    (r"\boxed{5}. A common mistake is to answer 6.", "5", 1.0),  # "made an error", "my mistake", ...
     ("\\boxed{12}\n\nAlternatively, \\boxed{15}.", "15", 0.0),  # two answers, neither withdrawn
     ("The answer is 12. The answer is 15.", "15", 0.0),
     (r"\boxed{12}. Wait, \boxed{13}. Wait, \boxed{14}. No wait, \boxed{15}.", "15", 0.0),  # sprayed

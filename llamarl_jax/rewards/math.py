@@ -236,8 +236,9 @@ class _Statement:
 
 # Words that withdraw an earlier answer: "no wait", "that is wrong", "let me recheck".
 _RETRACTION_RE = re.compile(
-    r"\b(?:wait|wrong|incorrect|mistakes?|mistaken|errors?|oops|actually|correction|corrected|re-?check\w*|"
-    r"reconsider\w*|recalculat\w*|recomput\w*|re-?evaluat\w*|scratch\s+that|redo)\b|\bno\s*[,:;.!]", re.IGNORECASE)
+    r"\b(?:wait|wrong|incorrect|mistaken|oops|actually|correction|corrected|re-?check\w*|reconsider\w*|"
+    r"recalculat\w*|recomput\w*|re-?evaluat\w*|scratch\s+that|redo|(?:made|make|found|there\s+(?:is|was))\s+an?\s+"
+    r"(?:\w+\s+)?(?:error|mistake)|my\s+(?:\w+\s+)?(?:error|mistake))\b|\bno\s*[,:;.!]", re.IGNORECASE)
 _CHOICE_RE = re.compile(r"[a-e]")  # a multiple-choice letter, the one text answer that counts as stated
 _DOUBLED_RE = re.compile(r"\\\\(?=[A-Za-z])")
 _SINGLE_CMD_RE = re.compile(r"(?<!\\)\\[A-Za-z]")
@@ -290,7 +291,7 @@ def _statements(response: str) -> tuple[_Statement | None, list[_Statement], lis
   said = list(said)
   for k, m in enumerate(said):
     if k + 1 < len(said) and said[k + 1].start() - m.end() < 40 and \
-       not re.search(r"\n|[.!?]\s", response[m.end():said[k + 1].start()]):
+       not re.search(r"\d|\n|[.!?]\s", response[m.end():said[k + 1].start()]):
       continue  # "Final Answer: The final answer is $24$": the inner marker states it
     sentence, line = _sentence(response[m.end():])
     if "\\boxed" in sentence or "\\fbox" in sentence:
