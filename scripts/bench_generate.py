@@ -350,7 +350,7 @@ def bytes_table(config, args, name, mesh=None):
                           chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size,
                           paged_attention=getattr(args, "paged_attention", "auto"))
   dtype = jax.numpy.dtype(config.dtype).name
-  device = programs._mesh.devices.flat[0]
+  device = programs.mesh.devices.flat[0]
   print(f"\n# one decode step's bytes: {name} {dtype}, {S} slots, cache {T} (prompt <= {Pm}), live lengths "
         f"{lo}..{hi} (mean {live.mean():.0f}), KV blocks of {args.kv_block_size}, paged attention "
         f"{getattr(args, 'paged_attention', 'auto')}; XLA cost analysis of the program "

@@ -4,7 +4,7 @@ and a JSON file (the input of `python -m llamarl_jax.perf_model --calibrate`). A
 one H100 (each section prints its own seconds).
 
 Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
-  trainer     `TrainerExecutor.step` at issue 25's RL shapes (16 x (512 + 1536), 2 microbatches, remat
+  trainer     `TrainerExecutor.step` at RL shapes (16 x (512 + 1536), 2 microbatches, remat
               saving matmul outputs, cuDNN attention, lm_head in chunks): step time,
               MFU = 6 N B (P + R) / step / peak, peak device memory (scripts/bench_train.bench)
   torch_peer  the same shapes in PyTorch (transformers Llama, sdpa, bf16 autocast, AdamW, gradient
@@ -78,8 +78,8 @@ FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, tr
             train_warmup=2, train_steps=3,
             attn=(4, 2048, 32, 8, 64), decode_batches=(16, 64, 256), prompt_len=128, decode_R=64, hf_batch=64,
             engine_slots=64, engine_prompts=256, engine_R=512,
-            # (KV block, attention, staged slots); block 64 was measured compiled for an H100 (BENCHMARKS)
-            engine_variants=((16, "auto", 0), (16, "pallas", 0), (16, "auto", 64)),
+            # (KV block, attention, staged slots): auto = the Pallas kernel on one GPU, reduce = XLA's form
+            engine_variants=((16, "auto", 0), (16, "reduce", 0), (16, "auto", 64)),
             profile_chunks=4,
             bytes_size="1b",
             bytes_slots=64, bytes_cache=2048, bytes_live="100,500", push_size="1b", e2e=dict(hidden=512, layers=4,
@@ -469,7 +469,7 @@ def weight_push_section(cfg, env, args) -> dict:
     sync = WeightSync(parallel.param_shardings(shapes, axes, mesh), dtype=jnp.bfloat16, axes=axes)
     sync.push(params, 0)
     push = statistics.median(sync.push(params, v + 1)["sync/seconds"] for v in range(repeats))
-    moved = jax.block_until_ready(sync._cast(params))
+    moved = jax.block_until_ready(sync.wire(params)[0])
     copy_fn = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
     jax.block_until_ready(copy_fn(moved))
     (copy,) = bench_generate.best_times([lambda: jax.block_until_ready(copy_fn(moved))], repeats)

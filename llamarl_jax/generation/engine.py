@@ -199,7 +199,8 @@ class SlotEngine:
   chunk_steps: decode steps per jitted call at most (the host schedules between chunks).
   max_insert: prompt groups prefilled per insert call at most (default: as many as the slots hold);
   prefill_tokens: prompt tokens one insert call prefills at most: a call of prompt bucket Pb takes
-    max(1, min(max_insert, prefill_tokens // Pb)) groups (a fixed count per bucket);
+    max(1, min(max_insert, prefill_tokens // Pb)) groups (a fixed count per bucket; a call with fewer
+    groups pays for the rest: 1024 keeps a streaming insert of a few groups cheap beside a chunk);
   prompt_bucket_count: inserts pad prompts to the largest this many of `prompt_buckets` up to
     max_prompt_len (e.g. 256, 512, 1024 for prompts up to 1024 tokens).
   recompute_kv: the default of `swap`: keep the KV cache (False) or recompute it.
@@ -211,7 +212,8 @@ class SlotEngine:
     its slot or chunk); with in-flight swaps, which version a token sees does (refills start a chunk
     later), deterministically for a given setting.
   paged_attention: the decode attention's form (`paged_attention.PAGED_IMPLEMENTATIONS`: 'auto',
-    'reduce', 'dot', or 'pallas', the one-kernel form of `paged_kernel`).
+    'reduce', 'dot', or 'pallas', the one-kernel form of `paged_kernel`); 'auto' is 'pallas' on one
+    GPU, XLA's 'reduce' on a sharded GPU mesh, 'dot' on the CPU.
   staged_slots: KV slots beyond the `num_slots` lanes (rows a decode step computes): queued prompts
     are prefilled into them ahead and a decode chunk admits them into lanes as lanes free, on device
     (FIFO), so finished rows are refilled at the next step without a host round trip while staged
@@ -230,7 +232,7 @@ class SlotEngine:
                pad_id: int = 0, prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
                max_insert: int | None = None, recompute_kv: bool = False, chunks_in_flight: int = 2,
                kv_block_size: int = 16, paged_attention: str = "auto", min_decode_width: int | None = None,
-               staged_slots: int = 0, prefill_tokens: int = 4096, prompt_bucket_count: int = 3,
+               staged_slots: int = 0, prefill_tokens: int = 1024, prompt_bucket_count: int = 3,
                progress: bool = True, rules: Mapping[str, str | None] = parallel.RULES):
     self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)

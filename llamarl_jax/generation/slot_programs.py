@@ -174,7 +174,7 @@ class SlotPrograms:
   def __init__(self, config: ModelConfig, sampler: Sampler, *, num_slots: int, sampling: SamplingParams,
                max_prompt_len: int, chunk_steps: int, pad_id: int, kv_block_size: int = 16,
                paged_attention: str = "auto", min_decode_width: int | None = None, num_lanes: int | None = None,
-               max_insert: int | None = None, prefill_tokens: int = 4096, prompt_bucket_count: int = 3,
+               max_insert: int | None = None, prefill_tokens: int = 1024, prompt_bucket_count: int = 3,
                recompute: bool = False):
     self.config, self.graphdef, self.pad_id = config, sampler.graphdef, int(pad_id)
     self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
@@ -191,6 +191,10 @@ class SlotPrograms:
       raise ValueError(f"paged_attention='pallas' runs its kernel unsharded (a Pallas call is not partitioned "
                        f"over the mesh: the pools would be gathered whole); this generator mesh has "
                        f"{dict(mesh.shape)}: use one device per generator, or paged_attention='auto'")
+    if paged_attention == "auto" and self.platform == "gpu" and mesh.devices.size == 1:
+      # one GPU: the kernel (each live block read once; 2.1 vs 4.3 ms per 1B decode step at 64 slots on
+      # an H200, BENCHMARKS.md); sharded meshes keep XLA's form (a Pallas call is not partitioned)
+      paged_attention = "pallas"
     self.paged_attention = paged_attention
     with paged_attention_module.target_platform(self.platform, paged_attention):
       self.attention_form = paged_attention_module.resolve_paged_implementation("auto", self.platform)
@@ -220,7 +224,7 @@ class SlotPrograms:
     self.state_sharding = SlotState(**{f.name: (b2 if f.name in ("tokens", "logprobs", "versions", "key", "prompt")
                                                 else b1) for f in dataclasses.fields(SlotState)})
     psh = sampler.param_shardings
-    self._mesh, self._param_shardings, self._dense_cache_sharding = mesh, psh, cs
+    self.mesh, self._param_shardings, self._dense_cache_sharding = mesh, psh, cs
     sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     self.param_avals = jax.tree.map(sds, split_params(abstract_model(config))[1])
     self._insert_jit = jax.jit(self._insert, donate_argnums=(1, 2),
@@ -628,7 +632,7 @@ class SlotPrograms:
     sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     params = jax.tree.map(sds, shapes)
     state = jax.tree.map(sds, jax.eval_shape(lambda: self.empty_state()))
-    repl = parallel.replicated(self._mesh)
+    repl = parallel.replicated(self.mesh)
     if layout == "paged":
       bs = self.layout.block_size
       need = int(np.sum(-(-prompt_lens // bs) + -(-n_gen // bs)))

@@ -35,7 +35,7 @@ Two ways to form the per-entry products (`implementation`), the same math:
   'pallas'  one Pallas kernel (`paged_kernel`): each live block of each KV head read once, the
             softmax state in registers, no per-entry partials; needs the entries row-contiguous and
             row-ascending (`paged.live_entries` lists them so). Triton on a GPU; on the CPU it runs in
-            Pallas' interpret mode (tests). Opt-in: not yet timed on a GPU.
+            Pallas' interpret mode (tests). The slot engine's choice on one GPU (`SlotPrograms`).
   'auto'    'reduce' on accelerators, 'dot' on the CPU: the platform of the program being traced,
             i.e. the default backend's unless `target_platform` names another (the slot engine names
             its mesh's, so a program compiled for an H100 from a CPU-only machine takes 'reduce'),
