@@ -107,6 +107,12 @@ class Controller:
     # A RewardExecutor passed in belongs to the caller (e.g. one pool shared by a study's runs).
     self._owns_reward = not isinstance(config.reward.fn, RewardExecutor)
     self.sampler = self.env = None
+    # the longest first prompt the generator takes (the slot engine's limit; None: the context's),
+    # the same in every process (the data sources apply it)
+    width = config.env.response_width(r.max_new_tokens)
+    self.prompt_limit: int | None = None
+    if g.engine == "slots":
+      self.prompt_limit = g.max_prompt_len or max(1, min(512, model_config.max_position_embeddings - width))
     if self.is_generator:
       gen_config = model_config.replace(param_dtype=g.dtype, dtype=g.dtype)
       self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0)
@@ -117,9 +123,8 @@ class Controller:
       self.env = make_environment(config.env)
       engine = None
       if g.engine == "slots":
-        max_prompt = g.max_prompt_len or max(1, min(512, model_config.max_position_embeddings - r.max_new_tokens))
-        if config.env.multi_turn and g.max_prompt_len:  # a later turn's prompt is the whole episode so far
-          max_prompt += config.env.response_width(r.max_new_tokens)
+        # a later turn's prompt is the whole episode so far: the first prompt, earlier turns, observations
+        max_prompt = self.prompt_limit + (width - r.max_new_tokens if config.env.multi_turn else 0)
         engine = SlotEngine(gen_config, self.generator_mesh,
                             num_slots=g.slots or _round_up(r.rows, parallel.batch_divisor(self.generator_mesh)),
                             sampling=self.sampling, max_prompt_len=max_prompt, chunk_steps=g.chunk_steps,

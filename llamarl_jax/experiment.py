@@ -261,6 +261,8 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   try:
     max_prompt_tokens = (config.max_position_embeddings
                          - controller.config.env.response_width(controller.sampling.max_new_tokens))
+    if controller.prompt_limit is not None:  # the slot engine's (GeneratorConfig.max_prompt_len)
+      max_prompt_tokens = min(max_prompt_tokens, controller.prompt_limit)
     for source in (rl_source, eval_source):
       if source is not None:
         source.limit_prompts(max_prompt_tokens)

@@ -374,3 +374,20 @@ def test_dynamic_sampling_trains_informative_groups_and_resumes_exactly(policy, 
     assert schedule_metrics(a) == schedule_metrics(b)
   with pytest.raises(ValueError, match="dynamic sampling needs the static engine"):
     make_controller(policy, tokenizer, tmp_path / "slots", dynamic_sampling=DynamicSampling())
+
+
+@pytest.mark.parametrize("max_prompt_len, expected", [(20, 20), (None, 64 - 6)])
+def test_the_slot_engine_takes_every_prompt_the_data_limit_lets_through(policy, tokenizer, tmp_path,
+                                                                         max_prompt_len, expected):
+  """One prompt limit, checked at start: `Controller.prompt_limit` (GeneratorConfig.max_prompt_len,
+  default min(512, context - response width): 64 - 6 here) is what the data sources enforce
+  (`experiment` passes it to `PromptSource.limit_prompts`, which refuses or cuts and counts longer
+  rows), and the slot engine takes every prompt up to it, so none is refused mid-run."""
+  c = make_controller(policy, tokenizer, tmp_path, generator={"engine": "slots", "max_prompt_len": max_prompt_len})
+  try:
+    assert c.prompt_limit == expected
+    engine = c.ex.generator.engine
+    assert engine.max_prompt_len >= c.prompt_limit
+    engine.submit([[5] * c.prompt_limit])  # accepted
+  finally:
+    c.close()
