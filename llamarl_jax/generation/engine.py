@@ -256,8 +256,6 @@ class SlotEngine:
     self.R, self.n = sampling.max_new_tokens, sampling.n
     self.max_prompt_len = self.sampler.prompt_bucket(max_prompt_len)
     self.recompute_kv = recompute_kv
-    if max_insert is not None and max_insert < 1:
-      raise ValueError(f"max_insert must be >= 1, got {max_insert}")
     self.programs = SlotPrograms.shared(
         config, self.sampler, num_slots=num_slots, sampling=sampling, max_prompt_len=self.max_prompt_len,
         chunk_steps=self.chunk_steps, pad_id=self.pad_id, kv_block_size=int(kv_block_size),

@@ -210,9 +210,9 @@ class SlotPrograms:
     fit = [b for b in sampler.prompt_buckets if b < max_prompt_len] + [max_prompt_len]
     self.prompt_buckets = tuple(fit[-prompt_bucket_count:])
     top = max(1, num_slots // sampling.n)
-    self.max_insert = min(int(max_insert or top), top)
-    if self.max_insert < 1:
+    if max_insert is not None and max_insert < 1:
       raise ValueError(f"max_insert must be >= 1, got {max_insert}")
+    self.max_insert = min(int(max_insert or top), top)
     self.insert_groups = {b: max(1, min(self.max_insert, int(prefill_tokens) // b)) for b in self.prompt_buckets}
     self.recompute_in_set = bool(recompute)
     b1, b2 = parallel.batch_sharding(mesh, 1), parallel.batch_sharding(mesh, 2)
