@@ -472,12 +472,18 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
     "engine_chunk_steps": ("generator", "chunk_steps"), "engine_max_prompt_len": ("generator", "max_prompt_len"),
     "engine_recompute_kv": ("generator", "recompute_kv"), "engine_kv_block_size": ("generator", "kv_block_size"),
     "engine_chunks_in_flight": ("generator", "chunks_in_flight"),
-    "engine_paged_attention": ("generator", "paged_attention"), "generator_dtype": ("generator", "dtype"),
-    "quantize": ("generator", "quantize"), "generator_delay_s": ("generator", "delay_s"),
+    "engine_paged_attention": ("generator", "paged_attention"),
+    "engine_min_decode_width": ("generator", "min_decode_width"), "engine_staged_slots": ("generator", "staged_slots"),
+    "generator_dtype": ("generator", "dtype"), "quantize": ("generator", "quantize"),
+    "generator_delay_s": ("generator", "delay_s"),
     **{k: ("train", k) for k in ("loss", "loss_kwargs", "reference_path", "optimizer", "microbatches", "remat",
-                                 "checkpoint_every", "keep_checkpoints")},
+                                 "checkpoint_every", "keep_checkpoints", "attention", "logprob_chunk",
+                                 "group_by_length", "scan_layers")},
     **{k: ("schedule", k) for k in ("max_policy_lag", "version_schedule", "buffer_capacity", "step_timeout_s")},
     "reward_fn": ("reward", "fn"), "reward_workers": ("reward", "workers"), "reward_timeout_s": ("reward", "timeout_s"),
+    "env_name": ("env", "name"),
+    **{k: ("env", k) for k in ("max_turns", "max_total_tokens", "max_observation_tokens", "tools", "tool_workers",
+                               "tool_timeout_s")},
 }
 
 

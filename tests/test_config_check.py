@@ -99,6 +99,22 @@ def test_each_config_class_validates_its_fields_once_when_built_from_python():
     assert name in {f.name for f in __import__("dataclasses").fields(cfg.SECTIONS[section])}, key
 
 
+def test_every_typed_setting_has_one_flat_key():
+  """`run_config(**flat)` reaches every field of every section of RunConfig, each through exactly one
+  flat key: a field added to a config class without its flat key fails here."""
+  import dataclasses
+
+  from llamarl_jax import config as cfg
+
+  assert [f.name for f in dataclasses.fields(cfg.RunConfig)] == list(cfg.SECTIONS)
+  fields = [(section, f.name) for section, cls in cfg.SECTIONS.items() for f in dataclasses.fields(cls)]
+  mapped = list(cfg.LEGACY_KEYS.values())
+  assert sorted(mapped) == sorted(fields), (sorted(set(fields) - set(mapped)), sorted(set(mapped) - set(fields)))
+  built = cfg.run_config(engine_staged_slots=4, scan_layers=False, env_name="tools", max_turns=3, tools=["calc"])
+  assert (built.generator.staged_slots, built.train.scan_layers, built.env.name, built.env.max_turns,
+          built.env.tools) == (4, False, "tools", 3, ("calc",))
+
+
 def test_new_objectives_and_overlong_shaping_from_gin(parse):
   """GSPO / CISPO / the rollout corrections are chosen by name with their own keyword arguments;
   DAPO's overlong shaping and dynamic sampling are configurables whose bad values are named."""
