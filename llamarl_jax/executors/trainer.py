@@ -414,7 +414,9 @@ class TrainerExecutor:
     shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     args = jax.tree.map(shape_of, (self._params, self._opt_state, self._step, self._skipped, batch,
                                    self._ref_params))
-    return self._train_step.trace(*args).lower(lowering_platforms=(self.platform,))
+    # a mesh over devices of a target topology (a GPU compiled for on a CPU machine) lowers for them as is
+    own = self.platform == self.mesh.devices.flat[0].platform
+    return self._train_step.trace(*args).lower(lowering_platforms=None if own else (self.platform,))
 
   def step(self, batch: ScoredBatch) -> dict[str, float]:
     """One optimizer step on `batch` (host numpy or device arrays); returns scalar metrics."""
