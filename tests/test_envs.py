@@ -375,7 +375,7 @@ class _Weights:
     return self.params, 0
 
 
-def _generate_batches(params, sampling, *, engine, num_batches=2, env=None):
+def _generate_batches(params, sampling, *, engine, num_batches=2, env=None, max_prompt_len=64):
   import threading
 
   from llamarl_jax.data import PromptSource
@@ -383,8 +383,8 @@ def _generate_batches(params, sampling, *, engine, num_batches=2, env=None):
   from llamarl_jax.generation.engine import SlotEngine
 
   sampler = Sampler(CONFIG, pad_id=0)
-  eng = (SlotEngine(CONFIG, num_slots=4, sampling=sampling, max_prompt_len=64, chunk_steps=2, kv_block_size=4)
-         if engine else None)
+  eng = (SlotEngine(CONFIG, num_slots=4, sampling=sampling, max_prompt_len=max_prompt_len, chunk_steps=2,
+                    kv_block_size=4) if engine else None)
   env_config = EnvConfig(name="tools", max_turns=3, max_total_tokens=40, max_observation_tokens=8)
   gen = GeneratorExecutor(sampler, TOK, PromptSource(task="arithmetic", seed=0), sampling, prompts_per_step=3,
                           max_policy_lag=10, seed=4, engine=eng, env=env or EchoTool(), env_config=env_config)
@@ -417,6 +417,36 @@ def test_slot_engine_episodes_equal_static_episodes_greedy(random_model_episodes
     np.testing.assert_array_equal(a.rollout.prompt_tokens[:, -5:], b.rollout.prompt_tokens[:, -5:])
     np.testing.assert_allclose(a.rollout.behaviour_logprobs, b.rollout.behaviour_logprobs, atol=1e-4)
     assert a.answers == b.answers
+
+
+@pytest.mark.slow  # engine compilations
+def test_an_episode_that_outgrows_the_slot_engine_ends_cut(random_model_episodes):
+  """An engine whose longest prompt is 16 tokens: a row whose context (prompt + turn + observation) is
+  longer after a tool step cannot start its next turn there; it ends cut (finish LENGTH, counted in
+  episode/frac_cut) and the run goes on. Greedy, each row is a prefix of the same row on the static
+  engine (no such limit): whole where its contexts fit, cut right after the observation that
+  outgrew the engine otherwise."""
+  params, _ = random_model_episodes
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=6, n=2, stop_token_ids=tuple(range(2, 80)))
+  static, _ = _generate_batches(params, greedy, engine=False)
+  slots, eng = _generate_batches(params, greedy, engine=True, max_prompt_len=16)
+  assert eng.max_prompt_len == 16
+  cut_here = 0
+  for a, b in zip(static, slots):
+    ra, rb = a.rollout, b.rollout
+    prompt_len = rb.prompt_mask.sum(axis=1)
+    for i in range(rb.batch_size):
+      L = rb.lengths[i]
+      np.testing.assert_array_equal(rb.response_tokens[i, :L], ra.response_tokens[i, :L])
+      np.testing.assert_array_equal(rb.response_mask[i, :L], ra.response_mask[i, :L])
+      if L < ra.lengths[i]:  # cut: the episode so far was longer than the engine's prompts
+        assert rb.finish_reason[i] == FINISH_LENGTH and prompt_len[i] + L > 16 and rb.response_mask[i, L - 1] == 0
+        cut_here += 1
+      else:
+        assert rb.finish_reason[i] == ra.finish_reason[i]
+    assert b.metrics["episode/frac_cut"] == np.mean(rb.finish_reason == FINISH_LENGTH)
+    assert b.metrics["episode/frac_cut"] >= a.metrics["episode/frac_cut"]
+  assert cut_here > 0
 
 
 @pytest.mark.slow  # engine compilations

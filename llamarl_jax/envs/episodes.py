@@ -21,8 +21,10 @@ behaviour_logprobs are the sampler's, of each model token under the distribution
 from given the whole context so far (0 on observations); token_versions the version that sampled each
 model token (an observation: its turn's; policy_version is the row's first token's, what the lag bound
 limits); lengths the tokens used (model + observation); finish_reason LENGTH when the budget cut an
-episode or its last turn hit max_new_tokens. The slot engine builds the same batch (`EpisodeRows`),
-each row's later turns re-prefilled into a free slot by the generator executor.
+episode or its last turn hit max_new_tokens (both counted in `episode/frac_cut`). The slot engine
+builds the same batch (`EpisodeRows`), each row's later turns re-prefilled into a free slot by the
+generator executor; an episode whose context (its next turn's prompt) outgrows the longest prompt the
+engine takes (`max_context`) ends there, cut, like one that filled its budget.
 
 Failures. A tool's failure (the model's malformed call, an unknown tool, the tool's own error or
 timeout, hostile code) is the environment's business: it comes back as an observation with its
@@ -121,11 +123,14 @@ class EpisodeRows:
   rows: B = prompts x n; prompts[i // n] is row i's prompt (token ids), examples[i // n] its example.
   A row takes turns (`add_turn`: the model's tokens, log-probs and versions) and transitions
   (`add_transition`: the environment's answer, its observation appended with mask 0) until it is done.
+  max_context: the longest context a later turn may start from (the slot engine's longest prompt;
+  None: no limit besides the response width); a row whose context outgrows it is done, cut.
   """
 
   def __init__(self, env, examples: Sequence, prompts: Sequence[Sequence[int]], n: int, *, tokenizer,
-               response_width: int, max_observation_tokens: int, stop_token_ids: Sequence[int]):
-    self.env, self.n, self.tokenizer = env, n, tokenizer
+               response_width: int, max_observation_tokens: int, stop_token_ids: Sequence[int],
+               max_context: int | None = None):
+    self.env, self.n, self.tokenizer, self.max_context = env, n, tokenizer, max_context
     self.rows = len(prompts) * n
     self.width, self.max_obs = response_width, max_observation_tokens
     self.stop = set(int(t) for t in stop_token_ids)
@@ -168,7 +173,9 @@ class EpisodeRows:
 
   def add_transition(self, i: int, tr: Transition) -> bool:
     """The environment's answer to row i's latest turn; True when the row goes on (`context(i)` is its
-    next prompt), False when it is done. Observation tokens carry the version of the turn before them."""
+    next prompt), False when it is done: the environment ended it, or it is cut (no room in the response
+    width for the model to answer after the observation, or a context longer than `max_context`).
+    Observation tokens carry the version of the turn before them."""
     version = self.versions[i][-1]
     self.reward[i] += tr.reward
     if tr.call is not None:
@@ -183,7 +190,8 @@ class EpisodeRows:
     self.mask[i] += [0] * len(keep)
     self.logprobs[i] += [0.0] * len(keep)
     self.versions[i] += [version] * len(keep)
-    if len(obs) >= room:  # no room left for the model to answer after it
+    outgrown = self.max_context is not None and len(self.prompts[i]) + len(self.tokens[i]) > self.max_context
+    if len(obs) >= room or outgrown:  # no room for the model's answer, or a next prompt the engine cannot take
       self.finish[i] = FINISH_LENGTH
       self.done[i] = True
       return False

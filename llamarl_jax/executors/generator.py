@@ -167,7 +167,7 @@ class GeneratorExecutor:
     self.delay_s = delay_s
     self.device_turn = device_turn if device_turn is not None else contextlib.nullcontext()
     self.timer = Timer()
-    self.timeline: list[tuple[str, float, float]] = []  # ("generate", start, end) of device work
+    self.timeline: list[tuple[str, float, float]] = []  # ("generate" | "swap", start, end) of device work
     self.status = ("not started", time.monotonic())  # what the loop is doing, since when (stall reports)
 
   def wait_for_weights(self, weights, index: int, first_version: int, stop: threading.Event):
@@ -359,7 +359,9 @@ class GeneratorExecutor:
             return
           t_busy = time.perf_counter()
           with self.device_turn:
+            t_swap = time.perf_counter()
             eng.swap(*got)
+            append_bounded(self.timeline, ("swap", t_swap, time.perf_counter()))
         examples = self.prompt_source.next_batch(pps)
         prompts = encode_prompts(self.tokenizer, examples)
         draws[next_draw] = {"examples": examples, "data_state": self.prompt_source.state_dict(), "groups": {},
@@ -371,7 +373,9 @@ class GeneratorExecutor:
         next_draw += 1
       if not fixed and weights.version > eng.version:
         with self.device_turn:
+          t_swap = time.perf_counter()
           eng.swap(*weights.latest())  # an in-flight update: the newest weights, between chunks
+          append_bounded(self.timeline, ("swap", t_swap, time.perf_counter()))
       self.status = (f"decoding (batches {next_emit}..{next_draw - 1} drawn, policy version {eng.version})",
                      time.monotonic())
       with self.device_turn:
@@ -399,7 +403,8 @@ class GeneratorExecutor:
     c = self.env_config
     return EpisodeRows(self.env, examples, prompts, self.sampling.n, tokenizer=self.tokenizer,
                        response_width=c.response_width(self.sampling.max_new_tokens),
-                       max_observation_tokens=c.max_observation_tokens, stop_token_ids=self.sampling.stop_token_ids)
+                       max_observation_tokens=c.max_observation_tokens, stop_token_ids=self.sampling.stop_token_ids,
+                       max_context=self.engine.max_prompt_len)
 
   def _turns_done(self, draw: dict, g) -> list[tuple[int, int, int, Any]]:
     """A completed group's turns into its batch's episodes; the tool steps they start (on the tool
@@ -422,7 +427,8 @@ class GeneratorExecutor:
   def _resume_rows(self, draws: dict, pending: list, *, wait: bool) -> list:
     """Rows whose tool step finished go back into the engine: their whole episode so far is the prompt
     of their next turn (one row, seed `turn_seed(batch seed, turn, row)`), re-prefilled into a free
-    slot while other rows keep decoding. wait=True (the 'fixed' schedule, or nothing else to do):
+    slot while other rows keep decoding; a row whose episode outgrew the engine's longest prompt ends
+    there, cut (`EpisodeRows.max_context`). wait=True (the 'fixed' schedule, or nothing else to do):
     every pending step is awaited here, in submission order, so that when a row re-enters the engine
     is a function of the schedule, not of the tools' timing; otherwise only the finished ones.
     Returns the steps still pending."""
