@@ -601,3 +601,71 @@ def test_device_idle_does_not_count_the_time_between_batches(model, prompts):
   eng.generate(model[1], prompts)
   time.sleep(0.05)
   assert eng.take_metrics()["time/generate_device_idle"] < 0.25
+
+
+def _watched_chunk(steps):
+  """A dispatched chunk as the watcher thread sees it (`_InFlight`'s fields), its result's `steps` given."""
+  import threading
+  import types
+
+  from llamarl_jax.generation import engine as engine_module
+
+  chunk = types.SimpleNamespace(local=types.SimpleNamespace(steps=steps), error=None, done_at=None,
+                                done=threading.Event())
+  chunk.get = lambda: engine_module._InFlight.get(chunk)
+  return chunk
+
+
+def test_a_chunk_that_fails_on_the_device_raises_in_the_thread_driving_the_engine():
+  """The watcher blocks on every chunk; when the device reports a failure there, the error is handed
+  to the engine's thread: `get` (what `step` harvests with) raises it, after the watcher is done."""
+  import queue
+  import threading
+
+  from llamarl_jax.generation import engine as engine_module
+
+  class Failed:  # a chunk result whose computation failed on the device
+    def block_until_ready(self):
+      raise RuntimeError("INTERNAL: device lost")
+
+  chunk = _watched_chunk(Failed())
+  chunks = queue.SimpleQueue()
+  watcher = threading.Thread(target=engine_module._watch, args=(chunks,), daemon=True)
+  watcher.start()
+  chunks.put(chunk)
+  with pytest.raises(RuntimeError, match="device lost"):
+    chunk.get()
+  assert chunk.done.is_set() and isinstance(chunk.error, RuntimeError)
+  chunks.put(None)
+  watcher.join(5)
+  assert not watcher.is_alive()
+
+
+def test_the_engines_end_waits_for_a_hung_chunk_at_most_watcher_exit_s(monkeypatch, capsys):
+  """At the engine's end the watcher is joined for at most WATCHER_EXIT_S: a chunk the device never
+  finishes does not hold the process (it is named on stderr); once it does finish, the thread ends."""
+  import queue
+  import threading
+
+  from llamarl_jax.generation import engine as engine_module
+
+  monkeypatch.setattr(engine_module, "WATCHER_EXIT_S", 0.3)
+  release = threading.Event()
+
+  class Hung:  # a chunk result the device does not finish until released
+    def block_until_ready(self):
+      release.wait(20)
+
+  chunk = _watched_chunk(Hung())
+  chunks = queue.SimpleQueue()
+  watcher = threading.Thread(target=engine_module._watch, args=(chunks,), daemon=True)
+  watcher.start()
+  chunks.put(chunk)
+  t0 = time.monotonic()
+  engine_module._stop_watcher(chunks, watcher)
+  waited = time.monotonic() - t0
+  assert 0.3 <= waited < 2.0 and watcher.is_alive()
+  assert "still running on the device 0.3 s after the engine ended" in capsys.readouterr().err
+  release.set()
+  watcher.join(5)
+  assert not watcher.is_alive() and chunk.done.is_set() and chunk.error is None

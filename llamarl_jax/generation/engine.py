@@ -151,8 +151,9 @@ def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
 class _InFlight:
   """A dispatched decode chunk: its `ChunkResult` on its way to the host, the slots' generation
   numbers when it was dispatched, whether prompts were queued then (the steady state of a stream:
-  `slot_utilization_queued`), and when the device finished it (`done_at`, set by the engine's
-  watcher thread, which blocks on the result: exact to a thread wake-up, no polling)."""
+  `slot_utilization_queued`), and what the engine's watcher thread saw when it blocked on the result:
+  when the device finished it (`done_at`: exact to a thread wake-up, no polling) or the error it
+  failed with (`error`); `done` is set after either."""
 
   def __init__(self, result: ChunkResult, gen: np.ndarray, queued: bool, width: int):
     # a replicated result: every process reads its own local copy (one device's shard)
@@ -161,31 +162,48 @@ class _InFlight:
       x.copy_to_host_async()
     self.gen, self.queued, self.width = gen, queued, width
     self.done_at: float | None = None
+    self.error: Exception | None = None
     self.done = threading.Event()
 
   def get(self) -> ChunkResult:
-    """The results as host numpy, waiting for the device if needed."""
+    """The results as host numpy, once the watcher saw the device finish the chunk; a chunk that
+    failed on the device raises its error here, in the thread that drives the engine."""
+    self.done.wait()
+    if self.error is not None:
+      raise self.error
     return jax.tree.map(np.asarray, self.local)
 
 
+# Seconds the engine's end waits for its watcher thread, blocked on the last chunk dispatched: a
+# healthy chunk (chunk_steps decode steps) takes milliseconds to a few seconds even on the largest
+# models; a chunk still running after this is a hung device, and the process ends without it.
+WATCHER_EXIT_S = 10.0
+
+
 def _watch(chunks: "queue.SimpleQueue[_InFlight | None]") -> None:
-  """The watcher thread: note when the device finishes each chunk, in dispatch order."""
+  """The watcher thread: block on each chunk in dispatch order; note when the device finished it, or
+  the error it failed with (`_InFlight.get` raises it in the engine's thread)."""
   while (chunk := chunks.get()) is not None:
     try:
       chunk.local.steps.block_until_ready()
-    except Exception:  # a failed chunk: the host's get() raises it; idle time is moot
-      pass
+    except Exception as e:  # noqa: BLE001 - handed to the engine's thread by get()
+      chunk.error = e
     chunk.done_at = time.perf_counter()
     chunk.done.set()
 
 
 def _stop_watcher(chunks: "queue.SimpleQueue[_InFlight | None]", watcher: threading.Thread) -> None:
-  """End the watcher thread and wait for it: when the engine is collected, or at interpreter exit
-  (weakref.finalize's atexit hook), where a daemon thread still running when finalization starts is
-  killed mid-call (an abort: 'terminate called after throwing an instance of ...', exit status 134)."""
+  """End the watcher thread and wait for it (at most WATCHER_EXIT_S): when the engine is collected,
+  or at interpreter exit (weakref.finalize's atexit hook), where a daemon thread still running when
+  finalization starts is killed mid-call (an abort: 'terminate called after throwing an instance of
+  ...', exit status 134). A watcher still blocked after the wait is on a hung device: said on stderr."""
   chunks.put(None)
   if watcher is not threading.current_thread():
-    watcher.join(timeout=60.0)
+    watcher.join(timeout=WATCHER_EXIT_S)
+    if watcher.is_alive():
+      print(f"slot engine: a decode chunk was still running on the device {WATCHER_EXIT_S:g} s after the engine "
+            "ended (a hung device?); not waiting for it (at interpreter exit the process may abort)",
+            file=sys.stderr, flush=True)
 
 
 class SlotEngine:
