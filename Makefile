@@ -67,7 +67,7 @@ study: install
 
 OFF_POLICY_CELLS = $(shell $(BIN)/python -c "import sys; sys.argv = ['x']; sys.path.insert(0, 'scripts'); import study; print(','.join(study.OFF_POLICY_CELLS))" 2>/dev/null)
 
-study-offpolicy: install  # issue 30's grid: 20 cells x 5 seeds, ~2 h on 2 cores
+study-offpolicy: install  # the off-policy objectives' grid: 20 cells x 5 seeds, ~2 h on 2 cores
 	$(BIN)/python -m pip install -q -e '.[study]'
 	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study_offpolicy --seeds 5 --cells $(OFF_POLICY_CELLS) $(ARGS)
 

@@ -1,4 +1,4 @@
-"""The static sampler's decode step moves the bytes it must, and no more (issue 25, item 3).
+"""The static sampler's decode step moves the bytes it must, and no more.
 
 The trainer runs its layers under `lax.scan` over stacked parameters; the decode path must not follow
 it there: carrying a stacked `[L, B, T, KV, D]` cache through a scan copies the whole cache every step

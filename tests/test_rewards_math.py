@@ -112,7 +112,7 @@ MATH_CASES = [
     (r"\boxed{4}, no wait: \boxed{3}", "4", 0.0),
     (r"\fbox{8}", "8", 1.0),
     (r"\boxed{-7}", "7", 0.0),
-    (r"$\boxed{\frac{7}{2}}$", r"3\frac{1}{2}", 1.0),  # a mixed number (issue 16), not the product 3/2
+    (r"$\boxed{\frac{7}{2}}$", r"3\frac{1}{2}", 1.0),  # a mixed number, not the product 3/2
     (r"$\boxed{\frac{3}{2}}$", r"3\frac{1}{2}", 0.0),
     # the ground truth given as a MATH solution
     (r"\boxed{\frac{1}{4}}", r"The probability is $\frac{2}{8} = \boxed{\frac{1}{4}}$.", 1.0),
@@ -159,7 +159,7 @@ def test_parse_rejects(text):
 
 @pytest.mark.parametrize("response,answer", [
     (r"so \boxed{\frac{1}{2}} done", r"\frac{1}{2}"), ("x\n#### 5 apples\nmore", "5 apples"),
-    ("The answer is 12.", "12"),  # the answer sentence ends at its full stop (issue 16: Minerva's "$24$. I hope")
+    ("The answer is 12.", "12"),  # the answer sentence ends at its full stop (Minerva's "$24$. I hope")
     ("Final Answer: The final answer is $24$. I hope it is correct.", "$24$"),
     (r"$\boxed{2}$ and $\boxed{3}$", "2 or 3"), (r"\boxed{5}" "\n#### 6", None),  # joined boxes; a hedge
     ("a 1,234.5 b", "1,234.5"), ("3 then -4", "-4"), ("nothing", None), ("at least 5", None),
