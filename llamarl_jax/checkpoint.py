@@ -47,7 +47,7 @@ _FORMAT = 1
 # and remat (exact reformulations of the same step), the held-out evaluation settings (they do not
 # change what is trained). Everything else recorded must match.
 RESUMABLE_CHANGES = ("optimizer.total_steps", "optimizer.final_lr_ratio", "mesh.", "trainer.microbatches",
-                     "trainer.remat", "evaluation.")
+                     "trainer.remat", "evaluation.", "lora.adapter_path")
 
 
 class IncompatibleCheckpoint(ValueError):

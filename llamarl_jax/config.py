@@ -251,6 +251,34 @@ class OptimizerConfig(_Validated):
                      "b2": between(0.0, 1.0), "eps": above(0.0), "final_lr_ratio": between(0.0, 1.0)}
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the decoder's projections (model/lora.py)
+
+
+@dataclass(frozen=True)
+class LoraConfig(_Validated):
+  """LoRA policies (`llamarl_jax.model.lora`): the base weights frozen in the generator's dtype, fp32
+  adapters `a` `[in, rank]`, `b` `[rank, out]` on the `targets` projections, the update
+  `alpha / rank * a @ b`; only the adapters are trained, checkpointed with their optimizer state and
+  pushed to the generator (which merges them into its weights). `dropout`: LoRA dropout on the
+  adapters' input in the trainer's forward (0: off). `adapter_path`: a PEFT adapter directory to start
+  from (its r, lora_alpha and target_modules must be rank, alpha and targets); None: `b` = 0, the
+  policy starts equal to its base."""
+  rank: int = 8
+  alpha: float = 16.0
+  targets: tuple | list = ("q", "k", "v", "o", "gate", "up", "down")
+  dropout: float = 0.0
+  adapter_path: str | None = None
+  RULES: ClassVar = {"rank": int_at_least(1), "alpha": above(0.0),
+                     "dropout": lambda v: None if 0.0 <= v < 1.0 else "in [0, 1)",
+                     "targets": lambda v: (None if isinstance(v, (tuple, list)) and v and set(v) <= set(LORA_TARGETS)
+                                           and len(set(v)) == len(v)
+                                           else f"a non-empty list of distinct names from {list(LORA_TARGETS)}")}
+
+  def __post_init__(self):
+    super().__post_init__()
+    object.__setattr__(self, "targets", tuple(self.targets))  # gin binds lists
+
+
 @dataclass(frozen=True)
 class TrainConfig(_Validated):
   """The trainer: `loss` (a name in losses.TRAINER_LOSSES) with `loss_kwargs`; a KL reference (`reference_path`,
@@ -266,7 +294,8 @@ class TrainConfig(_Validated):
   batches when microbatches hold few rows (16 microbatches of 64 long-tail rows: 25% padded tokens
   instead of 611%). Off by default: a step is then one fused program, and short or equal-length
   batches gain nothing. `scan_layers`: the layers under one `lax.scan` (compile time flat in depth);
-  False unrolls them (faster steps for small models on a CPU: the tiny configs)."""
+  False unrolls them (faster steps for small models on a CPU: the tiny configs). `lora`: a
+  `LoraConfig` trains LoRA adapters on a frozen base instead of every weight (None: full fine-tuning)."""
   loss: str = "aipo"
   loss_kwargs: dict = field(default_factory=dict)
   reference_path: str | None = None
@@ -279,6 +308,7 @@ class TrainConfig(_Validated):
   logprob_chunk: int | None = DEFAULT_LOGPROB_CHUNK
   group_by_length: bool = False
   scan_layers: bool = True
+  lora: LoraConfig | None = None
   RULES: ClassVar = {"loss": _loss_rule, "microbatches": at_least(1), "checkpoint_every": at_least(0),
                      "keep_checkpoints": at_least(1),
                      "remat": one_of(False, True, *REMAT_POLICIES), "attention": one_of(*ATTENTION_IMPLEMENTATIONS),
@@ -423,6 +453,10 @@ class RunConfig(_Validated):
           "the overlong penalty measures one response against RolloutConfig.max_new_tokens, and a multi-turn "
           "episode is several turns with observations between them; set OverlongShaping.buffer_len = 0 "
           "(OverlongShaping.mask_truncated works with episodes: it masks those the budget cut)")
+    if self.train.lora is not None and self.generator.quantize:
+      raise ConfigError(f"GeneratorConfig.quantize={self.generator.quantize!r} with TrainConfig.lora: a LoRA push "
+                        "moves the fp32 adapters and the generator merges them into its weights; set "
+                        "GeneratorConfig.quantize = None")
 
   def check_layout(self, trainer_batch_divisor: int, num_processes: int) -> None:
     """The checks that need the meshes or the job: rows per step split evenly over microbatches and
@@ -434,6 +468,10 @@ class RunConfig(_Validated):
     if num_processes > 1 and self.schedule.version_schedule != "fixed":
       raise ConfigError(f"ScheduleConfig.version_schedule={self.schedule.version_schedule!r} needs one process: "
                         "across processes the order of weight transfers must be a pure function of the step ('fixed')")
+    if num_processes > 1 and self.train.lora is not None:
+      raise ConfigError("TrainConfig.lora is single-process only: the adapter push merges into a base the "
+                        "generator holds, which the multi-process weight transfer does not carry; run LoRA in "
+                        "one process (colocated or two meshes)")
     if num_processes > 1 and self.generator.quantize:
       raise ConfigError(f"GeneratorConfig.quantize={self.generator.quantize!r} is single-process only; across "
                         "processes use quantize=None")
@@ -454,6 +492,7 @@ class RunConfig(_Validated):
         "generator": {"dtype": str(g.dtype), "quantize": g.quantize},
         "reward": self.reward.name,
         "trainer": {"microbatches": self.train.microbatches, "remat": self.train.remat},
+        **({"lora": dataclasses.asdict(self.train.lora)} if self.train.lora is not None else {}),
         **({"env": dataclasses.asdict(self.env)} if self.env.multi_turn else {}),
     }
 
@@ -478,7 +517,7 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
     "generator_delay_s": ("generator", "delay_s"),
     **{k: ("train", k) for k in ("loss", "loss_kwargs", "reference_path", "optimizer", "microbatches", "remat",
                                  "checkpoint_every", "keep_checkpoints", "attention", "logprob_chunk",
-                                 "group_by_length", "scan_layers")},
+                                 "group_by_length", "scan_layers", "lora")},
     **{k: ("schedule", k) for k in ("max_policy_lag", "version_schedule", "buffer_capacity", "step_timeout_s")},
     "reward_fn": ("reward", "fn"), "reward_workers": ("reward", "workers"), "reward_timeout_s": ("reward", "timeout_s"),
     "env_name": ("env", "name"),

@@ -49,6 +49,7 @@ from llamarl_jax.generation.engine import SlotEngine
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.metrics import MetricsLogger
 from llamarl_jax.model import hf
+from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
 from llamarl_jax.runners.common import Executors, RunState, StepRecorder, overlap_seconds, schedule_metrics  # noqa: F401
 from llamarl_jax.runners.single_process import ExecutorFailed  # noqa: F401  (re-exported)
@@ -87,6 +88,7 @@ class Controller:
     abstract = abstract_model(model_config)
     axes = parallel.logical_axes(abstract)
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jax.numpy.float32), split_params(abstract)[1])
+    self._model_shapes = shapes
     gen_shardings = parallel.param_shardings(shapes, axes, self.generator_mesh)
     self.generator_dtype = jax.numpy.dtype(g.dtype)
     ex = Executors(tokenizer=tokenizer, prompt_source=prompt_source,
@@ -96,12 +98,16 @@ class Controller:
       ref_params = None
       if t.loss_kwargs.get("kl_coef"):
         ref_params = params if t.reference_path is None else hf.load_reference_params(t.reference_path, model_config)
+      adapters = None
+      if t.lora is not None and t.lora.adapter_path:
+        adapters = lora_lib.load_peft_adapter(t.lora.adapter_path, model_config, t.lora)
       ex.trainer = TrainerExecutor(model_config, self.trainer_mesh, params, optimizer=t.optimizer, loss=t.loss,
                                    loss_kwargs=t.loss_kwargs, microbatches=t.microbatches, remat=t.remat,
                                    attention=t.attention, logprob_chunk=t.logprob_chunk,
                                    group_by_length=t.group_by_length, scan_layers=t.scan_layers,
                                    temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
-                                   ref_params=ref_params, reference_is_initial=t.reference_path is None)
+                                   ref_params=ref_params, reference_is_initial=t.reference_path is None,
+                                   lora=t.lora, base_dtype=g.dtype, adapters=adapters, lora_seed=r.seed)
       self.checkpointer = Checkpointer(self.run_dir / "checkpoints", max_to_keep=t.keep_checkpoints,
                                        processes=self.roles.trainer if multi else None)
     # A RewardExecutor passed in belongs to the caller (e.g. one pool shared by a study's runs).
@@ -149,8 +155,14 @@ class Controller:
                         self.trainer_mesh, transform=lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
       ex.mp = Context(self.roles, plan, self.trainer_mesh, self.generator_mesh)
     else:
+      lora = {}
+      if t.lora is not None:  # a push moves the adapters; the generator merges them into its base
+        adapter_shardings = parallel.param_shardings(lora_lib.adapter_shapes(model_config, t.lora),
+                                                     lora_lib.adapter_axes(axes, t.lora), self.generator_mesh)
+        lora = dict(adapter_shardings=adapter_shardings, lora_scale=lora_lib.scale(t.lora),
+                    base=lambda: ex.trainer.base_params)
       ex.weights = WeightSync(gen_shardings, dtype=g.dtype, quantize=g.quantize, axes=axes,
-                              keep_pending=config.schedule.version_schedule == "fixed")
+                              keep_pending=config.schedule.version_schedule == "fixed", **lora)
     self.ex = ex
     self.state = RunState()
     self.recorder = StepRecorder(logger=logger if self.is_main else None, checkpoint_every=t.checkpoint_every,
@@ -295,10 +307,9 @@ class Controller:
     return self.step
 
   def _generator_abstract(self) -> Any:
-    shapes = jax.eval_shape(lambda p: p, self.trainer.params)
     shardings = self.ex.weights.gen_shardings if self.mp is None else self.mp.weights.wire_src
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, self.generator_dtype, sharding=sh),
-                        shapes, shardings)
+                        self._model_shapes, shardings)
 
   def checkpoint_dirs(self) -> list[int]:
     """Every checkpoint step directory of the run (complete or not). Every process calls it."""

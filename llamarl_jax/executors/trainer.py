@@ -36,6 +36,13 @@ Params are fp32 masters, sharded by `parallel.RULES` (FSDP over `fsdp`; TP over 
 has tp > 1). `config.dtype` is the compute dtype: 'bfloat16' gives bf16 compute with fp32 master
 weights and fp32 logits/log-probs. `remat` chooses what the backward recomputes: 'none', 'matmuls'
 (matmul outputs saved), 'full' (only each layer's input saved).
+
+LoRA (`lora=LoraConfig`): the trained params are the adapters (`model.lora`), fp32, sharded like
+the matrices they adapt; the base is frozen in `base_dtype` and prepared (cast, stacked) each step
+beside them, outside the differentiated arguments: no fp32 copy, gradient or optimizer state of a
+base weight exists. The forward adds `alpha / rank * (x @ a) @ b` to each adapted projection
+(`llama.with_lora`), under the same scan, remat, attention kernels, chunked log-probs, microbatches
+and length grouping as full fine-tuning.
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import losses, mismatch, parallel
-from llamarl_jax.config import OptimizerConfig
+from llamarl_jax.config import LoraConfig, OptimizerConfig
+from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch, trainer_layout
 from llamarl_jax.model.llama import (DEFAULT_LOGPROB_CHUNK, Llama, ModelConfig, chunked_token_logprobs,
                                      lm_head_weight, merge_params, prepare_params, remat_policy,
@@ -129,7 +137,7 @@ def token_logprobs(graphdef, params, prompt_tokens, prompt_mask, response_tokens
 def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, response_tokens,
                     response_mask, *, temperature: float = 1.0, remat="none", with_entropy: bool = False,
                     attention: str = "xla", logprob_chunk: int | None = None, width: int | None = None,
-                    scan_layers: bool = True):
+                    scan_layers: bool = True, lora: dict | None = None, lora_scale: float = 1.0):
   """`token_logprobs` on params already prepared (`prepare_params`: cast, layers stacked).
 
   One forward over the rows of `trainer_layout` (real prompt tokens from position 0, then the
@@ -140,14 +148,14 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
 
   width: the forward's sequence length, at most P + R (default: P + R). Every row must fit (prompt +
   response up to its last valid token <= width, as `group_by_length` guarantees): positions past it
-  are padding and are cut off. scan_layers: see `scan_hidden_states`.
+  are padding and are cut off. scan_layers, lora (prepared adapters), lora_scale: see `scan_hidden_states`.
   """
   tokens, lengths, predict = trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask)
   if width is not None:
     tokens = tokens[:, :width]
     predict = jnp.minimum(predict, width - 1)  # only masked response positions point past the width
   hidden = scan_hidden_states(config, prepared, tokens, lengths, attention=attention, remat=remat,
-                              scan_layers=scan_layers)
+                              scan_layers=scan_layers, lora=lora, lora_scale=lora_scale)
   hidden = jnp.take_along_axis(hidden, predict[..., None], axis=1)  # [B, R, E]
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), response_tokens,
                                              temperature=temperature, chunk=logprob_chunk,
@@ -230,7 +238,14 @@ class TrainerExecutor:
   reference_is_initial: the reference is "the policy training starts from": `load_params` (e.g. after
   a supervised warm start) replaces it too.
 
-  `params` returns the live arrays: the next `step` donates them, so copy what you keep.
+  lora: a `LoraConfig`: `params` become the frozen base, held in `base_dtype` (the generator's: no
+  fp32 copy, no optimizer state), and what is trained is LoRA adapters (`model.lora`; `adapters`, a
+  tree of `lora.adapter_shapes`, or initialised from `lora_seed` with `b` = 0). The optimizer, the
+  gradient clipping and the loss's gradient see only the adapters (fp32, sharded like the matrices
+  they adapt); the forward adds them unmerged (`llama.with_lora`).
+
+  `params` returns the live arrays of what is trained (the fp32 masters, or the adapters): the next
+  `step` donates them, so copy what you keep. `policy_params()` is the whole policy.
   """
 
   def __init__(self, config: ModelConfig, mesh: Mesh, params: Any, *,
@@ -240,7 +255,8 @@ class TrainerExecutor:
                reference_is_initial: bool = False, attention: str = "auto",
                logprob_chunk: int | None = DEFAULT_LOGPROB_CHUNK, platform: str | None = None,
                group_by_length: bool = False, scan_layers: bool = True,
-               rules: Mapping[str, str | None] = parallel.RULES):
+               rules: Mapping[str, str | None] = parallel.RULES, lora: LoraConfig | None = None,
+               base_dtype="float32", adapters: Any = None, lora_seed: int = 0):
     if microbatches < 1:
       raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     if temperature <= 0:
@@ -281,9 +297,17 @@ class TrainerExecutor:
     self.trace_count = 0
 
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    self.graphdef, shapes = split_params(abstract)
-    self.axes = parallel.logical_axes(abstract)
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), shapes)
+    self.graphdef, model_shapes = split_params(abstract)
+    self.model_axes = parallel.logical_axes(abstract)
+    model_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), model_shapes)
+    # the whole model's shardings (the params, the LoRA base, the KL reference) and the trained params'
+    self.model_shardings = parallel.param_shardings(model_shapes, self.model_axes, mesh, rules)
+    self.lora, self.lora_seed, self.base_dtype = lora, lora_seed, jnp.dtype(base_dtype)
+    self.lora_scale = 0.0 if lora is None else lora_lib.scale(lora)
+    if lora is None:
+      shapes, self.axes = model_shapes, self.model_axes
+    else:
+      shapes, self.axes = lora_lib.adapter_shapes(config, lora), lora_lib.adapter_axes(self.model_axes, lora)
     self.param_shardings = parallel.param_shardings(shapes, self.axes, mesh, rules)
     self._replicated = parallel.replicated(mesh)
     self.tx = make_optimizer(self.optimizer_config)
@@ -293,6 +317,7 @@ class TrainerExecutor:
         self.tx, lambda _, sharding: sharding, opt_shapes, self.param_shardings,
         transform_non_params=lambda _: self._replicated)
     self.compute_shardings = _stacked_shardings(self.param_shardings, mesh)
+    self.model_compute_shardings = _stacked_shardings(self.model_shardings, mesh)
     self.abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
     if self.abstract:  # shapes only: a trainer for `lower_step` (nothing allocated, `step` refuses)
       sds = lambda x, sh, dt=None: jax.ShapeDtypeStruct(x.shape, dt or x.dtype, sharding=sh)
@@ -300,24 +325,34 @@ class TrainerExecutor:
       self._opt_state = jax.tree.map(sds, opt_shapes, self.opt_shardings)
       self._step = self._skipped = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
       self._ref_params = None if ref_params is None else jax.tree.map(
-          lambda x, sh: sds(x, sh, jnp.dtype(config.dtype)), shapes, self.param_shardings)
+          lambda x, sh: sds(x, sh, jnp.dtype(config.dtype)), model_shapes, self.model_shardings)
+      self._base = None if lora is None else jax.tree.map(
+          lambda x, sh: sds(x, sh, self.base_dtype), model_shapes, self.model_shardings)
     else:
-      self._params = self._place(params, jnp.float32)
+      if lora is None:
+        self._base = None
+        self._params = self._place(params, jnp.float32)
+      else:
+        self._base = self._place(params, self.base_dtype, self.model_shardings)
+        self._params = self._place(lora_lib.init_adapters(config, lora, lora_seed) if adapters is None else adapters,
+                                   jnp.float32)
       self._opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self._params)
       self._step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
       self._skipped = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
       self._ref_params = None
       if ref_params is not None:
-        self._ref_params = self._place(ref_params, jnp.dtype(config.dtype))
+        self._ref_params = self._place(ref_params, jnp.dtype(config.dtype), self.model_shardings)
 
     ndims = {k: 1 if k == "advantages" else 2 for k in _BATCH_DTYPES}
     batch_sh = {k: parallel.batch_sharding(mesh, n) for k, n in ndims.items()}
     self._batch_shardings = batch_sh
-    ref_sh = None if self._ref_params is None else self.param_shardings
+    ref_sh = None if self._ref_params is None else self.model_shardings
+    base_sh = None if lora is None else self.model_shardings
+    frozen_sh = None if lora is None else self.model_compute_shardings
     self._train_step = jax.jit(
         self._train_step_impl,
         in_shardings=(self.param_shardings, self.opt_shardings, self._replicated, self._replicated,
-                      batch_sh, ref_sh),
+                      batch_sh, ref_sh, base_sh),
         out_shardings=(self.param_shardings, self.opt_shardings, self._replicated, self._replicated,
                        self._replicated),
         donate_argnums=(0, 1, 2, 3))
@@ -326,10 +361,11 @@ class TrainerExecutor:
     self._row_lengths = jax.jit(self._row_lengths_impl, out_shardings=self._replicated)
     self._prepare_step = jax.jit(
         self._prepare_impl,
-        out_shardings=(self.compute_shardings, None if ref_params is None else self.compute_shardings,
+        out_shardings=(self.compute_shardings, frozen_sh,
+                       None if ref_params is None else self.model_compute_shardings,
                        micro_sh, self._replicated, self.compute_shardings))
     self._accumulate_step = jax.jit(
-        self._accumulate_impl, static_argnames=("width",), donate_argnums=(2,),
+        self._accumulate_impl, static_argnames=("width",), donate_argnums=(3,),
         out_shardings=(self.compute_shardings, (self._replicated, self._replicated, self._replicated,
                                                 parallel.batch_sharding(mesh, 2))))
     self._apply_step = jax.jit(
@@ -338,26 +374,44 @@ class TrainerExecutor:
                        self._replicated),
         donate_argnums=(0, 1, 2, 3))
     self._microbatch_index = None  # [M] replicated int32 scalars, made at the first grouped step
+    self._merge = None if lora is None else jax.jit(
+        lambda base, adapters: lora_lib.merge_adapters(base, adapters, self.lora_scale, jnp.float32),
+        out_shardings=self.model_shardings)
 
   # ------------------------------------------------------------------------------------------------
   # state
 
-  def _place(self, params, dtype) -> Any:
-    """Copy `params` onto the trainer shardings in `dtype` (never aliasing the caller's buffers)."""
-    if jax.tree.structure(params) != jax.tree.structure(self.param_shardings):
-      raise ValueError("params do not match the model's structure for this ModelConfig: expected "
-                       f"{jax.tree.structure(self.param_shardings)}, got {jax.tree.structure(params)}")
+  def _place(self, params, dtype, shardings=None) -> Any:
+    """Copy `params` onto `shardings` (default: the trained params') in `dtype` (never aliasing the
+    caller's buffers)."""
+    shardings = self.param_shardings if shardings is None else shardings
+    if jax.tree.structure(params) != jax.tree.structure(shardings):
+      what = "LoRA adapters for this LoraConfig" if shardings is not self.model_shardings and self.lora else \
+          "the model's structure for this ModelConfig"
+      raise ValueError(f"params do not match {what}: expected {jax.tree.structure(shardings)}, got "
+                       f"{jax.tree.structure(params)}")
     dtype = jnp.dtype(dtype)
     # device_put may alias a shard that already sits on the right device even with may_alias=False,
     # and the train step donates its params: copy device arrays first so the caller's stay valid.
     cast = lambda x: (jnp.array(x, dtype=dtype, copy=True) if isinstance(x, jax.Array)
                       else np.asarray(x, dtype))
-    return jax.device_put(jax.tree.map(cast, params), self.param_shardings)
+    return jax.device_put(jax.tree.map(cast, params), shardings)
 
   @property
   def params(self) -> Any:
-    """Current fp32 params on the trainer mesh (live buffers: the next `step` donates them)."""
+    """The trained fp32 params on the trainer mesh: the policy's, or its LoRA adapters (live buffers:
+    the next `step` donates them)."""
     return self._params
+
+  @property
+  def base_params(self) -> Any:
+    """The frozen base of a LoRA policy (in `base_dtype`); None without LoRA."""
+    return self._base
+
+  def policy_params(self) -> Any:
+    """The whole policy's fp32 params: the masters (live buffers), or, with LoRA, a new copy of the
+    base with the adapters merged (`w + alpha / rank * a @ b`)."""
+    return self._params if self.lora is None else self._merge(self._base, self._params)
 
   @property
   def opt_state(self) -> Any:
@@ -372,19 +426,27 @@ class TrainerExecutor:
     return int(_local_value(self._step))
 
   def load_params(self, params: Any) -> None:
-    """Replace the policy params (e.g. after a supervised warm start); the optimizer state is kept.
-    With `reference_is_initial`, the KL reference becomes these params too."""
-    self._params = self._place(params, jnp.float32)
+    """Make `params` (the whole model's) the policy (e.g. after a supervised warm start); the optimizer
+    state is kept. With LoRA they become the frozen base (in `base_dtype`) and the adapters start again
+    from their initial value (`b` = 0). With `reference_is_initial`, the KL reference becomes them too."""
+    if self.lora is None:
+      self._params = self._place(params, jnp.float32)
+    else:
+      self._base = self._place(params, self.base_dtype, self.model_shardings)
+      self._params = self._place(lora_lib.init_adapters(self.config, self.lora, self.lora_seed), jnp.float32)
     if self._ref_params is not None and self.reference_is_initial:
-      self._ref_params = self._place(params, jnp.dtype(self.config.dtype))
+      self._ref_params = self._place(params, jnp.dtype(self.config.dtype), self.model_shardings)
 
   def state_dict(self) -> dict:
-    """Checkpointable state (an orbax-friendly pytree of arrays): params, opt_state, step, skips, and
-    the KL reference policy when there is one."""
+    """Checkpointable state (an orbax-friendly pytree of arrays): params (with LoRA: the adapters),
+    opt_state, step, skips, the KL reference policy when there is one, and a LoRA policy's frozen base
+    (`base_params`, in its dtype: after a warm start it is no file's weights)."""
     state = {"params": self._params, "opt_state": self._opt_state, "step": self._step,
              "skipped_nonfinite": self._skipped}
     if self._ref_params is not None:
       state["ref_params"] = self._ref_params
+    if self._base is not None:
+      state["base_params"] = self._base
     return state
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -396,7 +458,9 @@ class TrainerExecutor:
     self._skipped = jax.device_put(jnp.asarray(state.get("skipped_nonfinite", 0), jnp.int32),
                                    self._replicated)
     if self._ref_params is not None and "ref_params" in state:
-      self._ref_params = self._place(state["ref_params"], jnp.dtype(self.config.dtype))
+      self._ref_params = self._place(state["ref_params"], jnp.dtype(self.config.dtype), self.model_shardings)
+    if self._base is not None and "base_params" in state:
+      self._base = self._place(state["base_params"], self.base_dtype, self.model_shardings)
 
   # ------------------------------------------------------------------------------------------------
   # the step
@@ -413,7 +477,7 @@ class TrainerExecutor:
              for k in _BATCH_DTYPES}
     shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     args = jax.tree.map(shape_of, (self._params, self._opt_state, self._step, self._skipped, batch,
-                                   self._ref_params))
+                                   self._ref_params, self._base))
     # a mesh over devices of a target topology (a GPU compiled for on a CPU machine) lowers for them as is
     own = self.platform == self.mesh.devices.flat[0].platform
     return self._train_step.trace(*args).lower(lowering_platforms=None if own else (self.platform,))
@@ -429,7 +493,7 @@ class TrainerExecutor:
       metrics, padding_fraction = self._grouped_step(arrays)
     else:
       self._params, self._opt_state, self._step, self._skipped, metrics = self._train_step(
-          self._params, self._opt_state, self._step, self._skipped, arrays, self._ref_params)
+          self._params, self._opt_state, self._step, self._skipped, arrays, self._ref_params, self._base)
     metrics = mismatch.drop_empty_lags({k: float(_local_value(v)) for k, v in metrics.items()})  # waits
     if self.group_by_length:
       metrics["train/padding_fraction"] = padding_fraction
@@ -481,19 +545,21 @@ class TrainerExecutor:
     if self._microbatch_index is None:
       self._microbatch_index = [jax.device_put(np.int32(m), self._replicated) for m in range(self.microbatches)]
     order = jax.device_put(groups.order, self._replicated)
-    compute, ref_compute, micro, totals, grads = self._prepare_step(self._params, self._ref_params, batch, order)
+    compute, frozen, ref_compute, micro, totals, grads = self._prepare_step(
+        self._params, self._ref_params, self._base, batch, order)
     outs = []
     for index, width in zip(self._microbatch_index, groups.widths):
-      grads, out = self._accumulate_step(compute, ref_compute, grads, micro, index, totals, width=width)
+      grads, out = self._accumulate_step(compute, frozen, ref_compute, grads, micro, index, totals, width=width)
       outs.append(out)
-    del compute, ref_compute
+    del compute, frozen, ref_compute
     self._params, self._opt_state, self._step, self._skipped, metrics = self._apply_step(
         self._params, self._opt_state, self._step, self._skipped, grads, outs, micro)
     return metrics, groups.padding_fraction
 
-  def _microbatch_loss(self, compute, ref_compute, mb, totals, width, response_len):
+  def _microbatch_loss(self, compute, frozen, ref_compute, mb, totals, width, response_len):
     """This microbatch's share of the full-batch loss (see `_loss_share`), and its metrics.
-    compute / ref_compute: params prepared by `prepare_params` (compute dtype, layers stacked).
+    compute / ref_compute: params prepared by `prepare_params` (compute dtype, layers stacked); with
+    LoRA, compute is the adapters and frozen the base (None without).
     width: the forward's sequence width (`policy_logprobs`; None: P + R). response_len: the batch's
     padded response length R (mb's response columns may have been cut to the width)."""
     mask = mb["response_mask"]
@@ -504,7 +570,9 @@ class TrainerExecutor:
                                     attention=self.attention, logprob_chunk=self.logprob_chunk, width=width,
                                     scan_layers=self.scan_layers)
     args = (mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"], mask)
-    out = logprobs_of(compute, *args, remat=self.remat, with_entropy=self._with_entropy)
+    policy, lora = (compute, None) if frozen is None else (frozen, compute)
+    out = logprobs_of(policy, *args, remat=self.remat, with_entropy=self._with_entropy, lora=lora,
+                      lora_scale=self.lora_scale)
     logprobs, kw["entropy"] = out if self._with_entropy else (out, None)
     if ref_compute is not None:
       kw["ref_logprobs"] = jax.lax.stop_gradient(logprobs_of(ref_compute, *args))
@@ -512,7 +580,7 @@ class TrainerExecutor:
     share = _loss_share(mask, totals, kw.get("aggregation", "token_mean"))
     return loss * share, (share, metrics, logprobs)
 
-  def _accumulate(self, compute, ref_compute, grads, mb, totals, width=None):
+  def _accumulate(self, compute, frozen, ref_compute, grads, mb, totals, width=None):
     """grads + this microbatch's gradient (fp32, in the compute layout), and its (loss share of the
     batch, share, metrics, log-probs `[B/M, R]`). With `width`, the response columns past it (all
     padding: a row's response ends within its length <= width) are cut before the forward and the
@@ -522,18 +590,21 @@ class TrainerExecutor:
     if width is not None and width < R:
       trimmed = {**mb, **{k: mb[k][:, :width] for k in ("response_tokens", "response_mask", "behaviour_logprobs")}}
     grad_fn = jax.value_and_grad(self._microbatch_loss, has_aux=True)
-    (loss_part, (share, metrics, logprobs)), g = grad_fn(compute, ref_compute, trimmed, totals, width, R)
+    (loss_part, (share, metrics, logprobs)), g = grad_fn(compute, frozen, ref_compute, trimmed, totals, width, R)
     grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
     grads = jax.lax.with_sharding_constraint(grads, self.compute_shardings)
     logprobs = jnp.pad(logprobs, ((0, 0), (0, R - logprobs.shape[1])))
     return grads, (loss_part, share, metrics, logprobs)
 
-  def _prepare(self, params, ref_params):
+  def _prepare(self, params, ref_params, base):
     """Params cast to the compute dtype and the layers stacked, once per step (not per microbatch or
-    per use); gradients are taken w.r.t. this copy and accumulated in fp32 in its layout."""
+    per use); gradients are taken w.r.t. this copy and accumulated in fp32 in its layout. Returns
+    (compute, frozen, ref_compute): the trained params', the LoRA base's (None without LoRA) and the
+    KL reference's."""
     dtype = jnp.dtype(self.config.dtype)
-    prepare = lambda p: jax.lax.with_sharding_constraint(prepare_params(p, dtype), self.compute_shardings)
-    return prepare(params), None if ref_params is None else prepare(ref_params)
+    prepare = lambda p, sh: None if p is None else jax.lax.with_sharding_constraint(prepare_params(p, dtype), sh)
+    return (prepare(params, self.compute_shardings), prepare(base, self.model_compute_shardings),
+            prepare(ref_params, self.model_compute_shardings))
 
   def _split(self, batch):
     """The batch as `[M, B/M, ...]` microbatches: row j*M + m goes to microbatch m, so each device keeps
@@ -547,14 +618,15 @@ class TrainerExecutor:
 
     return jax.tree.map(split, batch)
 
-  def _train_step_impl(self, params, opt_state, step, skipped, batch, ref_params):
+  def _train_step_impl(self, params, opt_state, step, skipped, batch, ref_params, base):
     """The fused step: prepare, a `lax.scan` of `_accumulate` over the microbatches at full width, apply."""
     self.trace_count += 1
     totals = _valid_counts(batch["response_mask"])
     micro = self._split(batch)
-    compute, ref_compute = self._prepare(params, ref_params)
+    compute, frozen, ref_compute = self._prepare(params, ref_params, base)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), compute)
-    grads, outs = jax.lax.scan(lambda g, mb: self._accumulate(compute, ref_compute, g, mb, totals), zeros, micro)
+    grads, outs = jax.lax.scan(lambda g, mb: self._accumulate(compute, frozen, ref_compute, g, mb, totals),
+                               zeros, micro)
     params, opt_state, step, skipped, metrics = self._apply(params, opt_state, step, skipped, grads, outs, micro)
     metrics["train/padding_fraction"] = _padding_fraction(batch)
     return params, opt_state, step, skipped, metrics
@@ -567,21 +639,21 @@ class TrainerExecutor:
     return trainer_layout(batch["prompt_tokens"], batch["prompt_mask"], batch["response_tokens"],
                           batch["response_mask"])[1]
 
-  def _prepare_impl(self, params, ref_params, batch, order):
-    """compute / ref_compute params, the batch's rows taken in `order` (`[B]`) and split into
+  def _prepare_impl(self, params, ref_params, base, batch, order):
+    """compute / frozen / ref_compute params, the batch's rows taken in `order` (`[B]`) and split into
     microbatches, the whole batch's normalisers, zero gradients."""
     self.trace_count += 1
     totals = _valid_counts(batch["response_mask"])
     micro = self._split(jax.tree.map(lambda x: jnp.take(x, order, axis=0), batch))
-    compute, ref_compute = self._prepare(params, ref_params)
+    compute, frozen, ref_compute = self._prepare(params, ref_params, base)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), compute)
-    return compute, ref_compute, micro, totals, zeros
+    return compute, frozen, ref_compute, micro, totals, zeros
 
-  def _accumulate_impl(self, compute, ref_compute, grads, micro, index, totals, *, width):
+  def _accumulate_impl(self, compute, frozen, ref_compute, grads, micro, index, totals, *, width):
     """`_accumulate` of microbatch `index` (traced: one program per width) at `width`."""
     self.trace_count += 1
     mb = jax.tree.map(lambda x: x[index], micro)
-    return self._accumulate(compute, ref_compute, grads, mb, totals, width)
+    return self._accumulate(compute, frozen, ref_compute, grads, mb, totals, width)
 
   def _apply_impl(self, params, opt_state, step, skipped, grads, outs, micro):
     """`_apply` on the microbatches' outputs (a list of M) stacked as the scan stacks them."""

@@ -11,6 +11,13 @@ tensors are what crosses meshes (a quarter of fp32's bytes), and the generator d
 its compute dtype. The generator then samples from a slightly different policy
 than the trainer's, which is exactly the mismatch AIPO's importance weights correct (visible in
 `policy/ratio_*`).
+
+LoRA (`adapter_shardings`): a push moves only the fp32 adapters (`sync/bytes`); the generator holds
+the frozen base in its dtype (moved once, and again only when the trainer's base changes: a warm
+start, a restore; `sync/base_bytes` in that push) and builds each version on its own devices by
+merging, `w + alpha / rank * a @ b` summed in fp32 and cast to its dtype (`lora.merge_adapters`).
+Merged serving, as verl's and vLLM-style engines do it: the decode step and its programs are the
+ones of full fine-tuning (no low-rank matmuls per token), at the cost of one merge per version.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from llamarl_jax.metrics import append_bounded
+from llamarl_jax.model.lora import merge_adapters
 
 
 def tree_bytes(tree: Any) -> int:
@@ -50,12 +58,19 @@ class WeightSync:
     False keeps only the newest (the 'latest' schedule).
   axes: the params' logical axes (`parallel.logical_axes`); with int8 only those with an `embed` axis
     are quantised. Without it every array of rank >= 2 is, which would include `[heads, head_dim]` biases.
+  adapter_shardings: LoRA: the adapters' shardings on the generator mesh (`lora.adapter_axes`); what is
+    pushed is then the adapters, merged with `base()` (a callable returning the trainer's frozen base,
+    generator dtype) times `lora_scale` (alpha / rank).
   """
 
   def __init__(self, gen_shardings: Any, dtype=jnp.bfloat16, quantize: str | None = None,
-               keep_pending: bool = False, axes: Any = None):
+               keep_pending: bool = False, axes: Any = None, adapter_shardings: Any = None,
+               lora_scale: float = 1.0, base: Any = None):
     if quantize not in (None, "int8"):
       raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+    if adapter_shardings is not None and (quantize or base is None):
+      raise ValueError("a LoRA WeightSync (adapter_shardings) needs base, a callable returning the frozen base, "
+                       "and quantize=None (the adapters move in fp32)")
     self.gen_shardings = gen_shardings
     self.dtype = jnp.dtype(dtype)
     self.quantize = quantize
@@ -74,11 +89,30 @@ class WeightSync:
         lambda q: jax.tree.map(lambda qs: qs[0] if qs[1] is None else (qs[0] * qs[1]).astype(self.dtype),
                                q, is_leaf=lambda x: isinstance(x, tuple)),
         out_shardings=gen_shardings)
+    self.adapter_shardings, self._base_fn = adapter_shardings, base
+    self._base_source = self._base = None  # the trainer's base tree last moved, and its generator copy
+    self._merge = jax.jit(lambda base, adapters: merge_adapters(base, adapters, lora_scale, self.dtype),
+                          out_shardings=gen_shardings)
+
+  @property
+  def lora(self) -> bool:
+    return self.adapter_shardings is not None
+
+  def _generator_base(self) -> int:
+    """LoRA: move the trainer's base to the generator if it is not the tree moved last; its bytes (0: held)."""
+    base = self._base_fn()
+    if base is self._base_source:
+      return 0
+    self._base = jax.device_put(self._cast(base), self.gen_shardings)
+    self._base_source = base
+    return tree_bytes(self._base)
 
   def wire(self, params: Any) -> tuple[Any, Any]:
     """What a push moves for `params` (trainer mesh): the tree cast to the generator dtype (int8: each
     matrix as (int8 values, scale)), still on the trainer's devices, and the generator-mesh shardings
     it is `device_put` into (scales replicated)."""
+    if self.lora:
+      return params, self.adapter_shardings
     if self.quantize == "int8":
       q = self._quant(params)
       return q, jax.tree.map(lambda s, qs: (s, None if qs[1] is None else NamedSharding(s.mesh, P())),
@@ -89,20 +123,31 @@ class WeightSync:
     """`params` (trainer mesh) cast/quantised and resharded to the generator layout, and the bytes moved.
 
     Registers nothing: `push` does that; evaluation uses this directly so that it never disturbs the
-    versions the generator is waiting for.
+    versions the generator is waiting for. LoRA: `params` are the adapters, merged on the generator
+    (the bytes are the adapters'; a base moved on the way is `_generator_base`'s).
     """
+    gen_params, nbytes, _ = self._to_generator(params)
+    return gen_params, nbytes
+
+  def _to_generator(self, params: Any) -> tuple[Any, int, int]:
+    base_bytes = self._generator_base() if self.lora else 0
     tree, shardings = self.wire(params)
     moved = jax.device_put(tree, shardings)
-    return (self._dequant(moved) if self.quantize == "int8" else moved), tree_bytes(moved)
+    if self.lora:
+      return self._merge(self._base, moved), tree_bytes(moved), base_bytes
+    return (self._dequant(moved) if self.quantize == "int8" else moved), tree_bytes(moved), base_bytes
 
   def push(self, params: Any, version: int) -> dict:
-    """Cast/quantise `params` (trainer mesh) and reshard to the generator; returns timing metrics."""
+    """Cast/quantise `params` (trainer mesh) and reshard to the generator; returns timing metrics
+    (LoRA: `params` are the adapters; `sync/base_bytes` when the base moved too)."""
     start = time.perf_counter()
-    gen_params, nbytes = self.to_generator(params)
+    gen_params, nbytes, base_bytes = self._to_generator(params)
     jax.block_until_ready(gen_params)
     seconds = time.perf_counter() - start
     metrics = {"sync/seconds": seconds, "sync/bytes": float(nbytes),
-               "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9, "sync/version": float(version)}
+               "sync/gbps": (nbytes + base_bytes) / max(seconds, 1e-9) / 1e9, "sync/version": float(version)}
+    if base_bytes:
+      metrics["sync/base_bytes"] = float(base_bytes)
     with self._cond:
       self._versions[int(version)] = gen_params
       if not self.keep_pending:

@@ -262,6 +262,35 @@ def decode_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
   return out.reshape(B, 1, H, D).astype(q.dtype)
 
 
+@flax.struct.dataclass
+class LoraLayer:
+  """One block's LoRA adapters for the trainer's unmerged forward (`llamarl_jax.model.lora`).
+
+  weights: {"attn": {"wq": {"a", "b"}, ...}, "mlp": {"w_gate": ...}}, the adapted projections only;
+  a projection `w` `[*in, *out]` has `a` `[*in, rank]` and `b` `[rank, *out]`. scale: alpha / rank.
+  """
+
+  weights: dict
+  scale: float = flax.struct.field(pytree_node=False)
+
+  def part(self, module: str) -> "LoraLayer":
+    return LoraLayer(self.weights.get(module, {}), self.scale)
+
+
+def with_lora(y: Array, x: Array, name: str, lora: LoraLayer | None) -> Array:
+  """`y` (projection `name` of `x`) plus LoRA's `scale * (x @ a) @ b` when `lora` adapts `name`, else `y`.
+
+  x `[B, T, *in]`, y `[B, T, *out]`; the low-rank path runs in x's dtype (`[B, T, rank]` in between).
+  With `b` = 0 (an adapter's initial value) the sum is exactly `y`."""
+  if lora is None or name not in lora.weights:
+    return y
+  a, b = lora.weights[name]["a"], lora.weights[name]["b"]
+  rank = a.shape[-1]
+  h = x.reshape(*x.shape[:2], -1) @ a.reshape(-1, rank).astype(x.dtype)
+  delta = (h @ b.reshape(rank, -1).astype(x.dtype)) * jnp.asarray(lora.scale, x.dtype)
+  return y + delta.reshape(y.shape).astype(y.dtype)
+
+
 class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     c, pd = config, jnp.dtype(config.param_dtype)
@@ -279,7 +308,7 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim")
       self.k_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim")
 
-  def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla"):
+  def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla", lora=None):
     """x `[B, T, E]`; mask `[B, T, S]` bool; layer_cache None, (k, v, index), or a `PagedLayer`
     (one token per row, mask unused: the new key/value is written to its page and attention reads
     the listed live blocks, `paged_decode_attention`).
@@ -287,11 +316,12 @@ class Attention(nnx.Module):
     With `lengths` `[B]` (and mask None, no cache) the rows are right-padded sequences from position
     0: causal attention with per-row lengths by `jax.nn.dot_product_attention(implementation=...)`,
     the form cuDNN's fused kernel takes ('cudnn'), or XLA's ('xla'). Outputs past a row's length
-    are not meaningful."""
+    are not meaningful. lora: `LoraLayer` adapters of this block's projections (the trainer's
+    unmerged LoRA forward), or None."""
     dt, c = x.dtype, self.config
-    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt))
-    k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dt))
-    v = jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(dt))
+    q = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt)), x, "wq", lora)
+    k = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dt)), x, "wk", lora)
+    v = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(dt)), x, "wv", lora)
     if c.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if c.qk_norm:
@@ -323,7 +353,8 @@ class Attention(nnx.Module):
     else:
       out = jax.nn.dot_product_attention(q, k.astype(dt), v.astype(dt), mask=mask[:, None])
     B, T, H, D = out.shape  # a plain [B*T, H*D] @ [H*D, E] matmul: no per-call transpose of wo
-    return out.reshape(B, T, H * D) @ self.wo[...].astype(dt).reshape(H * D, -1), new_cache
+    out = out.reshape(B, T, H * D)
+    return with_lora(out @ self.wo[...].astype(dt).reshape(H * D, -1), out, "wo", lora), new_cache
 
 
 class MLP(nnx.Module):
@@ -333,10 +364,11 @@ class MLP(nnx.Module):
     self.w_up = _param(rngs, (d, f), ("embed", "mlp"), pd)
     self.w_down = _param(rngs, (f, d), ("mlp", "embed"), pd)
 
-  def __call__(self, x):
+  def __call__(self, x, lora=None):
     dt = x.dtype
-    h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
-    return h @ self.w_down[...].astype(dt)
+    gate = with_lora(x @ self.w_gate[...].astype(dt), x, "w_gate", lora)
+    h = jax.nn.silu(gate) * with_lora(x @ self.w_up[...].astype(dt), x, "w_up", lora)
+    return with_lora(h @ self.w_down[...].astype(dt), h, "w_down", lora)
 
 
 class Block(nnx.Module):
@@ -347,10 +379,12 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
     self.mlp = MLP(config, rngs)
 
-  def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla"):
-    h, new_cache = self.attn(self.attn_norm(x), positions, inv_freq, mask, layer_cache, lengths, implementation)
+  def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla", lora=None):
+    attn_lora, mlp_lora = (None, None) if lora is None else (lora.part("attn"), lora.part("mlp"))
+    h, new_cache = self.attn(self.attn_norm(x), positions, inv_freq, mask, layer_cache, lengths, implementation,
+                             attn_lora)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x)), new_cache
+    return x + self.mlp(self.mlp_norm(x), mlp_lora), new_cache
 
 
 class Llama(nnx.Module):
@@ -535,7 +569,8 @@ def _block_graphdef(config: ModelConfig):
 
 
 def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengths: Array, *,
-                       attention: str = "xla", remat="none", scan_layers: bool = True) -> Array:
+                       attention: str = "xla", remat="none", scan_layers: bool = True,
+                       lora: dict | None = None, lora_scale: float = 1.0) -> Array:
   """Final-norm hidden states `[B, T, E]` of right-padded rows, the layers under `lax.scan`.
 
   prepared: `prepare_params(params, config.dtype)`. tokens `[B, T]`: each row's sequence from
@@ -545,6 +580,8 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
   depth, but a small model on a CPU steps ~1.5x faster (BENCHMARKS.md: the main job's trainer step,
   734 -> 492 ms), XLA:CPU's loop over stacked layers costing more than the layers themselves.
   The same math as `Llama.hidden_states` (the same Block code runs on each layer's slice).
+  lora: LoRA adapters in the layout `prepare_params` gives (`model.lora.init_adapters`' tree with
+  "layers" stacked), added unmerged to the projections they adapt, times `lora_scale` (alpha / rank).
   """
   dt = jnp.dtype(config.dtype)
   B, T = tokens.shape
@@ -553,8 +590,10 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
   graphdef = _block_graphdef(config)
   lengths = lengths.astype(jnp.int32)
 
-  def layer(x, layer_params):
-    x, _ = nnx.merge(graphdef, layer_params)(x, positions, inv_freq, None, None, lengths, attention)
+  def layer(x, xs):
+    layer_params, layer_lora = xs
+    adapters = None if layer_lora is None else LoraLayer(layer_lora, lora_scale)
+    x, _ = nnx.merge(graphdef, layer_params)(x, positions, inv_freq, None, None, lengths, attention, adapters)
     return x, None
 
   policy = remat_policy(remat)
@@ -564,7 +603,8 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
     layer = jax.checkpoint(layer, prevent_cse=False,
                            policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
   x = jnp.take(prepared["embed"], tokens, axis=0).astype(dt)
-  x, _ = jax.lax.scan(layer, x, prepared["layers"], unroll=not scan_layers)
+  x, _ = jax.lax.scan(layer, x, (prepared["layers"], None if lora is None else lora["layers"]),
+                      unroll=not scan_layers)
   return rms_norm(x, prepared["final_norm"]["scale"], config.rms_norm_eps)
 
 
