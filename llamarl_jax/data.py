@@ -11,9 +11,10 @@ decide it). Bad rows (not JSON, not an object, no prompt, no answer, no ground t
 few with file and line; `bad_rows="error"` raises at the first one, naming file and line.
 
 Context limit: with `max_prompt_tokens` (set by the experiment to the model's max_position_embeddings
-minus max_new_tokens) a longer prompt is an error naming its row (`overlong_prompts="error"`, checked
-over every file row when the limit is set, and for each drawn example) or is cut to its last
-`max_prompt_tokens` tokens and counted (`"truncate"`, `truncated_prompts`).
+minus the response width, at most the slot engine's GeneratorConfig.max_prompt_len) a longer prompt
+is an error naming its row (`overlong_prompts="error"`, checked over every file row when the limit is
+set, and for each drawn example) or is cut to its last `max_prompt_tokens` tokens and counted
+(`"truncate"`, `truncated_prompts`).
 
 Order: with `shuffle`, epoch e visits the rows in the permutation drawn from (seed, e); the position
 (epoch, offset) is the whole state, so `load_state_dict(state_dict())` continues with exactly the
@@ -298,9 +299,10 @@ class PromptSource:
 
   def _overlong_message(self, over: list[str]) -> str:
     return (f"{len(over)} prompt(s) are longer than max_prompt_tokens = {self.max_prompt_tokens} (the model's "
-            f"max_position_embeddings minus max_new_tokens): {', '.join(over[:5])}"
-            f"{' ...' if len(over) > 5 else ''}. Drop those rows, lower RolloutConfig.max_new_tokens, or cut them "
-            "to their last tokens (counted in data/truncated_prompts) with PromptSource.overlong_prompts = 'truncate'")
+            "max_position_embeddings minus the response width; with the slot engine at most "
+            f"GeneratorConfig.max_prompt_len): {', '.join(over[:5])}{' ...' if len(over) > 5 else ''}. Drop those "
+            "rows, raise GeneratorConfig.max_prompt_len or lower RolloutConfig.max_new_tokens, or cut them to "
+            "their last tokens (counted in data/truncated_prompts) with PromptSource.overlong_prompts = 'truncate'")
 
   def _encode_text(self, prompt: str) -> list[int]:
     return list(self.tokenizer(prompt, add_special_tokens=not self.chat)["input_ids"])

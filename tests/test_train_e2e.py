@@ -206,3 +206,47 @@ def test_rl_from_a_saved_qwen3_checkpoint(tmp_path):
   with torch.no_grad():
     theirs = ref(torch.tensor([ids])).logits.numpy()
   np.testing.assert_allclose(np.asarray(model(np.asarray([ids], np.int32))), theirs, atol=1e-4, rtol=0)
+
+
+def test_a_prompt_longer_than_the_slot_engine_takes_is_refused_at_start_or_cut_and_counted(tmp_path):
+  """A JSONL file whose line 2 is a 601-token prompt, a 1024-position model, the slot engine (prompts up
+  to min(512, context - response width) = 512 tokens by default): the run is refused before it trains,
+  the message naming the file, line and limit; with PromptSource.overlong_prompts = 'truncate' the
+  prompt is cut to its last 512 tokens, counted in data/truncated_prompts, and the run completes."""
+  rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in ((3, 4), (12, 5), (7, 7), (20, 1),
+                                                                              (9, 9), (1, 30), (2, 8))]
+  rows.insert(1, {"question": "1+" * 300, "answer": "#### 300"})  # 600 characters: 601 tokens with BOS
+  data = tmp_path / "rows.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  small = ["ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
+           "ModelConfig.max_position_embeddings = 1024", "GeneratorConfig.max_prompt_len = None",
+           "run_experiment.sft = False", "run_experiment.eval_size = 0", "run_experiment.tensorboard = False",
+           "RolloutConfig.prompts_per_step = 4", "RolloutConfig.samples_per_prompt = 4",
+           f"PromptSource.files = '{data}'", "PromptSource.reward = 'arithmetic'",
+           "run_experiment.eval_source = @eval/PromptSource()"]  # a file source has no held-out split
+  with pytest.raises(ValueError, match=r"max_prompt_tokens = 512 .*rows\.jsonl:2 \(601 tokens\)"):
+    _run(tmp_path / "refused", steps=2, small=small)
+  assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+  run_dir = tmp_path / "cut"
+  _run(run_dir, steps=2, small=small + ["PromptSource.overlong_prompts = 'truncate'"])
+  rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+  assert [r["step"] for r in rl] == [1, 2] and rl[-1]["data/truncated_prompts"] == 1
+
+
+def test_tool_episodes_that_outgrow_the_slot_engine_run_to_completion(tmp_path):
+  """configs/tiny_tools.gin on the slot engine with prompts of at most 9 tokens (the prompts' length)
+  and an episode width of 23: the engine takes later turns of at most 16 tokens, so every episode that
+  calls the calculator (200 SFT steps on a teacher that always does: 12 calls in 16 rows here) outgrows
+  it after the observation and ends cut; the run completes."""
+  small = ["ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
+           "supervised_warmstart.steps = 200", "supervised_warmstart.batch_size = 16", "run_experiment.eval_size = 0",
+           "RolloutConfig.prompts_per_step = 4", "RolloutConfig.samples_per_prompt = 4",
+           "GeneratorConfig.engine = 'slots'", "GeneratorConfig.max_prompt_len = 9", "EnvConfig.max_total_tokens = 23",
+           "PromptSource.task_kwargs = {'min_digits': 3, 'max_digits': 3, 'num_operands': 2, 'ops': '*', "
+           "'demo_tool': 'calc', 'demo_tool_rate': 1.0}"]
+  run_dir = tmp_path / "run"
+  _run(run_dir, steps=2, small=small, gin_file="tiny_tools.gin")
+  rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+  assert [r["step"] for r in rl] == [1, 2]
+  for r in rl:  # a row that called the calculator is cut (its next prompt is too long): at least as many cut
+    assert r["tool/calls"] > 0 and r["episode/turns_max"] == 1 and r["episode/frac_cut"] >= r["tool/calls"] / 16, r
