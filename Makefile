@@ -14,7 +14,7 @@ TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=
 TEST_WORKERS ?= 2
 TEST_PAR = -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install install-gpu run test test-quick test-gpu bench bench-gpu study study-offpolicy clean
+.PHONY: install install-gpu run run-gpu test test-quick test-gpu bench bench-gpu study study-offpolicy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,8 +44,15 @@ test-quick: install
 test-gpu: install-gpu
 	JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false $(BIN)/python -m pytest -q $(ARGS)
 
-# One command for the GPU numbers: results/bench_gpu/bench_gpu.{md,json} (written after each section). It has
-# not completed on a GPU: on one H200 its engine section was still compiling after 230 s (shared/GPU.md). The JSON
+# One GPU at Llama-3.2-1B shapes from random weights (configs/llama3_1b_1gpu.gin, no download): the memory
+# plan, 8 RL steps of 64 rows x 1536 tokens (colocated, slot engine, bf16 generator), then where the time went
+# (also in the run directory's summary.json).
+run-gpu: install-gpu
+	$(BIN)/python scripts/train.py --gin_file=configs/llama3_1b_1gpu.gin --run_dir=runs/llama3_1b_1gpu_$$(date +%Y%m%d_%H%M%S) $(ARGS)
+
+# One command for the GPU numbers: results/bench_gpu/bench_gpu.{md,json} (written after each section). Measured
+# on one H200 (shared/GPU.md, BENCHMARKS.md): the trainer, PyTorch-peer, decode and transformers sections in one
+# call, the engine and profile sections in another; the whole command has not run end to end on a GPU. The JSON
 # calibrates the step-time model: python -m llamarl_jax.perf_model --calibrate results/bench_gpu/bench_gpu.json
 bench-gpu: install-gpu
 	$(BIN)/python scripts/bench_gpu.py --out results/bench_gpu $(ARGS)

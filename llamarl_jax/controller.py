@@ -116,9 +116,7 @@ class Controller:
     # the longest first prompt the generator takes (the slot engine's limit; None: the context's),
     # the same in every process (the data sources apply it)
     width = config.env.response_width(r.max_new_tokens)
-    self.prompt_limit: int | None = None
-    if g.engine == "slots":
-      self.prompt_limit = g.max_prompt_len or max(1, min(512, model_config.max_position_embeddings - width))
+    self.prompt_limit = prompt_limit(model_config, config)
     if self.is_generator:
       gen_config = model_config.replace(param_dtype=g.dtype, dtype=g.dtype)
       self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0)
@@ -382,6 +380,15 @@ class Controller:
       self.ex.reward.close()
     if self.checkpointer is not None:
       self.checkpointer.close()
+
+
+def prompt_limit(model_config: ModelConfig, config: RunConfig) -> int | None:
+  """The longest first prompt the generator takes: the slot engine's `GeneratorConfig.max_prompt_len`,
+  default min(512, context - response width); None for the static sampler (the context's limit)."""
+  if config.generator.engine != "slots":
+    return None
+  width = config.env.response_width(config.rollout.max_new_tokens)
+  return config.generator.max_prompt_len or max(1, min(512, model_config.max_position_embeddings - width))
 
 
 def _round_up(x: int, multiple: int) -> int:

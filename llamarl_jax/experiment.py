@@ -29,6 +29,7 @@ from llamarl_jax.executors.trainer import token_logprobs
 from llamarl_jax.metrics import START, MetricsLogger
 from llamarl_jax.model import hf
 from llamarl_jax.model.llama import Llama, ModelConfig, abstract_model, split_params
+from llamarl_jax.time_breakdown import format_breakdown
 
 gin.external_configurable(ModelConfig, "ModelConfig")
 gin.external_configurable(PromptSource, "PromptSource")
@@ -77,28 +78,42 @@ def configured_prompt_source() -> PromptSource:
 
 
 @gin.configurable
-def build_policy(*, model_path: str | None = None, tiny: ModelConfig | None = None, seed: int = 0,
+def build_policy(*, model_path: str | None = None, tiny: ModelConfig | None = None, config_json: str | None = None,
+                 vocab_size: int | None = None, compute_dtype: str | None = None, seed: int = 0,
                  tokenizer_extra_chars: str = "", weights: bool = True) -> tuple[ModelConfig, Any, Any]:
-  """(config, params, tokenizer): from an HF directory, or a tiny random model + char tokenizer.
+  """(config, params, tokenizer): from an HF directory, or a random model + char tokenizer.
 
+  The random model's architecture: `config_json` (an HF config.json: a real model's shapes without its
+  weights), else `tiny` (a `ModelConfig`, gin-bound), else a 0.8M-parameter default. Its vocabulary is
+  the tokenizer's unless `vocab_size` (or config_json) sets a larger one: a real model's embedding and
+  lm_head sizes, the ids past the tokenizer's decoding to nothing. compute_dtype: the trainer's
+  activations and matmuls (`ModelConfig.dtype`; None: the checkpoint's or config's own, fp32 for a
+  checkpoint); the params stay fp32.
   weights=False: params is None (a generator process of a multi-process run: it receives the
-  trainer's weights, so it neither reads the checkpoint's tensors nor initialises any).
+  trainer's weights, so it neither reads the checkpoint's tensors nor initialises any; a memory plan).
   """
   if model_path:
     if weights:
-      config, model = hf.load_hf_checkpoint(model_path)
+      config, model = hf.load_hf_checkpoint(model_path, compute_dtype=compute_dtype)
     else:
       config = hf.config_from_hf(json.loads((Path(model_path) / "config.json").read_text()),
-                                 source=str(Path(model_path) / "config.json"))
+                                 source=str(Path(model_path) / "config.json"), compute_dtype=compute_dtype)
     tokenizer = hf.load_tokenizer(model_path)
     hf.check_tokenizer_matches(tokenizer, config)
     return config, split_params(model)[1] if weights else None, tokenizer
   from llamarl_jax.tokenizer import make_char_tokenizer
 
   tokenizer = make_char_tokenizer(tokenizer_extra_chars)
-  config = (tiny or ModelConfig(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
-                                num_kv_heads=2, max_position_embeddings=256, rope_theta=10000.0,
-                                tie_word_embeddings=True)).replace(vocab_size=len(tokenizer))
+  if config_json:
+    config = hf.config_from_hf(json.loads(Path(config_json).read_text()), source=str(config_json))
+    vocab_size = vocab_size or config.vocab_size
+  else:
+    config = tiny or ModelConfig(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
+                                 max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=True)
+  if vocab_size is not None and vocab_size < len(tokenizer):
+    raise ConfigError(f"build_policy.vocab_size = {vocab_size} is smaller than the tokenizer's {len(tokenizer)} "
+                      "tokens; leave it unset (the tokenizer's) or make it larger")
+  config = config.replace(vocab_size=vocab_size or len(tokenizer), **({"dtype": compute_dtype} if compute_dtype else {}))
   if not weights:
     return config, None, tokenizer
   _, params = split_params(Llama(config, rngs=nnx.Rngs(params=seed)))
@@ -216,7 +231,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                    eval_size: int = 256, eval_every: int = 0, eval_samples: int = 0, eval_window: int = 3,
                    sft: bool = True, resume: bool = False, export: bool = True,
                    tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True,
-                   resume_allow_changes: list[str] | tuple[str, ...] = ()) -> dict:
+                   resume_allow_changes: list[str] | tuple[str, ...] = (), memory_check: bool = True) -> dict:
   """SFT warm start (optional) -> eval -> async RL (eval every `eval_every` steps) -> eval -> HF export.
 
   Start-up order: gin bindings checked (`config_check`), policy and controller built, prompts checked
@@ -231,6 +246,11 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   skips every evaluation. The summary's `eval_accuracy_window` is the mean greedy accuracy of the last
   `eval_window` evaluations during RL: a single final evaluation swings by several points between
   nearby steps, their mean less. Returns the summary.
+
+  Before anything is built (one process): the memory plan (`memory_plan.plan_run`; printed, in the
+  summary's "memory_plan"); a plan over the device's limit stops the run with its numbers and the
+  knobs that help, unless `memory_check` is False. At the end: where the wall time went
+  (`time_breakdown`; printed, in the summary's "time_breakdown").
 
   Across processes every process runs this: the trainer processes do the SFT, training, checkpoints
   and export, the generator processes generation, rewards and the evaluations' sampling; process 0
@@ -247,13 +267,26 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   main = jax.process_index() == 0
   progress = progress and main
   t_start = time.perf_counter()
+  run_config = configured_run_config()
+  plan = None
+  if jax.process_count() == 1:  # from shapes only: nothing is allocated before it is checked
+    from llamarl_jax import memory_plan
+    from llamarl_jax.compile_cache import enable_persistent_cache
+
+    enable_persistent_cache()  # on a GPU: the plan's compile of the train step is the run's first one's
+    plan = memory_plan.plan_run(build_policy(weights=False)[0], run_config,
+                                eval_rows=eval_size * max(1, eval_samples))
+    if progress:
+      print(plan.table())
+    if memory_check:
+      plan.check()
   config, params, tokenizer = build_policy(weights=jax.process_index() in process_roles().trainer)
   rl_source = configured_prompt_source() if rl_source is None else rl_source
   if rl_source.tokenizer is None:  # format prompts with the model's chat template, when it has one
     rl_source = rl_source.with_tokenizer(tokenizer)
   if eval_source is not None and eval_source.tokenizer is None:
     eval_source = eval_source.with_tokenizer(tokenizer)
-  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, config=configured_run_config(),
+  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, config=run_config,
                           progress=progress)
   controller.evaluation_config = {"size": eval_size, "every": eval_every, "samples": eval_samples,
                                   "window": eval_window}  # in checkpoints; may change on resume
@@ -275,6 +308,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
       logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project,
                              rewind_to=START if restored is None else restored)
       controller.logger = logger
+    controller.recorder.breakdown.add("warmup", time.perf_counter() - t_start)  # building and compiling
     summary = _sft_rl_eval_export(controller, config, tokenizer, rl_source, sft_source, eval_examples,
                                   run_dir=run_dir, rl_steps=rl_steps, sft=sft, restored=restored, export=export,
                                   eval_every=eval_every, eval_samples=eval_samples, eval_window=eval_window,
@@ -282,10 +316,16 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   except KeyboardInterrupt as e:  # Controller.run has already checkpointed the last finished RL step
     raise RunInterrupted(_interrupted_message(controller.run_dir / "checkpoints")) from e
   finally:
-    controller.close()
+    with controller.recorder.breakdown.timed("waits_other"):  # stopping the reward pool and the tools
+      controller.close()
     if logger is not None:
       logger.close()
   summary["total_seconds"] = time.perf_counter() - t_start
+  if plan is not None:
+    summary["memory_plan"] = plan.as_dict()
+  summary["time_breakdown"] = controller.recorder.breakdown.report(summary["total_seconds"])
+  if progress:
+    print(format_breakdown(summary["time_breakdown"]))
   if main:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
   return summary
@@ -305,6 +345,7 @@ def evaluate_and_log(controller: Controller, examples, *, samples: int = 0,
   out = controller.evaluate(examples, samples=samples, seed=controller.step)
   row = {"step": controller.step, **{k: v for k, v in out.items() if k != "eval/samples"}}
   row["time/eval"] = time.perf_counter() - t0
+  controller.recorder.breakdown.add("evaluation", row["time/eval"])
   if logger is not None:
     logger.log(controller.step, {k: v for k, v in row.items() if k != "step"})
   row["samples"] = out["eval/samples"]
@@ -374,9 +415,10 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
       from llamarl_jax.envs import make_environment
 
       env = controller.env if controller.env is not None else make_environment(controller.config.env)
-    params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
-                                  progress=progress, env=env)
-    controller.trainer.load_params(params)
+    with controller.recorder.breakdown.timed("sft"):
+      params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
+                                    progress=progress, env=env)
+      controller.trainer.load_params(params)
   evaluating = len(eval_examples) > 0  # eval_size = 0 skips every held-out evaluation
   evals: list[dict] = []
   if not evaluating:
@@ -419,8 +461,9 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
     from llamarl_jax.model.llama import merge_params
     from llamarl_jax.transfer import to_host
 
-    host = to_host(controller.trainer.params)  # every trainer process: the params may span them
-    if controller.is_main:
-      model = merge_params(split_params(abstract_model(config))[0], host)
-      summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
+    with controller.recorder.breakdown.timed("checkpointing"):
+      host = to_host(controller.trainer.params)  # every trainer process: the params may span them
+      if controller.is_main:
+        model = merge_params(split_params(abstract_model(config))[0], host)
+        summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
   return summary

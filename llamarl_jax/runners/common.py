@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from llamarl_jax.metrics import append_bounded
 from llamarl_jax.schedule import prune_kept
+from llamarl_jax.time_breakdown import TimeBreakdown, split_wait
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class StepRecorder:
 
   save(state): write a checkpoint of `state` (the Controller's; trainer processes only).
   latest_saved(): the newest complete checkpoint step, so a run's end does not write it twice.
+  breakdown: the run's `TimeBreakdown`; every recorded step and checkpoint is added to it.
   """
 
   def __init__(self, *, logger=None, checkpoint_every: int = 0, save: Callable[[RunState], None] | None = None,
@@ -93,30 +96,41 @@ class StepRecorder:
     self.latest_saved = latest_saved
     self.history: list[dict] = []
     self.state: RunState | None = None  # the state after the last recorded step (also when a run raised)
+    self.breakdown = TimeBreakdown()
 
   def record(self, state: RunState, *, batch: dict, train: dict, sync: dict, lag: dict, train_tokens: float,
              times: tuple[float, float, float, float], generator_times: tuple, reward_times: tuple,
-             dropped: int, occupancy: int) -> dict:
-    """state: after the step. times: (asked for a batch, got it, trained, synced) perf_counter stamps."""
+             dropped: int, occupancy: int, waited_on: Sequence[tuple[str, float, float]] = ()) -> dict:
+    """state: after the step. times: (asked for a batch, got it, trained, synced) perf_counter stamps.
+    waited_on: ("generate" | "swap" | "reward", start, end) intervals of the other threads, which split
+    the trainer's wait (`time_breakdown.split_wait`; none: all of it is "time/wait_other"). The step's
+    checkpoint, when one is due, is written before the metrics are logged, so `time/step` includes it:
+    `time/step` = the sum of `time_breakdown.STEP_PARTS`."""
     t0, t1, t2, t3 = times
     self.state = state
+    checkpoint = 0.0
+    if self.save is not None and self.checkpoint_every and state.step % self.checkpoint_every == 0:
+      t_save = time.perf_counter()
+      self.save(state)
+      checkpoint = time.perf_counter() - t_save
     metrics = {**batch, **train, **sync, **lag,
                "buffer/dropped_stale": float(dropped), "buffer/occupancy": float(occupancy),
-               "time/step": t3 - t0, "time/trainer_wait": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
+               "time/step": t3 - t0 + checkpoint, "time/trainer_wait": t1 - t0, **split_wait(t0, t1, waited_on),
+               "time/train": t2 - t1, "time/sync": t3 - t2, "time/checkpoint": checkpoint,
                "time/generate": generator_times[0], "time/generator_wait": generator_times[1],
                "time/reward": reward_times[0], "time/reward_wait": reward_times[1],
                "throughput/train_tokens_per_s": train_tokens / max(t2 - t1, 1e-9)}
     append_bounded(self.history, metrics)
+    self.breakdown.add_step(metrics)
     if self.logger is not None:
       self.logger.log(state.step, metrics)
-    if self.save is not None and self.checkpoint_every and state.step % self.checkpoint_every == 0:
-      self.save(state)
     return metrics
 
   def finish(self, state: RunState, *, interrupted: bool = False) -> None:
     """At a run's end (always on an interrupt): a checkpoint of the last finished step unless just saved."""
     if self.save is not None and (self.checkpoint_every or interrupted) and self.latest_saved() != state.step:
-      self.save(state)
+      with self.breakdown.timed("checkpointing"):
+        self.save(state)
 
 
 def progress_bar(show: bool, num_steps: int):

@@ -30,6 +30,7 @@ from llamarl_jax.executors.scoring import score_generated
 from llamarl_jax.replay import BufferClosed, ReplayBuffer
 from llamarl_jax.runners.common import Executors, RunState, StepRecorder, progress_bar, show_progress
 from llamarl_jax.schedule import check_lag, keeps_versions, lag_metrics, versions_kept
+from llamarl_jax.time_breakdown import recent
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,8 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
     assert newest == version, (newest, version)
     return s.keep(version, params, lag)
 
-  ex.weights.push(ex.trainer.params, start)
+  with recorder.breakdown.timed("weight_sync"):
+    ex.weights.push(ex.trainer.params, start)
   state = remember(state, start)
   for v in versions_kept(start, lag, first, config.schedule.version_schedule):  # batches start.. need them
     ex.weights.insert(state.kept[v], v)
@@ -203,10 +205,11 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
         ex.mark("train", t_dev, t3)
         gen_times = ex.generator.timer.take()
         reward_times = pipe.reward_timer.take()
+        waited_on = recent(list(ex.generator.timeline), t0) + recent(list(ex.timeline), t0)
       metrics = recorder.record(state, batch=entry.meta["metrics"], train=train_metrics, sync=sync_metrics, lag=lags,
                                 train_tokens=float(np.sum(scored.rollout.response_mask)), times=(t0, t1, t2, t3),
                                 generator_times=gen_times, reward_times=reward_times,
-                                dropped=pipe.buffer.dropped_stale, occupancy=len(pipe.buffer))
+                                dropped=pipe.buffer.dropped_stale, occupancy=len(pipe.buffer), waited_on=waited_on)
       steps.append(metrics)
       if on_step is not None:
         on_step(state, metrics)
@@ -215,6 +218,7 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
     interrupted = True
     raise
   finally:
+    t_stop = time.perf_counter()
     if bar is not None:
       bar.close()
     pipe.shutdown()
@@ -226,5 +230,6 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
                     status[0])
     ex.weights.reopen()
     ex.weights.drop_pending()
+    recorder.breakdown.add("waits_other", time.perf_counter() - t_stop)  # the threads' stop
     recorder.finish(state, interrupted=interrupted)
   return state, steps

@@ -1,0 +1,307 @@
+"""A run's device-memory plan, made before anything is allocated: what each part holds on a device,
+against what the device gives the run; a run that does not fit is refused with the numbers.
+
+Parts, per device (bytes of one device's shards):
+
+  trainer    weights (fp32 masters, or LoRA's fp32 adapters and its frozen base), optimizer state
+             (AdamW moments), KL reference policy when there is one: the abstract `TrainerExecutor`'s
+             own arrays, so every layout and dtype is its.
+             Gradients (one per trained weight, fp32) and the train step's activations and workspace:
+             XLA's memory analysis of the compiled step at the configured microbatches and remat
+             (`TrainerExecutor.lower_step`, the fused step at the widest batch: prompts at the run's
+             prompt limit, responses at their maximum); its temporaries are the gradients plus the
+             activations. Without a compile the activations are not counted (a CPU run).
+  generator  weights in the generator dtype: the versions the `WeightSync` holds for the schedule
+             ('fixed': up to max_policy_lag + 1 waiting) plus the one the engine decodes with;
+             the slot engine's KV pool (`paged.PageLayout`: prompt regions, response blocks, trash
+             block, for the lanes and the staged slots) or the static sampler's cache of one batch;
+             a held-out evaluation's cache (the static sampler, every problem of `eval_size` at once,
+             times the sampled pass@1's draws).
+
+Colocated runs hold everything on one device at once (the slot engine keeps its pool while the
+trainer trains). `device_limit` is what the allocator lets the run use (JAX's `bytes_limit`; for a
+GPU compiled for without one, its memory times XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default).
+`MemoryPlan.check` refuses a plan over the limit, naming the knobs that shrink its largest parts.
+
+    plan = plan_run(model_config, run_config, eval_rows=256)   # compiles the train step where a limit is known
+    print(plan.table()); plan.check()
+`scripts/memory_plan.py` prints it for a gin config compiled for an H100 on a machine without one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llamarl_jax.config import RunConfig
+from llamarl_jax.model.llama import ModelConfig
+
+GB = 1e9
+DEFAULT_MEM_FRACTION = 0.75  # XLA's GPU client default (XLA_PYTHON_CLIENT_MEM_FRACTION)
+
+# What shrinks each part (the refusal names them for the largest parts).
+KNOBS = {
+    "trainer weights": "more trainer devices (MeshConfig.trainer_fsdp)",
+    "optimizer state": "more trainer devices (MeshConfig.trainer_fsdp)",
+    "frozen base": "more trainer devices (MeshConfig.trainer_fsdp)",
+    "KL reference": "TrainConfig.loss_kwargs without kl_coef, or more trainer devices",
+    "gradients": "more trainer devices (MeshConfig.trainer_fsdp)",
+    "activations": "more TrainConfig.microbatches, TrainConfig.remat = 'full', a smaller TrainConfig.logprob_chunk",
+    "generator weights": "a smaller ScheduleConfig.max_policy_lag (fewer versions held), MeshConfig.generator_tp",
+    "KV pool": "fewer GeneratorConfig.slots / staged_slots, a shorter GeneratorConfig.max_prompt_len or "
+               "RolloutConfig.max_new_tokens (fewer KV blocks)",
+    "evaluation KV": "a smaller run_experiment.eval_size or eval_samples",
+}
+
+
+class MemoryPlanError(RuntimeError):
+  """The run's memory plan does not fit its device; the message holds the table and the knobs."""
+
+
+@dataclass(frozen=True)
+class Part:
+  """One row of the plan: bytes per device (None: not measured), on the "trainer" or "generator" device."""
+  name: str
+  nbytes: float | None
+  device: str
+  note: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+  """The parts, the device they sit on, and the device's capacity and the run's limit (bytes; None: unknown)."""
+  parts: tuple[Part, ...]
+  colocated: bool
+  device_kind: str
+  capacity: float | None
+  limit: float | None
+  step_memory: dict | None = None  # XLA's memory analysis of the train step (`train_step_memory`)
+
+  def totals(self) -> dict[str, float]:
+    """Bytes per device: {"trainer", "generator"}, or {"trainer + generator"} when colocated."""
+    out: dict[str, float] = {}
+    for p in self.parts:
+      key = "trainer + generator" if self.colocated else p.device
+      out[key] = out.get(key, 0.0) + (p.nbytes or 0.0)
+    return out
+
+  @property
+  def peak(self) -> float:
+    return max(self.totals().values())
+
+  @property
+  def fits(self) -> bool:
+    return self.limit is None or self.peak <= self.limit
+
+  def table(self) -> str:
+    lines = [f"memory plan per device ({self.device_kind}{', colocated' if self.colocated else ''}):",
+             f"  {'part':<20} {'device':<10} {'size':>10}  note"]
+    for p in self.parts:
+      lines.append(f"  {p.name:<20} {p.device:<10} {_size(p.nbytes):>10}  {p.note}")
+    for key, total in self.totals().items():
+      lines.append(f"  {'total':<20} {key:<10} {_size(total):>10}")
+    cap = "unknown" if self.capacity is None else _size(self.capacity)
+    lim = "not checked" if self.limit is None else f"{_size(self.limit)} the run may use"
+    verdict = "" if self.limit is None else (" -> fits" if self.fits else f" -> DOES NOT FIT by {_size(self.peak - self.limit)}")
+    lines.append(f"  device memory: {cap}; {lim}{verdict}")
+    if self.step_memory is not None:
+      lines.append(f"  (the train step compiled for {self.device_kind} in {self.step_memory['compile_seconds']:.0f} s)")
+    return "\n".join(lines)
+
+  def as_dict(self) -> dict:
+    """For summary.json: bytes per part, the totals, the device's capacity and limit, whether it fits."""
+    return {"parts": {p.name: p.nbytes for p in self.parts}, "totals": self.totals(), "device": self.device_kind,
+            "colocated": self.colocated, "capacity": self.capacity, "limit": self.limit, "fits": self.fits}
+
+  def check(self) -> "MemoryPlan":
+    """Raise `MemoryPlanError` (the table, the overrun and the knobs of the largest parts) unless it fits."""
+    if self.fits:
+      return self
+    largest = sorted((p for p in self.parts if p.nbytes), key=lambda p: -p.nbytes)[:3]
+    knobs = "\n".join(f"  {p.name} ({_size(p.nbytes)}): {KNOBS[p.name]}" for p in largest)
+    raise MemoryPlanError(f"the run does not fit its device memory:\n{self.table()}\nwhat shrinks the largest "
+                          f"parts:\n{knobs}\n(or a device with more memory; XLA_PYTHON_CLIENT_MEM_FRACTION "
+                          "raises the share JAX may use)")
+
+
+def _size(nbytes: float | None) -> str:
+  if nbytes is None:
+    return "-"
+  return f"{nbytes / GB:.2f} GB" if abs(nbytes) >= 0.1 * GB else f"{nbytes / 1e6:.2f} MB"
+
+
+# ------------------------------------------------------------------------------------------------
+# the parts
+
+
+def kv_bytes_per_position(config: ModelConfig, dtype) -> int:
+  """K and V of one position, every layer and KV head."""
+  return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def slot_pool_bytes(config: ModelConfig, *, slots: int, max_prompt_len: int, max_new_tokens: int, block_size: int,
+                    dtype) -> int:
+  """The slot engine's paged KV pool (all of it: `paged.PageLayout.num_blocks` blocks)."""
+  from llamarl_jax.generation.paged import PageLayout
+
+  layout = PageLayout(slots, max_prompt_len, max_new_tokens, block_size)
+  return layout.num_blocks * layout.block_size * kv_bytes_per_position(config, dtype)
+
+
+def device_bytes(tree: Any) -> float:
+  """Bytes one device holds of a tree of sharded `ShapeDtypeStruct`s / arrays (the largest shard's)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+  return float(total)
+
+
+def generator_versions(run: RunConfig) -> int:
+  """Copies of the generator's weights a run holds at most: the WeightSync's ('fixed': max_policy_lag
+  + 1 versions may wait; 'latest': the newest) plus the engine's own."""
+  waiting = run.schedule.max_policy_lag + 1 if run.schedule.version_schedule == "fixed" else 1
+  return waiting + 1
+
+
+def trainer_options(run: RunConfig) -> dict:
+  """The `TrainerExecutor` settings of a run (as the Controller passes them) that change its memory."""
+  t, r = run.train, run.rollout
+  return dict(optimizer=t.optimizer, loss=t.loss, loss_kwargs=t.loss_kwargs, microbatches=t.microbatches,
+              remat=t.remat, attention=t.attention, logprob_chunk=t.logprob_chunk, scan_layers=t.scan_layers,
+              temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0, lora=t.lora,
+              base_dtype=run.generator.dtype)
+
+
+def abstract_trainer(model_config: ModelConfig, run: RunConfig, mesh):
+  """A `TrainerExecutor` of shapes only (nothing allocated) with the run's trainer settings."""
+  from llamarl_jax.executors.trainer import TrainerExecutor
+  from llamarl_jax.model.llama import abstract_model, split_params
+
+  shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), split_params(abstract_model(model_config))[1])
+  ref = shapes if run.train.loss_kwargs.get("kl_coef") else None
+  return TrainerExecutor(model_config, mesh, shapes, ref_params=ref, reference_is_initial=run.train.reference_path is None,
+                         **trainer_options(run))
+
+
+def train_step_memory(trainer, batch_size: int, prompt_len: int, resp_len: int) -> dict[str, float]:
+  """XLA's memory analysis of the trainer's fused step compiled for its mesh's devices (per device):
+  {"arguments", "outputs", "aliased", "temporaries", "compile_seconds"}."""
+  import time
+
+  t0 = time.perf_counter()
+  stats = trainer.lower_step(batch_size, prompt_len, resp_len).compile().memory_analysis()
+  return {"arguments": float(stats.argument_size_in_bytes), "outputs": float(stats.output_size_in_bytes),
+          "aliased": float(stats.alias_size_in_bytes), "temporaries": float(stats.temp_size_in_bytes),
+          "compile_seconds": time.perf_counter() - t0}
+
+
+def device_limit(device) -> tuple[float | None, float | None]:
+  """(capacity, limit) in bytes of a device: JAX's allocator limit where the backend keeps statistics
+  (GPU, TPU), both None elsewhere (CPU: host memory is not planned)."""
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  limit = (stats or {}).get("bytes_limit")
+  return (None, None) if limit is None else (float(limit) / _mem_fraction(), float(limit))
+
+
+def _mem_fraction() -> float:
+  if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+    return 1.0
+  return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
+
+
+def target_limit(capacity: float) -> float:
+  """What JAX's GPU allocator lets a process use of `capacity` bytes (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+  return capacity * _mem_fraction()
+
+
+# ------------------------------------------------------------------------------------------------
+# the plan
+
+
+def plan(model_config: ModelConfig, run: RunConfig, *, trainer, prompt_len: int, eval_rows: int,
+         step_memory: dict | None, device_kind: str, capacity: float | None, limit: float | None) -> MemoryPlan:
+  """The plan from the abstract trainer (its arrays' shardings), the step's memory analysis (None: not
+  compiled), the prompt width `prompt_len` (the engine's prompt limit) and `eval_rows` (rows of one
+  held-out evaluation's generate call)."""
+  r, g, m = run.rollout, run.generator, run.mesh
+  R = run.env.response_width(r.max_new_tokens)
+  params = device_bytes(trainer.params)
+  lora = run.train.lora
+  parts = [Part("trainer weights", params, "trainer", "fp32 masters" if lora is None else
+                f"fp32 LoRA adapters, rank {lora.rank}")]
+  if trainer.base_params is not None:
+    parts.append(Part("frozen base", device_bytes(trainer.base_params), "trainer", f"LoRA's base, {run.generator.dtype}"))
+  parts.append(Part("optimizer state", device_bytes(trainer.opt_state), "trainer", "AdamW moments, fp32"))
+  if trainer.ref_params is not None:
+    parts.append(Part("KL reference", device_bytes(trainer.ref_params), "trainer", f"{model_config.dtype}"))
+  parts.append(Part("gradients", params, "trainer", "fp32, one per trained weight (inside the step's temporaries)"))
+  if step_memory is None:
+    parts.append(Part("activations", None, "trainer", "not compiled: no device limit to check against"))
+  else:
+    acts = max(step_memory["temporaries"] - params, 0.0)
+    parts.append(Part("activations", acts, "trainer",
+                      f"XLA: step temporaries {_size(step_memory['temporaries'])} - gradients; "
+                      f"{r.rows} x ({prompt_len} + {R}), {run.train.microbatches} microbatches, remat {run.train.remat!r}"))
+  gen_dtype = jnp.dtype(g.dtype)
+  copies = generator_versions(run)
+  gen_weights = model_config.num_params() * gen_dtype.itemsize / m.generator_tp
+  parts.append(Part("generator weights", copies * gen_weights, "generator",
+                    f"{copies} x {_size(gen_weights)} ({gen_dtype.name}; versions held for lag {run.schedule.max_policy_lag} "
+                    "+ the engine's)"))
+  if g.engine == "slots":
+    lanes = g.slots or r.rows
+    slots = lanes + g.staged_slots
+    extra = (R - r.max_new_tokens) if run.env.multi_turn else 0
+    pool = slot_pool_bytes(model_config, slots=slots, max_prompt_len=prompt_len + extra, max_new_tokens=r.max_new_tokens,
+                           block_size=g.kv_block_size, dtype=gen_dtype) / m.generator_tp
+    parts.append(Part("KV pool", pool, "generator", f"slot engine: {slots} slots x ({prompt_len + extra} + "
+                      f"{r.max_new_tokens}) positions, blocks of {g.kv_block_size}"))
+  else:
+    cache = r.rows * (prompt_len + R) * kv_bytes_per_position(model_config, gen_dtype) / (m.generator_dp * m.generator_tp)
+    parts.append(Part("KV pool", cache, "generator", f"static sampler: {r.rows} rows x ({prompt_len} + {R}) positions"))
+  if eval_rows:
+    ev = eval_rows * (prompt_len + R) * kv_bytes_per_position(model_config, gen_dtype) / (m.generator_dp * m.generator_tp)
+    parts.append(Part("evaluation KV", ev, "generator", f"static sampler: {eval_rows} rows x ({prompt_len} + {R})"))
+  return MemoryPlan(tuple(parts), colocated=m.colocated, device_kind=device_kind, capacity=capacity, limit=limit,
+                    step_memory=step_memory)
+
+
+def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, mesh=None, compile: bool | None = None,
+             capacity: float | None = None, limit: float | None = None) -> MemoryPlan:
+  """The plan of a run of `model_config` under `run`, made before anything is allocated.
+
+  mesh: the trainer mesh to compile for (default: the run's, `parallel.make_meshes`); a mesh over a
+  target topology's devices (a GPU compiled for on a CPU machine) works, with capacity and limit given.
+  compile: compile the train step for XLA's memory analysis (default: where the device has a limit).
+  """
+  from llamarl_jax import parallel
+
+  if mesh is None:
+    mesh = parallel.make_meshes(**dataclasses.asdict(run.mesh))[0]
+  device = mesh.devices.flat[0]
+  if capacity is None and limit is None:
+    capacity, limit = device_limit(device)
+  trainer = abstract_trainer(model_config, run, mesh)
+  prompt_len = prompt_limit(model_config, run)
+  do_compile = limit is not None if compile is None else compile
+  step = (train_step_memory(trainer, run.rollout.rows, prompt_len, run.env.response_width(run.rollout.max_new_tokens))
+          if do_compile else None)
+  return plan(model_config, run, trainer=trainer, prompt_len=prompt_len, eval_rows=eval_rows, step_memory=step,
+              device_kind=device.device_kind, capacity=capacity, limit=limit)
+
+
+def prompt_limit(model_config: ModelConfig, run: RunConfig) -> int:
+  """The prompt width planned for: the Controller's limit (`controller.prompt_limit`: the slot engine's),
+  for the static sampler the context minus the response width."""
+  from llamarl_jax import controller
+
+  limit = controller.prompt_limit(model_config, run)
+  return limit if limit is not None else max(1, model_config.max_position_embeddings
+                                             - run.env.response_width(run.rollout.max_new_tokens))

@@ -1,0 +1,110 @@
+"""Where a run's wall time goes: seconds and shares per part, from the trainer thread's point of view.
+
+Each RL step's time (`time/step`, from asking for a batch to the end of its checkpoint) is the sum of
+`STEP_PARTS`: the trainer's wait for the batch, split by what was running meanwhile (the generator
+on the device, a weight swap into the engine, the reward executor, or nothing of those: the other
+threads' host work, queues), then training, the weight push and the checkpoint. Generation that
+overlaps training (asynchronous runs) costs no wall time and is not in the breakdown; the executors'
+own busy seconds (`time/generate`, `time/reward`) count it.
+
+A run's breakdown (`TimeBreakdown`, `summary.json`'s "time_breakdown") adds the parts outside the
+steps: start-up (building the policy and the controller: the slot engine's programs compile there) and
+the first RL step (the trainer's and the weight push's programs compile there) as "warm-up", the
+supervised warm start, held-out evaluations, checkpoints and the HF export, the RL loop's start and
+stop. Whatever no part measured is "unaccounted" (logging, summaries): a few percent at most.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterable, Mapping
+
+PARTS = ("warmup", "sft", "generation", "rewards", "training", "weight_sync", "evaluation", "checkpointing",
+         "waits_other")
+LABELS = {"warmup": "compile / warm-up", "sft": "SFT warm start", "generation": "generation",
+          "rewards": "rewards", "training": "training", "weight_sync": "weight push / swap",
+          "evaluation": "evaluation", "checkpointing": "checkpoints / export", "waits_other": "waits / other"}
+
+# The per-step metrics whose sum is `time/step`, and the part of the run's breakdown each goes to.
+STEP_PARTS = {"time/wait_generate": "generation", "time/wait_swap": "weight_sync", "time/wait_reward": "rewards",
+              "time/wait_other": "waits_other", "time/train": "training", "time/sync": "weight_sync",
+              "time/checkpoint": "checkpointing"}
+# What the trainer's wait is split by (timeline interval kinds), first match wins where they overlap.
+WAIT_KINDS = (("generate", "time/wait_generate"), ("swap", "time/wait_swap"), ("reward", "time/wait_reward"))
+
+
+def split_wait(t0: float, t1: float, intervals: Iterable[tuple[str, float, float]]) -> dict[str, float]:
+  """Seconds of [t0, t1] covered by each of `WAIT_KINDS`' intervals (an instant covered by several
+  kinds counts for the first in `WAIT_KINDS`), and "time/wait_other" for the rest; they sum to t1 - t0.
+
+  intervals: (kind, start, end) perf_counter spans; other kinds are ignored.
+  """
+  rank = {kind: i for i, (kind, _) in enumerate(WAIT_KINDS)}
+  spans = [(max(s, t0), min(e, t1), rank[k]) for k, s, e in intervals if k in rank and e > t0 and s < t1]
+  out = {key: 0.0 for _, key in WAIT_KINDS}
+  cuts = sorted({t0, t1, *(s for s, _, _ in spans), *(e for _, e, _ in spans)})
+  for a, b in zip(cuts, cuts[1:]):
+    covering = [r for s, e, r in spans if s <= a and e >= b]
+    if covering:
+      out[WAIT_KINDS[min(covering)][1]] += b - a
+  out["time/wait_other"] = max(0.0, (t1 - t0) - sum(out.values()))
+  return out
+
+
+def recent(timeline: list[tuple[str, float, float]], since: float, slack: float = 1.0) -> list:
+  """The intervals of `timeline` that end after `since`. Intervals are appended within moments of their
+  end, so the scan from the newest stops at the first one that ended `slack` seconds before `since`."""
+  out = []
+  for item in reversed(timeline):
+    if item[2] < since - slack:
+      break
+    if item[2] > since:
+      out.append(item)
+  return out
+
+
+class TimeBreakdown:
+  """Seconds per part of `PARTS`, added as a run goes (thread-safe enough: one writer at a time, the
+  controller thread). `add_step` takes a step's metrics: the run's first step goes to "warmup" whole."""
+
+  def __init__(self):
+    self.seconds = dict.fromkeys(PARTS, 0.0)
+    self.steps = 0
+
+  def add(self, part: str, seconds: float) -> None:
+    if part not in self.seconds:
+      raise KeyError(f"unknown part {part!r}; parts: {PARTS}")
+    self.seconds[part] += float(seconds)
+
+  @contextlib.contextmanager
+  def timed(self, part: str):
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.add(part, time.perf_counter() - t0)
+
+  def add_step(self, metrics: Mapping[str, float]) -> None:
+    if self.steps == 0:
+      self.add("warmup", metrics["time/step"])
+    else:
+      for key, part in STEP_PARTS.items():
+        self.add(part, metrics.get(key, 0.0))
+    self.steps += 1
+
+  def report(self, wall_seconds: float) -> dict:
+    """{"wall_seconds", "parts": {part: {"seconds", "share"}}, "unaccounted_seconds", "unaccounted_share"}."""
+    wall = max(float(wall_seconds), 1e-9)
+    parts = {p: {"seconds": s, "share": s / wall} for p, s in self.seconds.items()}
+    rest = wall - sum(self.seconds.values())
+    return {"wall_seconds": wall, "parts": parts, "unaccounted_seconds": rest, "unaccounted_share": rest / wall}
+
+
+def format_breakdown(report: Mapping) -> str:
+  """The report as a console table: one line per part, seconds and share of the wall time."""
+  lines = [f"where the time went ({report['wall_seconds']:.1f} s wall):"]
+  for part, r in report["parts"].items():
+    lines.append(f"  {LABELS[part]:<22} {r['seconds']:9.1f} s  {r['share']:6.1%}")
+  lines.append(f"  {'unaccounted':<22} {report['unaccounted_seconds']:9.1f} s  {report['unaccounted_share']:6.1%}")
+  return "\n".join(lines)

@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Print a gin config's memory plan (`llamarl_jax/memory_plan.py`) without running it: the parts per
+device (trainer weights, optimizer state, gradients, the train step's activations from XLA's memory
+analysis of the step compiled at the configured microbatches, generator weights, the slot engine's KV
+pool, an evaluation's cache) against the device's memory. Exit status 1 when it does not fit.
+
+--target default compiles for this machine's first devices (the run's trainer mesh); --target h100
+compiles for an H100 that is not there (XLA's GPU compiler, `scripts/gpu_targets/`; needs JAX's CUDA
+plugin, see `bench_generate.CUDA_PLUGIN_HELP`), for one-device trainer meshes (the one-GPU configs):
+
+  JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=/tmp/cudasite \\
+    PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH \\
+    python scripts/memory_plan.py --gin_file=configs/llama3_1b_1gpu.gin --target h100
+"""
+
+import argparse
+import inspect
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _bound(name: str, fn):
+  """The gin binding `fn.name`, else `fn`'s default."""
+  import gin
+
+  try:
+    return gin.query_parameter(f"{fn.__name__}.{name}")
+  except ValueError:
+    return inspect.signature(fn).parameters[name].default
+
+
+def target_capacity(target: str) -> float:
+  """Device memory bytes of a GPU target description (`device_memory_size`)."""
+  import bench_generate
+
+  text = (ROOT / "scripts" / "gpu_targets" / bench_generate.GPU_TARGETS[target]).read_text()
+  return float(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+  parser.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
+  parser.add_argument("--target", default="default", choices=["default", "h100"],
+                      help="compile the train step for this machine's devices, or for an H100 it does not have")
+  args = parser.parse_args(argv)
+  if not args.gin_file:
+    parser.error("at least one --gin_file is required (e.g. configs/llama3_1b_1gpu.gin)")
+
+  from llamarl_jax import experiment, memory_plan
+
+  experiment.parse_gin(args.gin_file, args.gin_param)
+  model_config = experiment.build_policy(weights=False)[0]
+  run = experiment.configured_run_config()
+  eval_size = _bound("eval_size", experiment.run_experiment)
+  eval_rows = eval_size * max(1, _bound("eval_samples", experiment.run_experiment))
+  kw = {}
+  if args.target != "default":
+    import bench_generate
+
+    trainer_devices = run.mesh.trainer_fsdp * run.mesh.trainer_tp
+    if trainer_devices != 1 or not (run.mesh.colocated or run.mesh.generator_dp * run.mesh.generator_tp == 1):
+      raise SystemExit(f"--target {args.target} compiles for one device; this config's trainer mesh has "
+                       f"{trainer_devices} (use --target default on a machine with its devices)")
+    capacity = target_capacity(args.target)
+    kw = dict(mesh=bench_generate.target_mesh(args.target), capacity=capacity,
+              limit=memory_plan.target_limit(capacity))
+  plan = memory_plan.plan_run(model_config, run, eval_rows=eval_rows, compile=True, **kw)
+  print(f"{', '.join(args.gin_file)} {' '.join(args.gin_param)}: {model_config.num_params() / 1e9:.2f}B parameters")
+  print(plan.table())
+  if not plan.fits:
+    raise SystemExit(1)
+  return plan
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,142 @@
+"""The memory plan: its parts are the arrays the run allocates (the slot engine's pool, the trainer's
+state), XLA's analysis of the compiled step moves with the knob it names, and a run over its device's
+limit is refused with the numbers before anything is built."""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import gin
+import jax
+import jax.numpy as jnp
+import pytest
+
+from llamarl_jax import memory_plan
+from llamarl_jax.memory_plan import MemoryPlanError, device_bytes, slot_pool_bytes
+from llamarl_jax.model.llama import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                       num_kv_heads=8, head_dim=64, tie_word_embeddings=True)
+
+
+def test_the_pool_of_64_slots_of_2048_positions_at_1b():
+  """Prompt regions of 512/16 = 32 blocks, responses of ceil(1535/16) = 96 blocks, one trash block:
+  8193 blocks of 16 positions x 32768 bytes (K and V, 16 layers x 8 heads x 64 x bf16)."""
+  assert slot_pool_bytes(LLAMA_1B, slots=64, max_prompt_len=512, max_new_tokens=1536, block_size=16,
+                         dtype=jnp.bfloat16) == 8193 * 16 * 32768
+
+
+def test_the_pool_is_the_engines_own_allocation():
+  from llamarl_jax import parallel
+  from llamarl_jax.generation import Sampler, SamplingParams
+  from llamarl_jax.generation.slot_programs import SlotPrograms
+
+  config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       dtype="bfloat16", param_dtype="bfloat16")
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  programs = SlotPrograms(config, Sampler(config, mesh), num_slots=6, sampling=SamplingParams(max_new_tokens=21, n=2),
+                          max_prompt_len=13, chunk_steps=4, pad_id=0, kv_block_size=4)
+  cache, _ = programs.empty()  # what the engine allocates once
+  assert device_bytes(cache) == slot_pool_bytes(config, slots=6, max_prompt_len=13, max_new_tokens=21, block_size=4,
+                                                dtype=jnp.bfloat16)
+
+
+@pytest.fixture
+def gin_config(monkeypatch):
+  """(model config, run config, eval rows) of a gin file + bindings (from the repo root: includes resolve)."""
+  from llamarl_jax import experiment
+
+  monkeypatch.chdir(ROOT)
+
+  def parse(name, *bindings):
+    gin.clear_config()
+    experiment.parse_gin([str(ROOT / "configs" / name)], list(bindings))
+    return experiment.build_policy(weights=False)[0], experiment.configured_run_config()
+
+  yield parse
+  gin.clear_config()
+
+
+def test_the_one_gpu_plan_at_llama_1b_shapes(gin_config):
+  """Without a compile (a CPU run: no device limit), every part but the activations, from the shapes:
+  N = 1.236B parameters; fp32 weights and gradients 4N, AdamW's two moments 8N (+ its step counts),
+  3 bf16 generator copies (lag 1: two versions may wait, one in the engine) 6N, the pool as above."""
+  model, run = gin_config("llama3_1b_1gpu.gin")
+  assert (model.vocab_size, model.num_layers, model.dtype) == (128256, 16, "bfloat16")
+  plan = memory_plan.plan_run(model, run, eval_rows=0)
+  parts = {p.name: p.nbytes for p in plan.parts}
+  n = model.num_params()
+  assert n == 1_235_814_400
+  assert parts["trainer weights"] == parts["gradients"] == 4 * n
+  assert 8 * n <= parts["optimizer state"] <= 8 * n + 64
+  assert parts["generator weights"] == 3 * 2 * n
+  assert parts["KV pool"] == 8193 * 16 * 32768
+  assert parts["activations"] is None and "evaluation KV" not in parts
+  assert plan.colocated and plan.limit is None and plan.fits  # a CPU keeps no device limit: not checked
+  assert plan.totals() == {"trainer + generator": sum(v for v in parts.values() if v)}
+
+
+def test_a_plan_over_the_limit_is_refused_naming_the_knobs(gin_config):
+  model, run = gin_config("llama3_1b_1gpu.gin", "run_experiment.eval_size = 64")
+  plan = memory_plan.plan_run(model, run, eval_rows=64)
+  assert dataclasses.replace(plan, limit=plan.peak).check().fits
+  with pytest.raises(MemoryPlanError) as e:
+    dataclasses.replace(plan, capacity=80e9, limit=plan.peak - 2e9).check()
+  text = str(e.value)
+  assert "DOES NOT FIT by 2.00 GB" in text and "KV pool" in text and "evaluation KV" in text
+  # the three largest parts (optimizer state 9.89, generator weights 7.41, trainer weights 4.94 GB) and their knobs
+  assert "optimizer state (9.89 GB): more trainer devices (MeshConfig.trainer_fsdp)" in text
+  assert "generator weights (7.41 GB): a smaller ScheduleConfig.max_policy_lag" in text
+
+
+def _memory_plan_script():
+  spec = importlib.util.spec_from_file_location("memory_plan_script", ROOT / "scripts" / "memory_plan.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main
+
+
+SMALL = ["ModelConfig.hidden_size = 64", "ModelConfig.intermediate_size = 128", "ModelConfig.num_layers = 2",
+         "ModelConfig.num_heads = 4", "ModelConfig.num_kv_heads = 2", "ModelConfig.head_dim = 16",
+         "build_policy.vocab_size = 512", "RolloutConfig.prompts_per_step = 4", "RolloutConfig.samples_per_prompt = 4",
+         "RolloutConfig.max_new_tokens = 64", "GeneratorConfig.slots = 16", "GeneratorConfig.max_prompt_len = 16",
+         "ModelConfig.dtype = 'float32'"]
+
+
+def test_the_script_compiles_the_step_and_more_microbatches_shrink_its_activations(monkeypatch, capsys):
+  """scripts/memory_plan.py on this machine's devices: XLA's analysis of the compiled step; 16 rows in
+  8 microbatches of 2 hold a quarter of the activations of 2 microbatches of 8 (the activations scale
+  with the rows a microbatch holds; the rest of the step's temporaries is the gradients)."""
+  monkeypatch.chdir(ROOT)
+  main = _memory_plan_script()
+  acts = {}
+  for mb in (2, 8):
+    gin.clear_config()
+    plan = main(["--gin_file", "configs/llama3_1b_1gpu.gin", *(f"--gin_param={b}" for b in SMALL),
+                 f"--gin_param=TrainConfig.microbatches = {mb}"])
+    acts[mb] = {p.name: p.nbytes for p in plan.parts}["activations"]
+  gin.clear_config()
+  assert acts[8] < acts[2] / 2, acts
+  out = capsys.readouterr().out
+  assert "activations" in out and "XLA: step temporaries" in out and "8 microbatches" in out
+
+
+def test_a_run_that_does_not_fit_stops_before_building_anything(tmp_path, monkeypatch):
+  """A device limit below the plan: run_experiment raises with the table before the policy, the
+  controller or the run directory exist."""
+  from llamarl_jax import experiment
+
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setattr(memory_plan, "device_limit", lambda device: (2e6, 1.5e6))
+  monkeypatch.setattr(experiment, "Controller", None)  # anything built past the plan fails loudly
+  run_dir = tmp_path / "run"
+  gin.clear_config()
+  try:
+    experiment.parse_gin([str(ROOT / "configs" / "llama3_1b_1gpu.gin")],
+                         SMALL + [f"run_experiment.run_dir = '{run_dir}'", "run_experiment.progress = False"])
+    with pytest.raises(MemoryPlanError, match=r"(?s)DOES NOT FIT by .* MB.*what shrinks the largest parts"):
+      experiment.run_experiment()
+  finally:
+    gin.clear_config()
+  assert not run_dir.exists()

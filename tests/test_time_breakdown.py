@@ -1,0 +1,107 @@
+"""Where the time goes: a step's `time/*` parts sum to its `time/step`, and a whole run's breakdown
+(warm-up, SFT, generation, rewards, training, weight push, evaluation, checkpoints, waits) sums to its
+wall time. The run is configs/llama3_1b_1gpu.gin (the one-GPU config, colocated, slot engine, bf16
+generator) at a reduced size, so the test also runs that config's steps on a CPU."""
+
+import json
+from pathlib import Path
+
+import gin
+import pytest
+
+from llamarl_jax.time_breakdown import PARTS, STEP_PARTS, TimeBreakdown, split_wait
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_split_wait_counts_each_instant_once_in_precedence_order():
+  """[0, 10]: generate 1-4, swap 3-5 (3-4 is the generator's), reward 2-7 (its own 5-7), nothing 0-1 and 7-10."""
+  intervals = [("generate", 1.0, 4.0), ("swap", 3.0, 5.0), ("reward", 2.0, 7.0), ("train", 0.0, 10.0),
+               ("generate", -5.0, -1.0)]  # other kinds and intervals outside the wait are ignored
+  out = split_wait(0.0, 10.0, intervals)
+  assert out == pytest.approx({"time/wait_generate": 3.0, "time/wait_swap": 1.0, "time/wait_reward": 2.0,
+                               "time/wait_other": 4.0}, abs=1e-12)
+  assert split_wait(2.0, 2.0, intervals) == {"time/wait_generate": 0.0, "time/wait_swap": 0.0,
+                                             "time/wait_reward": 0.0, "time/wait_other": 0.0}
+
+
+def test_the_first_step_is_warm_up_and_the_rest_is_split():
+  b = TimeBreakdown()
+  step = {"time/step": 7.0, **{k: 1.0 for k in STEP_PARTS}}
+  b.add_step(step)
+  b.add_step(step)
+  assert b.seconds["warmup"] == 7.0
+  assert b.seconds["weight_sync"] == 2.0 and b.seconds["training"] == 1.0  # time/sync + time/wait_swap
+  r = b.report(20.0)
+  assert r["unaccounted_seconds"] == pytest.approx(20.0 - 14.0) and r["parts"]["warmup"]["share"] == 7.0 / 20.0
+
+
+REDUCED = [  # the one-GPU config at a size a CPU test runs; the config's other settings kept
+    "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
+    "ModelConfig.num_heads = 4", "ModelConfig.num_kv_heads = 2", "ModelConfig.head_dim = 8",
+    "build_policy.vocab_size = 160",  # past the char tokenizer's 100: ids that decode to nothing
+    "RolloutConfig.prompts_per_step = 2", "RolloutConfig.samples_per_prompt = 4", "RolloutConfig.max_new_tokens = 8",
+    "GeneratorConfig.slots = 8", "GeneratorConfig.max_prompt_len = 16", "TrainConfig.microbatches = 2",
+    "run_experiment.rl_steps = 4", "run_experiment.progress = False", "run_experiment.tensorboard = False",
+    # synchronous (lag 0): the trainer waits for each batch's generation and rewards
+    "ScheduleConfig.max_policy_lag = 0",
+    # evaluations, checkpoints, the export: their parts of the breakdown (the SFT's is a timed block too)
+    "run_experiment.eval_size = 8", "run_experiment.eval_every = 2", "TrainConfig.checkpoint_every = 2",
+    "run_experiment.export = True",
+]
+
+
+@pytest.fixture(scope="module")
+def one_gpu_run(tmp_path_factory):
+  from llamarl_jax import experiment
+
+  run_dir = tmp_path_factory.mktemp("one_gpu") / "run"
+  gin.clear_config()
+  try:
+    experiment.parse_gin([str(ROOT / "configs" / "llama3_1b_1gpu.gin")],
+                         REDUCED + [f"run_experiment.run_dir = '{run_dir}'"])
+    summary = experiment.run_experiment()
+  finally:
+    gin.clear_config()
+  return run_dir, summary
+
+
+@pytest.mark.slow  # a whole run (~1 min on 2 cores, mostly compiling)
+def test_the_one_gpu_config_runs_its_steps_at_reduced_size(one_gpu_run):
+  run_dir, summary = one_gpu_run
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4]
+  assert summary["policy_lag_max"] <= 1 and summary["model_params"] > 0
+  assert json.loads((run_dir / "summary.json").read_text())["time_breakdown"] == summary["time_breakdown"]
+
+
+@pytest.mark.slow  # a whole run (~1 min on 2 cores, mostly compiling)
+def test_each_steps_time_parts_sum_to_the_step(one_gpu_run):
+  run_dir, _ = one_gpu_run
+  steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in steps if "reward/mean" in r]
+  waits = ("time/wait_generate", "time/wait_swap", "time/wait_reward", "time/wait_other")
+  for r in steps:  # exact up to float rounding: the parts are differences of the same clock readings
+    assert sum(r[k] for k in STEP_PARTS) == pytest.approx(r["time/step"], rel=1e-9, abs=1e-9), r["step"]
+    assert sum(r[k] for k in waits) == pytest.approx(r["time/trainer_wait"], rel=1e-9, abs=1e-9)
+    assert all(r[k] >= 0 for k in STEP_PARTS)
+  assert [r["time/checkpoint"] > 0 for r in steps] == [False, True, False, True]  # checkpoint_every = 2
+  # synchronous: the trainer waits for batches' generation and rewards (not after an evaluation, during
+  # which the next batch was generated)
+  assert sum(r["time/wait_generate"] for r in steps[1:]) > 0 and sum(r["time/wait_reward"] for r in steps[1:]) > 0
+
+
+@pytest.mark.slow  # a whole run (~1 min on 2 cores, mostly compiling)
+def test_the_breakdown_adds_up_to_the_wall_time(one_gpu_run):
+  """Every part measured where it happens; what none measured (logging, summaries) is within 5% of
+  the wall time."""
+  _, summary = one_gpu_run
+  b = summary["time_breakdown"]
+  assert list(b["parts"]) == list(PARTS)
+  assert b["wall_seconds"] == pytest.approx(summary["total_seconds"])
+  total = sum(p["seconds"] for p in b["parts"].values())
+  assert abs(b["wall_seconds"] - total) <= 0.05 * b["wall_seconds"], b
+  assert sum(p["share"] for p in b["parts"].values()) == pytest.approx(1.0, abs=0.05)
+  for part in ("warmup", "generation", "rewards", "training", "weight_sync", "evaluation", "checkpointing"):
+    assert b["parts"][part]["seconds"] > 0, part
+  assert b["parts"]["sft"]["seconds"] == 0.0  # the config has no SFT warm start
