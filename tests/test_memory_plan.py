@@ -140,3 +140,24 @@ def test_a_run_that_does_not_fit_stops_before_building_anything(tmp_path, monkey
   finally:
     gin.clear_config()
   assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("name", ["llama3_1b_1gpu.gin", "qwen2p5_1p5b_1gpu.gin", "llama3_1b_1gpu_gsm8k.gin"])
+def test_the_one_gpu_configs_share_one_device_and_the_planned_pool(monkeypatch, name):
+  """Every binding known; colocated on one GPU; the slot engine's 64 slots hold a step's 64 rows at
+  512 + 1536 positions (the pool the plans above size); microbatches split the rows evenly."""
+  from llamarl_jax import experiment  # noqa: F401  (registers the configurables)
+
+  monkeypatch.chdir(ROOT)
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings([str(ROOT / "configs" / name)], [], skip_unknown=False)
+    q = gin.query_parameter
+    rows = q("RolloutConfig.prompts_per_step") * q("RolloutConfig.samples_per_prompt")
+    assert q("%NUM_GPUS") == 1 and q("MeshConfig.colocated") is True
+    assert q("MeshConfig.trainer_fsdp") * q("MeshConfig.trainer_tp") == q("MeshConfig.generator_dp") * q("MeshConfig.generator_tp") == 1
+    assert (q("GeneratorConfig.engine"), q("GeneratorConfig.dtype")) == ("slots", "bfloat16")
+    assert q("GeneratorConfig.slots") == rows == 64 and rows % q("TrainConfig.microbatches") == 0
+    assert q("GeneratorConfig.max_prompt_len") + q("RolloutConfig.max_new_tokens") == 2048
+  finally:
+    gin.clear_config()
