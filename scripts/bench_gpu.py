@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The GPU benchmark in one command (`make bench-gpu`): the numbers that matter, as a markdown table
-and a JSON file (the input of `python -m llamarl_jax.perf_model --calibrate`). About 6-8 minutes on
-one H100 (each section prints its own seconds).
+and a JSON file (the input of `python -m llamarl_jax.perf_model --calibrate`). Each section prints
+its own seconds; the whole command has not run end to end on a GPU (BENCHMARKS.md).
 
 Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
   trainer     `TrainerExecutor.step` at RL shapes (16 x (512 + 1536), 2 microbatches, remat
@@ -29,8 +29,11 @@ Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
   weight_push `WeightSync.push` (fp32 trainer params -> bf16 generator layout) in GB/s against a plain
               copy of the same bytes: device to device between disjoint meshes with 2+ GPUs
               (scripts/bench_weight_sync.bench_one), an on-device copy with one GPU (colocated mode)
-  e2e         a short asynchronous run through the Controller (tiny model on the arithmetic task,
-              colocated on one GPU): seconds per step at lag 0 and 1 (scripts/bench_async.run_one)
+  e2e         whole runs of `scripts/train.py`'s job, each in a fresh process: configs/llama3_1b_1gpu.gin
+              (Llama-3.2-1B shapes, random weights, colocated, slot engine, bf16 generator) for a few RL
+              steps: seconds per step after the first, generated tokens/s, the time breakdown, peak device
+              memory against the memory plan; and `make run`'s configs/tiny_cpu.gin to its end, colocated
+              on one GPU: held-out accuracy before and after RL, and its breakdown
 
 It checks its environment first and stops with a clear message when JAX sees no GPU. `--dry_run` runs
 every section at toy sizes on whatever backend is present (CPU included), cuDNN and the PyTorch CUDA
@@ -62,7 +65,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_async  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_train  # noqa: E402
 import bench_weight_sync  # noqa: E402
@@ -82,16 +84,31 @@ FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, tr
             engine_variants=((16, "auto", 0), (16, "reduce", 0), (16, "auto", 64)),
             profile_chunks=4,
             bytes_size="1b",
-            bytes_slots=64, bytes_cache=2048, bytes_live="100,500", push_size="1b", e2e=dict(hidden=512, layers=4,
-            prompts=16, samples=8, max_new_tokens=64, warmup=2, steps=5), repeats=3)
+            bytes_slots=64, bytes_cache=2048, bytes_live="100,500", push_size="1b",
+            e2e=(("llama3_1b_1gpu", "llama3_1b_1gpu.gin", ("run_experiment.rl_steps = 5",)),
+                 ("tiny_cpu", "tiny_cpu.gin", ())),
+            repeats=3)
 DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_remat="matmuls", train_warmup=1,
            train_steps=1,
            attn=(1, 64, 4, 2, 16), decode_batches=(2,), prompt_len=8, decode_R=4, hf_batch=2,
            engine_slots=4, engine_prompts=8, engine_R=8, engine_variants=((16, "auto", 0), (4, "pallas", 0), (16, "auto", 4)),
            profile_chunks=2,
            bytes_size="5m", bytes_slots=4,
-           bytes_cache=64, bytes_live="20,40", push_size="1m", e2e=dict(hidden=32, layers=2,
-           prompts=2, samples=2, max_new_tokens=4, warmup=1, steps=1), repeats=1)
+           bytes_cache=64, bytes_live="20,40", push_size="1m",
+           e2e=(("llama3_1b_1gpu", "llama3_1b_1gpu.gin", (
+               "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
+               "ModelConfig.num_heads = 4", "ModelConfig.num_kv_heads = 2", "ModelConfig.head_dim = 8",
+               "build_policy.vocab_size = 160", "RolloutConfig.prompts_per_step = 2",
+               "RolloutConfig.samples_per_prompt = 4", "RolloutConfig.max_new_tokens = 8", "GeneratorConfig.slots = 8",
+               "GeneratorConfig.max_prompt_len = 16", "TrainConfig.microbatches = 2", "run_experiment.rl_steps = 3")),
+                ("tiny_cpu", "tiny_cpu.gin", (
+                    "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
+                    "supervised_warmstart.steps = 10", "supervised_warmstart.batch_size = 16",
+                    "run_experiment.rl_steps = 3", "run_experiment.eval_size = 16", "run_experiment.eval_every = 0",
+                    "run_experiment.eval_samples = 0", "RolloutConfig.prompts_per_step = 4"))),
+           repeats=1)
+# `make run`'s config on one GPU: trainer and generator colocated on it (the config's own meshes need 4 devices)
+ONE_DEVICE = ("MeshConfig.trainer_fsdp = 1", "MeshConfig.generator_dp = 1", "MeshConfig.colocated = True")
 DRY_DECODE_SIZE = "5m"  # bench_generate's smallest
 
 
@@ -481,21 +498,60 @@ def weight_push_section(cfg, env, args) -> dict:
           "copy_gbps": r["bytes"] / r["copy"] / 1e9}
 
 
-def e2e_section(cfg, env, args) -> dict:
+def train_run(gin_file: str, bindings, run_dir) -> dict:
+  """`scripts/train.py`'s job (`experiment.run_experiment`) in a fresh interpreter (its own compiles and
+  its own peak device memory); returns its summary with "peak_memory_bytes" (None on a CPU)."""
+  import subprocess
+
+  spec = Path(run_dir).with_suffix(".spec.json")
+  out = Path(run_dir).with_suffix(".summary.json")
+  spec.write_text(json.dumps({"gin_file": str(ROOT / "configs" / gin_file), "out": str(out),
+                              "bindings": [*bindings, f"run_experiment.run_dir = '{run_dir}'",
+                                           "run_experiment.tensorboard = False"]}))
+  proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--train_run", str(spec)], cwd=ROOT,
+                        capture_output=True, text=True)
+  if proc.returncode:
+    raise RuntimeError(f"{gin_file} exited with {proc.returncode}: {proc.stderr[-3000:]}")
+  print(proc.stdout[-4000:], flush=True)  # the memory plan and the breakdown
+  return json.loads(out.read_text())
+
+
+def _train_run_child(spec_path: str) -> None:
   import jax
 
-  e = cfg["e2e"]
-  n = len(jax.devices())
-  ns = argparse.Namespace(**e, trainer_fsdp=max(n // 2, 1), generator_dp=max(n // 2, 1), generator_tp=1,
-                          colocated=n < 2)
+  from llamarl_jax import experiment
+
+  spec = json.loads(Path(spec_path).read_text())
+  experiment.parse_gin([spec["gin_file"]], spec["bindings"])
+  summary = experiment.run_experiment()  # prints its memory plan and its time breakdown
+  summary["peak_memory_bytes"] = peak_memory_bytes()
+  summary["device"] = jax.devices()[0].device_kind
+  summary["rows_per_step"] = experiment.configured_run_config().rollout.rows
+  Path(spec["out"]).write_text(json.dumps(summary, default=str))
+
+
+def e2e_section(cfg, env, args) -> dict:
   rows = []
-  for lag in (0, 1):
-    r = bench_async.run_one(ns, lag, 0.0, "slots")
-    rows.append({"lag": lag, "step_s": r["wall_per_step"], "gen_busy": r["busy"]["generate"],
-                 "train_busy": r["busy"]["train"], "lag_max": r["lag_max"], "slot_util": r["slot_util"]})
-  return {"model": f"hidden {e['hidden']} x {e['layers']} layers", "colocated": ns.colocated,
-          "batch": f"{e['prompts']} x {e['samples']}", "max_new_tokens": e["max_new_tokens"], "steps": e["steps"],
-          "rows": rows}
+  work = Path(tempfile.mkdtemp(prefix="bench_gpu_e2e_"))
+  for name, gin_file, bindings in cfg["e2e"]:
+    bindings = [*bindings, *(ONE_DEVICE if name == "tiny_cpu" else ())]
+    t0 = time.perf_counter()
+    summary = train_run(gin_file, bindings, work / name)
+    steps = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "reward/mean" in m][1:]  # after the first (it compiles the trainer)
+    rows_per_step = summary.get("rows_per_step")
+    step_s = statistics.mean(m["time/step"] for m in steps) if steps else None
+    tokens = sum(m["generate/response_length_mean"] for m in steps) * rows_per_step if steps else None
+    b = summary["time_breakdown"]
+    rows.append({"config": gin_file, "bindings": bindings, "wall_s": time.perf_counter() - t0,
+                 "rl_steps": len(steps) + 1, "step_s": step_s,
+                 "gen_tokens_per_s": tokens / sum(m["time/step"] for m in steps) if steps else None,
+                 "peak_memory_gib": _gib(summary.get("peak_memory_bytes")),
+                 "plan_gib": _gib(max(summary["memory_plan"]["totals"].values())) if "memory_plan" in summary else None,
+                 "eval_before": summary.get("eval_before_rl"), "eval_after": summary.get("eval_after_rl"),
+                 "breakdown": {k: v["seconds"] for k, v in b["parts"].items()}, "wall_run_s": b["wall_seconds"],
+                 "unaccounted_s": b["unaccounted_seconds"]})
+  return {"rows": rows}
 
 
 RUNNERS = {"trainer": trainer_section, "torch_peer": torch_peer_section, "attention": attention_section,
@@ -596,10 +652,15 @@ def markdown(results: dict) -> str:
                 f"| {r['params'] / 1e9:.2f}B | {r['mode']} | {r['bytes'] / 1e9:.2f} GB | {r['push_gbps']:.1f} | "
                 f"{r['copy_gbps']:.1f} | {r['push_s'] / r['copy_s']:.1f}x |"]
     elif name == "e2e":
-      lines += [f"{r['model']}, {r['batch']} rows, {r['max_new_tokens']} new tokens, {r['steps']} timed steps, "
-                f"colocated={r['colocated']}", "| max_policy_lag | s / step | generator busy | trainer busy |",
-                "|---|---|---|---|"]
-      lines += [f"| {x['lag']} | {x['step_s']:.3f} | {x['gen_busy']:.0%} | {x['train_busy']:.0%} |" for x in r["rows"]]
+      lines += ["whole runs in fresh processes (`scripts/train.py`'s job); s / step and tokens/s over the steps after "
+                "the first", "| config | RL steps | s / step | generated tokens/s | peak memory GiB (plan) | held-out "
+                "before -> after | run s |", "|---|---|---|---|---|---|---|"]
+      lines += [f"| {x['config']} | {x['rl_steps']} | {_f(x['step_s'], '.2f')} | {_f(x['gen_tokens_per_s'], ',.0f')} | "
+                f"{_f(x['peak_memory_gib'], '.1f')} ({_f(x['plan_gib'], '.1f')}) | {_f(x['eval_before'], '.1%')} -> "
+                f"{_f(x['eval_after'], '.1%')} | {x['wall_run_s']:.0f} |" for x in r["rows"]]
+      for x in r["rows"]:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in x["breakdown"].items() if v >= 0.05)
+        lines.append(f"- {x['config']} seconds: {parts}; unaccounted {x['unaccounted_s']:.1f}")
     lines.append("")
   return "\n".join(lines)
 
@@ -612,7 +673,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16; float32 with --dry_run)")
   parser.add_argument("--peak_tflops", type=float, default=None, help="override the device's dense bf16 peak")
   parser.add_argument("--peak_bandwidth", type=float, default=None, help="override the device's HBM bytes/s")
+  parser.add_argument("--train_run", default=None, help=argparse.SUPPRESS)  # the e2e section's child process
   args = parser.parse_args(argv)
+  if args.train_run:
+    return _train_run_child(args.train_run)
   sections = args.sections.split(",")
   unknown = [s for s in sections if s not in SECTIONS]
   if unknown:

@@ -71,6 +71,25 @@ def test_bench_gpu_dry_run_writes_the_report_and_json(tmp_path):
   assert "- not counted: KV block 4, pallas" in report
 
 
+@pytest.mark.slow  # a whole run in a fresh interpreter (~1-2 min on 2 cores, mostly compiling)
+def test_bench_gpu_e2e_dry_run_reports_a_runs_speed_breakdown_and_plan(tmp_path):
+  """The e2e section's CPU path: the one-GPU config at its dry-run size (its first entry) run by
+  `scripts/train.py`'s job in a child process; the row has the steps after the first, tokens/s from
+  their response lengths, the plan's total and the time breakdown, and the markdown shows them."""
+  import json
+
+  bench = _load("bench_gpu")
+  bench.DRY["e2e"] = bench.DRY["e2e"][:1]
+  bench.main(["--dry_run", "--out", str(tmp_path), "--sections", "e2e"])
+  (row,) = json.loads((tmp_path / "bench_gpu.json").read_text())["sections"]["e2e"]["rows"]
+  assert row["config"] == "llama3_1b_1gpu.gin" and row["rl_steps"] == 3
+  assert row["step_s"] > 0 and row["gen_tokens_per_s"] > 0 and row["peak_memory_gib"] is None  # CPU: no statistics
+  assert 0 < row["plan_gib"] < 0.01 and row["eval_before"] is None  # the config evaluates nothing
+  assert abs(row["unaccounted_s"]) <= 0.05 * row["wall_run_s"] and row["breakdown"]["warmup"] > 0
+  report = (tmp_path / "bench_gpu.md").read_text()
+  assert "| llama3_1b_1gpu.gin | 3 |" in report and "- llama3_1b_1gpu.gin seconds: warmup" in report
+
+
 def test_bench_train_lowers_the_step_and_finds_the_largest_vocab_array(tmp_path, capsys):
   """--lower writes the step's StableHLO and names its largest vocabulary-sized array: with the
   lm_head in chunks of 4 positions that is the tied [100, 128] embedding, unchunked it is the
