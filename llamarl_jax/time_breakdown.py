@@ -1,9 +1,10 @@
 """Where a run's wall time goes: seconds and shares per part, from the trainer thread's point of view.
 
-Each RL step's time (`time/step`, from asking for a batch to the end of its checkpoint) is the sum of
+Each RL step's time (`time/step`, from asking for a batch to the end of the weight push) is the sum of
 `STEP_PARTS`: the trainer's wait for the batch, split by what was running meanwhile (the generator
 on the device, a weight swap into the engine, the reward executor, or nothing of those: the other
-threads' host work, queues), then training, the weight push and the checkpoint. Generation that
+threads' host work, queues), then training and the weight push. Checkpoints and evaluations run
+between steps. Generation that
 overlaps training (asynchronous runs) costs no wall time and is not in the breakdown; the executors'
 own busy seconds (`time/generate`, `time/reward`) count it.
 
@@ -28,8 +29,7 @@ LABELS = {"warmup": "compile / warm-up", "sft": "SFT warm start", "generation": 
 
 # The per-step metrics whose sum is `time/step`, and the part of the run's breakdown each goes to.
 STEP_PARTS = {"time/wait_generate": "generation", "time/wait_swap": "weight_sync", "time/wait_reward": "rewards",
-              "time/wait_other": "waits_other", "time/train": "training", "time/sync": "weight_sync",
-              "time/checkpoint": "checkpointing"}
+              "time/wait_other": "waits_other", "time/train": "training", "time/sync": "weight_sync"}
 # What the trainer's wait is split by (timeline interval kinds), first match wins where they overlap.
 WAIT_KINDS = (("generate", "time/wait_generate"), ("swap", "time/wait_swap"), ("reward", "time/wait_reward"))
 

@@ -27,13 +27,13 @@ def test_split_wait_counts_each_instant_once_in_precedence_order():
 
 def test_the_first_step_is_warm_up_and_the_rest_is_split():
   b = TimeBreakdown()
-  step = {"time/step": 7.0, **{k: 1.0 for k in STEP_PARTS}}
+  step = {"time/step": 6.0, **{k: 1.0 for k in STEP_PARTS}}
   b.add_step(step)
   b.add_step(step)
-  assert b.seconds["warmup"] == 7.0
+  assert b.seconds["warmup"] == 6.0
   assert b.seconds["weight_sync"] == 2.0 and b.seconds["training"] == 1.0  # time/sync + time/wait_swap
   r = b.report(20.0)
-  assert r["unaccounted_seconds"] == pytest.approx(20.0 - 14.0) and r["parts"]["warmup"]["share"] == 7.0 / 20.0
+  assert r["unaccounted_seconds"] == pytest.approx(20.0 - 12.0) and r["parts"]["warmup"]["share"] == 6.0 / 20.0
 
 
 REDUCED = [  # the one-GPU config at a size a CPU test runs; the config's other settings kept
@@ -85,7 +85,6 @@ def test_each_steps_time_parts_sum_to_the_step(one_gpu_run):
     assert sum(r[k] for k in STEP_PARTS) == pytest.approx(r["time/step"], rel=1e-9, abs=1e-9), r["step"]
     assert sum(r[k] for k in waits) == pytest.approx(r["time/trainer_wait"], rel=1e-9, abs=1e-9)
     assert all(r[k] >= 0 for k in STEP_PARTS)
-  assert [r["time/checkpoint"] > 0 for r in steps] == [False, True, False, True]  # checkpoint_every = 2
   # synchronous: the trainer waits for batches' generation and rewards (not after an evaluation, during
   # which the next batch was generated)
   assert sum(r["time/wait_generate"] for r in steps[1:]) > 0 and sum(r["time/wait_reward"] for r in steps[1:]) > 0

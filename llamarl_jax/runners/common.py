@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -103,20 +102,16 @@ class StepRecorder:
              dropped: int, occupancy: int, waited_on: Sequence[tuple[str, float, float]] = ()) -> dict:
     """state: after the step. times: (asked for a batch, got it, trained, synced) perf_counter stamps.
     waited_on: ("generate" | "swap" | "reward", start, end) intervals of the other threads, which split
-    the trainer's wait (`time_breakdown.split_wait`; none: all of it is "time/wait_other"). The step's
-    checkpoint, when one is due, is written before the metrics are logged, so `time/step` includes it:
-    `time/step` = the sum of `time_breakdown.STEP_PARTS`."""
+    the trainer's wait (`time_breakdown.split_wait`; none: all of it is "time/wait_other").
+    `time/step` = the sum of `time_breakdown.STEP_PARTS`. A checkpoint due after the step is written
+    once its metrics are logged (a kill in between loses no logged step: the resume rewinds the logs to
+    the checkpoint); its seconds go to the run's breakdown."""
     t0, t1, t2, t3 = times
     self.state = state
-    checkpoint = 0.0
-    if self.save is not None and self.checkpoint_every and state.step % self.checkpoint_every == 0:
-      t_save = time.perf_counter()
-      self.save(state)
-      checkpoint = time.perf_counter() - t_save
     metrics = {**batch, **train, **sync, **lag,
                "buffer/dropped_stale": float(dropped), "buffer/occupancy": float(occupancy),
-               "time/step": t3 - t0 + checkpoint, "time/trainer_wait": t1 - t0, **split_wait(t0, t1, waited_on),
-               "time/train": t2 - t1, "time/sync": t3 - t2, "time/checkpoint": checkpoint,
+               "time/step": t3 - t0, "time/trainer_wait": t1 - t0, **split_wait(t0, t1, waited_on),
+               "time/train": t2 - t1, "time/sync": t3 - t2,
                "time/generate": generator_times[0], "time/generator_wait": generator_times[1],
                "time/reward": reward_times[0], "time/reward_wait": reward_times[1],
                "throughput/train_tokens_per_s": train_tokens / max(t2 - t1, 1e-9)}
@@ -124,6 +119,9 @@ class StepRecorder:
     self.breakdown.add_step(metrics)
     if self.logger is not None:
       self.logger.log(state.step, metrics)
+    if self.save is not None and self.checkpoint_every and state.step % self.checkpoint_every == 0:
+      with self.breakdown.timed("checkpointing"):
+        self.save(state)
     return metrics
 
   def finish(self, state: RunState, *, interrupted: bool = False) -> None:
