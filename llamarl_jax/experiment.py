@@ -33,7 +33,7 @@ from llamarl_jax.time_breakdown import format_breakdown
 
 gin.external_configurable(ModelConfig, "ModelConfig")
 gin.external_configurable(PromptSource, "PromptSource")
-for _cls in (*cfg.SECTIONS.values(), cfg.OptimizerConfig, cfg.OverlongShaping, cfg.DynamicSampling):
+for _cls in (*cfg.SECTIONS.values(), cfg.OptimizerConfig, cfg.OverlongShaping, cfg.DynamicSampling, cfg.LoraConfig):
   gin.external_configurable(_cls, _cls.__name__)
 
 
@@ -213,6 +213,37 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
   return params
 
 
+def _bound_model_path() -> str | None:
+  """`build_policy.model_path` as gin binds it (None when unbound)."""
+  try:
+    return gin.query_parameter("build_policy.model_path")
+  except ValueError:
+    return None
+
+
+def export_lora_adapter(controller: Controller, config: ModelConfig, run_dir: Path, tokenizer, *,
+                        base_path: str | None) -> dict:
+  """A LoRA run's PEFT adapter directory (`run_dir/lora_adapter`) next to the base it adapts: `base_path`
+  (the HF checkpoint the run started from, when no warm start changed it), else an HF export of the
+  frozen base (`run_dir/hf_base`). Returns {"adapter_dir", "base_dir"}."""
+  from llamarl_jax.model import lora as lora_lib
+  from llamarl_jax.model.llama import merge_params
+  from llamarl_jax.transfer import to_host
+
+  trainer = controller.trainer
+  adapters = to_host(trainer.params)
+  base = None if base_path else to_host(trainer.base_params)
+  if not controller.is_main:
+    return {}
+  if base is not None:
+    model = merge_params(split_params(abstract_model(config))[0], base)
+    base_path = hf.save_hf_checkpoint(model, config, run_dir / "hf_base", tokenizer=tokenizer)
+  base_dir = str(Path(base_path).resolve())
+  adapter_dir = lora_lib.save_peft_adapter(adapters, config, trainer.lora, run_dir / "lora_adapter",
+                                           base_model_name_or_path=base_dir)
+  return {"adapter_dir": str(adapter_dir), "base_dir": base_dir}
+
+
 class RunInterrupted(KeyboardInterrupt):
   """Ctrl-C / SIGTERM stopped `run_experiment`; the message says what is on disk to resume from."""
 
@@ -292,6 +323,10 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                                   "window": eval_window}  # in checkpoints; may change on resume
   logger = None
   try:
+    lora = controller.config.train.lora
+    if lora is not None and lora.adapter_path and sft:
+      raise ConfigError(f"LoraConfig.adapter_path = {lora.adapter_path!r} with run_experiment.sft = True: the warm "
+                        "start would fine-tune the base under the adapter; set run_experiment.sft = False")
     max_prompt_tokens = (config.max_position_embeddings
                          - controller.config.env.response_width(controller.sampling.max_new_tokens))
     if controller.prompt_limit is not None:  # the slot engine's (GeneratorConfig.max_prompt_len)
@@ -416,7 +451,7 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
 
       env = controller.env if controller.env is not None else make_environment(controller.config.env)
     with controller.recorder.breakdown.timed("sft"):
-      params = supervised_warmstart(config, controller.trainer.params, tokenizer, source, logger=logger,
+      params = supervised_warmstart(config, controller.trainer.policy_params(), tokenizer, source, logger=logger,
                                     progress=progress, env=env)
       controller.trainer.load_params(params)
   evaluating = len(eval_examples) > 0  # eval_size = 0 skips every held-out evaluation
@@ -462,8 +497,11 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
     from llamarl_jax.transfer import to_host
 
     with controller.recorder.breakdown.timed("checkpointing"):
-      host = to_host(controller.trainer.params)  # every trainer process: the params may span them
+      host = to_host(controller.trainer.policy_params())  # every trainer process: the params may span them
       if controller.is_main:
         model = merge_params(split_params(abstract_model(config))[0], host)
         summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
+      if controller.trainer.lora is not None:
+        summary.update(export_lora_adapter(controller, config, run_dir, tokenizer,
+                                           base_path=None if sft else _bound_model_path()))
   return summary

@@ -210,6 +210,35 @@ def _kept_kv_reference(model_a, model_b, batch, t_s):
   return logits
 
 
+def test_behaviour_logprobs_exact_across_a_swap_to_pushed_lora_weights(model, sampling_engine, prompts):
+  """Version 1 is a LoRA push (the adapters moved, merged into the base on the engine's mesh): the
+  engine swaps to it in flight, and every post-swap token carries version 1 and the log-prob of the
+  merged weights' full forward."""
+  from llamarl_jax.config import LoraConfig
+  from llamarl_jax.executors.weight_sync import WeightSync, tree_bytes
+  from llamarl_jax.model import lora as lora_lib
+
+  lora = LoraConfig(rank=2, alpha=4.0)
+  graphdef, base = split_params(model[1])
+  mesh = sampling_engine.mesh
+  axes = parallel.logical_axes(model[1])
+  rng = np.random.RandomState(2)
+  adapters = jax.tree.map(lambda x: rng.normal(0, 0.3, x.shape).astype(np.float32),
+                          lora_lib.init_adapters(model[0], lora))
+  sync = WeightSync(parallel.param_shardings(base, axes, mesh), dtype=jnp.float32,
+                    adapter_shardings=parallel.param_shardings(lora_lib.adapter_shapes(model[0], lora),
+                                                               lora_lib.adapter_axes(axes, lora), mesh),
+                    lora_scale=lora_lib.scale(lora), base=lambda: base)
+  assert sync.push(adapters, 1)["sync/bytes"] == tree_bytes(adapters)
+  merged = merge_params(graphdef, sync.latest()[0])
+  batch, pre, mask = _run_with_swap(sampling_engine, model, merged, prompts, recompute=True)
+  lp_base = token_logprobs(full_forward_logits(model[1], batch), batch.response_tokens, SAMPLED)
+  lp_lora = token_logprobs(full_forward_logits(merged, batch), batch.response_tokens, SAMPLED)
+  np.testing.assert_allclose(batch.behaviour_logprobs[mask], np.where(pre, lp_base, lp_lora)[mask], atol=1e-4, rtol=0)
+  post = mask & ~pre
+  assert np.abs(lp_base[post] - lp_lora[post]).max() > 1e-2  # the adapters really change the policy
+
+
 # -- scheduling ----------------------------------------------------------------------------------
 
 

@@ -110,6 +110,34 @@ def test_unmerged_forward_equals_merged_weights(base_params):
   assert np.abs(unmerged - base).max() > 1e-2  # the adapters change the policy
 
 
+def test_lora_dropout_is_unbiased_and_drawn_from_its_key(base_params):
+  """Dropout on the adapters' input (inverted: kept entries scaled by 1 / (1 - p)): over 400 keys the
+  mean low-rank update of one projection is the undropped one (within 5 standard errors: the
+  update is linear in the input); through the trainer's forward a key gives the same log-probs twice,
+  another key other ones."""
+  from llamarl_jax.model.llama import LoraLayer, with_lora
+
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)
+  weights = {"wq": {"a": jnp.asarray(rng.normal(size=(8, 2)), jnp.float32),
+                    "b": jnp.asarray(rng.normal(size=(2, 4, 5)), jnp.float32)}}
+  y = jnp.zeros((2, 3, 4, 5))
+  undropped = np.asarray(with_lora(y, x, "wq", LoraLayer(weights, 2.0)))
+  draws = np.asarray(jax.vmap(lambda k: with_lora(y, x, "wq", LoraLayer(weights, 2.0, k, 0.5)))(
+      jax.random.split(jax.random.key(0), 400)))
+  se = draws.std(0) / np.sqrt(len(draws))
+  assert np.all(np.abs(draws.mean(0) - undropped) <= 5 * se + 1e-6)
+  assert np.abs(draws[0] - undropped).max() > 0.1
+
+  batch = arrays(make_batch(0))
+  adapters = prepare_params(random_adapters(1), jnp.float32)
+  forward = jax.jit(lambda key: policy_logprobs(CONFIG, prepare_params(base_params, jnp.float32), *batch,
+                                                lora=adapters, lora_scale=2.0, lora_dropout=0.5, dropout_key=key))
+  first, again, other = (np.asarray(forward(jax.random.key(k))) for k in (0, 0, 1))
+  np.testing.assert_array_equal(first, again)
+  assert np.abs(first - other).max() > 1e-3
+
+
 # --------------------------------------------------------------------------------------------------
 # training
 
@@ -248,3 +276,97 @@ def test_peft_loads_our_adapter_onto_the_base_as_the_merged_export(tmp_path, bas
     merged_logits = load(tmp_path / "merged")(tokens).logits.numpy()
   np.testing.assert_allclose(peft_logits, merged_logits, atol=1e-4, rtol=0)
   assert np.abs(peft_logits - base_logits).max() > 1e-2
+
+
+def test_another_loss_trains_adapters_with_a_kl_reference(base_params):
+  """PPO-clip (the losses differ only in the pure function of the log-probs, `losses.py`; AIPO is
+  `lora_run`) with a KL term to the initial policy and an entropy bonus: the KL is exactly 0 at the
+  first step (b = 0: the policy is the base), the adapters move it away by the second, and the base
+  stays bit for bit."""
+  trainer = TrainerExecutor(CONFIG, parallel.make_mesh(jax.devices()[:1]), base_params, optimizer=OPT, loss="ppo_clip",
+                            loss_kwargs={"entropy_coef": 0.01}, kl_coef=0.1, ref_params=base_params, lora=LORA,
+                            lora_seed=1)
+  batch = make_batch(2)
+  first, second = trainer.step(batch), trainer.step(batch)
+  assert first["policy/kl_ref"] == 0.0 and second["policy/kl_ref"] > 0.0
+  assert np.isfinite(second["loss/total"]) and second["train/update_applied"] == 1.0
+  jax.tree.map(np.testing.assert_array_equal, host(trainer.base_params), base_params)
+
+
+# --------------------------------------------------------------------------------------------------
+# a run: checkpoints and exact resume
+
+
+@pytest.mark.devices(4)
+def test_lora_run_resumes_exactly_from_a_checkpoint(tmp_path):
+  """Lag 1 ('fixed'), trainer fsdp=2 beside a static generator dp=2 (the slot engine's swap to LoRA
+  weights: test_engine.py), LoRA dropout on, a base that is no file's
+  weights (as after a warm start): a 4-step run checkpoints at step 2; a new controller built from
+  other weights restores that checkpoint and runs 2 more; its metrics and adapters equal the
+  uninterrupted run's, bit for bit."""
+  import shutil
+
+  from llamarl_jax.config import run_config
+  from llamarl_jax.controller import Controller
+  from llamarl_jax.data import PromptSource
+  from llamarl_jax.executors.reward import RewardExecutor
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tokenizer = make_char_tokenizer()
+  config = CONFIG.replace(vocab_size=len(tokenizer), tie_word_embeddings=True)
+  _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
+  warm = jax.tree.map(lambda x: x * 1.5, params)  # the base RL starts from
+
+  def controller(run_dir, **kw):
+    run = run_config(reward_fn=RewardExecutor("arithmetic", inline=True), prompts_per_step=4, samples_per_prompt=2,
+                     max_new_tokens=6, trainer_fsdp=2, generator_dp=2, optimizer=OPT, max_policy_lag=1, seed=3,
+                     lora=LORA.replace(dropout=0.1), generator_engine="static", **kw)
+    return Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir,
+                      config=run, progress=False)
+
+  keys = ("loss/total", "reward/mean", "train/grad_norm", "policy/ratio_mean", "generate/response_length_mean")
+  full = controller(tmp_path / "full", checkpoint_every=2)
+  try:
+    full.trainer.load_params(warm)
+    whole = full.run(4)
+    final = host(full.trainer.params)
+  finally:
+    full.close()
+  assert whole[0]["sync/bytes"] == tree_bytes(final)  # every push: the adapters' bytes
+  shutil.copytree(tmp_path / "full" / "checkpoints" / "2", tmp_path / "resumed" / "checkpoints" / "2")
+  resumed = controller(tmp_path / "resumed", checkpoint_every=2)
+  try:
+    assert resumed.restore_checkpoint() == 2
+    rest = resumed.run(2)
+    jax.tree.map(np.testing.assert_array_equal, host(resumed.trainer.params), final)
+    jax.tree.map(np.testing.assert_array_equal, host(resumed.trainer.base_params), host(warm))
+  finally:
+    resumed.close()
+  for a, b in zip(whole[2:], rest):
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def test_tiny_lora_config_binds_lora_over_make_runs_configuration(monkeypatch):
+  """configs/tiny_lora.gin: tiny_cpu.gin's run with a checked LoraConfig and 10x its learning rate."""
+  import pathlib
+
+  import gin
+
+  from llamarl_jax import experiment
+  from llamarl_jax.config_check import check_bindings
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  monkeypatch.chdir(root)
+  try:
+    gin.clear_config()
+    experiment.parse_gin([str(root / "configs" / "tiny_cpu.gin")])
+    full = experiment.configured_run_config()
+    gin.clear_config()
+    experiment.parse_gin([str(root / "configs" / "tiny_lora.gin")], ["LoraConfig.rank = 32"])
+    check_bindings()
+    run = experiment.configured_run_config()
+  finally:
+    gin.clear_config()
+  assert run.train.lora == LoraConfig(rank=32, alpha=16.0)
+  assert run.train.optimizer.lr == pytest.approx(10 * full.train.optimizer.lr)
+  assert run.replace(train=run.train.replace(lora=None, optimizer=full.train.optimizer)) == full

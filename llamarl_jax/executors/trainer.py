@@ -42,7 +42,9 @@ the matrices they adapt; the base is frozen in `base_dtype` and prepared (cast, 
 beside them, outside the differentiated arguments: no fp32 copy, gradient or optimizer state of a
 base weight exists. The forward adds `alpha / rank * (x @ a) @ b` to each adapted projection
 (`llama.with_lora`), under the same scan, remat, attention kernels, chunked log-probs, microbatches
-and length grouping as full fine-tuning.
+and length grouping as full fine-tuning. LoRA dropout (`LoraConfig.dropout` > 0) masks the input of
+each adapted projection's `a` with a key from (`lora_seed`, step, microbatch), so a resumed run draws
+the same masks; the step's log pi (its loss and mismatch metrics) is then the dropped-out policy's.
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def token_logprobs(graphdef, params, prompt_tokens, prompt_mask, response_tokens
 def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, response_tokens,
                     response_mask, *, temperature: float = 1.0, remat="none", with_entropy: bool = False,
                     attention: str = "xla", logprob_chunk: int | None = None, width: int | None = None,
-                    scan_layers: bool = True, lora: dict | None = None, lora_scale: float = 1.0):
+                    scan_layers: bool = True, lora: dict | None = None, lora_scale: float = 1.0,
+                    lora_dropout: float = 0.0, dropout_key: Array | None = None):
   """`token_logprobs` on params already prepared (`prepare_params`: cast, layers stacked).
 
   One forward over the rows of `trainer_layout` (real prompt tokens from position 0, then the
@@ -148,14 +151,16 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
 
   width: the forward's sequence length, at most P + R (default: P + R). Every row must fit (prompt +
   response up to its last valid token <= width, as `group_by_length` guarantees): positions past it
-  are padding and are cut off. scan_layers, lora (prepared adapters), lora_scale: see `scan_hidden_states`.
+  are padding and are cut off. scan_layers, lora (prepared adapters), lora_scale, lora_dropout,
+  dropout_key: see `scan_hidden_states`.
   """
   tokens, lengths, predict = trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask)
   if width is not None:
     tokens = tokens[:, :width]
     predict = jnp.minimum(predict, width - 1)  # only masked response positions point past the width
   hidden = scan_hidden_states(config, prepared, tokens, lengths, attention=attention, remat=remat,
-                              scan_layers=scan_layers, lora=lora, lora_scale=lora_scale)
+                              scan_layers=scan_layers, lora=lora, lora_scale=lora_scale,
+                              lora_dropout=lora_dropout, dropout_key=dropout_key)
   hidden = jnp.take_along_axis(hidden, predict[..., None], axis=1)  # [B, R, E]
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), response_tokens,
                                              temperature=temperature, chunk=logprob_chunk,
@@ -549,17 +554,18 @@ class TrainerExecutor:
         self._params, self._ref_params, self._base, batch, order)
     outs = []
     for index, width in zip(self._microbatch_index, groups.widths):
-      grads, out = self._accumulate_step(compute, frozen, ref_compute, grads, micro, index, totals, width=width)
+      grads, out = self._accumulate_step(compute, frozen, ref_compute, grads, micro, index, totals, self._step,
+                                         width=width)
       outs.append(out)
     del compute, frozen, ref_compute
     self._params, self._opt_state, self._step, self._skipped, metrics = self._apply_step(
         self._params, self._opt_state, self._step, self._skipped, grads, outs, micro)
     return metrics, groups.padding_fraction
 
-  def _microbatch_loss(self, compute, frozen, ref_compute, mb, totals, width, response_len):
+  def _microbatch_loss(self, compute, frozen, ref_compute, mb, totals, width, response_len, key):
     """This microbatch's share of the full-batch loss (see `_loss_share`), and its metrics.
     compute / ref_compute: params prepared by `prepare_params` (compute dtype, layers stacked); with
-    LoRA, compute is the adapters and frozen the base (None without).
+    LoRA, compute is the adapters and frozen the base (None without); key: LoRA dropout's (or None).
     width: the forward's sequence width (`policy_logprobs`; None: P + R). response_len: the batch's
     padded response length R (mb's response columns may have been cut to the width)."""
     mask = mb["response_mask"]
@@ -572,7 +578,8 @@ class TrainerExecutor:
     args = (mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"], mask)
     policy, lora = (compute, None) if frozen is None else (frozen, compute)
     out = logprobs_of(policy, *args, remat=self.remat, with_entropy=self._with_entropy, lora=lora,
-                      lora_scale=self.lora_scale)
+                      lora_scale=self.lora_scale, lora_dropout=0.0 if key is None else self.lora.dropout,
+                      dropout_key=key)
     logprobs, kw["entropy"] = out if self._with_entropy else (out, None)
     if ref_compute is not None:
       kw["ref_logprobs"] = jax.lax.stop_gradient(logprobs_of(ref_compute, *args))
@@ -580,7 +587,7 @@ class TrainerExecutor:
     share = _loss_share(mask, totals, kw.get("aggregation", "token_mean"))
     return loss * share, (share, metrics, logprobs)
 
-  def _accumulate(self, compute, frozen, ref_compute, grads, mb, totals, width=None):
+  def _accumulate(self, compute, frozen, ref_compute, grads, mb, totals, width=None, key=None):
     """grads + this microbatch's gradient (fp32, in the compute layout), and its (loss share of the
     batch, share, metrics, log-probs `[B/M, R]`). With `width`, the response columns past it (all
     padding: a row's response ends within its length <= width) are cut before the forward and the
@@ -590,7 +597,8 @@ class TrainerExecutor:
     if width is not None and width < R:
       trimmed = {**mb, **{k: mb[k][:, :width] for k in ("response_tokens", "response_mask", "behaviour_logprobs")}}
     grad_fn = jax.value_and_grad(self._microbatch_loss, has_aux=True)
-    (loss_part, (share, metrics, logprobs)), g = grad_fn(compute, frozen, ref_compute, trimmed, totals, width, R)
+    (loss_part, (share, metrics, logprobs)), g = grad_fn(compute, frozen, ref_compute, trimmed, totals, width, R,
+                                                         key)
     grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
     grads = jax.lax.with_sharding_constraint(grads, self.compute_shardings)
     logprobs = jnp.pad(logprobs, ((0, 0), (0, R - logprobs.shape[1])))
@@ -625,8 +633,9 @@ class TrainerExecutor:
     micro = self._split(batch)
     compute, frozen, ref_compute = self._prepare(params, ref_params, base)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), compute)
-    grads, outs = jax.lax.scan(lambda g, mb: self._accumulate(compute, frozen, ref_compute, g, mb, totals),
-                               zeros, micro)
+    grads, outs = jax.lax.scan(
+        lambda g, xs: self._accumulate(compute, frozen, ref_compute, g, xs[0], totals, key=self._dropout_key(step, xs[1])),
+        zeros, (micro, jnp.arange(self.microbatches)))
     params, opt_state, step, skipped, metrics = self._apply(params, opt_state, step, skipped, grads, outs, micro)
     metrics["train/padding_fraction"] = _padding_fraction(batch)
     return params, opt_state, step, skipped, metrics
@@ -649,11 +658,18 @@ class TrainerExecutor:
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), compute)
     return compute, frozen, ref_compute, micro, totals, zeros
 
-  def _accumulate_impl(self, compute, frozen, ref_compute, grads, micro, index, totals, *, width):
+  def _accumulate_impl(self, compute, frozen, ref_compute, grads, micro, index, totals, step, *, width):
     """`_accumulate` of microbatch `index` (traced: one program per width) at `width`."""
     self.trace_count += 1
     mb = jax.tree.map(lambda x: x[index], micro)
-    return self._accumulate(compute, frozen, ref_compute, grads, mb, totals, width)
+    return self._accumulate(compute, frozen, ref_compute, grads, mb, totals, width, self._dropout_key(step, index))
+
+  def _dropout_key(self, step, microbatch):
+    """LoRA dropout's key for a step's microbatch (a function of the seed, the step and the microbatch:
+    a resumed run draws the same masks); None without dropout."""
+    if self.lora is None or self.lora.dropout == 0:
+      return None
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.lora_seed), step), microbatch)
 
   def _apply_impl(self, params, opt_state, step, skipped, grads, outs, micro):
     """`_apply` on the microbatches' outputs (a list of M) stacked as the scan stacks them."""

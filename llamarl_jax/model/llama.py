@@ -268,13 +268,20 @@ class LoraLayer:
 
   weights: {"attn": {"wq": {"a", "b"}, ...}, "mlp": {"w_gate": ...}}, the adapted projections only;
   a projection `w` `[*in, *out]` has `a` `[*in, rank]` and `b` `[rank, *out]`. scale: alpha / rank.
+  dropout: LoRA dropout on each adapted projection's input to `a` (PEFT's `lora_dropout`), drawn from
+  `key` (one mask per projection); 0 or no key: none.
   """
 
   weights: dict
   scale: float = flax.struct.field(pytree_node=False)
+  key: Array | None = None
+  dropout: float = flax.struct.field(pytree_node=False, default=0.0)
 
   def part(self, module: str) -> "LoraLayer":
-    return LoraLayer(self.weights.get(module, {}), self.scale)
+    return LoraLayer(self.weights.get(module, {}), self.scale, self.key, self.dropout)
+
+
+LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what LoRA may adapt
 
 
 def with_lora(y: Array, x: Array, name: str, lora: LoraLayer | None) -> Array:
@@ -286,6 +293,10 @@ def with_lora(y: Array, x: Array, name: str, lora: LoraLayer | None) -> Array:
     return y
   a, b = lora.weights[name]["a"], lora.weights[name]["b"]
   rank = a.shape[-1]
+  if lora.dropout > 0 and lora.key is not None:
+    keep = jax.random.bernoulli(jax.random.fold_in(lora.key, LORA_PROJECTIONS.index(name)), 1.0 - lora.dropout,
+                                x.shape)
+    x = jnp.where(keep, x / jnp.asarray(1.0 - lora.dropout, x.dtype), jnp.zeros((), x.dtype))
   h = x.reshape(*x.shape[:2], -1) @ a.reshape(-1, rank).astype(x.dtype)
   delta = (h @ b.reshape(rank, -1).astype(x.dtype)) * jnp.asarray(lora.scale, x.dtype)
   return y + delta.reshape(y.shape).astype(y.dtype)
@@ -570,7 +581,8 @@ def _block_graphdef(config: ModelConfig):
 
 def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengths: Array, *,
                        attention: str = "xla", remat="none", scan_layers: bool = True,
-                       lora: dict | None = None, lora_scale: float = 1.0) -> Array:
+                       lora: dict | None = None, lora_scale: float = 1.0, lora_dropout: float = 0.0,
+                       dropout_key: Array | None = None) -> Array:
   """Final-norm hidden states `[B, T, E]` of right-padded rows, the layers under `lax.scan`.
 
   prepared: `prepare_params(params, config.dtype)`. tokens `[B, T]`: each row's sequence from
@@ -581,7 +593,8 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
   734 -> 492 ms), XLA:CPU's loop over stacked layers costing more than the layers themselves.
   The same math as `Llama.hidden_states` (the same Block code runs on each layer's slice).
   lora: LoRA adapters in the layout `prepare_params` gives (`model.lora.init_adapters`' tree with
-  "layers" stacked), added unmerged to the projections they adapt, times `lora_scale` (alpha / rank).
+  "layers" stacked), added unmerged to the projections they adapt, times `lora_scale` (alpha / rank),
+  their inputs dropped out with probability `lora_dropout` from `dropout_key` (a key per layer).
   """
   dt = jnp.dtype(config.dtype)
   B, T = tokens.shape
@@ -591,8 +604,8 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
   lengths = lengths.astype(jnp.int32)
 
   def layer(x, xs):
-    layer_params, layer_lora = xs
-    adapters = None if layer_lora is None else LoraLayer(layer_lora, lora_scale)
+    layer_params, layer_lora, layer_key = xs
+    adapters = None if layer_lora is None else LoraLayer(layer_lora, lora_scale, layer_key, lora_dropout)
     x, _ = nnx.merge(graphdef, layer_params)(x, positions, inv_freq, None, None, lengths, attention, adapters)
     return x, None
 
@@ -603,7 +616,10 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
     layer = jax.checkpoint(layer, prevent_cse=False,
                            policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
   x = jnp.take(prepared["embed"], tokens, axis=0).astype(dt)
-  x, _ = jax.lax.scan(layer, x, (prepared["layers"], None if lora is None else lora["layers"]),
+  keys = None
+  if lora is not None and lora_dropout > 0 and dropout_key is not None:
+    keys = jax.random.split(dropout_key, config.num_layers)
+  x, _ = jax.lax.scan(layer, x, (prepared["layers"], None if lora is None else lora["layers"], keys),
                       unroll=not scan_layers)
   return rms_norm(x, prepared["final_norm"]["scale"], config.rms_norm_eps)
 
