@@ -213,7 +213,7 @@ def sft_checkpoint(out: Path, reward) -> tuple:
     c = Controller(config, params, tokenizer, source, run_dir=out / "sft" / "build", progress=False,
                    config=run_config(experiment.configured_run_config(), reward_fn=reward, checkpoint_every=0))
     try:
-      params = experiment.supervised_warmstart(config, c.trainer.params, tokenizer, source.fork(seed_offset=1),
+      params = experiment.supervised_warmstart(config, c.trainer.policy_params(), tokenizer, source.fork(seed_offset=1),
                                                progress=False)
     finally:
       c.close()
