@@ -262,7 +262,8 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                    eval_size: int = 256, eval_every: int = 0, eval_samples: int = 0, eval_window: int = 3,
                    sft: bool = True, resume: bool = False, export: bool = True,
                    tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True,
-                   resume_allow_changes: list[str] | tuple[str, ...] = (), memory_check: bool = True) -> dict:
+                   resume_allow_changes: list[str] | tuple[str, ...] = (), memory_check: bool = True,
+                   export_sft: bool = False) -> dict:
   """SFT warm start (optional) -> eval -> async RL (eval every `eval_every` steps) -> eval -> HF export.
 
   Start-up order: gin bindings checked (`config_check`), policy and controller built, prompts checked
@@ -276,7 +277,9 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   listed in the summary's `evals`. `eval_every=0` evaluates only before and after RL; `eval_size = 0`
   skips every evaluation. The summary's `eval_accuracy_window` is the mean greedy accuracy of the last
   `eval_window` evaluations during RL: a single final evaluation swings by several points between
-  nearby steps, their mean less. Returns the summary.
+  nearby steps, their mean less. `export_sft`: the warm-started policy is also written as an HF
+  checkpoint (`run_dir/sft_export`), a starting point for other runs (`build_policy.model_path`,
+  `sft=False`). Returns the summary.
 
   Before anything is built (one process): the memory plan (`memory_plan.plan_run`; printed, in the
   summary's "memory_plan"); a plan over the device's limit stops the run with its numbers and the
@@ -346,6 +349,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     controller.recorder.breakdown.add("warmup", time.perf_counter() - t_start)  # building and compiling
     summary = _sft_rl_eval_export(controller, config, tokenizer, rl_source, sft_source, eval_examples,
                                   run_dir=run_dir, rl_steps=rl_steps, sft=sft, restored=restored, export=export,
+                                  export_sft=export_sft,
                                   eval_every=eval_every, eval_samples=eval_samples, eval_window=eval_window,
                                   logger=logger, progress=progress)
   except KeyboardInterrupt as e:  # Controller.run has already checkpointed the last finished RL step
@@ -432,9 +436,22 @@ def _resume_or_refuse(controller: Controller, run_dir: Path, *, resume: bool, al
   return step
 
 
+def _export_policy(controller: Controller, config: ModelConfig, tokenizer, path: Path) -> str | None:
+  """The trainer's policy (LoRA: merged) as an HF checkpoint at `path`, written by process 0 (every
+  trainer process gathers: the params may span them); returns the path there, None elsewhere."""
+  from llamarl_jax.model.llama import merge_params
+  from llamarl_jax.transfer import to_host
+
+  host = to_host(controller.trainer.policy_params())
+  if not controller.is_main:
+    return None
+  model = merge_params(split_params(abstract_model(config))[0], host)
+  return str(hf.save_hf_checkpoint(model, config, path, tokenizer=tokenizer))
+
+
 def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sft_source, eval_examples, *,
                         run_dir: Path, rl_steps: int, sft: bool, restored: int | None, export: bool,
-                        eval_every: int, eval_samples: int, eval_window: int, logger: MetricsLogger,
+                        export_sft: bool, eval_every: int, eval_samples: int, eval_window: int, logger: MetricsLogger,
                         progress: bool) -> dict:
   summary: dict = {"run_dir": str(run_dir), "model_params": config.num_params()}
   before_file = run_dir / "eval_before_rl.json"
@@ -454,6 +471,9 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
       params = supervised_warmstart(config, controller.trainer.policy_params(), tokenizer, source, logger=logger,
                                     progress=progress, env=env)
       controller.trainer.load_params(params)
+    if export_sft:
+      with controller.recorder.breakdown.timed("checkpointing"):
+        summary["sft_export_dir"] = _export_policy(controller, config, tokenizer, run_dir / "sft_export")
   evaluating = len(eval_examples) > 0  # eval_size = 0 skips every held-out evaluation
   evals: list[dict] = []
   if not evaluating:
@@ -493,14 +513,8 @@ def _sft_rl_eval_export(controller: Controller, config, tokenizer, rl_source, sf
     logger.log(controller.step, {"eval/accuracy_before": summary["eval_before_rl"],
                                  "eval/accuracy_after": after["eval/accuracy"]})
   if export and controller.is_trainer:
-    from llamarl_jax.model.llama import merge_params
-    from llamarl_jax.transfer import to_host
-
     with controller.recorder.breakdown.timed("checkpointing"):
-      host = to_host(controller.trainer.policy_params())  # every trainer process: the params may span them
-      if controller.is_main:
-        model = merge_params(split_params(abstract_model(config))[0], host)
-        summary["export_dir"] = str(hf.save_hf_checkpoint(model, config, run_dir / "hf_export", tokenizer=tokenizer))
+      summary["export_dir"] = _export_policy(controller, config, tokenizer, run_dir / "hf_export")
       if controller.trainer.lora is not None:
         summary.update(export_lora_adapter(controller, config, run_dir, tokenizer,
                                            base_path=None if sft else _bound_model_path()))
