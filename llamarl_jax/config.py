@@ -468,10 +468,6 @@ class RunConfig(_Validated):
     if num_processes > 1 and self.schedule.version_schedule != "fixed":
       raise ConfigError(f"ScheduleConfig.version_schedule={self.schedule.version_schedule!r} needs one process: "
                         "across processes the order of weight transfers must be a pure function of the step ('fixed')")
-    if num_processes > 1 and self.train.lora is not None:
-      raise ConfigError("TrainConfig.lora is single-process only: the adapter push merges into a base the "
-                        "generator holds, which the multi-process weight transfer does not carry; run LoRA in "
-                        "one process (colocated or two meshes)")
     if num_processes > 1 and self.generator.quantize:
       raise ConfigError(f"GeneratorConfig.quantize={self.generator.quantize!r} is single-process only; across "
                         "processes use quantize=None")

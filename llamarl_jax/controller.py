@@ -151,6 +151,14 @@ class Controller:
       dtype = self.generator_dtype
       plan = WeightPlan(gen_shardings, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes),
                         self.trainer_mesh, transform=lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
+      if t.lora is not None:  # the adapters every push, the base when it changed; merged on the generator
+        from llamarl_jax.transfer import LoraPlan
+
+        adapter_shapes = lora_lib.adapter_shapes(model_config, t.lora)
+        adapters = WeightPlan(parallel.param_shardings(adapter_shapes, lora_lib.adapter_axes(axes, t.lora),
+                                                       self.generator_mesh), adapter_shapes, self.trainer_mesh)
+        plan = LoraPlan(plan, adapters, base=lambda: ex.trainer.base_params, lora_scale=lora_lib.scale(t.lora),
+                        dtype=dtype)
       ex.mp = Context(self.roles, plan, self.trainer_mesh, self.generator_mesh)
     else:
       lora = {}
@@ -305,9 +313,13 @@ class Controller:
     return self.step
 
   def _generator_abstract(self) -> Any:
-    shardings = self.ex.weights.gen_shardings if self.mp is None else self.mp.weights.wire_src
+    """A kept version as a checkpoint holds it: one process, generator params; across processes the
+    wire arrays (a LoRA policy's: its adapters)."""
+    if self.mp is not None:
+      return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                          self.mp.weights.shapes, self.mp.weights.wire_src)
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, self.generator_dtype, sharding=sh),
-                        self._model_shapes, shardings)
+                        self._model_shapes, self.ex.weights.gen_shardings)
 
   def checkpoint_dirs(self) -> list[int]:
     """Every checkpoint step directory of the run (complete or not). Every process calls it."""

@@ -15,6 +15,9 @@ generator mesh (dp, fsdp_g, tp_g), one replica = G / dp devices):
      select over a `(dp/r, r, fsdp_g, tp_g)` view of it (collectives among generator processes).
   T >= G: r = dp (k = T/G). T < G: r = the largest divisor of dp with r * G/dp <= T.
 
+`LoraPlan` (a LoRA policy): two `WeightPlan`s, the frozen base (only when it changed) and the
+adapters (every push); the generator processes merge them on their devices.
+
 `RowPlan` (a batch of rows known on every sending process's host -> any destination shardings,
 e.g. the trainer's batch sharding): the destination devices are covered in chunks of at most as
 many devices as the source mesh has; chunk j is one array `[c, *shard_shape]` sharded over c source
@@ -25,6 +28,7 @@ each receiver keeps its own shards and assembles the global arrays without a cop
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import jax
@@ -157,6 +161,101 @@ class WeightPlan:
       x = got.get(d)
       pieces.append(x[None] if x is not None else jax.device_put(jnp.zeros(shard_shape, landed.dtype), d))
     return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA
+
+
+class LoraPlan:
+  """A LoRA policy's push across processes: the adapters (fp32) every push, the frozen base (generator
+  dtype) only when the trainer's base is not the tree moved last (the first push, after a warm start or
+  a restore); the generator processes merge them on their devices (`lora.merge_adapters`).
+
+  base_plan: the `WeightPlan` of the whole model in the generator dtype (its `transform` casts);
+  adapter_plan: the `WeightPlan` of the adapters (fp32, shardings of `lora.adapter_axes`);
+  base: a callable returning the trainer's frozen base (trainer processes); lora_scale: alpha / rank.
+
+  Trainer processes call `stage_base` in step order with the other programs on their mesh (it stages
+  the base when it changed: `base_pending`); the next `send` carries it first. Generator processes
+  learn from the sender whether a push carries the base (`send(with_base=...)`, the protocol's store
+  mark). `nbytes` (and `shapes`, `wire_src`: what a kept version is) are the adapters'; `last_bytes`
+  is what the generator's last receive moved, base included.
+  """
+
+  def __init__(self, base_plan: WeightPlan, adapter_plan: WeightPlan, *, base: Any, lora_scale: float, dtype):
+    from llamarl_jax.model.lora import merge_adapters
+
+    self.base_plan, self.adapter_plan, self._base_fn = base_plan, adapter_plan, base
+    self.nbytes, self.shapes, self.wire_src = adapter_plan.nbytes, adapter_plan.shapes, adapter_plan.wire_src
+    self.base_bytes = base_plan.nbytes
+    self._base_source = self._base_wire = None   # trainer: the base tree staged last, its wire until sent
+    self._landed_bases: dict[int, Any] = {}      # generator: landed bases by arrival number
+    self._base_id = self._finished_id = 0
+    self._base = None                            # generator: the finished base the versions merge into
+    self._lock = threading.Lock()
+    self.last_bytes = 0
+    self._merge = jax.jit(lambda b, a: merge_adapters(b, a, lora_scale, dtype), out_shardings=base_plan.gen_shardings)
+
+  is_trainer = property(lambda self: self.adapter_plan.is_trainer)
+  is_generator = property(lambda self: self.adapter_plan.is_generator)
+
+  @property
+  def base_pending(self) -> bool:
+    """Trainer processes: the next `send` carries the base."""
+    return self._base_wire is not None
+
+  def stage_base(self) -> None:
+    """Trainer processes (all of them, in step order): stage the base if it is not the tree staged last."""
+    base = self._base_fn()
+    if base is not self._base_source:
+      self._base_wire, self._base_source = self.base_plan.stage(base), base
+
+  def stage(self, adapters: Any) -> Any:
+    """Trainer processes: the adapters' wire arrays (`WeightPlan.stage`)."""
+    return self.adapter_plan.stage(adapters)
+
+  def send(self, wire: Any = None, *, with_base: bool = False) -> Any:
+    """Every process, in the same order: trainer processes pass `stage`'s result (and send the staged
+    base first when one is pending), generator processes say whether the base comes too. Returns
+    (base number, landed adapters) on generator processes, else None."""
+    if self.is_trainer:
+      if self._base_wire is not None:
+        self.base_plan.send(self._base_wire)
+        self._base_wire = None
+      self.adapter_plan.send(wire)
+      return None
+    moved = 0
+    if with_base:
+      landed_base = self.base_plan.send(None)
+      moved += _global_bytes(landed_base)
+      with self._lock:
+        self._base_id += 1
+        self._landed_bases[self._base_id] = landed_base
+    landed = self.adapter_plan.send(None)
+    self.last_bytes = moved + _global_bytes(landed)
+    with self._lock:
+      return self._base_id, landed
+
+  def finish(self, landed: Any) -> Any:
+    """Generator processes (all of them, in the same order): fan out the landed adapters (and a newly
+    landed base) inside the generator mesh and merge; returns params in `base_plan.gen_shardings`."""
+    base_id, adapters = landed
+    if base_id == 0:
+      raise RuntimeError("LoRA adapters arrived before any base: the trainer's first push must carry the "
+                         "frozen base (stage_base before the first send)")
+    if base_id != self._finished_id:
+      with self._lock:
+        base = self._landed_bases.pop(base_id)
+        for old in [i for i in self._landed_bases if i < base_id]:
+          del self._landed_bases[old]
+      self._base, self._finished_id = None, base_id  # the old base's memory goes before the new one lands
+      self._base = self.base_plan.finish(base)
+    return self._merge(self._base, self.adapter_plan.finish(adapters))
+
+
+def _global_bytes(tree: Any) -> int:
+  return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@
                    A trainer 2 devices -> generator dp2 x tp2 on two processes (fan-out),
                    B trainer fsdp2 x tp2 on two processes -> generator tp2 on one (one replica sent),
                    C trainer fsdp2 -> generator dp2 (same size).
+  --case lora      3 processes: LoRA's push (LoraPlan: the base when it changed, the adapters every time,
+                   merged on the generator) over case A's meshes.
   --case fault     3 processes: process 1 raises (or, with --kill, kills itself) after start-up; the
                    others must exit EXIT_PEER_FAILED naming it.
 """
@@ -61,6 +63,68 @@ def transfer_case() -> None:
       print(f"{name} rows ok ({len(plan_rows.chunks)} chunks)", flush=True)
 
 
+def lora_case() -> None:
+  """`LoraPlan` over multiproc_worker's case A meshes (trainer: 2 devices of process 0; generator dp2 x
+  tp2 over processes 1-2, one replica sent and fanned out), a 2-layer model's params and rank-4
+  adapters: v0 carries the base, v1 only the adapters, v2 a changed base again. Each version must be
+  the host's merge `w + 2 a @ b` (fp32: the same four-term sums, 1e-6 relative), and a push without
+  the base must move exactly the adapters' bytes."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from llamarl_jax import parallel
+  from llamarl_jax.config import LoraConfig
+  from llamarl_jax.model import lora as lora_lib
+  from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+  from llamarl_jax.transfer import LoraPlan, WeightPlan, to_host
+
+  config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, max_position_embeddings=64)
+  lora = LoraConfig(rank=4, alpha=8.0)
+  d = jax.devices()
+  tm, gm = parallel.make_mesh(d[0:2], fsdp=2, tp=1), parallel.make_mesh(d[2:6], data=2, tp=2)
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  axes, shapes = parallel.logical_axes(abstract), split_params(abstract)[1]
+  a_shapes, a_axes = lora_lib.adapter_shapes(config, lora), lora_lib.adapter_axes(axes, lora)
+  rng = np.random.default_rng(0)
+  host_base = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), shapes)
+  host_adapters = [jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), a_shapes) for _ in range(3)]
+  base_plan = WeightPlan(parallel.param_shardings(shapes, axes, gm), shapes, tm)
+  adapter_plan = WeightPlan(parallel.param_shardings(a_shapes, a_axes, gm), a_shapes, tm)
+  trainer = {}
+  plan = LoraPlan(base_plan, adapter_plan, base=lambda: trainer["base"], lora_scale=lora_lib.scale(lora),
+                  dtype=jnp.float32)
+  if plan.is_trainer:
+    trainer["base"] = jax.device_put(host_base, parallel.param_shardings(shapes, axes, tm))
+  adapter_bytes = sum(int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(a_shapes))
+  base_bytes = sum(int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(shapes))
+  assert plan.nbytes == adapter_bytes and plan.base_bytes == base_bytes
+  want_base = host_base
+  for version in range(3):
+    if plan.is_trainer:
+      if version == 2:  # a warm start or a restore gives the trainer another base
+        trainer["base"] = jax.tree.map(lambda x: x * 2, trainer["base"])
+      plan.stage_base()
+      with_base = plan.base_pending
+      wire = plan.stage(jax.device_put(host_adapters[version], parallel.param_shardings(a_shapes, a_axes, tm)))
+      assert with_base == (version != 1), (version, with_base)
+      plan.send(wire)
+      continue
+    with_base = version != 1  # what the store mark says across processes (multiprocess.protocol)
+    params = plan.finish(plan.send(None, with_base=with_base))
+    if version == 2:
+      want_base = jax.tree.map(lambda x: x * 2, host_base)
+    assert plan.last_bytes == adapter_bytes + (base_bytes if with_base else 0), (version, plan.last_bytes)
+    want = lora_lib.merge_adapters(want_base, host_adapters[version], lora_lib.scale(lora))
+    got = to_host(params)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, np.asarray(w), rtol=1e-6, atol=1e-6)
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(base_plan.gen_shardings)))
+    print(f"lora v{version} ok: {plan.last_bytes} bytes", flush=True)
+
+
 def fault_case(kill: bool, consequence: bool = False) -> None:
   """Through `distributed.run_process`, as scripts/train.py runs every process of a job.
 
@@ -88,7 +152,7 @@ def fault_case(kill: bool, consequence: bool = False) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--case", choices=("transfer", "fault"), required=True)
+  parser.add_argument("--case", choices=("transfer", "lora", "fault"), required=True)
   parser.add_argument("--kill", action="store_true")
   parser.add_argument("--consequence", action="store_true")
   parser.add_argument("--coordinator_address")
@@ -102,8 +166,8 @@ def main() -> None:
 
   distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, cpu_devices=2,
                          transfer_address=args.transfer_address, heartbeat_timeout_s=args.heartbeat_timeout_s)
-  if args.case == "transfer":
-    transfer_case()
+  if args.case in ("transfer", "lora"):
+    transfer_case() if args.case == "transfer" else lora_case()
     distributed.finish(None)
   else:
     fault_case(args.kill, args.consequence)

@@ -5,7 +5,8 @@ the generator processes (`distributed.derive_roles`). Two kinds of cross-process
 `jax.device_put` that every process issues in the same order (`transfer.py`):
 
   W(v)  policy version v, trainer -> generator (`WeightPlan`: staged on the trainer, one wire
-        transfer, fan-out inside the generator mesh)
+        transfer, fan-out inside the generator mesh; LoRA: `LoraPlan`, the adapters, preceded by the
+        frozen base when it changed, which the store mark "staged" = "base" announces)
   R(k)  scored batch k, generator -> trainer, straight into the trainer's batch shardings (`RowPlan`)
 
 With the 'fixed' version schedule every version the generator uses is known in advance, so the
@@ -235,6 +236,26 @@ class Context:
     """This process's index among the generator processes (its share of the rewards)."""
     return self.roles.generator.index(self.me)
 
+  @property
+  def lora(self) -> bool:
+    """The push is a `LoraPlan`'s (adapters, and the frozen base when it changed)."""
+    from llamarl_jax.transfer import LoraPlan
+
+    return isinstance(self.weights, LoraPlan)
+
+  def stage_base(self) -> None:
+    """Trainer processes, in step order: LoRA's frozen base is staged if it changed (else nothing)."""
+    if self.lora:
+      self.weights.stage_base()
+
+  def staged_mark(self) -> str:
+    """The store value that marks a push staged: "base" when it carries LoRA's frozen base."""
+    return "base" if self.lora and self.weights.base_pending else "1"
+
+  def receive_weights(self, mark: str) -> Any:
+    """Generator processes: the receive matching a push whose store mark is `mark`."""
+    return self.weights.send(None, with_base=mark == "base") if self.lora else self.weights.send(None)
+
   def push_weights(self, params: Any = None, timeout_s: float = 3600.0) -> Any:
     """A weight push outside a run (evaluation): every process calls it; trainer processes pass
     their params, generator processes get the generator params back. The receivers start only once
@@ -242,13 +263,13 @@ class Context:
     key = f"pushes/{self.pushes}"
     self.pushes += 1
     if self.is_trainer:
+      self.stage_base()
       wire = self.weights.stage(params)
       if self.me == self.roles.trainer_leader:  # before the send, which may wait for its receive
-        self.kv.set(key, "1")
+        self.kv.set(key, self.staged_mark())
       self.weights.send(wire)
       return None
-    self.kv.get(key, timeout_s)
-    return self.weights.finish(self.weights.send(None))
+    return self.weights.finish(self.receive_weights(self.kv.get(key, timeout_s)))
 
   def new_run(self) -> int:
     self.runs += 1

@@ -8,7 +8,7 @@
                     the generator processes) in its reward pool, publishes the share, reads the others'
                     -> the whole ScoredBatch and its metrics (the same function as in one process)
   transfer thread:  walks `schedule.transfer_schedule`: W(v) waits until the trainer marked v staged,
-                    then receives it; R(k) publishes batch k's facts (generator leader) and sends its arrays
+                    then receives it (LoRA: the base first when the mark says it comes); R(k) publishes batch k's facts (generator leader) and sends its arrays
 """
 
 from __future__ import annotations
@@ -84,11 +84,12 @@ def run(ex: Executors, state: RunState, config: RunConfig, num_steps: int) -> Ru
   def transfer() -> None:
     for op, i in ops:
       if op == "W":
-        wait_key(mp.kv, run_key(run_id, "staged", i), stop, timeout)
+        mark = wait_key(mp.kv, run_key(run_id, "staged", i), stop, timeout)
         t = time.perf_counter()
-        landed = jax.block_until_ready(mp.weights.send(None))
+        landed = jax.block_until_ready(mp.receive_weights(mark))
         seconds = time.perf_counter() - t
-        weights.put(i, landed, {"seconds": seconds, "gbps": mp.weights.nbytes / max(seconds, 1e-9) / 1e9})
+        moved = mp.weights.last_bytes if mp.lora else mp.weights.nbytes  # LoRA: the base too, when it came
+        weights.put(i, landed, {"seconds": seconds, "gbps": moved / max(seconds, 1e-9) / 1e9})
       else:
         arrays, meta = outbox.pop(i, stop, timeout, "scored batch")
         meta["sync"] = weights.last_metrics

@@ -4,7 +4,7 @@
                      TrainerExecutor.step -> stage W(s + 1) (cast + reshard into the generator layout,
                      dispatched before the next step donates the params) -> StepRecorder
   transfer thread:   walks `schedule.transfer_schedule`: W(v) marks version v staged in the store
-                     (trainer leader) and sends it; R(k) reads batch k's facts from the store and
+                     (trainer leader; LoRA: "base" when the frozen base goes first) and sends it; R(k) reads batch k's facts from the store and
                      receives its arrays straight into the trainer's batch shardings
 After an exact resume the first versions sent are the checkpoint's generator weights (`RunState.kept`).
 """
@@ -41,7 +41,7 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
       if op == "W":
         wire = staged.pop(i, stop, timeout, "staged policy version")
         if leader:  # before the send: a send may block until its receive is issued (as NCCL's does)
-          mp.kv.set(run_key(run_id, "staged", i), "1")
+          mp.kv.set(run_key(run_id, "staged", i), mp.staged_mark())
         mp.weights.send(wire)
       else:
         meta = json.loads(wait_key(mp.kv, run_key(run_id, "batch", i), stop, timeout))
@@ -65,6 +65,7 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
         staged.put(version, wire)
     return s
 
+  mp.stage_base()  # LoRA: the frozen base goes with the first push when it changed (a warm start, a restore)
   state = stage(state)
   worker.start()
   bar = progress_bar(progress, num_steps)
