@@ -79,7 +79,7 @@ from llamarl_jax.compile_cache import enable_persistent_cache
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, validate_prompts)
 from llamarl_jax.generation.slot_programs import ChunkResult, SlotPrograms, SlotState, token_keys  # noqa: F401
-from llamarl_jax.model.llama import ModelConfig
+from llamarl_jax.model.llama import ModelConfig, WeightLayout
 
 Array = jax.Array
 
@@ -239,6 +239,8 @@ class SlotEngine:
   min_decode_width: the fewest rows a decode chunk computes (`slot_programs.decode_widths`: the
     lanes, then quarterings; default num_slots / 16; num_slots: the batch never shrinks). A row's samples do not depend on it (its keys
     and math are per row; tests compare with the static sampler).
+  layout: the weights' layout in the programs (`Sampler`'s; default the serving layout, Q/K/V and
+    gate/up fused, `model.serving`); `swap` takes the trainer's layout and fuses on the mesh.
 
   Driving it: `swap(params, version)`; `submit(prompts, seed=..., version=..., tag=...)`; then
   `step()` until `idle`; each step returns the groups that completed. `generate(params, prompts)`
@@ -251,8 +253,9 @@ class SlotEngine:
                max_insert: int | None = None, recompute_kv: bool = False, chunks_in_flight: int = 2,
                kv_block_size: int = 16, paged_attention: str = "auto", min_decode_width: int | None = None,
                staged_slots: int = 0, prefill_tokens: int = 1024, prompt_bucket_count: int = 3,
-               progress: bool = True, rules: Mapping[str, str | None] = parallel.RULES):
-    self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules)
+               progress: bool = True, rules: Mapping[str, str | None] = parallel.RULES,
+               layout: WeightLayout | None = None):
+    self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules, layout=layout)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
     divisor = parallel.batch_divisor(self.mesh)
     if num_slots < 1 or num_slots % divisor:
@@ -310,7 +313,8 @@ class SlotEngine:
 
   def swap(self, params_or_model, version: int, *, recompute_kv: bool | None = None) -> None:
     """Install new weights (between chunks); running sequences continue under them. Weights in
-    another dtype than the engine's model config's `param_dtype` are cast to it.
+    another dtype than the engine's model config's `param_dtype` are cast to it; weights in the
+    trainer's layout are fused into the serving layout on the engine's mesh (`Sampler.place_params`).
 
     recompute_kv (default: the engine's): re-prefill the running slots' prompt + generated tokens
     under the new weights, so later tokens see no keys/values of the old weights.

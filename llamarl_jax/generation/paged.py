@@ -297,6 +297,57 @@ def library_call_bytes(hlo_text: str, targets: tuple[str, ...] = LIBRARY_CALLS) 
   return total
 
 
+# entry-computation instructions that launch no kernel on a GPU (bookkeeping, views, constants)
+NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
+                       "partition-id", "replica-id", "add-dependency"})
+
+
+def kernel_counts(hlo_text: str) -> dict[str, int]:
+  """The kernels one run of a compiled module launches (`compiled.as_text()`, a GPU's optimized HLO):
+  every instruction of the entry computation but `NO_KERNEL`'s, a `while` loop's body and condition
+  counted once per iteration where XLA knows the trip count (a `lax.scan`; else once), a
+  `conditional`'s largest branch. Returns {'total', 'gemm' (cuBLAS calls and Triton GEMM fusions),
+  'fusion' (the other fusions), 'custom' (other custom calls, e.g. a Pallas kernel), 'other'
+  (unfused ops: copies, scatters, collectives)}."""
+  comps, entry = _parse_hlo(hlo_text), None
+  for line in hlo_text.splitlines():
+    if line.startswith("ENTRY "):
+      entry = _HEADER.match(line).group(1)
+      break
+  kinds = ("gemm", "fusion", "custom", "other")
+
+  def count(name: str) -> dict[str, int]:
+    out = dict.fromkeys(kinds, 0)
+    for _, op, _, _, rest in comps.get(name, {}).values():
+      if op in NO_KERNEL:
+        continue
+      if op == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+        n = int(trips.group(1)) if trips else 1
+        for part in ("body", "condition"):
+          called = re.search(part + r"=%([^\s,]+)", rest)
+          sub = count(called.group(1)) if called else {}
+          for k in kinds:
+            out[k] += n * sub.get(k, 0)
+        continue
+      if op == "conditional":
+        branches = [count(b) for b in re.findall(r"%([^\s,}]+)", rest.split("branch_computations=")[-1])]
+        if branches:
+          top = max(branches, key=lambda c: sum(c.values()))
+          for k in kinds:
+            out[k] += top[k]
+        continue
+      if (op == "custom-call" and any(f'custom_call_target="{t}"' in rest for t in LIBRARY_CALLS)) or (
+          op == "fusion" and "triton_gemm" in rest):
+        out["gemm"] += 1
+      else:
+        out[{"fusion": "fusion", "custom-call": "custom"}.get(op, "other")] += 1
+    return out
+
+  counts = count(entry) if entry else dict.fromkeys(kinds, 0)
+  return {"total": sum(counts.values()), **counts}
+
+
 def _parse_hlo(hlo_text: str) -> dict[str, dict[str, tuple[str, str, list[str], bool, str]]]:
   """A module's text as {computation: {instruction: (shape, opcode, operand names, is root, rest of
   the line)}}."""

@@ -42,7 +42,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import parallel
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
-from llamarl_jax.model.llama import KVCache, Llama, ModelConfig, abstract_model, merge_params, split_params
+from llamarl_jax.model import serving
+from llamarl_jax.model.llama import (HF_LAYOUT, KVCache, Llama, ModelConfig, WeightLayout, abstract_model, merge_params,
+                                     split_params)
 
 Array = jax.Array
 
@@ -233,13 +235,16 @@ class Sampler:
   batch_multiple: the batch (n_prompts * n) is padded up to a multiple of this (default: the mesh's
     data x fsdp size; always rounded to a multiple of it). A larger value means fewer recompiles
     for a varying number of prompts.
+  layout: the weights' layout on this mesh (`WeightLayout`; default `serving.serving_layout`: Q/K/V
+    and gate/up fused). `place_params` takes the trainer's (Hugging Face's) layout and fuses on this
+    mesh; `graphdef` and `param_shardings` are the serving layout's.
 
   `num_traces` counts how often the prefill/decode functions were traced (= compiled).
   """
 
   def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, pad_id: int = 0,
                prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, batch_multiple: int | None = None,
-               rules: Mapping[str, str | None] = parallel.RULES):
+               rules: Mapping[str, str | None] = parallel.RULES, layout: WeightLayout | None = None):
     self.config = config
     self.mesh = mesh if mesh is not None else parallel.make_mesh(jax.devices()[:1])
     self.pad_id = int(pad_id)
@@ -250,9 +255,14 @@ class Sampler:
     self.batch_multiple = math.lcm(divisor, int(batch_multiple or divisor))
     self.rules = dict(rules)
 
-    abstract = abstract_model(config)
+    self.layout = serving.serving_layout(config, self.mesh, rules) if layout is None else layout
+    hf = abstract_model(config)  # the layout params arrive in (the trainer's, checkpoints')
+    self.hf_shardings = parallel.param_shardings(split_params(hf)[1], parallel.logical_axes(hf), self.mesh, rules)
+    abstract = abstract_model(config, self.layout)
     self.graphdef, shapes = split_params(abstract)
+    self.param_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
     self.param_shardings = parallel.param_shardings(shapes, parallel.logical_axes(abstract), self.mesh, rules)
+    self._fuse = jax.jit(serving.fuse, out_shardings=serving.fused_part(self.param_shardings))
     kv_spec = parallel.logical_to_spec((None, None, "kv_heads", "head_dim"),
                                        (1, 1, config.num_kv_heads, config.head_dim), self.mesh, rules)
     self.cache_sharding = NamedSharding(self.mesh, P(parallel.BATCH_AXES, *kv_spec[1:]))
@@ -326,7 +336,11 @@ class Sampler:
   # -- host side ----------------------------------------------------------------
 
   def place_params(self, params_or_model):
-    """A `Llama` or a `split_params` dict -> the params dict on this sampler's shardings."""
+    """A `Llama` or a `split_params` dict -> the params dict in this sampler's layout and shardings.
+
+    The trainer's (Hugging Face's) layout is placed on this mesh, then its Q/K/V and gate/up are
+    fused here (`serving.fuse`, one jitted call; the other leaves are not copied); params already
+    in the serving layout are only placed (no copy when already placed so)."""
     if isinstance(params_or_model, Llama):
       if params_or_model.config != self.config:
         raise ValueError(f"model config {params_or_model.config} differs from the sampler's {self.config}; "
@@ -335,10 +349,16 @@ class Sampler:
     else:
       params = params_or_model
     try:
-      return jax.device_put(params, self.param_shardings)  # no copy when already placed so
-    except ValueError as e:
-      raise ValueError(f"params do not match the sampler's model structure ({e}); expected the dict "
-                       "of `split_params(Llama(config))`") from e
+      layout = serving.params_layout(params)
+      if layout == self.layout:
+        return jax.device_put(params, self.param_shardings)
+      if layout != HF_LAYOUT:
+        raise ValueError(f"params in layout {layout}, this sampler's is {self.layout}")
+      params = jax.device_put(params, self.hf_shardings)
+      return serving.with_fused(params, self._fuse(serving.fusion_inputs(params, self.layout)), self.layout)
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"params do not match the sampler's model structure ({type(e).__name__}: {e}); expected "
+                       "the dict of `split_params(Llama(config))`") from e
 
   def _pad_prompts(self, prompts, n: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Left-padded tokens and mask `[B_padded, P_bucket]`, and the number of real rows."""

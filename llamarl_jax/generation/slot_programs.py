@@ -48,7 +48,7 @@ from llamarl_jax import parallel
 from llamarl_jax.generation import paged
 from llamarl_jax.generation.paged import KVPages, PageLayout
 from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits
-from llamarl_jax.model.llama import KVCache, ModelConfig, abstract_model, merge_params, split_params
+from llamarl_jax.model.llama import KVCache, ModelConfig, merge_params
 from llamarl_jax.model import paged_attention as paged_attention_module
 from llamarl_jax.model.paged_attention import PagedKVCache
 
@@ -225,8 +225,7 @@ class SlotPrograms:
                                                 else b1) for f in dataclasses.fields(SlotState)})
     psh = sampler.param_shardings
     self.mesh, self._param_shardings, self._dense_cache_sharding = mesh, psh, cs
-    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    self.param_avals = jax.tree.map(sds, split_params(abstract_model(config))[1])
+    self.param_avals = sampler.param_avals  # the sampler's layout (`serving.serving_layout`: fused projections)
     self._insert_jit = jax.jit(self._insert, donate_argnums=(1, 2),
                                in_shardings=(psh, self.cache_sharding, self.state_sharding) + (repl,) * 8,
                                out_shardings=(self.cache_sharding, self.state_sharding))
@@ -248,7 +247,7 @@ class SlotPrograms:
     built before (the same model config, mesh, sharding rules, prompt buckets and program settings;
     the sampling seed aside) gets the same object, its compiled programs included."""
     sampling = kwargs["sampling"]
-    key = (config, sampler.mesh, tuple(sampler.prompt_buckets), tuple(sorted(sampler.rules.items())),
+    key = (config, sampler.mesh, tuple(sampler.prompt_buckets), tuple(sorted(sampler.rules.items())), sampler.layout,
            dataclasses.replace(sampling, seed=0),
            tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("sampling", "recompute"))))
     with _SHARED_LOCK:
@@ -607,7 +606,8 @@ class SlotPrograms:
     smallest entry count that holds the live blocks) or 'dense' (a `[S, Pm + R]` cache per layer,
     attention over all of it).
     Returns {'bytes', 'xla_bytes', 'overcount', 'kernel_bytes', 'library_bytes', 'ideal', 'weights', 'kv', 'ratio',
-    'num_entries'}:
+    'num_entries', 'kernels', 'compile_s'}: 'kernels' the step's kernel launches by kind
+    (`paged.kernel_counts`; a GPU target's module), 'compile_s' XLA's compile of the step;
     'xla_bytes' is XLA's 'bytes accessed' as is; 'bytes' charges each fused gather the bytes it
     gathers and each in-place scatter the bytes it updates instead of its whole operand
     (`paged.fused_index_overcount`: the generic analysis charges the whole KV pool per gather and
@@ -628,9 +628,8 @@ class SlotPrograms:
       raise ValueError(f"paged_attention='pallas' on {self.platform} runs in Pallas' interpret mode: its XLA ops (a "
                        "loop over the kernel's programs, 46x the ideal at 5M) are not the kernel's traffic; count it "
                        "compiled for a GPU (bench_generate --bytes_target h100) or use paged_attention='auto'")
-    _, shapes = split_params(abstract_model(self.config))
     sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    params = jax.tree.map(sds, shapes)
+    params = self.param_avals
     state = jax.tree.map(sds, jax.eval_shape(lambda: self.empty_state()))
     repl = parallel.replicated(self.mesh)
     if layout == "paged":
@@ -655,10 +654,13 @@ class SlotPrograms:
     def step(params, cache, state, version):
       return self._step(merge_params(self.graphdef, params), cache, state, version, num_entries)[:2]
 
-    compiled = jax.jit(step, donate_argnums=(1, 2),
-                       in_shardings=(self._param_shardings, cache_sharding, self.state_sharding, repl),
-                       out_shardings=(cache_sharding, self.state_sharding)).lower(
-                           params, cache, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+    lowered = jax.jit(step, donate_argnums=(1, 2),
+                      in_shardings=(self._param_shardings, cache_sharding, self.state_sharding, repl),
+                      out_shardings=(cache_sharding, self.state_sharding)).lower(
+                          params, cache, state, jax.ShapeDtypeStruct((), jnp.int32))
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
     xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
     text = compiled.as_text()  # megabytes for a 1B step: read once
     over = float(paged.fused_index_overcount(text)) if generic else 0.0
@@ -676,4 +678,4 @@ class SlotPrograms:
     total = xla_bytes - over + kernel + library
     return {"bytes": total, "xla_bytes": xla_bytes, "overcount": over, "kernel_bytes": kernel, "library_bytes": library,
             "ideal": ideal["total"], "weights": ideal["weights"], "kv": ideal["kv"], "ratio": total / ideal["total"],
-            "num_entries": num_entries}
+            "num_entries": num_entries, "kernels": paged.kernel_counts(text), "compile_s": compile_s}

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from llamarl_jax import parallel
-from llamarl_jax.model.llama import FAMILIES, ROPE_TYPES, Llama, ModelConfig, abstract_model, split_params
+from llamarl_jax.model.llama import FAMILIES, HF_LAYOUT, ROPE_TYPES, Llama, ModelConfig, abstract_model, split_params
 
 
 class CheckpointError(ValueError):
@@ -294,6 +294,9 @@ def save_hf_checkpoint(model: Llama, config: ModelConfig, path: str | os.PathLik
 
   Written into a temp directory and renamed into place, so a crash never leaves half a checkpoint.
   """
+  if model.layout != HF_LAYOUT:
+    raise ValueError(f"the model holds the generator's serving layout ({model.layout}); save the trainer's "
+                     "params (Hugging Face's projections), not the generator's fused copy")
   path = Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   _, params = split_params(model)

@@ -17,6 +17,11 @@ Weight layouts (ours, einsum-friendly; `hf.py` converts from/to the HF `[out, in
   wo         [heads, head_dim, embed]
   w_gate     [embed, mlp]   w_up [embed, mlp]   w_down [mlp, embed]
   lm_head    [embed, vocab]  (absent when embeddings are tied)
+The generator's serving layout (`WeightLayout`, built by `model.serving.serving_params`) replaces
+  wq, wk, wv by wqkv [embed, kv_heads, heads / kv_heads + 2, head_dim] (each KV head's group of
+  query heads, then its key, then its value: one GEMM of (heads + 2 kv_heads) * head_dim columns whose
+  shards over `kv_heads` hold their own q, k, v), bq, bk, bv by bqkv [kv_heads, group + 2, head_dim],
+  and w_gate, w_up by w_gate_up [embed, 2, mlp] (one GEMM of 2 * mlp columns, sharded over `mlp`).
 
 KV cache layout (`KVCache`): per layer `k`, `v` of shape `[batch, max_len, kv_heads, head_dim]`
 in the compute dtype, and `index`: the cache slot the next token is written to. A scalar `index`
@@ -123,6 +128,18 @@ class ModelConfig:
     attn = d * qkv_out + self.num_heads * hd * d + self.qkv_bias * qkv_out + self.qk_norm * 2 * hd
     per_layer = attn + 3 * d * f + 2 * d
     return L * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+  """Which projections a model holds fused (the generator's serving layout); the default, nothing
+  fused, is the trainer's and checkpoints' (Hugging Face's projections)."""
+
+  fused_qkv: bool = False  # wqkv (and bqkv) instead of wq, wk, wv (bq, bk, bv)
+  fused_mlp: bool = False  # w_gate_up instead of w_gate, w_up
+
+
+HF_LAYOUT = WeightLayout()
 
 
 @flax.struct.dataclass
@@ -303,15 +320,20 @@ def with_lora(y: Array, x: Array, name: str, lora: LoraLayer | None) -> Array:
 
 
 class Attention(nnx.Module):
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
     c, pd = config, jnp.dtype(config.param_dtype)
-    self.config = config
+    self.config, self.fused = config, fused
     d, h, kv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pd, 1 / math.sqrt(d))
-    self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
-    self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
+    if fused:  # the serving layout: one [embed, kv_heads, group + 2, head_dim] matrix (module docstring)
+      self.wqkv = _param(rngs, (d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"), pd, 1 / math.sqrt(d))
+    else:
+      self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pd, 1 / math.sqrt(d))
+      self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
+      self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
     self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pd, 1 / math.sqrt(h * hd))
-    if c.qkv_bias:  # zeros, as HF initialises them
+    if c.qkv_bias and fused:
+      self.bqkv = nnx.Param(jnp.zeros((kv, h // kv + 2, hd), pd), logical_axes=("kv_heads", None, "head_dim"))
+    elif c.qkv_bias:  # zeros, as HF initialises them
       self.bq = nnx.Param(jnp.zeros((h, hd), pd), logical_axes=("heads", "head_dim"))
       self.bk = nnx.Param(jnp.zeros((kv, hd), pd), logical_axes=("kv_heads", "head_dim"))
       self.bv = nnx.Param(jnp.zeros((kv, hd), pd), logical_axes=("kv_heads", "head_dim"))
@@ -330,11 +352,14 @@ class Attention(nnx.Module):
     are not meaningful. lora: `LoraLayer` adapters of this block's projections (the trainer's
     unmerged LoRA forward), or None."""
     dt, c = x.dtype, self.config
-    q = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt)), x, "wq", lora)
-    k = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dt)), x, "wk", lora)
-    v = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(dt)), x, "wv", lora)
-    if c.qkv_bias:
-      q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+    if self.fused:
+      q, k, v = self._fused_qkv(x, lora)
+    else:
+      q = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt)), x, "wq", lora)
+      k = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dt)), x, "wk", lora)
+      v = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(dt)), x, "wv", lora)
+      if c.qkv_bias:
+        q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     scale = rope_attention_factor(c)
@@ -367,28 +392,50 @@ class Attention(nnx.Module):
     out = out.reshape(B, T, H * D)
     return with_lora(out @ self.wo[...].astype(dt).reshape(H * D, -1), out, "wo", lora), new_cache
 
+  def _fused_qkv(self, x, lora):
+    """q `[B, T, H, D]`, k, v `[B, T, KV, D]` from one GEMM of x `[B, T, E]` with wqkv."""
+    if lora is not None:
+      raise ValueError("LoRA adapters apply to the unfused projections (the trainer's layout); merge them "
+                       "(lora.merge_adapters) before fusing (model.serving.serving_params)")
+    dt = x.dtype
+    qkv = jnp.einsum("bte,ekgd->btkgd", x, self.wqkv[...].astype(dt))  # [B, T, KV, G + 2, D]
+    if self.config.qkv_bias:
+      qkv = qkv + self.bqkv[...].astype(dt)
+    B, T, KV, G2, D = qkv.shape
+    return qkv[:, :, :, :G2 - 2].reshape(B, T, KV * (G2 - 2), D), qkv[:, :, :, G2 - 2], qkv[:, :, :, G2 - 1]
+
 
 class MLP(nnx.Module):
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
     d, f, pd = config.hidden_size, config.intermediate_size, jnp.dtype(config.param_dtype)
-    self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), pd)
-    self.w_up = _param(rngs, (d, f), ("embed", "mlp"), pd)
+    self.fused = fused
+    if fused:  # the serving layout: [embed, 2, mlp], gate then up
+      self.w_gate_up = _param(rngs, (d, 2, f), ("embed", None, "mlp"), pd, 1 / math.sqrt(d))
+    else:
+      self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), pd)
+      self.w_up = _param(rngs, (d, f), ("embed", "mlp"), pd)
     self.w_down = _param(rngs, (f, d), ("mlp", "embed"), pd)
 
   def __call__(self, x, lora=None):
     dt = x.dtype
+    if self.fused:  # one GEMM of 2 * mlp columns
+      if lora is not None:
+        raise ValueError("LoRA adapters apply to the unfused projections (the trainer's layout); merge them "
+                         "(lora.merge_adapters) before fusing (model.serving.serving_params)")
+      gate_up = jnp.einsum("bte,egf->btgf", x, self.w_gate_up[...].astype(dt))
+      return (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ self.w_down[...].astype(dt)
     gate = with_lora(x @ self.w_gate[...].astype(dt), x, "w_gate", lora)
     h = jax.nn.silu(gate) * with_lora(x @ self.w_up[...].astype(dt), x, "w_up", lora)
     return with_lora(h @ self.w_down[...].astype(dt), h, "w_down", lora)
 
 
 class Block(nnx.Module):
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layout: WeightLayout = HF_LAYOUT):
     pd = jnp.dtype(config.param_dtype)
     self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
-    self.attn = Attention(config, rngs)
+    self.attn = Attention(config, rngs, layout.fused_qkv)
     self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
-    self.mlp = MLP(config, rngs)
+    self.mlp = MLP(config, rngs, layout.fused_mlp)
 
   def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla", lora=None):
     attn_lora, mlp_lora = (None, None) if lora is None else (lora.part("attn"), lora.part("mlp"))
@@ -406,13 +453,15 @@ class Llama(nnx.Module):
   cache is given); attention_mask `[B, S]` (1 = real token; S = T without a cache, S = cache
   length with one). Returns fp32 logits `[B, T, vocab]`, and the updated `KVCache` when a cache
   is given. With `remat=True` each block's activations are recomputed in the backward pass.
+  layout: which projections are fused (`WeightLayout`; the generator's serving layout), the same
+  function of the same weights either way.
   """
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    self.config = config
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layout: WeightLayout = HF_LAYOUT):
+    self.config, self.layout = config, layout
     pd = jnp.dtype(config.param_dtype)
     self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd, 0.02)
-    self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+    self.layers = nnx.List([Block(config, rngs, layout) for _ in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
     if not config.tie_word_embeddings:
       self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd)
@@ -502,10 +551,10 @@ def merge_params(graphdef, params) -> Llama:
   return nnx.merge(graphdef, params)
 
 
-def abstract_model(config: ModelConfig) -> Llama:
+def abstract_model(config: ModelConfig, layout: WeightLayout = HF_LAYOUT) -> Llama:
   """The model with shape/dtype stand-ins instead of arrays (nnx.eval_shape: nothing allocated or
   computed): for graphdefs, parameter shapes, logical axes and abstract inputs of lowered programs."""
-  return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), layout=layout))
 
 
 # --------------------------------------------------------------------------------------------------
