@@ -9,6 +9,9 @@ on the trainer mesh, `jax.device_put` reshard to the generator's shardings, dequ
   fp32 -> fp32   no cast: the trainer's fp32 weights resharded as they are
   fp32 -> bf16   cast on the trainer mesh, half the bytes cross
   int8 -> bf16   per-channel int8 + fp32 scales cross (~a quarter of fp32), dequantised to bf16
+  LoRA r8 / r32  a LoRA policy (every projection): the fp32 adapters cross and the generator merges
+                 `w + alpha / rank * a @ b` into its bf16 copy of the frozen base (moved once, by the
+                 warm-up push); the push time includes the merge
 
 The copy limit is a plain `jax.device_put` of an already-cast tree of the same bytes between the same
 two device sets, with identical shardings on both sides (the source laid out like the generator over
@@ -45,7 +48,10 @@ SIZES = {
     "200m": (32000, 1024, 2816, 12, 16, 8),
     "1b": (128256, 2048, 8192, 16, 32, 8),  # Llama 3.2 1B shapes, untied
 }
-MODES = {"fp32 -> fp32": ("float32", None), "fp32 -> bf16": ("bfloat16", None), "int8 -> bf16": ("bfloat16", "int8")}
+# mode: (generator dtype, quantize, LoRA rank or None)
+MODES = {"fp32 -> fp32": ("float32", None, None), "fp32 -> bf16": ("bfloat16", None, None),
+         "int8 -> bf16": ("bfloat16", "int8", None), "LoRA r8 -> bf16": ("bfloat16", None, 8),
+         "LoRA r32 -> bf16": ("bfloat16", None, 32)}
 
 
 def model_config(name):
@@ -80,18 +86,46 @@ def same_layout_on(devices_mesh, target):
   return NamedSharding(mesh, target.spec)
 
 
-def bench_one(params, axes, trainer_mesh, gen_mesh, mode, repeats):
+def lora_sync(config, params, axes, trainer_mesh, gen_mesh, rank, dtype):
+  """(a LoRA WeightSync whose base is `params` cast to `dtype` on the trainer mesh, random fp32 adapters
+  of `rank` on every projection in the trainer's shardings)."""
+  import jax
+  import numpy as np
+
+  from llamarl_jax import parallel
+  from llamarl_jax.config import LORA_TARGETS, LoraConfig
+  from llamarl_jax.executors.weight_sync import WeightSync
+  from llamarl_jax.model import lora as lora_lib
+
+  lora = LoraConfig(rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS)
+  shapes, adapter_axes = lora_lib.adapter_shapes(config, lora), lora_lib.adapter_axes(axes, lora)
+  rng = np.random.default_rng(1)
+  adapters = jax.device_put(jax.tree.map(lambda s: 0.01 * rng.standard_normal(s.shape, dtype=np.float32), shapes),
+                            parallel.param_shardings(shapes, adapter_axes, trainer_mesh))
+  base = jax.block_until_ready(jax.tree.map(lambda x: x.astype(dtype), params))
+  gen_shapes = jax.eval_shape(lambda p: p, params)
+  sync = WeightSync(parallel.param_shardings(gen_shapes, axes, gen_mesh), dtype=dtype, axes=axes,
+                    adapter_shardings=parallel.param_shardings(shapes, adapter_axes, gen_mesh),
+                    lora_scale=lora_lib.scale(lora), base=lambda: base)
+  return sync, adapters
+
+
+def bench_one(config, params, axes, trainer_mesh, gen_mesh, mode, repeats):
   import jax
   import jax.numpy as jnp
 
   from llamarl_jax import parallel
   from llamarl_jax.executors.weight_sync import WeightSync, tree_bytes
 
-  dtype, quantize = MODES[mode]
-  shapes = jax.eval_shape(lambda p: p, params)
-  sync = WeightSync(parallel.param_shardings(shapes, axes, gen_mesh), dtype=jnp.dtype(dtype), quantize=quantize,
-                    axes=axes)
-  sync.push(params, 0)  # warm-up: compiles the cast / quantise / dequantise
+  dtype, quantize, rank = MODES[mode]
+  num_params = sum(x.size for x in jax.tree.leaves(params))
+  if rank is None:
+    shapes = jax.eval_shape(lambda p: p, params)
+    sync = WeightSync(parallel.param_shardings(shapes, axes, gen_mesh), dtype=jnp.dtype(dtype), quantize=quantize,
+                      axes=axes)
+  else:
+    sync, params = lora_sync(config, params, axes, trainer_mesh, gen_mesh, rank, jnp.dtype(dtype))
+  sync.push(params, 0)  # warm-up: compiles the cast / quantise / dequantise (LoRA: the merge; moves the base)
   push = [sync.push(params, v + 1)["sync/seconds"] for v in range(repeats)]
   nbytes = int(sync.history[-1]["sync/bytes"])
 
@@ -106,7 +140,7 @@ def bench_one(params, axes, trainer_mesh, gen_mesh, mode, repeats):
     start = time.perf_counter()
     jax.block_until_ready(jax.device_put(source, targets))
     copy.append(time.perf_counter() - start)
-  return dict(params=sum(x.size for x in jax.tree.leaves(params)), mode=mode, bytes=nbytes,
+  return dict(params=num_params, mode=mode, bytes=nbytes,
               push=statistics.median(push), copy=statistics.median(copy))
 
 
@@ -140,9 +174,10 @@ def main(argv=None):
   print("|---|---|---|---|---|---|---|---|")
   t0 = time.perf_counter()
   for name in sizes:
-    params, axes = trainer_params(model_config(name), trainer_mesh)
+    config = model_config(name)
+    params, axes = trainer_params(config, trainer_mesh)
     for mode in modes:
-      r = bench_one(params, axes, trainer_mesh, gen_mesh, mode, args.repeats)
+      r = bench_one(config, params, axes, trainer_mesh, gen_mesh, mode, args.repeats)
       print(f"| {r['params'] / 1e6:.1f}M | {mode} | {r['bytes'] / 1e6:.1f} MB | {r['push']:.4f} | "
             f"{r['bytes'] / r['push'] / 1e9:.2f} | {r['copy']:.4f} | {r['bytes'] / r['copy'] / 1e9:.2f} | "
             f"{r['push'] / r['copy']:.1f}x |", flush=True)

@@ -77,6 +77,25 @@ def test_the_one_gpu_plan_at_llama_1b_shapes(gin_config):
   assert plan.totals() == {"trainer + generator": sum(v for v in parts.values() if v)}
 
 
+def test_the_8b_lora_one_gpu_plan(gin_config):
+  """configs/llama3_8b_lora_1gpu.gin without a compile: N = 8.03B (Llama-3.1-8B's count); the frozen
+  base in bf16 2N; rank-8 fp32 adapters on every projection (per layer rank x (in + out) of q k v o
+  gate up down) and their gradients 4 bytes each; 2 merged bf16 generator copies (lag 0: one version
+  waits, one in the engine) 4N; the pool 32 slots x (512 + 1024) positions in blocks of 16, plus the
+  trash block, at 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes a position."""
+  model, run = gin_config("llama3_8b_lora_1gpu.gin")
+  plan = memory_plan.plan_run(model, run, eval_rows=0)
+  parts = {p.name: p.nbytes for p in plan.parts}
+  n = model.num_params()
+  assert n == 8_030_261_248
+  E, F, KV = 4096, 14336, 1024
+  adapters = 32 * 8 * ((E + E) + (E + KV) * 2 + (E + E) + (E + F) * 2 + (F + E))
+  assert parts["trainer weights"] == parts["gradients"] == 4 * adapters
+  assert parts["frozen base"] == 2 * n and parts["generator weights"] == 2 * 2 * n
+  assert parts["KV pool"] == (32 * 1536 // 16 + 1) * 16 * (2 * 32 * 8 * 128 * 2)
+  assert plan.colocated and run.schedule.max_policy_lag == 0
+
+
 def test_a_plan_over_the_limit_is_refused_naming_the_knobs(gin_config):
   model, run = gin_config("llama3_1b_1gpu.gin", "run_experiment.eval_size = 64")
   plan = memory_plan.plan_run(model, run, eval_rows=64)
