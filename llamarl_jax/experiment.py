@@ -23,7 +23,7 @@ from llamarl_jax import config as cfg
 from llamarl_jax import parallel
 from llamarl_jax.checkpoint import latest_complete_step
 from llamarl_jax.config_check import RANGES, ConfigError, check_bindings
-from llamarl_jax.controller import Controller
+from llamarl_jax.controller import Controller, prompt_limit as controller_prompt_limit
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.trainer import token_logprobs
 from llamarl_jax.metrics import START, MetricsLogger
@@ -315,29 +315,30 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     if memory_check:
       plan.check()
   config, params, tokenizer = build_policy(weights=jax.process_index() in process_roles().trainer)
+  lora = run_config.train.lora
+  if lora is not None and lora.adapter_path and sft:
+    raise ConfigError(f"LoraConfig.adapter_path = {lora.adapter_path!r} with run_experiment.sft = True: the warm "
+                      "start would fine-tune the base under the adapter; set run_experiment.sft = False")
   rl_source = configured_prompt_source() if rl_source is None else rl_source
   if rl_source.tokenizer is None:  # format prompts with the model's chat template, when it has one
     rl_source = rl_source.with_tokenizer(tokenizer)
   if eval_source is not None and eval_source.tokenizer is None:
     eval_source = eval_source.with_tokenizer(tokenizer)
+  # The prompts are checked against the generator's limit before anything is compiled: an overlong row
+  # is refused (file:line) or cut and counted at start, not after the engine's warm-up.
+  max_prompt_tokens = config.max_position_embeddings - run_config.env.response_width(run_config.rollout.max_new_tokens)
+  if (limit := controller_prompt_limit(config, run_config)) is not None:  # the slot engine's max_prompt_len
+    max_prompt_tokens = min(max_prompt_tokens, limit)
+  for source in (rl_source, eval_source):
+    if source is not None:
+      source.limit_prompts(max_prompt_tokens)
+  eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size) if eval_size else []
   controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, config=run_config,
                           progress=progress)
   controller.evaluation_config = {"size": eval_size, "every": eval_every, "samples": eval_samples,
                                   "window": eval_window}  # in checkpoints; may change on resume
   logger = None
   try:
-    lora = controller.config.train.lora
-    if lora is not None and lora.adapter_path and sft:
-      raise ConfigError(f"LoraConfig.adapter_path = {lora.adapter_path!r} with run_experiment.sft = True: the warm "
-                        "start would fine-tune the base under the adapter; set run_experiment.sft = False")
-    max_prompt_tokens = (config.max_position_embeddings
-                         - controller.config.env.response_width(controller.sampling.max_new_tokens))
-    if controller.prompt_limit is not None:  # the slot engine's (GeneratorConfig.max_prompt_len)
-      max_prompt_tokens = min(max_prompt_tokens, controller.prompt_limit)
-    for source in (rl_source, eval_source):
-      if source is not None:
-        source.limit_prompts(max_prompt_tokens)
-    eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size)
     restored = _resume_or_refuse(controller, run_dir, resume=resume, allow_changes=resume_allow_changes,
                                  progress=progress)
     if main:

@@ -208,11 +208,15 @@ def test_rl_from_a_saved_qwen3_checkpoint(tmp_path):
   np.testing.assert_allclose(np.asarray(model(np.asarray([ids], np.int32))), theirs, atol=1e-4, rtol=0)
 
 
-def test_a_prompt_longer_than_the_slot_engine_takes_is_refused_at_start_or_cut_and_counted(tmp_path):
+def test_a_prompt_longer_than_the_slot_engine_takes_is_refused_at_start_or_cut_and_counted(tmp_path, monkeypatch):
   """A JSONL file whose line 2 is a 601-token prompt, a 1024-position model, the slot engine (prompts up
-  to min(512, context - response width) = 512 tokens by default): the run is refused before it trains,
-  the message naming the file, line and limit; with PromptSource.overlong_prompts = 'truncate' the
-  prompt is cut to its last 512 tokens, counted in data/truncated_prompts, and the run completes."""
+  to min(512, context - response width) = 512 tokens by default): the run is refused before the
+  Controller (and its engine's compilation) is built, the message naming the file, line and limit;
+  with PromptSource.overlong_prompts = 'truncate' the prompt is cut to its last 512 tokens, counted in
+  data/truncated_prompts, and the run completes. A file source has no held-out split: eval_size = 0
+  needs none."""
+  from llamarl_jax import experiment
+
   rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in ((3, 4), (12, 5), (7, 7), (20, 1),
                                                                               (9, 9), (1, 30), (2, 8))]
   rows.insert(1, {"question": "1+" * 300, "answer": "#### 300"})  # 600 characters: 601 tokens with BOS
@@ -222,10 +226,15 @@ def test_a_prompt_longer_than_the_slot_engine_takes_is_refused_at_start_or_cut_a
            "ModelConfig.max_position_embeddings = 1024", "GeneratorConfig.max_prompt_len = None",
            "run_experiment.sft = False", "run_experiment.eval_size = 0", "run_experiment.tensorboard = False",
            "RolloutConfig.prompts_per_step = 4", "RolloutConfig.samples_per_prompt = 4",
-           f"PromptSource.files = '{data}'", "PromptSource.reward = 'arithmetic'",
-           "run_experiment.eval_source = @eval/PromptSource()"]  # a file source has no held-out split
-  with pytest.raises(ValueError, match=r"max_prompt_tokens = 512 .*rows\.jsonl:2 \(601 tokens\)"):
-    _run(tmp_path / "refused", steps=2, small=small)
+           f"PromptSource.files = '{data}'", "PromptSource.reward = 'arithmetic'"]
+
+  def unbuilt(*args, **kwargs):
+    raise AssertionError("the Controller was built before the prompts were checked")
+
+  with monkeypatch.context() as m:
+    m.setattr(experiment, "Controller", unbuilt)
+    with pytest.raises(ValueError, match=r"max_prompt_tokens = 512 .*rows\.jsonl:2 \(601 tokens\)"):
+      _run(tmp_path / "refused", steps=2, small=small)
   assert not (tmp_path / "refused" / "metrics.jsonl").exists()
   run_dir = tmp_path / "cut"
   _run(run_dir, steps=2, small=small + ["PromptSource.overlong_prompts = 'truncate'"])
