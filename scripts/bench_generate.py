@@ -56,7 +56,9 @@ an in-place scatter what it updates, not their whole operand (the generic cost a
 fusion's gathered or scattered-into operand in full: the whole KV pool per layer;
 `paged.fused_index_overcount`). A "floor" row runs the same step over a dense cache of 3 positions
 per row (everything but the attention's KV reads), so (bytes - floor) / live KV is the attention's
-cost per byte of live KV. No timing is run.
+cost per byte of live KV. Kernels: the compiled step's kernel launches (`paged.kernel_counts`), with
+the generator's weights in the serving layout (Q/K/V and gate/up fused; `--weight_layout hf`: the
+trainer's). No timing is run.
 --bytes_target h100: the same programs compiled by XLA's GPU compiler for an H100 (target description
 in scripts/gpu_targets/), with no GPU attached: the optimized module (the GPU's fusions, i.e. its
 kernels) under XLA's generic cost analysis. Needs JAX's CUDA plugin (see `CUDA_PLUGIN_HELP`); no
@@ -225,6 +227,8 @@ def main(argv=None):
   parser.add_argument("--bytes_target", default="default", choices=["default", *sorted(GPU_TARGETS)],
                       help="--bytes: compile for this backend's first device (default), or for a GPU target "
                            "without one (needs the CUDA plugin: see the module docstring)")
+  parser.add_argument("--weight_layout", default="serving", choices=["serving", "hf"],
+                      help="--bytes: the generator's weights fused (serving: Q/K/V, gate/up) or the trainer's layout")
   parser.add_argument("--kv_block_size", type=int, default=16, help="slot engine KV block (positions)")
   parser.add_argument("--staged_slots", type=int, default=0,
                       help="slot engine: KV slots beyond --slots, prefilled ahead and admitted on device")
@@ -346,7 +350,10 @@ def bytes_table(config, args, name, mesh=None):
   live = rng.randint(lo, hi + 1, S)
   prompt = np.minimum(rng.randint(max(1, Pm // 4), Pm + 1, S), live - 1)
   sampling = SamplingParams(temperature=0, max_new_tokens=T - Pm)
-  programs = SlotPrograms(config, Sampler(config, mesh), num_slots=S, sampling=sampling, max_prompt_len=Pm,
+  from llamarl_jax.model.llama import HF_LAYOUT
+  weights = HF_LAYOUT if getattr(args, "weight_layout", "serving") == "hf" else None  # None: the serving layout
+  sampler = Sampler(config, mesh, layout=weights)
+  programs = SlotPrograms(config, sampler, num_slots=S, sampling=sampling, max_prompt_len=Pm,
                           chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size,
                           paged_attention=getattr(args, "paged_attention", "auto"))
   dtype = jax.numpy.dtype(config.dtype).name
@@ -356,12 +363,14 @@ def bytes_table(config, args, name, mesh=None):
         f"{getattr(args, 'paged_attention', 'auto')}; XLA cost analysis of the program "
         f"compiled for {device.device_kind} ({device.platform}{', no device attached' if args.bytes_target != 'default' else ''}), "
         f"jax {jax.__version__}")
+  print(f"# weights: {sampler.layout}; "
+        "kernels: launches of the compiled step (paged.kernel_counts; meaningful for a GPU target)")
   print("| layout | entries | bytes/step | xla (as is) | ideal (weights + live KV) | bytes / ideal | "
-        "(bytes - floor) / live KV |")
-  print("|---|---|---|---|---|---|---|")
+        "(bytes - floor) / live KV | kernels (GEMMs) |")
+  print("|---|---|---|---|---|---|---|---|")
   ones = np.ones(S, np.int64)
   # the same step over a dense cache of 3 positions per row: its weights' kernels, norms and sampling
-  tiny = SlotPrograms(config, Sampler(config, mesh), num_slots=S, sampling=dataclasses.replace(sampling, max_new_tokens=2),
+  tiny = SlotPrograms(config, Sampler(config, mesh, layout=weights), num_slots=S, sampling=dataclasses.replace(sampling, max_new_tokens=2),
                       max_prompt_len=1, chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size)
   floor = tiny.decode_step_cost(ones, ones, layout="dense")
   rows = []
@@ -370,7 +379,8 @@ def bytes_table(config, args, name, mesh=None):
     c = floor if m is ones else programs.decode_step_cost(p, m, layout=layout)
     attn = "-" if m is ones else f"{(c['bytes'] - floor['bytes']) / c['kv']:.2f}x"
     print(f"| {layout} | {c['num_entries'] or '-'} | {_gb(c['bytes'])} | {_gb(c['xla_bytes'])} | "
-          f"{_gb(c['ideal'])} ({_gb(c['weights'])} + {_gb(c['kv'])}) | {c['ratio']:.2f}x | {attn} |", flush=True)
+          f"{_gb(c['ideal'])} ({_gb(c['weights'])} + {_gb(c['kv'])}) | {c['ratio']:.2f}x | {attn} | "
+          f"{c['kernels']['total']} ({c['kernels']['gemm']}) |", flush=True)
     rows.append(dict(c, layout=layout.split(":")[0], size=name, dtype=dtype, live_mean=float(live.mean()),
                      target=args.bytes_target, floor_bytes=floor["bytes"]))
   return rows

@@ -430,6 +430,7 @@ def profile_section(cfg, env, args) -> dict:
   decode.update(steps=decode_steps, wall_ms_per_step=wall * 1e3 / decode_steps if decode_steps else None,
                 kernels_per_step=decode["events"] / decode_steps if decode_steps else None,
                 device_us_per_step=decode["total_us"] / decode_steps if decode_steps else None)
+  weights = str(engine.sampler.layout)  # the engine's programs run the serving layout (swap fuses Q/K/V, gate/up)
   del engine
   ns = bench_train.build_parser().parse_args([])
   ns.__dict__.update(dtype=args.dtype, microbatches=cfg["microbatches"], remat=cfg["train_remat"], tp=1,
@@ -438,7 +439,8 @@ def profile_section(cfg, env, args) -> dict:
   bench_train.bench(cfg["size"], ns, 1.0)
   train = top_kernels(out / "train_step")
   jax.clear_caches()
-  return {"model": name, "slots": S, "chunk_steps": steps, "decode": decode, "train": train, "trace_dir": str(out)}
+  return {"model": name, "slots": S, "chunk_steps": steps, "weights": weights, "decode": decode, "train": train,
+          "trace_dir": str(out)}
 
 
 def bytes_section(cfg, env, args) -> dict:
@@ -633,7 +635,8 @@ def markdown(results: dict) -> str:
       d = r["decode"]
       lines.append(f"{r['model']}, slot engine with {r['slots']} busy slots, {d['steps']} decode steps traced: "
                    f"{_f(d['kernels_per_step'], '.0f')} kernels and {_f(d['device_us_per_step'], '.0f')} us of "
-                   f"{d['source']} time per step ({_f(d['wall_ms_per_step'], '.2f')} ms wall)")
+                   f"{d['source']} time per step ({_f(d['wall_ms_per_step'], '.2f')} ms wall); weights "
+                   f"{r.get('weights', '-')}")
       for part in ("decode", "train"):
         t = r[part]
         lines += ["", f"{part}: top kernels by time ({t['total_us'] / 1e3:.1f} ms in {t['events']} events)",

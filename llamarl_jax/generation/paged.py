@@ -309,6 +309,7 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
   `conditional`'s largest branch. Returns {'total', 'gemm' (cuBLAS calls and Triton GEMM fusions),
   'fusion' (the other fusions), 'custom' (other custom calls, e.g. a Pallas kernel), 'other'
   (unfused ops: copies, scatters, collectives)}."""
+  hlo_text = re.sub(r"/\*index=\d+\*/", "", hlo_text)  # in a large tuple's shape (a while loop's state)
   comps, entry = _parse_hlo(hlo_text), None
   for line in hlo_text.splitlines():
     if line.startswith("ENTRY "):
@@ -338,7 +339,7 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
             out[k] += top[k]
         continue
       if (op == "custom-call" and any(f'custom_call_target="{t}"' in rest for t in LIBRARY_CALLS)) or (
-          op == "fusion" and "triton_gemm" in rest):
+          op == "fusion" and "_gemm" in rest and "__triton" in rest):
         out["gemm"] += 1
       else:
         out[{"fusion": "fusion", "custom-call": "custom"}.get(op, "other")] += 1
