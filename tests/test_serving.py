@@ -167,3 +167,41 @@ def test_qkv_stays_unfused_where_kv_heads_do_not_shard_like_heads(prompts):
   want = Sampler(c, layout=HF_LAYOUT).generate(params, prompts, GREEDY)
   np.testing.assert_array_equal(got.response_tokens, want.response_tokens)
   np.testing.assert_allclose(got.behaviour_logprobs, want.behaviour_logprobs, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_kernel_counts_reads_launches_from_a_compiled_modules_text():
+  """Entry instructions that launch a kernel, by kind; a known-trip-count loop's body and condition
+  once per trip; bookkeeping (parameters, tuples, bitcasts) none."""
+  from llamarl_jax.generation.paged import kernel_counts
+
+  text = """HloModule m
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %a = f32[4]{0} fusion(%p), kind=kLoop, calls=%f1
+  %b = f32[4]{0} fusion(%a), kind=kLoop, calls=%f2
+  ROOT %t = (s32[], f32[4]{0}) tuple(%a, %b)
+}
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  ROOT %c = pred[] fusion(%p), kind=kLoop, calls=%f3
+}
+
+ENTRY %main (x: f32[4,4], w: f32[4,4]) -> f32[4] {
+  %x = f32[4,4]{1,0} parameter(0)
+  %w = f32[4,4]{1,0} parameter(1)
+  %g = f32[4,4]{1,0} fusion(%x, %w), kind=kCustom, calls=%gf, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %c = (f32[4,4]{1,0}, s8[0]{0}) custom-call(%g, %w), custom_call_target="__cublas$gemm"
+  %k = f32[4]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"
+  %e = f32[4]{0} fusion(%k), kind=kLoop, calls=%f4
+  %bc = f32[4]{0} bitcast(%e)
+  %cp = f32[4]{0} copy(%bc)
+  %init = (s32[], f32[4]{0}) tuple(%cp, %cp)
+  %l = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[4]{0} get-tuple-element(%l), index=1
+}
+"""
+  # gemm: the Triton GEMM fusion and the cuBLAS call; custom: the Pallas (Triton) kernel; fusion: %e
+  # plus 3 x (2 in the body + 1 in the condition); other: the copy
+  assert kernel_counts(text) == {"total": 14, "gemm": 2, "fusion": 10, "custom": 1, "other": 1}
