@@ -43,7 +43,7 @@ from llamarl_jax.config import RunConfig
 from llamarl_jax.executors.generator import GeneratorExecutor
 from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.executors.scoring import decode_responses
-from llamarl_jax.executors.trainer import TrainerExecutor
+from llamarl_jax.executors.trainer import TrainerExecutor, run_trainer_options
 from llamarl_jax.executors.weight_sync import WeightSync
 from llamarl_jax.generation.engine import SlotEngine
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
@@ -101,13 +101,8 @@ class Controller:
       adapters = None
       if t.lora is not None and t.lora.adapter_path:
         adapters = lora_lib.load_peft_adapter(t.lora.adapter_path, model_config, t.lora)
-      ex.trainer = TrainerExecutor(model_config, self.trainer_mesh, params, optimizer=t.optimizer, loss=t.loss,
-                                   loss_kwargs=t.loss_kwargs, microbatches=t.microbatches, remat=t.remat,
-                                   attention=t.attention, logprob_chunk=t.logprob_chunk,
-                                   group_by_length=t.group_by_length, scan_layers=t.scan_layers,
-                                   temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
-                                   ref_params=ref_params, reference_is_initial=t.reference_path is None,
-                                   lora=t.lora, base_dtype=g.dtype, adapters=adapters, lora_seed=r.seed)
+      ex.trainer = TrainerExecutor(model_config, self.trainer_mesh, params, ref_params=ref_params,
+                                   adapters=adapters, lora_seed=r.seed, **run_trainer_options(config))
       self.checkpointer = Checkpointer(self.run_dir / "checkpoints", max_to_keep=t.keep_checkpoints,
                                        processes=self.roles.trainer if multi else None)
     # A RewardExecutor passed in belongs to the caller (e.g. one pool shared by a study's runs).

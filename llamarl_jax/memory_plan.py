@@ -170,24 +170,14 @@ def generator_versions(run: RunConfig) -> int:
   return waiting + 1
 
 
-def trainer_options(run: RunConfig) -> dict:
-  """The `TrainerExecutor` settings of a run (as the Controller passes them) that change its memory."""
-  t, r = run.train, run.rollout
-  return dict(optimizer=t.optimizer, loss=t.loss, loss_kwargs=t.loss_kwargs, microbatches=t.microbatches,
-              remat=t.remat, attention=t.attention, logprob_chunk=t.logprob_chunk, scan_layers=t.scan_layers,
-              temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0, lora=t.lora,
-              base_dtype=run.generator.dtype)
-
-
 def abstract_trainer(model_config: ModelConfig, run: RunConfig, mesh):
   """A `TrainerExecutor` of shapes only (nothing allocated) with the run's trainer settings."""
-  from llamarl_jax.executors.trainer import TrainerExecutor
+  from llamarl_jax.executors.trainer import TrainerExecutor, run_trainer_options
   from llamarl_jax.model.llama import abstract_model, split_params
 
   shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), split_params(abstract_model(model_config))[1])
   ref = shapes if run.train.loss_kwargs.get("kl_coef") else None
-  return TrainerExecutor(model_config, mesh, shapes, ref_params=ref, reference_is_initial=run.train.reference_path is None,
-                         **trainer_options(run))
+  return TrainerExecutor(model_config, mesh, shapes, ref_params=ref, **run_trainer_options(run))
 
 
 def train_step_memory(trainer, batch_size: int, prompt_len: int, resp_len: int) -> dict[str, float]:

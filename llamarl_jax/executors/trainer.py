@@ -229,6 +229,17 @@ def group_by_length(lengths: np.ndarray, microbatches: int, max_width: int) -> L
 _BATCH_DTYPES = TRAIN_FIELDS  # rollout.py: the one batch schema of training
 
 
+def run_trainer_options(run) -> dict:
+  """The `TrainerExecutor` keyword settings a `RunConfig` sets (the Controller's trainer and the memory
+  plan's abstract one are built from the same)."""
+  t, r = run.train, run.rollout
+  return dict(optimizer=t.optimizer, loss=t.loss, loss_kwargs=t.loss_kwargs, microbatches=t.microbatches,
+              remat=t.remat, attention=t.attention, logprob_chunk=t.logprob_chunk,
+              group_by_length=t.group_by_length, scan_layers=t.scan_layers,
+              temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
+              reference_is_initial=t.reference_path is None, lora=t.lora, base_dtype=run.generator.dtype)
+
+
 class TrainerExecutor:
   """Holds the policy's fp32 params and optimizer state on the trainer mesh; `step` trains one batch.
 
