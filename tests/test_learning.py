@@ -6,12 +6,14 @@ by a teacher that writes "ans 81" 70% of the time, the exact verifier as reward,
 lr 3e-4, trainer FSDP 2 beside generator DP 2) from `make run`'s own warm start, then RL_STEPS RL
 steps, with the greedy exact-match accuracy on EVAL_SIZE held-out problems before and after RL.
 
-The warm start is stored (tests/data/tiny_cpu_warm_start, 3.2 MB): `make run`'s 1000 SFT steps take
-3.5 min on 2 cores, and a warm start the suite can afford does not learn the sums (300 SFT steps:
+The warm start is stored (tests/data/tiny_cpu_warm_start, 3.2 MB): an SFT phase of this configuration
+takes minutes on 2 cores, and a warm start the suite can afford does not learn the sums (300 SFT steps:
 13% of held-out sums right with the prefix forgiven, 2% for a 64-wide model), so RL would have
-nothing to surface. It is `make run`'s SFT phase exported, written by
+nothing to surface. It is a shorter SFT than `make run`'s (1000 steps over 16-position prompts, where
+`make run` takes 3000 over 8), so a weaker start than `make run`'s, written by
 
-    make run ARGS="--run_dir=runs/warm_start --gin_param=run_experiment.rl_steps=0 --gin_param=run_experiment.eval_size=0"
+    make run ARGS="--run_dir=runs/warm_start --gin_param=run_experiment.rl_steps=0 --gin_param=run_experiment.eval_size=0 \
+      --gin_param=supervised_warmstart.steps=1000 --gin_param=supervised_warmstart.prompt_len=16"
     cp -r runs/warm_start/hf_export tests/data/tiny_cpu_warm_start
 
 Its greedy answers carry the teacher's prefix, so it scores 0% exact; its sums are mostly right. RL
@@ -32,9 +34,9 @@ With the sign flipped the training reward falls instead (last 10 steps 0.002-0.0
 0.68-0.78 by step 40 with the right sign) and no held-out answer is ever exactly right.
 
 Margin, 30 points of held-out accuracy:
-- `make run`'s configuration over 5 seeds (BENCHMARKS.md: the same kind of warm start, 512 problems)
-  rises from 0.0% to 85.7-93.6% after 300 steps, and to 75.0-89.1% by step 50: every seed clears 30
-  points by 45 or more.
+- `make run`'s configuration with this kind of warm start (1000 SFT steps) over 5 RL seeds
+  (BENCHMARKS.md, 512 problems) rises from 0.0% to 85.7-93.6% after 300 steps, and to 75.0-89.1% by
+  step 50: every seed clears 30 points by 45 or more.
 - At this test's budget the 5 seeds above gain 64.1-80.5 points (mean 73.1, sd 6.4): 30 leaves 34
   points below the lowest, over 5 seed sds (the binomial sd of 128 problems is at most 4.4 points),
   and lies below every evaluation of every seed from step 10 on (the lowest, 57.8, is a dip of seed 4
