@@ -34,6 +34,8 @@ from typing import Any, Sequence
 
 import jax
 
+from llamarl_jax.ports import free_ports
+
 # Exit status of a process that stops because another one failed (the failed one exits with its own).
 EXIT_PEER_FAILED = 75
 _FAILED = "llamarl/failed/"
@@ -49,10 +51,8 @@ def _env_world_size() -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-  """A TCP port nobody listens on right now (bind to port 0 and read it back)."""
-  with socket.socket() as s:
-    s.bind((host, 0))
-    return s.getsockname()[1]
+  """A TCP port nobody listens on right now, below the ephemeral range (`ports.free_ports`)."""
+  return free_ports(1, host)[0]
 
 
 def on_cpu() -> bool:

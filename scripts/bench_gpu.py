@@ -479,7 +479,7 @@ def weight_push_section(cfg, env, args) -> dict:
   if n >= 2:  # disjoint meshes: trainer fsdp over half the devices, generator tp over the other half
     trainer_mesh, gen_mesh = parallel.make_meshes(trainer_fsdp=n // 2, generator_tp=n // 2)
     params, axes = bench_weight_sync.trainer_params(config, trainer_mesh)
-    r = bench_weight_sync.bench_one(params, axes, trainer_mesh, gen_mesh, "fp32 -> bf16", repeats)
+    r = bench_weight_sync.bench_one(config, params, axes, trainer_mesh, gen_mesh, "fp32 -> bf16", repeats)
     layout = f"trainer fsdp{n // 2} -> generator tp{n // 2} (disjoint devices)"
   else:  # colocated: the push casts on the device; the baseline is an on-device copy of the same bytes
     mesh = parallel.make_mesh(jax.devices()[:1])

@@ -20,7 +20,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,21 +27,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from llamarl_jax.ports import free_ports  # noqa: E402  (no jax: the launcher stays light)
 _ROLE = re.compile(r"\[llamarl\] process (\d+)/\d+ role=(\S+)")
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-  """n distinct free ports (all bound at once, then released)."""
-  socks = []
-  try:
-    for _ in range(n):
-      s = socket.socket()
-      s.bind((host, 0))
-      socks.append(s)
-    return [s.getsockname()[1] for s in socks]
-  finally:
-    for s in socks:
-      s.close()
 
 
 def _child_env(cpu: bool) -> dict:

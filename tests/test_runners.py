@@ -60,7 +60,8 @@ def _trainer_process_run(num_steps, fail_at, error, *, lag=1, checkpoint_every=0
   arrays = {k: np.zeros((2, 4), dtype) for k, dtype in TRAIN_FIELDS.items()}
   weights = SimpleNamespace(nbytes=0, stage=lambda params: ("wire", params), send=lambda wire: None)
   mp = SimpleNamespace(me=0, roles=SimpleNamespace(trainer_leader=0), new_run=lambda: 1, kv=store,
-                       weights=weights, rows=lambda shapes: SimpleNamespace(send=lambda _: arrays))
+                       weights=weights, rows=lambda shapes: SimpleNamespace(send=lambda _: arrays),
+                       stage_base=lambda: None, staged_mark=lambda: "1")  # no LoRA: no base to stage
   saved = []
   recorder = StepRecorder(checkpoint_every=checkpoint_every, save=saved.append)
   config = RunConfig(schedule=ScheduleConfig(max_policy_lag=lag, step_timeout_s=10.0))
