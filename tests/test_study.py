@@ -251,3 +251,28 @@ def test_off_policy_report_questions_drop_rate_and_plots(tmp_path):
   paths = study.plots(results, table, tmp_path, smooth=3, knobs={"eval_window": 3})
   assert [p.name for p in paths] == ["study_offpolicy_reward_curves.png", "study_offpolicy_summary.png"]
   assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def _seeds_script():
+  spec = importlib.util.spec_from_file_location("seeds_script", ROOT / "scripts" / "seeds.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_seeds_report_gives_each_arms_t_interval_and_the_paired_difference():
+  """scripts/seeds.py's table from per-run results: arm A after RL 0.90, 0.94, 0.98 -> mean 94.0 and
+  half-width t(0.975, 2) * 4 / sqrt(3) = 4.303 * 2.309 = 9.9; arm B 2 points above A in every seed:
+  paired difference +2.0 ± 0.0."""
+  seeds = _seeds_script()
+  assert seeds.parse_arm("lora8=configs/tiny_lora.gin,LoraConfig.rank=8") == (
+      "lora8", "configs/tiny_lora.gin", ["LoraConfig.rank=8"])
+  with pytest.raises(SystemExit, match="NAME=FILE.gin"):
+    seeds.parse_arm("configs/tiny_cpu.gin")
+  row = lambda arm, seed, after: {"arm": arm, "seed": seed, "eval_before_rl": 0.0, "eval_after_rl": after,  # noqa: E731
+                                  "eval_accuracy_window": after, "rl_seconds": 100.0, "wall_seconds": 500.0}
+  rows = [row("a", s, v) for s, v in enumerate((0.90, 0.94, 0.98))]
+  rows += [row("b", s, v + 0.02) for s, v in enumerate((0.90, 0.94, 0.98))]
+  text = seeds.report(rows, ["a", "b"])
+  assert "| a | 3 | 0.0 ± 0.0 (0.0-0.0) | 94.0 ± 9.9 (90.0-98.0) |" in text
+  assert "b - a, held-out after RL, paired over seeds [0, 1, 2]: +2.0 ± 0.0 points" in text
