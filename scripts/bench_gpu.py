@@ -79,7 +79,7 @@ DEVICE_PEAKS = {"H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200"
 FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, train_remat="matmuls",
             train_warmup=2, train_steps=3,
             attn=(4, 2048, 32, 8, 64), decode_batches=(16, 64, 256), prompt_len=128, decode_R=64, hf_batch=64,
-            engine_slots=64, engine_prompts=256, engine_R=512,
+            engine_slots=64, engine_prompts=256, engine_R=512, engine_workloads="longtail,equal",
             # (KV block, attention, staged slots): auto = the Pallas kernel on one GPU, reduce = XLA's form
             engine_variants=((16, "auto", 0), (16, "reduce", 0), (16, "auto", 64)),
             profile_chunks=4,
@@ -91,7 +91,7 @@ FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, tr
 DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_remat="matmuls", train_warmup=1,
            train_steps=1,
            attn=(1, 64, 4, 2, 16), decode_batches=(2,), prompt_len=8, decode_R=4, hf_batch=2,
-           engine_slots=4, engine_prompts=8, engine_R=8, engine_variants=((16, "auto", 0), (4, "pallas", 0), (16, "auto", 4)),
+           engine_slots=4, engine_prompts=8, engine_R=8, engine_workloads="longtail,equal", engine_variants=((16, "auto", 0), (4, "pallas", 0), (16, "auto", 4)),
            profile_chunks=2,
            bytes_size="5m", bytes_slots=4,
            bytes_cache=64, bytes_live="20,40", push_size="1m",
@@ -358,7 +358,7 @@ def engine_section(cfg, env, args) -> dict:
   for bs, form, staged in cfg["engine_variants"]:
     ns = argparse.Namespace(slots=cfg["engine_slots"], engine_max_new_tokens=cfg["engine_R"],
                             engine_prompts=cfg["engine_prompts"], prompt_len=cfg["prompt_len"], stop_fraction=1 / 256,
-                            chunk_steps=16, repeats=1, engine_workloads="longtail,equal", kv_block_size=bs,
+                            chunk_steps=16, repeats=1, engine_workloads=cfg["engine_workloads"], kv_block_size=bs,
                             paged_attention=form, staged_slots=staged)
     rows += [dict(r, kv_block_size=bs, paged_attention=form, staged_slots=staged)
              for r in bench_generate.engine_table(config, model, ns, name)]
