@@ -14,6 +14,7 @@ from llamarl_jax.rewards import math as M
 
 SUITE = corpus.load("suite")
 PEERS = corpus.load("peers")
+HELDOUT = corpus.load("heldout")
 
 
 def test_the_suite_is_large_labelled_and_balanced():
@@ -55,6 +56,31 @@ def test_no_wrong_answer_rewarded_and_right_answers_accepted(name):
   assert not false_positives, f"wrong answers rewarded: {false_positives}\n{report}"
   # >= 97% of right answers accepted.
   assert len(missed) <= 0.03 * right, f"right answers rejected: {missed}\n{report}"
+
+
+def test_the_held_out_corpus_is_large_labelled_and_covers_real_styles():
+  assert len(HELDOUT) >= 150
+  assert min(sum(c.label == k for c in HELDOUT) for k in (0, 1)) >= len(HELDOUT) / 3
+  assert {"times", "withdrawn", "multiple", "percent", "fractions", "units", "think", "markdown", "gsm8k_hash",
+          "cot_boxed", "base_fewshot"} <= set(corpus.categories(HELDOUT))
+  for category in corpus.categories(HELDOUT):  # each category has right answers to accept and wrong ones to refuse
+    assert {c.label for c in HELDOUT if c.category == category} == {0, 1}, category
+  assert len({(c.response, c.truth) for c in HELDOUT}) == len(HELDOUT)
+
+
+def test_the_held_out_corpus_keeps_its_first_run_rates():
+  """BENCHMARKS.md reports the first run on the held-out corpus: 0/101 wrong answers rewarded, 94/107 right
+  answers accepted. A change to the verifier may only keep or improve both."""
+  predictions = [int(M.verify(c.response, c.truth)) for c in HELDOUT]
+  false_positives = [c for c, p in zip(HELDOUT, predictions) if p == 1 and c.label == 0]
+  accepted = sum(p for c, p in zip(HELDOUT, predictions) if c.label == 1)
+  assert not false_positives, f"wrong answers rewarded: {false_positives}"
+  assert accepted >= 94, corpus.category_report({"ours": predictions}, HELDOUT)
+
+
+def test_an_unknown_corpus_is_named_with_the_choices():
+  with pytest.raises(ValueError, match=r"unknown verifier corpus 'held_out': expected one of"):
+    corpus.load("held_out")
 
 
 def test_math_verify_backend_explains_how_to_install_it_when_missing(monkeypatch):

@@ -26,7 +26,7 @@ import json
 from importlib import resources
 from typing import NamedTuple
 
-CORPORA = ("suite", "peers")
+CORPORA = ("suite", "peers", "heldout")
 
 
 class Case(NamedTuple):
