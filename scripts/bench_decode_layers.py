@@ -16,18 +16,14 @@ pool passes through the scan as its input and output per layer). Also the engine
 chunk of steps in a `while_loop`, unrolled layers) compile time in each layout.
 
   JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=/tmp/cudasite \\
-    PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH python scripts/bench_decode_layers.py --size 1b --slots 64
+    PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH python -m scripts.bench_decode_layers --size 1b --slots 64
 """
 
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 class ScannedModel:
@@ -140,7 +136,7 @@ def main(argv=None):
   import jax
   import numpy as np
 
-  import bench_generate
+  from scripts import bench_generate
   from llamarl_jax.generation import Sampler, SamplingParams
   from llamarl_jax.generation.slot_programs import SlotPrograms
   from llamarl_jax.model.llama import HF_LAYOUT, ModelConfig

@@ -16,18 +16,15 @@ bitcasts or constants). --target h100 compiles for an H100 that is not there (JA
 
   JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=/tmp/cudasite \\
     PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH \\
-    python scripts/bench_lora.py --target h100 --sizes 1b,8b --ranks 8,32 --batch 64
+    python -m scripts.bench_lora --target h100 --sizes 1b,8b --ranks 8,32 --batch 64
 """
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 # (vocab, hidden, intermediate, layers, heads, kv heads, head dim, tied embeddings)
 SIZES = {
@@ -147,7 +144,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   import jax
 
-  import bench_generate
+  from scripts import bench_generate
   from llamarl_jax.config import LORA_TARGETS, LoraConfig
 
   mesh = bench_generate.target_mesh(args.target)

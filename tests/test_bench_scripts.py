@@ -1,20 +1,15 @@
 """The benchmark scripts run (tiny settings) and report what their tables claim to."""
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
 
 from llamarl_jax.rewards import corpus
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """scripts/<name>.py as `python -m scripts.<name>` imports it (the repository root is on pytest's path)."""
+  return importlib.import_module(f"scripts.{name}")
 
 
 @pytest.mark.devices(4)
