@@ -119,16 +119,6 @@ def _as_object(row: Any) -> dict | str:
   return row if isinstance(row, dict) else f"expected a JSON object, found a JSON {type(row).__name__}"
 
 
-def read_rows(path: str | os.PathLike) -> list[dict]:
-  """Rows of a .jsonl / .json (list) / .parquet file as dicts; a malformed row raises naming file and line."""
-  rows = []
-  for where, row in read_located_rows(path):
-    if isinstance(row, str):
-      raise ValueError(f"{where}: {row}")
-    rows.append(row)
-  return rows
-
-
 _LAYOUTS = (("question", "answer", "gsm8k"), ("problem", "solution", "boxed"), ("problem", "answer", "raw"),
             ("prompt", "answer", "raw"))
 
