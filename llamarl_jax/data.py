@@ -70,7 +70,8 @@ class PromptExample:
     return ids[-self.max_tokens:] if self.max_tokens is not None and len(ids) > self.max_tokens else ids
 
 
-def _expand(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+  """The prompt files that `files` (path(s) or glob(s)) name; FileNotFoundError naming the first that is missing."""
   items = [files] if isinstance(files, (str, os.PathLike)) else list(files)
   paths: list[Path] = []
   for item in items:
@@ -236,7 +237,7 @@ class PromptSource:
     rows: list[tuple[int, str, str, str, str]] = []
     first_skips: list[str] = []
     index = 0
-    for path in _expand(files):
+    for path in expand_files(files):
       located = read_located_rows(path)
       objects = [r for _, r in located if isinstance(r, dict)]
       if not objects and not prompt_field:  # empty, or no row is an object: each row reports itself
