@@ -84,16 +84,6 @@ def kernel_count(hlo_text: str) -> int:
   return count
 
 
-def _generic_cost(compiled) -> dict:
-  """XLA's generic cost analysis (flops, bytes accessed) of a compiled program's optimized module (as
-  `paged.compiled_bytes_accessed` takes it: a GPU target's executable has no analysis of its own)."""
-  from jax._src import xla_bridge
-  from jax._src.lib import xla_client
-
-  module = compiled.runtime_executable().hlo_modules()[0]
-  return dict(xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))
-
-
 def step_cost(config, mesh, *, batch: int, cache_len: int, lora=None) -> dict:
   """XLA's cost of one decode step compiled for `mesh`'s device; lora: a `LoraConfig` applied unmerged
   (None: merged weights, the step of full fine-tuning)."""
@@ -123,9 +113,9 @@ def step_cost(config, mesh, *, batch: int, cache_len: int, lora=None) -> dict:
   text = compiled.as_text()
   over = float(paged.fused_index_overcount(text)) if generic else 0.0
   library = float(paged.library_call_bytes(text)) if generic else 0.0
-  cost = _generic_cost(compiled)
+  cost = paged.generic_cost_analysis(compiled)
   adapter_bytes = 0 if adapters is None else sum(x.size * 2 for x in jax.tree.leaves(adapters))
-  return {"bytes": xla_bytes - over + library, "flops": float(cost.get("flops", float("nan"))),
+  return {"bytes": xla_bytes - over + library, "flops": float((cost or {}).get("flops", float("nan"))),
           "kernels": kernel_count(text), "adapter_bytes": adapter_bytes, "compile_s": seconds}
 
 

@@ -75,7 +75,8 @@ def test_train_py_stops_before_building_anything(tmp_path):
   argv = ["--gin_file", str(ROOT / "configs" / "tiny_cpu.gin"), "--run_dir", str(tmp_path / "run"),
           "--gin_param=TrainConfig.checkpoint_every = '5'"]
   try:
-    with pytest.raises(SystemExit, match=r"^error: 1 gin binding\(s\) are invalid.*\n  TrainConfig.checkpoint_every = '5'"):
+    with pytest.raises(SystemExit,
+                       match=r"^error: 1 gin binding\(s\) are invalid.*\n  TrainConfig.checkpoint_every = '5'"):
       module.main(argv)
     gin.clear_config()
     with gin.unlock_config(), pytest.raises(ConfigError, match="TrainConfig.checkpoint_every = '5'"):
@@ -103,8 +104,8 @@ def test_the_shipped_gsm8k_config_without_its_data_is_one_message(tmp_path):
   assert lines[0] == "error: 3 input(s) the config names cannot be read (nothing was built or run):", proc.stderr
   assert lines[1] == ("  build_policy.model_path = '/path/to/Llama-3.2-1B-Instruct': /path/to/Llama-3.2-1B-Instruct "
                       "is not a directory (expected a Hugging Face model directory)")
-  assert lines[2] == ("  train/PromptSource.files = '/path/to/gsm8k/train.jsonl': prompt file /path/to/gsm8k/train.jsonl "
-                      "does not exist")
+  assert lines[2] == ("  train/PromptSource.files = '/path/to/gsm8k/train.jsonl': prompt file "
+                      "/path/to/gsm8k/train.jsonl does not exist")
   assert lines[3].startswith("  eval/PromptSource.files = '/path/to/gsm8k/test.jsonl'")
   assert len(lines) == 6 and lines[-1] == "(--debug shows the traceback)"
   assert not run_dir.exists()
@@ -120,12 +121,14 @@ def test_every_missing_input_is_named_by_its_binding(parse, tmp_path):
   (model / "config.json").write_text("{}")
   data = tmp_path / "train.jsonl"
   data.write_text("")
-  parse("tiny_cpu.gin", f"build_policy.model_path = '{model}'", f"train/PromptSource.files = ['{data}', '{tmp_path}/*.parquet']",
+  parse("tiny_cpu.gin", f"build_policy.model_path = '{model}'",
+        f"train/PromptSource.files = ['{data}', '{tmp_path}/*.parquet']",
         f"TrainConfig.reference_path = '{tmp_path}'", f"eval/PromptSource.files = '{data}'")
   assert sorted(input_problems()) == [
       f"TrainConfig.reference_path = '{tmp_path}': {tmp_path} has no config.json (expected the KL reference's Hugging "
       "Face model directory)",
-      f"build_policy.model_path = '{model}': {model} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model)",
+      f"build_policy.model_path = '{model}': {model} has no tokenizer "
+      "(tokenizer.json / tokenizer_config.json / tokenizer.model)",
       f"train/PromptSource.files = ['{data}', '{tmp_path}/*.parquet']: no files match {tmp_path}/*.parquet"]
   (model / "tokenizer.json").write_text("{}")
   parse("tiny_cpu.gin", f"build_policy.model_path = '{model}'", f"train/PromptSource.files = '{data}'")
