@@ -215,6 +215,8 @@ def test_self_correction_and_spraying(response, truth, expected):
     (r"\boxed{7}. Wait, that's wrong: the answer is 9.", "9", 1.0),
     (r"\boxed{7}. Wait, that's wrong: the answer is 9.", "7", 0.0),
     (r"\boxed{7}. Let me double-check: 3 + 4 = 7.", "7", 1.0),
+    ("#### 7\nWait, let me double-check: 3 + 4 = 7. Yes, that's correct.", "7", 1.0),  # a confirmation after it
+    (r"\boxed{7} Wait, I made an error in step 2. Yes.", "2", 0.0),
     ("The total is $12$. Hold on, I forgot the tax: the total is $13.50$.", "13.5", 1.0),
     ("The answer is 7. Just kidding, it's probably 9.", "9", 0.0),
     ("The answer is 7. Wait, it's 9 or 10.", "9", 0.0),

@@ -69,13 +69,14 @@ def test_the_held_out_corpus_is_large_labelled_and_covers_real_styles():
 
 
 def test_the_held_out_corpus_keeps_its_first_run_rates():
-  """BENCHMARKS.md reports the first run on the held-out corpus: 0/101 wrong answers rewarded, 94/107 right
-  answers accepted. A change to the verifier may only keep or improve both."""
+  """BENCHMARKS.md reports the first run on the held-out corpus (0/101 wrong answers rewarded, 94/107 right
+  answers accepted) and 96/107 after the one fix it prompted. A change to the verifier may only keep or
+  improve both."""
   predictions = [int(M.verify(c.response, c.truth)) for c in HELDOUT]
   false_positives = [c for c, p in zip(HELDOUT, predictions) if p == 1 and c.label == 0]
   accepted = sum(p for c, p in zip(HELDOUT, predictions) if c.label == 1)
   assert not false_positives, f"wrong answers rewarded: {false_positives}"
-  assert accepted >= 94, corpus.category_report({"ours": predictions}, HELDOUT)
+  assert accepted >= 96, corpus.category_report({"ours": predictions}, HELDOUT)
 
 
 def test_an_unknown_corpus_is_named_with_the_choices():

@@ -283,8 +283,12 @@ _RESTATE_CUE_RE = re.compile(
     r"(?:\bit['’]?s|\bit\s+(?:is|was|should\s+be|must\s+be|would\s+be)|\bis|\bbe|\bequals?|\bget|\bgives?|"
     r"\bmakes?|\bthat['’]?s|\bso|\btherefore|\bthus|\bhence|=|:|,|;|\.|!|\A)(?:\s|\*\*|\$|\\\(|\\\[)*\Z",
     re.IGNORECASE)
-# What may follow it to the end of the response: closing math, up to three words (units), punctuation.
-_RESTATE_TAIL_RE = re.compile(r"(?:\s|\*\*|\$|\\\)|\\\])*(?:[A-Za-z%°]+[\s.,!]*){0,3}[\s.!]*\Z")
+# What may follow it to the end of the response: closing math, up to three words (units), punctuation, and
+# a confirmation ("Yes.", "That's correct.", "✓").
+_RESTATE_TAIL_RE = re.compile(
+    r"(?:\s|\*\*|\$|\\\)|\\\])*(?:[A-Za-z%°]+[\s.,!]*){0,3}[\s.!]*"
+    r"(?:(?:yes|yep|right|correct|confirmed|(?:so\s+)?(?:that|this|it)['’]?s?\s+(?:is\s+)?(?:right|correct))"
+    r"(?:[\s,]+(?:that|this|it)['’]?s?\s+(?:is\s+)?(?:right|correct))?[\s.!]*|[✓✔]\s*)?\Z", re.IGNORECASE)
 MAX_RESTATEMENT_DEPTH = 4  # withdrawals followed through, each reading the text after the previous one
 _CHOICE_RE = re.compile(r"[a-e]")  # a multiple-choice letter, the one text answer that counts as stated
 _DOUBLED_RE = re.compile(r"\\\\(?=[A-Za-z])")
