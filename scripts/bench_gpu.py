@@ -39,9 +39,9 @@ It checks its environment first and stops with a clear message when JAX sees no 
 every section at toy sizes on whatever backend is present (CPU included), cuDNN and the PyTorch CUDA
 parts skipped, so the script itself is tested (tests/test_bench_scripts.py).
 
-  make bench-gpu                                    # = python scripts/bench_gpu.py --out results/bench_gpu
-  python scripts/bench_gpu.py --sections decode,trainer --out /tmp/bench
-  JAX_PLATFORMS=cpu python scripts/bench_gpu.py --dry_run --out /tmp/dry
+  make bench-gpu                                    # = python -m scripts.bench_gpu --out results/bench_gpu
+  python -m scripts.bench_gpu --sections decode,trainer --out /tmp/bench
+  JAX_PLATFORMS=cpu python -m scripts.bench_gpu --dry_run --out /tmp/dry
 """
 
 from __future__ import annotations
@@ -62,12 +62,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_generate  # noqa: E402
-import bench_train  # noqa: E402
-import bench_weight_sync  # noqa: E402
+from scripts import bench_generate
+from scripts import bench_train
+from scripts import bench_weight_sync
 
 SECTIONS = ("trainer", "torch_peer", "attention", "decode", "transformers", "engine", "profile", "bytes", "weight_push",
             "e2e")
@@ -510,7 +508,7 @@ def train_run(gin_file: str, bindings, run_dir) -> dict:
   spec.write_text(json.dumps({"gin_file": str(ROOT / "configs" / gin_file), "out": str(out),
                               "bindings": [*bindings, f"run_experiment.run_dir = '{run_dir}'",
                                            "run_experiment.tensorboard = False"]}))
-  proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--train_run", str(spec)], cwd=ROOT,
+  proc = subprocess.run([sys.executable, "-m", "scripts.bench_gpu", "--train_run", str(spec)], cwd=ROOT,
                         capture_output=True, text=True)
   if proc.returncode:
     raise RuntimeError(f"{gin_file} exited with {proc.returncode}: {proc.stderr[-3000:]}")
@@ -689,7 +687,7 @@ def main(argv=None) -> dict:
   cfg = DRY if args.dry_run else FULL
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  command = "python scripts/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+  command = "python -m scripts.bench_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
   results = {"date": datetime.date.today().isoformat(), "command": command.strip(), "environment": env,
              "sections": {}, "total_s": 0.0}
   print(f"bench_gpu: {env['device']} ({env['backend']}), sections {sections}", flush=True)
