@@ -113,6 +113,17 @@ def test_the_shipped_gsm8k_config_without_its_data_is_one_message(tmp_path):
   assert debug.returncode != 0 and "Traceback" in debug.stderr and "train/PromptSource.files" in debug.stderr
 
 
+def test_a_config_gin_cannot_parse_is_one_message(tmp_path):
+  """An include not found from the working directory and an unknown configurable: one message each."""
+  elsewhere = _train_py(f"--gin_file={ROOT / 'configs' / 'tiny_cpu.gin'}", cwd=tmp_path)
+  assert elsewhere.returncode != 0 and "Traceback" not in elsewhere.stderr, elsewhere.stderr
+  assert elsewhere.stderr.startswith("error: the gin config cannot be parsed: ")
+  assert "configs/base.gin" in elsewhere.stderr
+  assert f"relative to the working directory, here {tmp_path}" in elsewhere.stderr
+  unknown = _train_py("--gin_file=configs/tiny_cpu.gin", "--gin_param=TrainConfg.microbatches = 2")
+  assert unknown.returncode != 0 and "Traceback" not in unknown.stderr and "TrainConfg" in unknown.stderr
+
+
 def test_every_missing_input_is_named_by_its_binding(parse, tmp_path):
   """Prompt files and globs, model directories without config.json or a tokenizer, a reference without
   config.json, an adapter directory without adapter_config.json: each named; present ones pass."""
