@@ -113,6 +113,17 @@ def test_the_shipped_gsm8k_config_without_its_data_is_one_message(tmp_path):
   assert debug.returncode != 0 and "Traceback" in debug.stderr and "train/PromptSource.files" in debug.stderr
 
 
+def test_the_memory_plan_of_the_gsm8k_config_without_its_model_is_one_message():
+  """scripts/memory_plan reads the model's config (no data): only the model directory is named."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "scripts.memory_plan", "--gin_file=configs/llama3_1b_1gpu_gsm8k.gin"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.startswith("error: 1 input(s) the config names cannot be read")
+  assert "build_policy.model_path = '/path/to/Llama-3.2-1B-Instruct'" in proc.stderr
+  assert "PromptSource" not in proc.stderr
+
+
 def test_a_config_gin_cannot_parse_is_one_message(tmp_path):
   """An include not found from the working directory and an unknown configurable: one message each."""
   elsewhere = _train_py(f"--gin_file={ROOT / 'configs' / 'tiny_cpu.gin'}", cwd=tmp_path)
