@@ -206,13 +206,14 @@ def _input_problem(name: str, param: str, value) -> str | None:
   return None
 
 
-def input_problems() -> list[str]:
-  """Every bound input (INPUTS) that is missing, as "scope/Name.param = value: why"."""
+def input_problems(inputs=tuple(INPUTS)) -> list[str]:
+  """Every bound input of `inputs` ((configurable, parameter) keys of INPUTS; default all) that is missing,
+  as "scope/Name.param = value: why"."""
   problems = []
   for scope, name, _, params in _bindings():
     for param, value in sorted(params.items()):
       value, _ = _resolve_macro(value)
-      if (name, param) not in INPUTS or value is None or isinstance(value, gin.config.ConfigurableReference):
+      if (name, param) not in inputs or value is None or isinstance(value, gin.config.ConfigurableReference):
         continue
       why = _input_problem(name, param, value)
       if why:
@@ -220,13 +221,14 @@ def input_problems() -> list[str]:
   return problems
 
 
-def check_inputs() -> None:
-  """Raise one `ConfigError` naming every bound data file, model directory, tokenizer or adapter that is missing."""
-  problems = input_problems()
+def check_inputs(inputs=tuple(INPUTS)) -> None:
+  """Raise one `ConfigError` naming every bound data file, model directory, tokenizer or adapter of `inputs`
+  (default all) that is missing."""
+  problems = input_problems(inputs)
   if problems:
     raise ConfigError(f"{len(problems)} input(s) the config names cannot be read (nothing was built or run):\n  "
                       + "\n  ".join(problems) + "\nSet each binding to a real path, in the gin file or with "
-                      "--gin_param (e.g. --gin_param=\"train/PromptSource.files='data/train.jsonl'\").")
+                      f"--gin_param (e.g. --gin_param=\"{problems[0].split(' = ')[0]}='...'\").")
 
 
 def check_bindings() -> None:

@@ -48,9 +48,13 @@ def main(argv=None):
   if not args.gin_file:
     parser.error("at least one --gin_file is required (e.g. configs/llama3_1b_1gpu.gin)")
 
-  from llamarl_jax import experiment, memory_plan
+  from llamarl_jax import config_check, experiment, memory_plan
 
   experiment.parse_gin(args.gin_file, args.gin_param)
+  try:
+    config_check.check_inputs([("build_policy", "model_path")])  # the plan reads the model's config, no data
+  except config_check.ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
   model_config = experiment.build_policy(weights=False)[0]
   run = experiment.configured_run_config()
   eval_size = _bound("eval_size", experiment.run_experiment)
@@ -58,6 +62,7 @@ def main(argv=None):
   kw = {}
   if args.target != "default":
     from scripts import bench_generate
+
     trainer_devices = run.mesh.trainer_fsdp * run.mesh.trainer_tp
     if trainer_devices != 1 or not (run.mesh.colocated or run.mesh.generator_dp * run.mesh.generator_tp == 1):
       raise SystemExit(f"--target {args.target} compiles for one device; this config's trainer mesh has "

@@ -56,7 +56,14 @@ def _run(args, experiment, config_check) -> dict:
     bindings.append(f"run_experiment.run_dir = '{args.run_dir}'")
   if args.resume:
     bindings.append("run_experiment.resume = True")
-  experiment.parse_gin(args.gin_file, bindings)  # refuses flat Controller.* keys, naming the typed ones
+  try:
+    experiment.parse_gin(args.gin_file, bindings)  # refuses flat Controller.* keys, naming the typed ones
+  except (OSError, ValueError, TypeError) as e:  # a missing file (gin's resource lookup may fail with a
+    # TypeError), an unknown configurable or parameter, a syntax error
+    if isinstance(e, config_check.ConfigError):
+      raise
+    raise config_check.ConfigError(f"the gin config cannot be parsed: {type(e).__name__}: {e}\n(gin reads files and "
+                                   f"their includes relative to the working directory, here {os.getcwd()})") from e
   config_check.check_bindings()  # every binding's type and range, then every file and directory they name
   config_check.check_inputs()
   if _join_job(args):

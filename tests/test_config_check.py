@@ -95,7 +95,7 @@ def _train_py(*args, cwd=ROOT):
 
 def test_the_shipped_gsm8k_config_without_its_data_is_one_message(tmp_path):
   """Run as shipped (placeholder paths): one message naming each binding to set, a non-zero exit, no
-  traceback, and nothing built or compiled; --debug shows the traceback."""
+  traceback, and nothing built or compiled."""
   run_dir = tmp_path / "run"
   proc = _train_py("--gin_file=configs/llama3_1b_1gpu_gsm8k.gin", f"--run_dir={run_dir}")
   assert proc.returncode != 0 and proc.stdout == ""
@@ -108,9 +108,39 @@ def test_the_shipped_gsm8k_config_without_its_data_is_one_message(tmp_path):
                       "/path/to/gsm8k/train.jsonl does not exist")
   assert lines[3].startswith("  eval/PromptSource.files = '/path/to/gsm8k/test.jsonl'")
   assert len(lines) == 6 and lines[-1] == "(--debug shows the traceback)"
-  assert not run_dir.exists()
-  debug = _train_py("--gin_file=configs/llama3_1b_1gpu_gsm8k.gin", f"--run_dir={run_dir}", "--debug")
-  assert debug.returncode != 0 and "Traceback" in debug.stderr and "train/PromptSource.files" in debug.stderr
+  assert not run_dir.exists()  # --debug (the traceback): test_train_py_stops_before_building_anything
+
+
+def test_the_memory_plan_of_the_gsm8k_config_without_its_model_is_one_message():
+  """scripts/memory_plan reads the model's config (no data): only the model directory is named."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "scripts.memory_plan", "--gin_file=configs/llama3_1b_1gpu_gsm8k.gin"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.startswith("error: 1 input(s) the config names cannot be read")
+  assert "build_policy.model_path = '/path/to/Llama-3.2-1B-Instruct'" in proc.stderr
+  assert "PromptSource" not in proc.stderr
+
+
+def test_a_config_gin_cannot_parse_is_one_message(tmp_path, monkeypatch):
+  """An include not found from the working directory and an unknown configurable: one message each."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  try:
+    for cwd, argv, expected in ((tmp_path, [f"--gin_file={ROOT / 'configs' / 'tiny_cpu.gin'}"], "configs/base.gin"),
+                                (ROOT, ["--gin_file=configs/tiny_cpu.gin", "--gin_param=TrainConfg.lr = 2"],
+                                 "TrainConfg")):
+      monkeypatch.chdir(cwd)
+      gin.clear_config()
+      with pytest.raises(SystemExit) as info:
+        module.main(argv)
+      assert str(info.value).startswith("error: the gin config cannot be parsed: ") and expected in str(info.value)
+      assert f"relative to the working directory, here {cwd}" in str(info.value)
+  finally:
+    gin.clear_config()
 
 
 def test_every_missing_input_is_named_by_its_binding(parse, tmp_path):
