@@ -485,7 +485,7 @@ def weight_push_section(cfg, env, args) -> dict:
     mesh = parallel.make_mesh(jax.devices()[:1])
     params, axes = bench_weight_sync.trainer_params(config, mesh)
     shapes = jax.eval_shape(lambda p: p, params)
-    sync = WeightSync(parallel.param_shardings(shapes, axes, mesh), dtype=jnp.bfloat16, axes=axes)
+    sync = WeightSync(parallel.param_shardings(shapes, axes, mesh), dtype=jnp.bfloat16)
     sync.push(params, 0)
     push = statistics.median(sync.push(params, v + 1)["sync/seconds"] for v in range(repeats))
     moved = jax.block_until_ready(sync.wire(params)[0])
