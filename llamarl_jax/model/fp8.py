@@ -16,11 +16,11 @@ BENCHMARKS.md ("The generator in fp8") has the measured error of both choices.
 Activations are quantised per token (one scale per row of `x`, amax / 448) inside `dense`: a row's
 result depends on that row alone, so a token's log-prob is the same whatever else shares its batch
 (slot engine vs static sampler, prefill vs decode, a teacher-forced forward), which a per-tensor
-scale would break. `dense` is the W8A8 product as XLA's fp8 GEMM pattern has it: both operands
-converted from float8_e4m3fn, one dot with fp32 accumulation, the scales multiplied around it; on a
-Hopper GPU XLA rewrites it to a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`), elsewhere (the CPU)
-the same dot runs on the converted values, so a CPU computes the numbers a GPU does up to the
-GEMM's summation order.
+scale would break. `dense` is the W8A8 product: one dot of float8_e4m3fn operands accumulated in
+fp32, the row and column scales multiplied after it. Compiled for an H100 it is an fp8 GEMM (a
+Triton GEMM fusion whose dot takes both operands in f8e4m3fn; XLA's cuBLASLt fp8 call,
+`__cublas$lt$matmul$f8`, would need the weight stored [out, in]); a CPU converts the operands to
+fp32, exactly, so it computes the numbers a GPU does up to the GEMM's summation order.
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def dense(x: Array, w: Array, scale: Array) -> Array:
     raise ValueError(f"fp8 weight {w.shape} has no leading axes of {K} inputs (x {x.shape})")
   out = w.shape[n_in:]
   xq, sx = quantize_rows(x.reshape(-1, K))
-  # the operands as XLA's fp8 GEMM pattern takes them: converted from f8e4m3fn, scaled outside the dot
-  y = jax.lax.dot_general(xq.astype(jnp.float32), w.reshape(K, -1).astype(jnp.float32),
-                          (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  # f8e4m3fn x f8e4m3fn -> fp32, the scales outside the dot: a GPU compiles it as an fp8 GEMM, a CPU
+  # converts both operands to fp32 (exactly: e4m3 has 4 significant bits) and runs an fp32 dot
+  y = jax.lax.dot_general(xq, w.reshape(K, -1), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
   y = y * sx * scale.reshape(1, -1)
   return y.astype(x.dtype).reshape(*lead, *out)
 
