@@ -68,7 +68,7 @@ def main(argv=None):
   _, params = split_params(init_model(config, seed=0))
   rng = np.random.RandomState(0)
   for layer in params["layers"].values():
-    for m, name, n_in in fp8._projections(layer):
+    for m, name, n_in in fp8.projections(layer):
       w = np.asarray(layer[m][name])
       rows = np.exp(args.outliers * rng.randn(*w.shape[:n_in], *([1] * (w.ndim - n_in))))
       layer[m][name] = jnp.asarray(w * rows, jnp.float32)
@@ -78,11 +78,11 @@ def main(argv=None):
   block = jax.tree.map(lambda x: x, bf16)
   channel_scales = block_scales = 0
   for i, layer in block["layers"].items():
-    for m, name, n_in in fp8._projections(layer):
+    for m, name, n_in in fp8.projections(layer):
       layer[m][name], n = block_dequantized(bf16["layers"][i][m][name], n_in)
       block_scales += n
       channel_scales += int(np.prod(layer[m][name].shape[n_in:]))
-  weights = sum(x.size for i in bf16["layers"] for m, name, _ in fp8._projections(bf16["layers"][i])
+  weights = sum(x.size for i in bf16["layers"] for m, name, _ in fp8.projections(bf16["layers"][i])
                 for x in [bf16["layers"][i][m][name]])
 
   tokens = jnp.asarray(rng.randint(0, vocab, (args.batch, args.seq)))

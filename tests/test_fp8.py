@@ -122,7 +122,7 @@ def test_quantising_commutes_with_the_serving_fusion(params):
   # subnormal step's half (2^-10 of the scale) near 0
   back = fp8.dequantize_params(fp8.quantize_params(params))
   for i in params["layers"]:
-    for m, name, n_in in fp8._projections(params["layers"][i]):
+    for m, name, n_in in fp8.projections(params["layers"][i]):
       w, d = np.asarray(params["layers"][i][m][name]), np.asarray(back["layers"][i][m][name])
       scale = np.abs(w).max(axis=tuple(range(n_in))) / 448
       assert np.all(np.abs(d - w) <= np.maximum(2.0**-4 * np.abs(w), 2.0**-10 * scale) * (1 + 1e-6))

@@ -77,7 +77,7 @@ def dense(x: Array, w: Array, scale: Array) -> Array:
   return y.astype(x.dtype).reshape(*lead, *out)
 
 
-def _projections(layer: dict):
+def projections(layer: dict):
   """(module, name, n_in) of the projections a layer dict holds."""
   return [(m, k, n) for m, names in INPUT_AXES.items() for k, n in names.items() if k in layer.get(m, {})]
 
@@ -96,7 +96,7 @@ def quantize_params(params: dict, dtype=None) -> dict:
   layers = {}
   for i, layer in params["layers"].items():
     new = jax.tree.map(cast, layer)
-    for m, name, n_in in _projections(layer):
+    for m, name, n_in in projections(layer):
       new[m][name], new[m][name + SCALE] = quantize_weight(layer[m][name], n_in)
     layers[i] = new
   return {**out, "layers": layers}
@@ -110,7 +110,7 @@ def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
   layers = {}
   for i, layer in params["layers"].items():
     new = {m: {k: v.astype(dtype) for k, v in layer[m].items() if not k.endswith(SCALE)} for m in layer}
-    for m, name, _ in _projections(layer):
+    for m, name, _ in projections(layer):
       new[m][name] = (layer[m][name].astype(jnp.float32) * layer[m][name + SCALE]).astype(dtype)
     layers[i] = new
   return {**out, "layers": layers}
@@ -120,7 +120,7 @@ def _with_scales(tree: dict, scale_of) -> dict:
   layers = {}
   for i, layer in tree["layers"].items():
     new = {m: dict(v) for m, v in layer.items()}
-    for m, name, n_in in _projections(layer):
+    for m, name, n_in in projections(layer):
       new[m][name + SCALE] = scale_of(layer[m][name], n_in)
     layers[i] = new
   return {**tree, "layers": layers}
@@ -133,7 +133,7 @@ def quantized_shapes(shapes: dict, dtype) -> dict:
   layers = {}
   for i, layer in shapes["layers"].items():
     new = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), layer)
-    for m, name, n_in in _projections(layer):
+    for m, name, n_in in projections(layer):
       w = layer[m][name]
       new[m][name] = jax.ShapeDtypeStruct(w.shape, FP8)
       new[m][name + SCALE] = jax.ShapeDtypeStruct(w.shape[n_in:], jnp.float32)
