@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
+from llamarl_jax.model.fp8 import QUANTIZATIONS
 from llamarl_jax.model.llama import ATTENTION_IMPLEMENTATIONS, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
 from llamarl_jax.schedule import VERSION_SCHEDULES
 
@@ -33,7 +34,6 @@ Rule = Callable[[Any], "str | None"]  # a value -> None if fine, else what was e
 
 GENERATOR_ENGINES = ("slots", "static")
 GENERATOR_DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "int8")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -202,8 +202,10 @@ class GeneratorConfig(_Validated):
   `min_decode_width` the fewest rows a decode chunk computes when few slots are busy (the batch
   shrinks to the busy slots in halvings; None: slots / 16; = slots: it never shrinks); `staged_slots`
   KV slots beyond `slots`: prompts prefilled ahead that decode chunks admit on device as rows finish.
-  Both: `dtype` of the weights, optional int8 `quantize`; `delay_s` emulates a slower remote engine
-  per batch (benchmarks, overlap tests)."""
+  Both: `dtype` of the weights; `quantize` None or 'fp8' (the projections in float8_e4m3fn with
+  per-output-channel scales, computed as fp8 GEMMs; the trainer quantises before the wire, or the
+  generator after a LoRA merge: `model.fp8`); `delay_s` emulates a slower remote engine per batch
+  (benchmarks, overlap tests)."""
   engine: str = "slots"
   slots: int = 0
   chunk_steps: int = 16
@@ -223,7 +225,9 @@ class GeneratorConfig(_Validated):
                      "max_prompt_len": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "min_decode_width": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "staged_slots": at_least(0),
-                     "dtype": one_of(*GENERATOR_DTYPES), "quantize": one_of(*QUANTIZATIONS),
+                     "dtype": one_of(*GENERATOR_DTYPES), "quantize": lambda v: None if v in QUANTIZATIONS else (
+                         "None or 'fp8' ('fp8': weights in float8_e4m3fn decoded as fp8 GEMMs, the only "
+                         "quantised generator; there is no 'int8')"),
                      "delay_s": at_least(0.0)}
 
 
@@ -453,10 +457,6 @@ class RunConfig(_Validated):
           "the overlong penalty measures one response against RolloutConfig.max_new_tokens, and a multi-turn "
           "episode is several turns with observations between them; set OverlongShaping.buffer_len = 0 "
           "(OverlongShaping.mask_truncated works with episodes: it masks those the budget cut)")
-    if self.train.lora is not None and self.generator.quantize:
-      raise ConfigError(f"GeneratorConfig.quantize={self.generator.quantize!r} with TrainConfig.lora: a LoRA push "
-                        "moves the fp32 adapters and the generator merges them into its weights; set "
-                        "GeneratorConfig.quantize = None")
 
   def check_layout(self, trainer_batch_divisor: int, num_processes: int) -> None:
     """The checks that need the meshes or the job: rows per step split evenly over microbatches and
@@ -468,9 +468,6 @@ class RunConfig(_Validated):
     if num_processes > 1 and self.schedule.version_schedule != "fixed":
       raise ConfigError(f"ScheduleConfig.version_schedule={self.schedule.version_schedule!r} needs one process: "
                         "across processes the order of weight transfers must be a pure function of the step ('fixed')")
-    if num_processes > 1 and self.generator.quantize:
-      raise ConfigError(f"GeneratorConfig.quantize={self.generator.quantize!r} is single-process only; across "
-                        "processes use quantize=None")
 
   def record(self) -> dict:
     """What a checkpoint records of this config (a resume compares it: checkpoint.RESUMABLE_CHANGES)."""

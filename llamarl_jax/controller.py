@@ -48,7 +48,7 @@ from llamarl_jax.executors.weight_sync import WeightSync
 from llamarl_jax.generation.engine import SlotEngine
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.metrics import MetricsLogger
-from llamarl_jax.model import hf
+from llamarl_jax.model import fp8, hf
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
 from llamarl_jax.runners.common import Executors, RunState, StepRecorder, overlap_seconds, schedule_metrics  # noqa: F401
@@ -114,7 +114,7 @@ class Controller:
     self.prompt_limit = prompt_limit(model_config, config)
     if self.is_generator:
       gen_config = model_config.replace(param_dtype=g.dtype, dtype=g.dtype)
-      self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0)
+      self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize)
       ex.reward = config.reward.fn if not self._owns_reward else RewardExecutor(
           config.reward.fn, num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
       from llamarl_jax.envs import make_environment
@@ -130,7 +130,7 @@ class Controller:
                             pad_id=tokenizer.pad_token_id or 0, recompute_kv=g.recompute_kv,
                             kv_block_size=g.kv_block_size, chunks_in_flight=g.chunks_in_flight,
                             paged_attention=g.paged_attention, min_decode_width=g.min_decode_width,
-                            staged_slots=g.staged_slots)
+                            staged_slots=g.staged_slots, quantize=g.quantize)
       ex.generator = GeneratorExecutor(self.sampler, tokenizer, prompt_source, self.sampling,
                                        prompts_per_step=r.prompts_per_step,
                                        max_policy_lag=config.schedule.max_policy_lag,
@@ -146,6 +146,9 @@ class Controller:
       dtype = self.generator_dtype
       plan = WeightPlan(gen_shardings, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes),
                         self.trainer_mesh, transform=lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
+      if g.quantize == "fp8" and t.lora is None:  # quantised on the trainer: fp8 values + scales cross
+        plan = WeightPlan(fp8.quantized_shardings(gen_shardings), fp8.quantized_shapes(shapes, dtype),
+                          self.trainer_mesh, transform=lambda p: fp8.quantize_params(p, dtype))
       if t.lora is not None:  # the adapters every push, the base when it changed; merged on the generator
         from llamarl_jax.transfer import LoraPlan
 
@@ -162,7 +165,7 @@ class Controller:
                                                      lora_lib.adapter_axes(axes, t.lora), self.generator_mesh)
         lora = dict(adapter_shardings=adapter_shardings, lora_scale=lora_lib.scale(t.lora),
                     base=lambda: ex.trainer.base_params)
-      ex.weights = WeightSync(gen_shardings, dtype=g.dtype, quantize=g.quantize, axes=axes,
+      ex.weights = WeightSync(gen_shardings, dtype=g.dtype, quantize=g.quantize,
                               keep_pending=config.schedule.version_schedule == "fixed", **lora)
     self.ex = ex
     self.state = RunState()
@@ -313,8 +316,11 @@ class Controller:
     if self.mp is not None:
       return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                           self.mp.weights.shapes, self.mp.weights.wire_src)
-    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, self.generator_dtype, sharding=sh),
-                        self._model_shapes, self.ex.weights.gen_shardings)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, self.generator_dtype), self._model_shapes)
+    if self.ex.weights.quantize:
+      shapes = fp8.quantized_shapes(self._model_shapes, self.generator_dtype)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        shapes, self.ex.weights.out_shardings)
 
   def checkpoint_dirs(self) -> list[int]:
     """Every checkpoint step directory of the run (complete or not). Every process calls it."""

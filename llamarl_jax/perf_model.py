@@ -51,8 +51,8 @@ training engine decoding without CUDA graphs) a two-node all-reduce costs 0.3 ms
 This repo's implementation is modelled with `--this_repo` (`quantize="bf16", max_pp=1,
 streaming=True`, `Workload(packed=False)`): its trainer pads responses to `max_new_tokens`, its
 generator is the slot engine (continuous batching over as many KV slots as the memory left holds:
-`controller_bindings` sets `engine_slots`), its meshes have no pipeline axis, and it quantises to int8
-rather than fp8.
+`controller_bindings` sets `engine_slots`), and its meshes have no pipeline axis; its fp8 generator
+(`GeneratorConfig.quantize='fp8'`) is modelled by `quantize="fp8"`.
 
 Measured calibration: `python -m llamarl_jax.perf_model --calibrate results.json` reads the JSON of
 `make bench-gpu` (scripts/bench_gpu.py) and replaces the assumed efficiencies with the measured ones

@@ -83,6 +83,7 @@ SIZES = {
     "50m": (32000, 512, 1376, 8, 8, 4),
     "400m": (32000, 1024, 2816, 24, 16, 8),
     "1b": (128256, 2048, 8192, 16, 32, 8),  # Llama 3.2 1B shapes
+    "8b": (128256, 4096, 14336, 32, 32, 8),  # Llama 3.1 8B shapes
 }
 
 
@@ -165,15 +166,18 @@ def cpu_model():
   return platform.processor() or "unknown"
 
 
-def our_runner(config, model, prompts):
-  """run(max_new_tokens) -> RolloutBatch, greedy, blocking; params placed once up front."""
+def our_runner(config, model, prompts, quantize=None):
+  """run(max_new_tokens) -> RolloutBatch, greedy, blocking; params placed once up front (quantize='fp8':
+  quantised there too). The runner's `weight_bytes`: what a decode step reads of them (not the embedding)."""
   import jax
 
   from llamarl_jax.generation import Sampler, SamplingParams
 
-  sampler = Sampler(config)
+  sampler = Sampler(config, quantize=quantize)
   params = sampler.place_params(model)  # the timed calls see resident weights, as the generator does
-  return lambda r: jax.block_until_ready(sampler.generate(params, prompts, SamplingParams(temperature=0, max_new_tokens=r)))
+  run = lambda r: jax.block_until_ready(sampler.generate(params, prompts, SamplingParams(temperature=0, max_new_tokens=r)))
+  run.weight_bytes = sum(x.nbytes for k, v in params.items() if k != "embed" for x in jax.tree.leaves(v))
+  return run
 
 
 def hf_runner(ref, prompts, max_new_tokens):
@@ -189,10 +193,12 @@ def hf_runner(ref, prompts, max_new_tokens):
   return run
 
 
-def decode_roofline(config, batch, prompt_len, max_new_tokens, step_s, dtype_bytes, peak):
-  """Fraction of peak bandwidth: (weights + mean valid KV) bytes per decode step / step time / peak."""
+def decode_roofline(config, batch, prompt_len, max_new_tokens, step_s, dtype_bytes, peak, weight_bytes=None):
+  """Fraction of peak bandwidth: (weights + mean valid KV) bytes per decode step / step time / peak
+  (weight_bytes: the weights as held, e.g. fp8; default every parameter but the embedding in dtype_bytes)."""
   c = config
   weights = (c.num_params() - c.vocab_size * c.hidden_size) * dtype_bytes  # the embedding is only gathered
+  weights = weights if weight_bytes is None else weight_bytes
   kv = 2 * c.num_layers * batch * (prompt_len + max_new_tokens / 2) * c.num_kv_heads * c.head_dim * dtype_bytes
   return (weights + kv) / step_s / peak
 
@@ -225,6 +231,8 @@ def main(argv=None):
   parser.add_argument("--bytes_target", default="default", choices=["default", *sorted(GPU_TARGETS)],
                       help="--bytes: compile for this backend's first device (default), or for a GPU target "
                            "without one (needs the CUDA plugin: see the module docstring)")
+  parser.add_argument("--quantize", default=None, choices=["fp8"],
+                      help="--bytes: the generator's weights in fp8 (float8_e4m3fn projections, fp8 GEMMs)")
   parser.add_argument("--weight_layout", default="serving", choices=["serving", "hf"],
                       help="--bytes: the generator's weights fused (serving: Q/K/V, gate/up) or the trainer's layout")
   parser.add_argument("--kv_block_size", type=int, default=16, help="slot engine KV block (positions)")
@@ -350,25 +358,26 @@ def bytes_table(config, args, name, mesh=None):
   sampling = SamplingParams(temperature=0, max_new_tokens=T - Pm)
   from llamarl_jax.model.llama import HF_LAYOUT
   weights = HF_LAYOUT if getattr(args, "weight_layout", "serving") == "hf" else None  # None: the serving layout
-  sampler = Sampler(config, mesh, layout=weights)
+  quantize = getattr(args, "quantize", None)
+  sampler = Sampler(config, mesh, layout=weights, quantize=quantize)
   programs = SlotPrograms(config, sampler, num_slots=S, sampling=sampling, max_prompt_len=Pm,
                           chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size,
                           paged_attention=getattr(args, "paged_attention", "auto"))
   dtype = jax.numpy.dtype(config.dtype).name
   device = programs.mesh.devices.flat[0]
-  print(f"\n# one decode step's bytes: {name} {dtype}, {S} slots, cache {T} (prompt <= {Pm}), live lengths "
+  print(f"\n# one decode step's bytes: {name} {dtype}{' weights fp8' if quantize else ''}, {S} slots, cache {T} (prompt <= {Pm}), live lengths "
         f"{lo}..{hi} (mean {live.mean():.0f}), KV blocks of {args.kv_block_size}, paged attention "
         f"{getattr(args, 'paged_attention', 'auto')}; XLA cost analysis of the program "
         f"compiled for {device.device_kind} ({device.platform}{', no device attached' if args.bytes_target != 'default' else ''}), "
         f"jax {jax.__version__}")
   print(f"# weights: {sampler.layout}; "
         "kernels: launches of the compiled step (paged.kernel_counts; meaningful for a GPU target)")
-  print("| layout | entries | bytes/step | xla (as is) | ideal (weights + live KV) | bytes / ideal | "
+  print("| layout | entries | bytes/step | xla (as is) | ideal (weights + live KV) | layers' weights | bytes / ideal | "
         "(bytes - floor) / live KV | kernels (GEMMs) |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   ones = np.ones(S, np.int64)
   # the same step over a dense cache of 3 positions per row: its weights' kernels, norms and sampling
-  tiny = SlotPrograms(config, Sampler(config, mesh, layout=weights), num_slots=S, sampling=dataclasses.replace(sampling, max_new_tokens=2),
+  tiny = SlotPrograms(config, Sampler(config, mesh, layout=weights, quantize=quantize), num_slots=S, sampling=dataclasses.replace(sampling, max_new_tokens=2),
                       max_prompt_len=1, chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size)
   floor = tiny.decode_step_cost(ones, ones, layout="dense")
   rows = []
@@ -377,9 +386,9 @@ def bytes_table(config, args, name, mesh=None):
     c = floor if m is ones else programs.decode_step_cost(p, m, layout=layout)
     attn = "-" if m is ones else f"{(c['bytes'] - floor['bytes']) / c['kv']:.2f}x"
     print(f"| {layout} | {c['num_entries'] or '-'} | {_gb(c['bytes'])} | {_gb(c['xla_bytes'])} | "
-          f"{_gb(c['ideal'])} ({_gb(c['weights'])} + {_gb(c['kv'])}) | {c['ratio']:.2f}x | {attn} | "
+          f"{_gb(c['ideal'])} ({_gb(c['weights'])} + {_gb(c['kv'])}) | {_gb(c['layer_weights'])} | {c['ratio']:.2f}x | {attn} | "
           f"{c['kernels']['total']} ({c['kernels']['gemm']}) |", flush=True)
-    rows.append(dict(c, layout=layout.split(":")[0], size=name, dtype=dtype, live_mean=float(live.mean()),
+    rows.append(dict(c, layout=layout.split(":")[0], size=name, dtype=dtype, quantize=quantize, live_mean=float(live.mean()),
                      target=args.bytes_target, floor_bytes=floor["bytes"]))
   return rows
 

@@ -12,7 +12,8 @@ Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
   attention   `jax.nn.dot_product_attention` forward + backward, causal with per-row lengths
               (B4, T2048, 32/8 heads, head dim 64): XLA with a mask, XLA causal, cuDNN causal
   decode      greedy decode per step at B16 / B64 / B256 (prompt 128) vs the HBM roofline
-              (scripts/bench_generate: weights + mean valid KV bytes per step / step / peak bandwidth)
+              (scripts/bench_generate: weights + mean valid KV bytes per step / step / peak bandwidth),
+              with the weights in the compute dtype and in fp8 (GeneratorConfig.quantize='fp8')
   transformers the same weights in transformers (bf16, `generate`, dynamic cache, no torch.compile),
               decode per step at B64; skipped when torch has no CUDA
   engine      slot engine vs static sampler on a long-tail workload and one of equal lengths (every slot
@@ -294,15 +295,17 @@ def decode_section(cfg, env, args) -> dict:
   peak_bw = args.peak_bandwidth or env["peak_bandwidth"] or 0.0
   rng = np.random.RandomState(0)
   rows = []
-  for B in cfg["decode_batches"]:
-    prompts = rng.randint(1, config.vocab_size, (B, P)).tolist()
-    ours = bench_generate.our_runner(config, model, prompts)
-    ours(R), ours(1)  # compile both lengths
-    full, one = bench_generate.best_times([lambda: ours(R), lambda: ours(1)], cfg["repeats"])
-    step = (full - one) / (R - 1)
-    frac = (bench_generate.decode_roofline(config, B, P, R, step, jnp.dtype(args.dtype).itemsize, peak_bw)
-            if peak_bw else None)
-    rows.append({"batch": B, "step_ms": step * 1e3, "tokens_per_s": B / step, "roofline": frac})
+  for quantize in (None, "fp8"):  # the generator's weights in the compute dtype, then in fp8 (fp8 GEMMs)
+    for B in cfg["decode_batches"]:
+      prompts = rng.randint(1, config.vocab_size, (B, P)).tolist()
+      ours = bench_generate.our_runner(config, model, prompts, quantize=quantize)
+      ours(R), ours(1)  # compile both lengths
+      full, one = bench_generate.best_times([lambda: ours(R), lambda: ours(1)], cfg["repeats"])
+      step = (full - one) / (R - 1)
+      frac = (bench_generate.decode_roofline(config, B, P, R, step, jnp.dtype(args.dtype).itemsize, peak_bw,
+                                             weight_bytes=ours.weight_bytes) if peak_bw else None)
+      rows.append({"weights": quantize or jnp.dtype(args.dtype).name, "batch": B, "step_ms": step * 1e3,
+                   "tokens_per_s": B / step, "roofline": frac, "weight_bytes": ours.weight_bytes})
   vocab, d, f, layers, heads, kv = bench_generate.SIZES[name]
   shape = dict(name=name, layers=layers, hidden=d, heads=heads, kv_heads=kv, intermediate=f, vocab=vocab, tied=False)
   return {"model": name, "params": config.num_params(), "prompt_len": P, "new_tokens": R, "rows": rows,
@@ -483,7 +486,7 @@ def weight_push_section(cfg, env, args) -> dict:
     mesh = parallel.make_mesh(jax.devices()[:1])
     params, axes = bench_weight_sync.trainer_params(config, mesh)
     shapes = jax.eval_shape(lambda p: p, params)
-    sync = WeightSync(parallel.param_shardings(shapes, axes, mesh), dtype=jnp.bfloat16, axes=axes)
+    sync = WeightSync(parallel.param_shardings(shapes, axes, mesh), dtype=jnp.bfloat16)
     sync.push(params, 0)
     push = statistics.median(sync.push(params, v + 1)["sync/seconds"] for v in range(repeats))
     moved = jax.block_until_ready(sync.wire(params)[0])
@@ -608,9 +611,9 @@ def markdown(results: dict) -> str:
                                                   f"{x['ms']:.2f} | {x['tflops']:.1f} |") for x in r["rows"]]
     elif name == "decode":
       lines += [f"{r['model']} ({r['params'] / 1e9:.2f}B), prompt {r['prompt_len']}, {r['new_tokens']} new tokens, "
-                "greedy", "| batch | step ms | tokens/s | HBM roofline |", "|---|---|---|---|"]
-      lines += [f"| {x['batch']} | {x['step_ms']:.2f} | {x['tokens_per_s']:,.0f} | {_f(x['roofline'], '.0%')} |"
-                for x in r["rows"]]
+                "greedy", "| weights | batch | step ms | tokens/s | HBM roofline (weights read) |", "|---|---|---|---|---|"]
+      lines += [f"| {x['weights']} | {x['batch']} | {x['step_ms']:.2f} | {x['tokens_per_s']:,.0f} | "
+                f"{_f(x['roofline'], '.0%')} ({_gib(x['weight_bytes']):.2f} GiB) |" for x in r["rows"]]
     elif name == "transformers":
       lines += ["| model | batch | ours step ms | transformers step ms | ours faster by |", "|---|---|---|---|---|",
                 f"| {r['model']} | {r['batch']} | {r['ours_step_ms']:.2f} | {r['transformers_step_ms']:.2f} | "

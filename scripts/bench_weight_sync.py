@@ -3,12 +3,13 @@
 the copy limit of the same machine.
 
 For each model size and sync mode it times `WeightSync.push` (its own `sync/seconds`: cast or quantise
-on the trainer mesh, `jax.device_put` reshard to the generator's shardings, dequantise for int8,
-`block_until_ready`), the median of `--repeats` pushes after one warm-up push (compilation). Modes:
+on the trainer mesh, `jax.device_put` reshard to the generator's shardings, `block_until_ready`), the median of `--repeats` pushes after one warm-up push (compilation). Modes:
 
   fp32 -> fp32   no cast: the trainer's fp32 weights resharded as they are
   fp32 -> bf16   cast on the trainer mesh, half the bytes cross
-  int8 -> bf16   per-channel int8 + fp32 scales cross (~a quarter of fp32), dequantised to bf16
+  fp8 -> bf16    the projections quantised to float8_e4m3fn + per-output-channel fp32 scales on the
+                 trainer mesh (`model.fp8`), the rest cast to bf16; what crosses is what the fp8
+                 generator computes with (no de-quantisation)
   LoRA r8 / r32  a LoRA policy (every projection): the fp32 adapters cross and the generator merges
                  `w + alpha / rank * a @ b` into its bf16 copy of the frozen base (moved once, by the
                  warm-up push); the push time includes the merge
@@ -47,7 +48,7 @@ SIZES = {
 }
 # mode: (generator dtype, quantize, LoRA rank or None)
 MODES = {"fp32 -> fp32": ("float32", None, None), "fp32 -> bf16": ("bfloat16", None, None),
-         "int8 -> bf16": ("bfloat16", "int8", None), "LoRA r8 -> bf16": ("bfloat16", None, 8),
+         "fp8 -> bf16": ("bfloat16", "fp8", None), "LoRA r8 -> bf16": ("bfloat16", None, 8),
          "LoRA r32 -> bf16": ("bfloat16", None, 32)}
 
 
@@ -101,7 +102,7 @@ def lora_sync(config, params, axes, trainer_mesh, gen_mesh, rank, dtype):
                             parallel.param_shardings(shapes, adapter_axes, trainer_mesh))
   base = jax.block_until_ready(jax.tree.map(lambda x: x.astype(dtype), params))
   gen_shapes = jax.eval_shape(lambda p: p, params)
-  sync = WeightSync(parallel.param_shardings(gen_shapes, axes, gen_mesh), dtype=dtype, axes=axes,
+  sync = WeightSync(parallel.param_shardings(gen_shapes, axes, gen_mesh), dtype=dtype,
                     adapter_shardings=parallel.param_shardings(shapes, adapter_axes, gen_mesh),
                     lora_scale=lora_lib.scale(lora), base=lambda: base)
   return sync, adapters
@@ -118,11 +119,10 @@ def bench_one(config, params, axes, trainer_mesh, gen_mesh, mode, repeats):
   num_params = sum(x.size for x in jax.tree.leaves(params))
   if rank is None:
     shapes = jax.eval_shape(lambda p: p, params)
-    sync = WeightSync(parallel.param_shardings(shapes, axes, gen_mesh), dtype=jnp.dtype(dtype), quantize=quantize,
-                      axes=axes)
+    sync = WeightSync(parallel.param_shardings(shapes, axes, gen_mesh), dtype=jnp.dtype(dtype), quantize=quantize)
   else:
     sync, params = lora_sync(config, params, axes, trainer_mesh, gen_mesh, rank, jnp.dtype(dtype))
-  sync.push(params, 0)  # warm-up: compiles the cast / quantise / dequantise (LoRA: the merge; moves the base)
+  sync.push(params, 0)  # warm-up: compiles the cast / quantise (LoRA: the merge; moves the base)
   push = [sync.push(params, v + 1)["sync/seconds"] for v in range(repeats)]
   nbytes = int(sync.history[-1]["sync/bytes"])
 

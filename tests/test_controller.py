@@ -1,4 +1,4 @@
-"""The asynchronous controller: the lag bound, real overlap of generator and trainer, the int8 mismatch
+"""The asynchronous controller: the lag bound, real overlap of generator and trainer, the fp8 mismatch
 that AIPO's ratios see, faults that stop the run with the executor's error, colocated mode, and an
 exact resume of a synchronous run from its checkpoint.
 
@@ -116,19 +116,19 @@ def test_generator_and_trainer_overlap_only_when_async(policy, tokenizer, tmp_pa
   assert step1 < step0, results  # overlapping hides the train time
 
 
-def test_int8_generator_shows_in_importance_ratios(policy, tokenizer, tmp_path):
-  """At lag 0 with an fp32 generator, pi == mu exactly (ratios 1); an int8 generator makes them differ."""
+def test_fp8_generator_shows_in_importance_ratios(policy, tokenizer, tmp_path):
+  """At lag 0 with an fp32 generator, pi == mu exactly (ratios 1); an fp8 generator makes them differ."""
   _, exact = run(policy, tokenizer, tmp_path / "fp32", 2, max_policy_lag=0)
-  _, quant = run(policy, tokenizer, tmp_path / "int8", 2, max_policy_lag=0, quantize="int8")
+  _, quant = run(policy, tokenizer, tmp_path / "fp8", 2, max_policy_lag=0, quantize="fp8")
   for m in exact:
     assert abs(m["policy/ratio_max"] - 1) < 1e-4 and abs(m["policy/ratio_min"] - 1) < 1e-4
     assert abs(m["policy/kl_behaviour"]) < 1e-5
   assert max(abs(m["policy/ratio_max"] - 1) for m in quant) > 1e-3
   assert max(m["policy/kl_behaviour"] for m in quant) > 1e-6
-  assert_lag0_mismatch_is_numerics(exact)  # and the mismatch metrics see int8 where fp32 shows nothing
+  assert_lag0_mismatch_is_numerics(exact)  # and the mismatch metrics see fp8 where fp32 shows nothing
   assert max(m["rollout_corr/lag0/kl_k3"] for m in quant) > 100 * 5e-9
   assert max(m["rollout_corr/lag0/token_mult_prob_error"] for m in quant) > 1 + 1.5e-4
-  assert quant[0]["sync/bytes"] < 0.5 * exact[0]["sync/bytes"]  # int8 + scales vs fp32
+  assert quant[0]["sync/bytes"] < 0.5 * exact[0]["sync/bytes"]  # fp8 projections + scales vs fp32
 
 
 class _FailingSource(PromptSource):
@@ -230,6 +230,35 @@ def test_resumed_synchronous_run_reproduces_uninterrupted_metrics(policy, tokeni
     second.close()
   for a, b in zip(full[2:], rest):
     assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def test_fp8_generator_weights_kept_in_a_checkpoint_restore_bit_for_bit(policy, tokenizer, tmp_path):
+  """At lag 1 a checkpoint holds the generator weights of the version the next batch is generated
+  with; with fp8 they are the quantised tree (float8_e4m3fn projections, fp32 scales), restored as
+  saved, and the resumed run goes on."""
+  import jax
+  import jax.numpy as jnp
+
+  kw = dict(max_policy_lag=1, seed=3, checkpoint_every=2, quantize="fp8")
+  first = make_controller(policy, tokenizer, tmp_path, **kw)
+  try:
+    first.run(2)
+    saved = {v: jax.tree.map(np.asarray, p) for v, p in first.state.kept.items()}
+  finally:
+    first.close()
+  assert saved and all(p["layers"][0]["attn"]["wq"].dtype == jnp.float8_e4m3fn for p in saved.values())
+  second = make_controller(policy, tokenizer, tmp_path, **kw)
+  try:
+    assert second.restore_checkpoint() == 2 and second.state.kept and set(second.state.kept) <= set(saved)
+    for v, got in second.state.kept.items():
+      got, p = jax.tree.map(np.asarray, got), saved[v]
+      assert jax.tree.structure(got) == jax.tree.structure(p)
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(p)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))
+    assert len(second.run(1)) == 1
+  finally:
+    second.close()
 
 
 def test_bad_batch_layout_is_rejected_before_compiling(policy, tokenizer, tmp_path):

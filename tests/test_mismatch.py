@@ -1,6 +1,6 @@
 """The trainer-generator mismatch metrics (`llamarl_jax.mismatch`) against hand-derived values and a
 NumPy re-implementation; the trainer and controller tests check them on real runs (lag 0 in fp32 ~0,
-an int8 generator clearly not, the split by lag matching the controller's own lag count)."""
+an fp8 generator clearly not, the split by lag matching the controller's own lag count)."""
 
 import jax
 import jax.numpy as jnp

@@ -271,6 +271,30 @@ def test_lora_two_processes_give_the_one_process_metrics_moving_only_adapters(wa
     assert schedule_metrics(a) == schedule_metrics(b)
 
 
+@pytest.mark.devices(8)
+@pytest.mark.timeout(900)  # the warm start and 2 interpreters on 2 cores; the launcher's own hard limit is 300 s
+def test_fp8_two_processes_give_the_one_process_metrics(warm_start, tmp_path):
+  """An fp8 generator, 3 steps: the trainer process quantises before the wire, the fp8 values and
+  scales cross, the generator process fuses them and samples with fp8 GEMMs. Every per-step metric
+  equals the one-process run's (quantising is per-channel max and division: the same bits on any
+  sharding), each push moved the fp8 tree (under half of the fp32 model's bytes), and the mismatch
+  metrics see the fp8 gap at lag 0 (the fp32 generator's is ~1e-9, test_controller)."""
+  from llamarl_jax.model.llama import ModelConfig
+
+  quantized = ["--gin_param=GeneratorConfig.quantize = 'fp8'", *warm_start]
+  _train(tmp_path / "one", 3, *quantized)
+  status, out = _launch(2, _args(tmp_path / "two", 3, *quantized), timeout_s=300)
+  assert status == 0, out
+  one, two = _steps(tmp_path / "one"), _steps(tmp_path / "two")
+  assert len(one) == len(two) == 3
+  fp32_bytes = 4 * ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                               num_kv_heads=2).num_params()
+  assert all(a["sync/bytes"] == b["sync/bytes"] < 0.5 * fp32_bytes for a, b in zip(one, two))
+  assert max(m["rollout_corr/lag0/kl_k3"] for m in one if "rollout_corr/lag0/kl_k3" in m) > 1e-6
+  for a, b in zip(one, two):
+    assert schedule_metrics(a) == schedule_metrics(b)
+
+
 def test_dynamic_sampling_two_processes_give_the_one_process_metrics(tmp_path_factory, tmp_path):
   """DAPO's dynamic sampling (static engine), from a warm start (rewards not all 0, so groups are
   informative or not): the generator process redraws batch k's flat groups with batch k's version and

@@ -4,18 +4,19 @@
 for fp32 -> bf16), then reshards them onto the generator's shardings with `jax.device_put`: XLA moves
 the shards device to device (NVLink / ICI on accelerators); nothing goes through host numpy.
 
-With `quantize="int8"` each matrix (a parameter with an `embed` axis, given the params' logical axes;
-otherwise any array of rank >= 2) is quantised per output channel to int8 + an fp32 scale on the
-trainer mesh; vectors (norm scales, Qwen2's q/k/v biases) are sent in the generator dtype. The int8
-tensors are what crosses meshes (a quarter of fp32's bytes), and the generator dequantises them into
-its compute dtype. The generator then samples from a slightly different policy
-than the trainer's, which is exactly the mismatch AIPO's importance weights correct (visible in
-`policy/ratio_*`).
+With `quantize="fp8"` each layer's projections are quantised on the trainer mesh to float8_e4m3fn
+with an fp32 scale per output channel (`model.fp8.quantize_params`); embeddings, norms, biases and
+the lm_head are cast to the generator dtype. The fp8 values and scales are what crosses the meshes
+(the projections at half of bf16's bytes) and what the generator keeps: its sampler fuses them into
+the serving layout as they are and computes with fp8 GEMMs, never de-quantising a weight. The
+generator then samples from a slightly different policy than the trainer's, which is exactly the
+mismatch AIPO's importance weights correct (visible in `policy/ratio_*` and `rollout_corr/*`).
 
 LoRA (`adapter_shardings`): a push moves only the fp32 adapters (`sync/bytes`); the generator holds
 the frozen base in its dtype (moved once, and again only when the trainer's base changes: a warm
 start, a restore; `sync/base_bytes` in that push) and builds each version on its own devices by
-merging, `w + alpha / rank * a @ b` summed in fp32 and cast to its dtype (`lora.merge_adapters`).
+merging, `w + alpha / rank * a @ b` summed in fp32 and cast to its dtype (`lora.merge_adapters`);
+with fp8 the merged weights are quantised there, in the same program.
 Merged serving, as verl's and vLLM-style engines do it: the decode step and its programs are the
 ones of full fine-tuning (no low-rank matmuls per token), at the cost of one merge per version.
 """
@@ -29,9 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from llamarl_jax.metrics import append_bounded
+from llamarl_jax.model import fp8
 from llamarl_jax.model.lora import merge_adapters
 
 
@@ -39,39 +40,30 @@ def tree_bytes(tree: Any) -> int:
   return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def quantize_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Symmetric per-output-channel int8: reduce over all but the last axis. 1-D arrays stay exact."""
-  w = w.astype(jnp.float32)
-  axes = tuple(range(w.ndim - 1))
-  scale = jnp.max(jnp.abs(w), axis=axes, keepdims=True) / 127.0
-  scale = jnp.where(scale == 0, 1.0, scale)
-  return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
-
-
 class WeightSync:
   """Holds the generator's weights by policy version; thread-safe.
 
   gen_shardings: pytree of `NamedSharding` on the generator mesh (same structure as params).
   dtype: the generator's parameter dtype (e.g. bfloat16).
+  quantize: None or 'fp8' (the versions held are then `fp8.quantize_params` trees, their shardings
+    `fp8.quantized_shardings(gen_shardings)`: `self.out_shardings`).
   keep_pending: keep every pushed version until the generator `take`s it or a newer one (the 'fixed'
     schedule asks for exact versions; at most max_policy_lag + 1 copies wait on the generator mesh).
     False keeps only the newest (the 'latest' schedule).
-  axes: the params' logical axes (`parallel.logical_axes`); with int8 only those with an `embed` axis
-    are quantised. Without it every array of rank >= 2 is, which would include `[heads, head_dim]` biases.
   adapter_shardings: LoRA: the adapters' shardings on the generator mesh (`lora.adapter_axes`); what is
     pushed is then the adapters, merged with `base()` (a callable returning the trainer's frozen base,
     generator dtype) times `lora_scale` (alpha / rank).
   """
 
   def __init__(self, gen_shardings: Any, dtype=jnp.bfloat16, quantize: str | None = None,
-               keep_pending: bool = False, axes: Any = None, adapter_shardings: Any = None,
+               keep_pending: bool = False, adapter_shardings: Any = None,
                lora_scale: float = 1.0, base: Any = None):
-    if quantize not in (None, "int8"):
-      raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
-    if adapter_shardings is not None and (quantize or base is None):
-      raise ValueError("a LoRA WeightSync (adapter_shardings) needs base, a callable returning the frozen base, "
-                       "and quantize=None (the adapters move in fp32)")
+    if quantize not in fp8.QUANTIZATIONS:
+      raise ValueError(f"quantize must be None or 'fp8', got {quantize!r}")
+    if adapter_shardings is not None and base is None:
+      raise ValueError("a LoRA WeightSync (adapter_shardings) needs base, a callable returning the frozen base")
     self.gen_shardings = gen_shardings
+    self.out_shardings = fp8.quantized_shardings(gen_shardings) if quantize else gen_shardings
     self.dtype = jnp.dtype(dtype)
     self.quantize = quantize
     self.keep_pending = keep_pending
@@ -80,19 +72,12 @@ class WeightSync:
     self._closed = False
     self.history: list[dict] = []  # per push: seconds, bytes, gbps
     self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p))
-    is_matrix = None if axes is None else jax.tree.map(lambda ax: "embed" in ax, axes,
-                                                       is_leaf=lambda x: isinstance(x, tuple))
-    self._quant = jax.jit(lambda p: jax.tree.map(
-        lambda x, matrix: quantize_int8(x) if matrix else (x.astype(self.dtype), None), p,
-        jax.tree.map(lambda x: x.ndim >= 2, p) if is_matrix is None else is_matrix))
-    self._dequant = jax.jit(
-        lambda q: jax.tree.map(lambda qs: qs[0] if qs[1] is None else (qs[0] * qs[1]).astype(self.dtype),
-                               q, is_leaf=lambda x: isinstance(x, tuple)),
-        out_shardings=gen_shardings)
+    self._quant = jax.jit(lambda p: fp8.quantize_params(p, self.dtype))
     self.adapter_shardings, self._base_fn = adapter_shardings, base
     self._base_source = self._base = None  # the trainer's base tree last moved, and its generator copy
-    self._merge = jax.jit(lambda base, adapters: merge_adapters(base, adapters, lora_scale, self.dtype),
-                          out_shardings=gen_shardings)
+    finish = fp8.quantize_params if quantize else (lambda p: p)
+    self._merge = jax.jit(lambda base, adapters: finish(merge_adapters(base, adapters, lora_scale, self.dtype)),
+                          out_shardings=self.out_shardings)
 
   @property
   def lora(self) -> bool:
@@ -108,15 +93,13 @@ class WeightSync:
     return tree_bytes(self._base)
 
   def wire(self, params: Any) -> tuple[Any, Any]:
-    """What a push moves for `params` (trainer mesh): the tree cast to the generator dtype (int8: each
-    matrix as (int8 values, scale)), still on the trainer's devices, and the generator-mesh shardings
-    it is `device_put` into (scales replicated)."""
+    """What a push moves for `params` (trainer mesh): the tree cast to the generator dtype (fp8: the
+    projections quantised, `fp8.quantize_params`), still on the trainer's devices, and the
+    generator-mesh shardings it is `device_put` into."""
     if self.lora:
       return params, self.adapter_shardings
-    if self.quantize == "int8":
-      q = self._quant(params)
-      return q, jax.tree.map(lambda s, qs: (s, None if qs[1] is None else NamedSharding(s.mesh, P())),
-                             self.gen_shardings, q, is_leaf=lambda x: isinstance(x, tuple))
+    if self.quantize == "fp8":
+      return self._quant(params), self.out_shardings
     return self._cast(params), self.gen_shardings
 
   def to_generator(self, params: Any) -> tuple[Any, int]:
@@ -135,7 +118,7 @@ class WeightSync:
     moved = jax.device_put(tree, shardings)
     if self.lora:
       return self._merge(self._base, moved), tree_bytes(moved), base_bytes
-    return (self._dequant(moved) if self.quantize == "int8" else moved), tree_bytes(moved), base_bytes
+    return moved, tree_bytes(moved), base_bytes
 
   def push(self, params: Any, version: int) -> dict:
     """Cast/quantise `params` (trainer mesh) and reshard to the generator; returns timing metrics

@@ -170,15 +170,20 @@ def entry_bucket(needed: int, buckets: tuple[int, ...]) -> int:
   return buckets[-1]
 
 
-def ideal_step_bytes(config: ModelConfig, live_lengths, dtype=None) -> dict[str, float]:
+def ideal_step_bytes(config: ModelConfig, live_lengths, dtype=None, params=None) -> dict[str, float]:
   """Bytes one decode step must move at least: every weight read once (all matmul weights and the
   lm_head; the embedding table is only gathered: one row per token, not counted) plus each row's
-  live keys and values (live positions x layers x 2 x KV x D). Returns {'weights', 'kv', 'total'}."""
+  live keys and values (live positions x layers x 2 x KV x D). params: the step's parameter tree
+  (arrays or avals; e.g. fp8 projections with their scales), its bytes counted as they are; default
+  the config's parameter count in `dtype`. Returns {'weights', 'kv', 'total'}."""
   itemsize = jnp.dtype(dtype or config.dtype).itemsize
   c = config
   weights = (c.num_params() - c.vocab_size * c.hidden_size) * itemsize
+  if params is not None:
+    weights = sum(x.size * jnp.dtype(x.dtype).itemsize for k, v in params.items() if k != "embed"
+                  for x in jax.tree.leaves(v))
   if c.tie_word_embeddings:  # the tied table is read whole as the lm_head
-    weights += c.vocab_size * c.hidden_size * itemsize
+    weights += c.vocab_size * c.hidden_size * (itemsize if params is None else jnp.dtype(params["embed"].dtype).itemsize)
   live = float(np.sum(np.asarray(live_lengths, np.int64)))
   kv = live * c.num_layers * 2 * c.num_kv_heads * c.head_dim * itemsize
   return {"weights": float(weights), "kv": kv, "total": float(weights + kv)}
@@ -193,7 +198,7 @@ def kv_bytes_per_position(config: ModelConfig, dtype=None) -> int:
 
 # -- what XLA's cost analysis charges a fused gather ---------------------------------------------------
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _SHAPE = re.compile(r"^([a-z]+[0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%([^\s=]+) = (\([^=]*?\)|\S+) ([a-z][a-z0-9-]*)\(([^)]*)\)(.*)$")
@@ -280,7 +285,7 @@ def fused_index_overcount(hlo_text: str) -> int:
   return max(over, 0)
 
 
-LIBRARY_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
+LIBRARY_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 
 
 def library_call_bytes(hlo_text: str, targets: tuple[str, ...] = LIBRARY_CALLS) -> int:

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from llamarl_jax import parallel
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.model import serving
+from llamarl_jax.model.fp8 import QUANTIZATIONS
 from llamarl_jax.model.llama import (HF_LAYOUT, KVCache, Llama, ModelConfig, WeightLayout, abstract_model, merge_params,
                                      split_params)
 
@@ -238,13 +239,19 @@ class Sampler:
   layout: the weights' layout on this mesh (`WeightLayout`; default `serving.serving_layout`: Q/K/V
     and gate/up fused). `place_params` takes the trainer's (Hugging Face's) layout and fuses on this
     mesh; `graphdef` and `param_shardings` are the serving layout's.
+  quantize: None, or 'fp8': the serving weights' projections in float8_e4m3fn with per-output-channel
+    scales, computed as fp8 GEMMs (`model.fp8`); `place_params` quantises unquantised params on this
+    mesh, after the fusion's inputs are placed, and fuses params that arrive quantised as they are.
 
   `num_traces` counts how often the prefill/decode functions were traced (= compiled).
   """
 
   def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, pad_id: int = 0,
                prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, batch_multiple: int | None = None,
-               rules: Mapping[str, str | None] = parallel.RULES, layout: WeightLayout | None = None):
+               rules: Mapping[str, str | None] = parallel.RULES, layout: WeightLayout | None = None,
+               quantize: str | None = None):
+    if quantize not in QUANTIZATIONS:
+      raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {quantize!r}")
     self.config = config
     self.mesh = mesh if mesh is not None else parallel.make_mesh(jax.devices()[:1])
     self.pad_id = int(pad_id)
@@ -256,13 +263,18 @@ class Sampler:
     self.rules = dict(rules)
 
     self.layout = serving.serving_layout(config, self.mesh, rules) if layout is None else layout
-    hf = abstract_model(config)  # the layout params arrive in (the trainer's, checkpoints')
-    self.hf_shardings = parallel.param_shardings(split_params(hf)[1], parallel.logical_axes(hf), self.mesh, rules)
+    if quantize == "fp8":
+      self.layout = dataclasses.replace(self.layout, fp8=True)
+    # the layouts params arrive in: the trainer's and checkpoints' (Hugging Face's), and its fp8 form
+    self.hf_shardings = self._shardings(HF_LAYOUT)
+    self.hf_fp8_shardings = self._shardings(WeightLayout(fp8=True)) if self.layout.fp8 else None
     abstract = abstract_model(config, self.layout)
     self.graphdef, shapes = split_params(abstract)
     self.param_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
     self.param_shardings = parallel.param_shardings(shapes, parallel.logical_axes(abstract), self.mesh, rules)
     self._fuse = jax.jit(serving.fuse, out_shardings=serving.fused_part(self.param_shardings))
+    self._quantize = jax.jit(lambda layers: serving.serving_params({"layers": layers}, self.layout)["layers"],
+                             out_shardings=self.param_shardings["layers"])
     kv_spec = parallel.logical_to_spec((None, None, "kv_heads", "head_dim"),
                                        (1, 1, config.num_kv_heads, config.head_dim), self.mesh, rules)
     self.cache_sharding = NamedSharding(self.mesh, P(parallel.BATCH_AXES, *kv_spec[1:]))
@@ -352,13 +364,20 @@ class Sampler:
       layout = serving.params_layout(params)
       if layout == self.layout:
         return jax.device_put(params, self.param_shardings)
-      if layout != HF_LAYOUT:
+      if layout not in (HF_LAYOUT, WeightLayout(fp8=self.layout.fp8)):
         raise ValueError(f"params in layout {layout}, this sampler's is {self.layout}")
-      params = jax.device_put(params, self.hf_shardings)
+      if self.layout.fp8 and not layout.fp8:  # quantised and fused on this mesh, in one program
+        params = jax.device_put(params, self.hf_shardings)
+        return {**params, "layers": self._quantize(params["layers"])}
+      params = jax.device_put(params, self.hf_fp8_shardings if layout.fp8 else self.hf_shardings)
       return serving.with_fused(params, self._fuse(serving.fusion_inputs(params, self.layout)), self.layout)
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(f"params do not match the sampler's model structure ({type(e).__name__}: {e}); expected "
                        "the dict of `split_params(Llama(config))`") from e
+
+  def _shardings(self, layout: WeightLayout) -> Any:
+    abstract = abstract_model(self.config, layout)
+    return parallel.param_shardings(split_params(abstract)[1], parallel.logical_axes(abstract), self.mesh, self.rules)
 
   def _pad_prompts(self, prompts, n: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Left-padded tokens and mask `[B_padded, P_bucket]`, and the number of real rows."""

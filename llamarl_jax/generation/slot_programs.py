@@ -612,7 +612,9 @@ class SlotPrograms:
     layout: 'paged' (this engine: the step lists `num_entries` blocks, default the program set's
     smallest entry count that holds the live blocks) or 'dense' (a `[S, Pm + R]` cache per layer,
     attention over all of it).
-    Returns {'bytes', 'xla_bytes', 'overcount', 'kernel_bytes', 'library_bytes', 'ideal', 'weights', 'kv', 'ratio',
+    Returns {'bytes', 'xla_bytes', 'overcount', 'kernel_bytes', 'library_bytes', 'ideal', 'weights',
+    'layer_weights' (the decoder layers' parameters as the step holds them: fp8 + scales with an fp8
+    generator), 'kv', 'ratio',
     'num_entries', 'kernels', 'compile_s'}: 'kernels' the step's kernel launches by kind
     (`paged.kernel_counts`; a GPU target's module), 'compile_s' XLA's compile of the step;
     'xla_bytes' is XLA's 'bytes accessed' as is; 'bytes' charges each fused gather the bytes it
@@ -672,7 +674,8 @@ class SlotPrograms:
     text = compiled.as_text()  # megabytes for a 1B step: read once
     over = float(paged.fused_index_overcount(text)) if generic else 0.0
     library = float(paged.library_call_bytes(text)) if generic else 0.0  # cuBLAS GEMMs: opaque to it
-    ideal = paged.ideal_step_bytes(self.config, prompt_lens + n_gen)
+    ideal = paged.ideal_step_bytes(self.config, prompt_lens + n_gen, params=params)
+    layer_weights = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params["layers"]))
     kernel = 0.0  # the Pallas kernel's reads, counted from its structure (a custom call to XLA's analysis)
     triton_call = 'custom_call_target="__gpu$xla.gpu.triton"' in text
     if layout == "paged" and form == "pallas" and triton_call:
@@ -684,5 +687,6 @@ class SlotPrograms:
                                            live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize)
     total = xla_bytes - over + kernel + library
     return {"bytes": total, "xla_bytes": xla_bytes, "overcount": over, "kernel_bytes": kernel, "library_bytes": library,
-            "ideal": ideal["total"], "weights": ideal["weights"], "kv": ideal["kv"], "ratio": total / ideal["total"],
+            "ideal": ideal["total"], "weights": ideal["weights"], "layer_weights": float(layer_weights), "kv": ideal["kv"],
+            "ratio": total / ideal["total"],
             "num_entries": num_entries, "kernels": paged.kernel_counts(text), "compile_s": compile_s}

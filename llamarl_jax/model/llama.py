@@ -22,6 +22,8 @@ The generator's serving layout (`WeightLayout`, built by `model.serving.serving_
   query heads, then its key, then its value: one GEMM of (heads + 2 kv_heads) * head_dim columns whose
   shards over `kv_heads` hold their own q, k, v), bq, bk, bv by bqkv [kv_heads, group + 2, head_dim],
   and w_gate, w_up by w_gate_up [embed, 2, mlp] (one GEMM of 2 * mlp columns, sharded over `mlp`).
+  With `WeightLayout.fp8` (the fp8 generator, `model.fp8`) every projection is float8_e4m3fn with a
+  `<name>_scale` [*out] fp32 beside it (e.g. wo_scale [embed]) and runs as an fp8 GEMM (`dense`).
 
 KV cache layout (`KVCache`): per layer `k`, `v` of shape `[batch, max_len, kv_heads, head_dim]`
 in the compute dtype, and `index`: the cache slot the next token is written to. A scalar `index`
@@ -47,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from llamarl_jax.model import fp8 as fp8_lib
 from llamarl_jax.model.paged_attention import PagedKVCache, PagedLayer, paged_decode_attention, write_token
 
 Array = jax.Array
@@ -137,6 +140,7 @@ class WeightLayout:
 
   fused_qkv: bool = False  # wqkv (and bqkv) instead of wq, wk, wv (bq, bk, bv)
   fused_mlp: bool = False  # w_gate_up instead of w_gate, w_up
+  fp8: bool = False        # projections in float8_e4m3fn + per-output-channel scales (`model.fp8`)
 
 
 HF_LAYOUT = WeightLayout()
@@ -243,6 +247,29 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, scale=None) -> nnx.Param:
   return nnx.Param(value.astype(dtype), logical_axes=axes)
 
 
+def _projection(module: nnx.Module, name: str, rngs: nnx.Rngs, shape, axes, dtype, scale=None, *,
+                n_in: int = 1, fp8: bool = False) -> None:
+  """Set projection `name` of `module`: a Param `[*in, *out]` (n_in input axes) in `dtype`, or with
+  fp8 its float8_e4m3fn values and a `name_scale` Param `[*out]` (`model.fp8.quantize_weight`)."""
+  w = _param(rngs, shape, axes, jnp.float32 if fp8 else dtype, scale)
+  if not fp8:
+    setattr(module, name, w)
+    return
+  values, w_scale = fp8_lib.quantize_weight(w[...], n_in)
+  setattr(module, name, nnx.Param(values, logical_axes=axes))
+  setattr(module, name + fp8_lib.SCALE, nnx.Param(w_scale, logical_axes=tuple(axes[n_in:])))
+
+
+def dense(x: Array, module: nnx.Module, name: str, plain) -> Array:
+  """Projection `name` of `module` applied to x `[..., K]`: `plain(x, w)` with w cast to x's dtype,
+  or, where the projection is fp8 (a `name_scale` beside it), the fp8 product `model.fp8.dense`."""
+  w = getattr(module, name)[...]
+  scale = getattr(module, name + fp8_lib.SCALE, None)
+  if scale is not None:
+    return fp8_lib.dense(x, w, scale[...])
+  return plain(x, w.astype(x.dtype))
+
+
 class RMSNorm(nnx.Module):
   """RMSNorm over the last axis (fp32 statistics, HF's rounding order); `axis` names the scale's axis."""
 
@@ -320,17 +347,18 @@ def with_lora(y: Array, x: Array, name: str, lora: LoraLayer | None) -> Array:
 
 
 class Attention(nnx.Module):
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
     c, pd = config, jnp.dtype(config.param_dtype)
     self.config, self.fused = config, fused
     d, h, kv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    proj = functools.partial(_projection, self, rngs=rngs, dtype=pd, fp8=fp8)
     if fused:  # the serving layout: one [embed, kv_heads, group + 2, head_dim] matrix (module docstring)
-      self.wqkv = _param(rngs, (d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"), pd, 1 / math.sqrt(d))
+      proj("wqkv", shape=(d, kv, h // kv + 2, hd), axes=("embed", "kv_heads", None, "head_dim"), scale=1 / math.sqrt(d))
     else:
-      self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pd, 1 / math.sqrt(d))
-      self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
-      self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, 1 / math.sqrt(d))
-    self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pd, 1 / math.sqrt(h * hd))
+      proj("wq", shape=(d, h, hd), axes=("embed", "heads", "head_dim"), scale=1 / math.sqrt(d))
+      proj("wk", shape=(d, kv, hd), axes=("embed", "kv_heads", "head_dim"), scale=1 / math.sqrt(d))
+      proj("wv", shape=(d, kv, hd), axes=("embed", "kv_heads", "head_dim"), scale=1 / math.sqrt(d))
+    proj("wo", shape=(h, hd, d), axes=("heads", "head_dim", "embed"), scale=1 / math.sqrt(h * hd), n_in=2)
     if c.qkv_bias and fused:
       self.bqkv = nnx.Param(jnp.zeros((kv, h // kv + 2, hd), pd), logical_axes=("kv_heads", None, "head_dim"))
     elif c.qkv_bias:  # zeros, as HF initialises them
@@ -355,9 +383,10 @@ class Attention(nnx.Module):
     if self.fused:
       q, k, v = self._fused_qkv(x, lora)
     else:
-      q = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt)), x, "wq", lora)
-      k = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dt)), x, "wk", lora)
-      v = with_lora(jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(dt)), x, "wv", lora)
+      proj = functools.partial(jnp.einsum, "bte,ehd->bthd")
+      q = with_lora(dense(x, self, "wq", proj), x, "wq", lora)
+      k = with_lora(dense(x, self, "wk", proj), x, "wk", lora)
+      v = with_lora(dense(x, self, "wv", proj), x, "wv", lora)
       if c.qkv_bias:
         q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if c.qk_norm:
@@ -371,7 +400,7 @@ class Attention(nnx.Module):
       cv = write_token(pc.v, v[:, 0], pc.write_block, pc.write_offset)
       out = paged_decode_attention(q, ck, cv, pc.entry_row, pc.entry_block, pc.entry_len)
       B, T, H, D = out.shape
-      return out.reshape(B, T, H * D) @ self.wo[...].astype(dt).reshape(H * D, -1), (ck, cv)
+      return dense(out.reshape(B, T, H * D), self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), (ck, cv)
     if layer_cache is not None:
       ck, cv, index = layer_cache
       if index.ndim == 0:  # one write slot shared by every row
@@ -390,7 +419,7 @@ class Attention(nnx.Module):
       out = jax.nn.dot_product_attention(q, k.astype(dt), v.astype(dt), mask=mask[:, None])
     B, T, H, D = out.shape  # a plain [B*T, H*D] @ [H*D, E] matmul: no per-call transpose of wo
     out = out.reshape(B, T, H * D)
-    return with_lora(out @ self.wo[...].astype(dt).reshape(H * D, -1), out, "wo", lora), new_cache
+    return with_lora(dense(out, self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), out, "wo", lora), new_cache
 
   def _fused_qkv(self, x, lora):
     """q `[B, T, H, D]`, k, v `[B, T, KV, D]` from one GEMM of x `[B, T, E]` with wqkv."""
@@ -398,7 +427,7 @@ class Attention(nnx.Module):
       raise ValueError("LoRA adapters apply to the unfused projections (the trainer's layout); merge them "
                        "(lora.merge_adapters) before fusing (model.serving.serving_params)")
     dt = x.dtype
-    qkv = jnp.einsum("bte,ekgd->btkgd", x, self.wqkv[...].astype(dt))  # [B, T, KV, G + 2, D]
+    qkv = dense(x, self, "wqkv", functools.partial(jnp.einsum, "bte,ekgd->btkgd"))  # [B, T, KV, G + 2, D]
     if self.config.qkv_bias:
       qkv = qkv + self.bqkv[...].astype(dt)
     B, T, KV, G2, D = qkv.shape
@@ -406,36 +435,36 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
     d, f, pd = config.hidden_size, config.intermediate_size, jnp.dtype(config.param_dtype)
     self.fused = fused
+    proj = functools.partial(_projection, self, rngs=rngs, dtype=pd, fp8=fp8)
     if fused:  # the serving layout: [embed, 2, mlp], gate then up
-      self.w_gate_up = _param(rngs, (d, 2, f), ("embed", None, "mlp"), pd, 1 / math.sqrt(d))
+      proj("w_gate_up", shape=(d, 2, f), axes=("embed", None, "mlp"), scale=1 / math.sqrt(d))
     else:
-      self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), pd)
-      self.w_up = _param(rngs, (d, f), ("embed", "mlp"), pd)
-    self.w_down = _param(rngs, (f, d), ("mlp", "embed"), pd)
+      proj("w_gate", shape=(d, f), axes=("embed", "mlp"))
+      proj("w_up", shape=(d, f), axes=("embed", "mlp"))
+    proj("w_down", shape=(f, d), axes=("mlp", "embed"))
 
   def __call__(self, x, lora=None):
-    dt = x.dtype
     if self.fused:  # one GEMM of 2 * mlp columns
       if lora is not None:
         raise ValueError("LoRA adapters apply to the unfused projections (the trainer's layout); merge them "
                          "(lora.merge_adapters) before fusing (model.serving.serving_params)")
-      gate_up = jnp.einsum("bte,egf->btgf", x, self.w_gate_up[...].astype(dt))
-      return (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ self.w_down[...].astype(dt)
-    gate = with_lora(x @ self.w_gate[...].astype(dt), x, "w_gate", lora)
-    h = jax.nn.silu(gate) * with_lora(x @ self.w_up[...].astype(dt), x, "w_up", lora)
-    return with_lora(h @ self.w_down[...].astype(dt), h, "w_down", lora)
+      gate_up = dense(x, self, "w_gate_up", functools.partial(jnp.einsum, "bte,egf->btgf"))
+      return dense(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], self, "w_down", jnp.matmul)
+    gate = with_lora(dense(x, self, "w_gate", jnp.matmul), x, "w_gate", lora)
+    h = jax.nn.silu(gate) * with_lora(dense(x, self, "w_up", jnp.matmul), x, "w_up", lora)
+    return with_lora(dense(h, self, "w_down", jnp.matmul), h, "w_down", lora)
 
 
 class Block(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layout: WeightLayout = HF_LAYOUT):
     pd = jnp.dtype(config.param_dtype)
     self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
-    self.attn = Attention(config, rngs, layout.fused_qkv)
+    self.attn = Attention(config, rngs, layout.fused_qkv, layout.fp8)
     self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
-    self.mlp = MLP(config, rngs, layout.fused_mlp)
+    self.mlp = MLP(config, rngs, layout.fused_mlp, layout.fp8)
 
   def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla", lora=None):
     attn_lora, mlp_lora = (None, None) if lora is None else (lora.part("attn"), lora.part("mlp"))

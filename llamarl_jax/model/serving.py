@@ -11,6 +11,10 @@ columns of its own heads, and the fused matrix shards like its parts (`serving_l
 only where the parts' `heads` and `kv_heads` shard alike). Gate/up stack on a middle axis of 2, so
 `mlp` shards as before. Fusing moves values only: the serving model computes each output column from
 the same weights; only GEMM shapes (and so, on some backends, summation blocking) change.
+
+fp8 weights (`WeightLayout.fp8`, `model.fp8`) fuse as they are: a scale per output column is a
+column's own, so the fused matrix's values and scales are the parts' values and scales, placed as
+the columns are (`fuse` treats `wq_scale` [heads, head_dim] like the bias bq).
 """
 
 from __future__ import annotations
@@ -21,20 +25,25 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from llamarl_jax import parallel
-from llamarl_jax.model.llama import HF_LAYOUT, ModelConfig, WeightLayout
+from llamarl_jax.model import fp8
+from llamarl_jax.model.llama import ModelConfig, WeightLayout
 
 # fused name -> the unfused parts it replaces, per module of a layer
-FUSED_QKV = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv")}
-FUSED_MLP = {"w_gate_up": ("w_gate", "w_up")}
+# (fp8 weights: their per-output-channel scales fuse like the values, `model.fp8`)
+FUSED_QKV = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"),
+             "wqkv_scale": ("wq_scale", "wk_scale", "wv_scale")}
+FUSED_MLP = {"w_gate_up": ("w_gate", "w_up"), "w_gate_up_scale": ("w_gate_scale", "w_up_scale")}
 
 
-def serving_layout(config: ModelConfig, mesh: Mesh, rules: Mapping[str, str | None] = parallel.RULES) -> WeightLayout:
+def serving_layout(config: ModelConfig, mesh: Mesh, rules: Mapping[str, str | None] = parallel.RULES, *,
+                   fp8: bool = False) -> WeightLayout:
   """The generator's layout on `mesh`: gate/up fused always; Q/K/V fused where `heads` and
   `kv_heads` shard over the same mesh axis (or neither shards), so the fused matrix loses no
-  sharding (e.g. 2 KV heads on tp=4: the parts stay separate, q sharded, k and v replicated)."""
+  sharding (e.g. 2 KV heads on tp=4: the parts stay separate, q sharded, k and v replicated).
+  fp8: the projections in float8_e4m3fn with per-output-channel scales (`model.fp8`)."""
   heads = parallel.logical_to_spec(("heads",), (config.num_heads,), mesh, rules)
   kv_heads = parallel.logical_to_spec(("kv_heads",), (config.num_kv_heads,), mesh, rules)
-  return WeightLayout(fused_qkv=heads == kv_heads, fused_mlp=True)
+  return WeightLayout(fused_qkv=heads == kv_heads, fused_mlp=True, fp8=fp8)
 
 
 def _fusions(layout: WeightLayout) -> dict[str, dict[str, tuple[str, ...]]]:
@@ -44,7 +53,8 @@ def _fusions(layout: WeightLayout) -> dict[str, dict[str, tuple[str, ...]]]:
 def params_layout(params: dict) -> WeightLayout:
   """The layout a `split_params` dict is in (read from its first layer's names)."""
   layer = params["layers"][min(params["layers"])]
-  return WeightLayout(fused_qkv="wqkv" in layer["attn"], fused_mlp="w_gate_up" in layer["mlp"])
+  return WeightLayout(fused_qkv="wqkv" in layer["attn"], fused_mlp="w_gate_up" in layer["mlp"],
+                      fp8="wo_scale" in layer["attn"])
 
 
 def fusion_inputs(params: dict, layout: WeightLayout) -> dict:
@@ -73,8 +83,12 @@ def fuse(inputs: dict) -> dict:
       out[i]["attn"]["wqkv"] = qkv(attn["wq"], attn["wk"], attn["wv"])
     if "bq" in attn:
       out[i]["attn"]["bqkv"] = qkv(attn["bq"], attn["bk"], attn["bv"])
+    if "wq_scale" in attn:
+      out[i]["attn"]["wqkv_scale"] = qkv(attn["wq_scale"], attn["wk_scale"], attn["wv_scale"])
     if "w_gate" in mlp:
       out[i]["mlp"]["w_gate_up"] = jnp.stack([mlp["w_gate"], mlp["w_up"]], axis=-2)
+    if "w_gate_scale" in mlp:
+      out[i]["mlp"]["w_gate_up_scale"] = jnp.stack([mlp["w_gate_scale"], mlp["w_up_scale"]], axis=-2)
   return out
 
 
@@ -99,7 +113,11 @@ def with_fused(params: dict, fused: dict, layout: WeightLayout) -> dict:
 
 def serving_params(params: dict, layout: WeightLayout) -> dict:
   """The serving layout of `params` (a `split_params` dict in the trainer's layout): the same
-  weights, Q/K/V and gate/up fused as `layout` says. Jittable; `HF_LAYOUT` returns `params`."""
-  if layout == HF_LAYOUT:
+  weights, Q/K/V and gate/up fused as `layout` says, with `layout.fp8` their projections quantised
+  first (`fp8.quantize_params`; params already in fp8 are fused as they are). Jittable; `HF_LAYOUT`
+  returns `params`."""
+  if layout.fp8 and not fp8.is_quantized(params):
+    params = fp8.quantize_params(params)
+  if not (layout.fused_qkv or layout.fused_mlp):
     return params
   return with_fused(params, fuse(fusion_inputs(params, layout)), layout)

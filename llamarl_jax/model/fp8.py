@@ -1,0 +1,149 @@
+"""The generator's fp8 weights: float8_e4m3fn projections with one fp32 scale per output channel.
+
+Quantised: every projection of a layer (wq, wk, wv, wo, w_gate, w_up, w_down and the serving layout's
+fused wqkv, w_gate_up). Not quantised: embeddings, norms, biases and the lm_head (generator dtype).
+A projection `w` `[*in, *out]` becomes `w` in float8_e4m3fn and `w_scale` `[*out]` fp32 with
+`w ~= w_fp8 * w_scale` (amax over the input axes / 448, e4m3's largest finite value).
+
+Per output channel, not per block of 128: the scale of an output column is a factor of that column
+of the product (`x @ (q * s) = (x @ q) * s`), so one fp8 GEMM per projection computes it and the
+scales apply in its epilogue; a block scale varies along the contraction and would need a GEMM per
+block of 128 inputs (or a block-scaled kernel XLA does not emit). It also commutes with the serving
+layout's fusion (Q/K/V and gate/up concatenate output columns), so the trainer can quantise the
+Hugging Face layout before the wire and the generator fuses fp8 values and scales as they are.
+BENCHMARKS.md ("The generator in fp8") has the measured error of both choices.
+
+Activations are quantised per token (one scale per row of `x`, amax / 448) inside `dense`: a row's
+result depends on that row alone, so a token's log-prob is the same whatever else shares its batch
+(slot engine vs static sampler, prefill vs decode, a teacher-forced forward), which a per-tensor
+scale would break. `dense` is the W8A8 product: one dot of float8_e4m3fn operands accumulated in
+fp32, the row and column scales multiplied after it. Compiled for an H100 it is an fp8 GEMM (a
+Triton GEMM fusion whose dot takes both operands in f8e4m3fn; XLA's cuBLASLt fp8 call,
+`__cublas$lt$matmul$f8`, would need the weight stored [out, in]); a CPU converts the operands to
+fp32, exactly, so it computes the numbers a GPU does up to the GEMM's summation order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+Array = jax.Array
+
+QUANTIZATIONS = (None, "fp8")  # GeneratorConfig.quantize
+FP8 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+# projection name -> its number of input (contracted) axes; per module of a layer
+INPUT_AXES = {"attn": {"wq": 1, "wk": 1, "wv": 1, "wqkv": 1, "wo": 2},
+              "mlp": {"w_gate": 1, "w_up": 1, "w_gate_up": 1, "w_down": 1}}
+SCALE = "_scale"  # w's scale is the leaf `w + SCALE` beside it
+
+
+def quantize_weight(w: Array, n_in: int) -> tuple[Array, Array]:
+  """w `[*in, *out]` (n_in input axes) -> (float8_e4m3fn values `[*in, *out]`, fp32 scales `[*out]`),
+  w ~= values * scales; an all-zero column gets scale 1."""
+  w = w.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(w), axis=tuple(range(n_in))) / E4M3_MAX
+  scale = jnp.where(scale == 0, 1.0, scale)
+  return (w / scale).astype(FP8), scale
+
+
+def quantize_rows(x: Array) -> tuple[Array, Array]:
+  """x `[..., K]` -> (float8_e4m3fn `[..., K]`, fp32 scales `[..., 1]`): one scale per row (token)."""
+  xf = x.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / E4M3_MAX
+  scale = jnp.where(scale == 0, 1.0, scale)
+  return (xf / scale).astype(FP8), scale
+
+
+def dense(x: Array, w: Array, scale: Array) -> Array:
+  """x `[..., K]` times fp8 w `[*in, *out]` (prod(in) = K) with per-output-channel `scale` `[*out]`:
+  x quantised per row to fp8, one fp8 x fp8 dot accumulated in fp32, then scaled by x's row scales
+  and w's column scales. Returns `[..., *out]` in x's dtype."""
+  K, lead = x.shape[-1], x.shape[:-1]
+  n_in, size = 0, 1
+  while size < K:
+    size *= w.shape[n_in]
+    n_in += 1
+  if size != K:
+    raise ValueError(f"fp8 weight {w.shape} has no leading axes of {K} inputs (x {x.shape})")
+  out = w.shape[n_in:]
+  xq, sx = quantize_rows(x.reshape(-1, K))
+  # f8e4m3fn x f8e4m3fn -> fp32, the scales outside the dot: a GPU compiles it as an fp8 GEMM, a CPU
+  # converts both operands to fp32 (exactly: e4m3 has 4 significant bits) and runs an fp32 dot
+  y = jax.lax.dot_general(xq, w.reshape(K, -1), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  y = y * sx * scale.reshape(1, -1)
+  return y.astype(x.dtype).reshape(*lead, *out)
+
+
+def projections(layer: dict):
+  """(module, name, n_in) of the projections a layer dict holds."""
+  return [(m, k, n) for m, names in INPUT_AXES.items() for k, n in names.items() if k in layer.get(m, {})]
+
+
+def is_quantized(params: dict) -> bool:
+  """Whether a `split_params` dict holds fp8 projections (read from its first layer)."""
+  layer = params["layers"][min(params["layers"])]
+  return any(k.endswith(SCALE) for m in ("attn", "mlp") for k in layer[m])
+
+
+def quantize_params(params: dict, dtype=None) -> dict:
+  """A `split_params` dict (any layout, unquantised) -> the same tree with each layer's projections
+  in fp8 plus their `_scale` leaves; every other leaf cast to `dtype` (None: as it is). Pure, jittable."""
+  cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
+  out = {k: jax.tree.map(cast, v) for k, v in params.items() if k != "layers"}
+  layers = {}
+  for i, layer in params["layers"].items():
+    new = jax.tree.map(cast, layer)
+    for m, name, n_in in projections(layer):
+      new[m][name], new[m][name + SCALE] = quantize_weight(layer[m][name], n_in)
+    layers[i] = new
+  return {**out, "layers": layers}
+
+
+def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
+  """The weights fp8 params stand for: each projection `values * scale` in `dtype`, the scales
+  dropped (the unquantised layout); other leaves cast to `dtype`."""
+  dtype = jnp.dtype(dtype)
+  out = {k: jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items() if k != "layers"}
+  layers = {}
+  for i, layer in params["layers"].items():
+    new = {m: {k: v.astype(dtype) for k, v in layer[m].items() if not k.endswith(SCALE)} for m in layer}
+    for m, name, _ in projections(layer):
+      new[m][name] = (layer[m][name].astype(jnp.float32) * layer[m][name + SCALE]).astype(dtype)
+    layers[i] = new
+  return {**out, "layers": layers}
+
+
+def _with_scales(tree: dict, scale_of) -> dict:
+  layers = {}
+  for i, layer in tree["layers"].items():
+    new = {m: dict(v) for m, v in layer.items()}
+    for m, name, n_in in projections(layer):
+      new[m][name + SCALE] = scale_of(layer[m][name], n_in)
+    layers[i] = new
+  return {**tree, "layers": layers}
+
+
+def quantized_shapes(shapes: dict, dtype) -> dict:
+  """`ShapeDtypeStruct`s of `quantize_params(params, dtype)` for params of `shapes` (unquantised)."""
+  dtype = jnp.dtype(dtype)
+  rest = {k: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), v) for k, v in shapes.items() if k != "layers"}
+  layers = {}
+  for i, layer in shapes["layers"].items():
+    new = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), layer)
+    for m, name, n_in in projections(layer):
+      w = layer[m][name]
+      new[m][name] = jax.ShapeDtypeStruct(w.shape, FP8)
+      new[m][name + SCALE] = jax.ShapeDtypeStruct(w.shape[n_in:], jnp.float32)
+    layers[i] = new
+  return {**rest, "layers": layers}
+
+
+def quantized_shardings(shardings: dict) -> dict:
+  """The shardings of `quantize_params`' output given the unquantised params' (`NamedSharding`s):
+  each scale shards like its projection's output axes."""
+  def scale(s: NamedSharding, n_in: int) -> NamedSharding:
+    return NamedSharding(s.mesh, P(*tuple(s.spec)[n_in:]))
+  return _with_scales(shardings, scale)

@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""fp8 weight scales: per output channel (what `model.fp8` uses) against blocks of 128 x 128.
+
+For one random model (bench_generate's shapes, fp32 compute) it compares next-token distributions
+against the bf16 weights' (the generator's unquantised policy), on random tokens:
+  bf16                     the reference
+  W8 per channel           projections float8_e4m3fn with a scale per output column, de-quantised
+  W8 block 128             a scale per 128 x 128 block (DeepSeek-V3's weight blocks), de-quantised
+  W8A8 per channel         the fp8 generator itself (`Sampler(quantize='fp8')`: per-channel weights,
+                           per-token activations, fp8 dots)
+and the bytes the scales add. `--outliers S` multiplies each projection's input rows by
+exp(S * N(0, 1)) first (input channels of very different magnitude, as trained LLMs have), the case
+where a block's own scale helps most.
+
+    python scripts/bench_fp8.py --size 50m
+    python scripts/bench_fp8.py --size 50m --outliers 1.0
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def block_dequantized(w, n_in, block=128):
+  """w `[*in, *out]` quantised to e4m3 with a scale per `block` x `block` tile of its [in, out]
+  matrix (edge tiles smaller), de-quantised back to fp32; and the number of scales."""
+  import jax.numpy as jnp
+
+  from llamarl_jax.model import fp8
+
+  shape = w.shape
+  K = 1
+  for d in shape[:n_in]:
+    K *= d
+  m = w.reshape(K, -1).astype(jnp.float32)
+  M = m.shape[1]
+  kb, mb = -(-K // block), -(-M // block)
+  padded = jnp.pad(m, ((0, kb * block - K), (0, mb * block - M))).reshape(kb, block, mb, block)
+  scale = jnp.max(jnp.abs(padded), axis=(1, 3), keepdims=True) / fp8.E4M3_MAX
+  scale = jnp.where(scale == 0, 1.0, scale)
+  back = ((padded / scale).astype(fp8.FP8).astype(jnp.float32) * scale).reshape(kb * block, mb * block)[:K, :M]
+  return back.reshape(shape), kb * mb
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--size", default="50m", help="a bench_generate size (5m, 50m, 400m, 1b, 8b)")
+  parser.add_argument("--outliers", type=float, default=0.0, help="log-normal spread of input-row magnitudes")
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--seq", type=int, default=64)
+  args = parser.parse_args(argv)
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import bench_generate
+  from llamarl_jax.generation import Sampler
+  from llamarl_jax.model import fp8
+  from llamarl_jax.model.llama import ModelConfig, abstract_model, init_model, merge_params, split_params
+
+  vocab, d, f, layers, heads, kv = bench_generate.SIZES[args.size]
+  config = ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv, rope_theta=500000.0)
+  _, params = split_params(init_model(config, seed=0))
+  rng = np.random.RandomState(0)
+  for layer in params["layers"].values():
+    for m, name, n_in in fp8.projections(layer):
+      w = np.asarray(layer[m][name])
+      rows = np.exp(args.outliers * rng.randn(*w.shape[:n_in], *([1] * (w.ndim - n_in))))
+      layer[m][name] = jnp.asarray(w * rows, jnp.float32)
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)  # the reference weights
+
+  channel = fp8.dequantize_params(fp8.quantize_params(bf16))
+  block = jax.tree.map(lambda x: x, bf16)
+  channel_scales = block_scales = 0
+  for i, layer in block["layers"].items():
+    for m, name, n_in in fp8.projections(layer):
+      layer[m][name], n = block_dequantized(bf16["layers"][i][m][name], n_in)
+      block_scales += n
+      channel_scales += int(np.prod(layer[m][name].shape[n_in:]))
+  weights = sum(x.size for i in bf16["layers"] for m, name, _ in fp8.projections(bf16["layers"][i])
+                for x in [bf16["layers"][i][m][name]])
+
+  tokens = jnp.asarray(rng.randint(0, vocab, (args.batch, args.seq)))
+  graphdef = split_params(abstract_model(config))[0]
+  forward = jax.jit(lambda p, t: merge_params(graphdef, p)(t))
+  sampler = Sampler(config, quantize="fp8")
+  forward8 = jax.jit(lambda p, t: merge_params(sampler.graphdef, p)(t))
+  ref = jax.nn.log_softmax(forward(bf16, tokens))
+
+  def compare(logits):
+    lp = jax.nn.log_softmax(logits)
+    kl = jnp.sum(jnp.exp(ref) * (ref - lp), -1)
+    return float(jnp.mean(kl)), float(jnp.max(jnp.abs(logits - forward(bf16, tokens)))), \
+        float(jnp.mean(jnp.argmax(lp, -1) == jnp.argmax(ref, -1)))
+
+  print(f"# {args.size}: {config.num_params() / 1e6:.0f}M parameters, {weights / 1e6:.1f}M in projections, "
+        f"input-row spread exp({args.outliers} N(0,1)); {args.batch} x {args.seq} random tokens, jax {jax.__version__}")
+  print("| weights | KL(bf16 || it) per token | max |logit diff| | same argmax | scale bytes / fp8 weight bytes |")
+  print("|---|---|---|---|---|")
+  rows = []
+  for name, logits, scales in (("W8 per channel", forward(channel, tokens), channel_scales),
+                               ("W8 block 128", forward(block, tokens), block_scales),
+                               ("W8A8 per channel (the fp8 generator)",
+                                forward8(sampler.place_params(bf16), tokens), channel_scales)):
+    kl, diff, same = compare(logits)
+    rows.append({"weights": name, "kl": kl, "max_logit_diff": diff, "same_argmax": same,
+                 "scale_bytes": 4 * scales, "fp8_bytes": weights})
+    print(f"| {name} | {kl:.2e} | {diff:.3f} | {same:.1%} | {4 * scales / weights:.2%} |")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
