@@ -1,24 +1,15 @@
 """The trainer executor: holds a `TrainState` on the trainer mesh and runs the pure step functions of
-`llamarl_jax.train` on it (LlamaRL's trainer).
+`llamarl_jax.train` on it (LlamaRL's trainer); each program jitted with explicit shardings, the
+trained state donated. `step(batch)` puts the batch's rows over `data` x `fsdp` and runs one layout:
 
-`TrainerExecutor.step(batch)` puts the `ScoredBatch` (fixed shapes `[B, P]` / `[B, R]`) on the mesh
-(rows over `data` x `fsdp`) and runs one of three layouts of the same step (`train.step`,
-`train.packed`), each jitted with explicit shardings, the trained state donated:
+  padded (default):  one program, `train_step`: every microbatch at the batch's width P + R;
+  group_by_length:   the rows' lengths to the host (one `[B]` transfer), `group_by_length`, then
+                     prepare, one accumulation per microbatch at its width (a program per width), apply;
+  pack:              the lengths to the host, `pack_rows` into rows of `tokens_per_microbatch` tokens,
+                     then one program, `packed_train_step`, whatever the lengths.
 
-  padded (default):    one program: `train_step`, every microbatch at the batch's width P + R;
-  `group_by_length`:   the host reads the rows' lengths (one `[B]` transfer), sorts them into the
-                       microbatches (`train.layout.group_by_length`) and runs prepare, one
-                       accumulation call per microbatch at its own width (one program per width
-                       used) and apply;
-  `pack`:              the host packs the rows into rows of `tokens_per_microbatch` tokens
-                       (`train.layout.pack_rows`) and one program (`packed_train_step`) runs as many
-                       microbatches as the packing needs: one program whatever the lengths.
-
-All three give the same loss, gradient and metrics (up to fp32 summation order). Params are fp32
-masters sharded by `parallel.RULES` (FSDP over `fsdp`, TP over `tp`); `config.dtype` is the compute
-dtype. With `lora`, what is trained is LoRA adapters on a frozen base held in `base_dtype` (no fp32
-copy, gradient or optimizer state of a base weight); LoRA dropout draws its masks from (`lora_seed`,
-step, microbatch).
+All three give the same loss, gradient and metrics (up to fp32 summation order). With `lora`, what
+is trained is LoRA adapters on a frozen base held in `base_dtype`.
 """
 
 from __future__ import annotations
@@ -30,19 +21,18 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from llamarl_jax import losses, mismatch, parallel
 from llamarl_jax.config import LoraConfig, OptimizerConfig
 from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch
 from llamarl_jax.model import lora as lora_lib
-from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, Llama, ModelConfig, remat_policy, resolve_attention, split_params
+from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, ModelConfig, remat_policy, resolve_attention
 from llamarl_jax.model.logprobs import policy_logprobs, token_logprobs  # noqa: F401  (the trainer's forward)
 from llamarl_jax.train import step as steps
 from llamarl_jax.train.layout import group_by_length, pack_rows, width_bucket  # noqa: F401
 from llamarl_jax.train.packed import PLAN_FIELDS, check_token_budget, packed_train_step
+from llamarl_jax.train.placement import abstract_state, batch_arrays, make_placement, place
 from llamarl_jax.train.state import TrainState, lr_schedule, make_optimizer  # noqa: F401
 
 Array = jax.Array
@@ -85,22 +75,13 @@ class TrainerExecutor:
                rules: Mapping[str, str | None] = parallel.RULES, lora: LoraConfig | None = None,
                base_dtype="float32", adapters: Any = None, lora_seed: int = 0, pack: bool = False,
                tokens_per_microbatch: int | None = None):
-    if microbatches < 1:
-      raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-    if temperature <= 0:
-      raise ValueError(f"temperature must be > 0 (the sampling temperature; use 1.0 for greedy), got {temperature}")
     loss_kwargs = dict(loss_kwargs or {})
     if (kl_coef or loss_kwargs.get("kl_coef")) and ref_params is None:
       raise ValueError("a KL penalty (kl_coef > 0) needs ref_params, the reference policy's params")
-    for reserved in ("ref_logprobs", "entropy"):
-      if reserved in loss_kwargs:
-        raise ValueError(f"loss_kwargs must not contain {reserved!r}: the trainer computes it")
     if kl_coef:
       if loss_kwargs.get("kl_coef", kl_coef) != kl_coef:
         raise ValueError(f"kl_coef given twice: {kl_coef} and loss_kwargs {loss_kwargs['kl_coef']}")
       loss_kwargs["kl_coef"] = kl_coef
-    if logprob_chunk is not None and logprob_chunk < 1:
-      raise ValueError(f"logprob_chunk must be a positive number of positions (or None: unchunked), got {logprob_chunk}")
     if pack and (group_by_length or microbatches != 1 or not tokens_per_microbatch or tokens_per_microbatch < 1):
       raise ValueError(f"pack=True takes its microbatches from the token budget: it needs tokens_per_microbatch >= 1 "
                        f"(got {tokens_per_microbatch}), microbatches = 1 (got {microbatches}) and group_by_length off "
@@ -113,73 +94,47 @@ class TrainerExecutor:
     self.attention = resolve_attention(attention, self.platform, config.dtype)
     self.reference_is_initial = reference_is_initial
     self.busy_seconds = 0.0
-
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    model_axes = parallel.logical_axes(abstract)
-    model_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), split_params(abstract)[1])
-    self.model_shardings = parallel.param_shardings(model_shapes, model_axes, mesh, rules)
-    shapes, axes = ((model_shapes, model_axes) if lora is None else
-                    (lora_lib.adapter_shapes(config, lora), lora_lib.adapter_axes(model_axes, lora)))
-    self.param_shardings = parallel.param_shardings(shapes, axes, mesh, rules)
-    self._replicated = repl = parallel.replicated(mesh)
-    stacked = lambda sh: {**{k: v for k, v in sh.items() if k != "layers"}, "layers": jax.tree.map(
-        lambda s: NamedSharding(mesh, P(None, *s.spec)), sh["layers"][0])}  # `prepare_params`' layout
+    tx = make_optimizer(self.optimizer_config)
+    pl = self.placement = make_placement(config, mesh, tx, lora=lora, rules=rules)
+    self.model_shardings, self.param_shardings, self._replicated = pl.model, pl.params, pl.replicated
     self.spec = steps.StepSpec(
         model=config, loss=losses.get_loss(loss, trainer=True), optimizer=self.optimizer_config,
         loss_kwargs=loss_kwargs, microbatches=microbatches, temperature=self.temperature, attention=self.attention,
         logprob_chunk=logprob_chunk, remat=self.remat, scan_layers=bool(scan_layers), lora=lora, lora_seed=lora_seed,
-        tokens_per_microbatch=tokens_per_microbatch if pack else None, mesh=mesh,
-        param_shardings=self.param_shardings, compute_shardings=stacked(self.param_shardings),
-        model_compute_shardings=stacked(self.model_shardings))
+        tokens_per_microbatch=tokens_per_microbatch if pack else None, mesh=mesh, param_shardings=pl.params,
+        compute_shardings=pl.compute, model_compute_shardings=pl.model_compute)
     self.loss_kwargs = loss_kwargs
-    tx = self.spec.tx
-    opt_shapes = jax.eval_shape(tx.init, shapes)
-    opt_sh = optax.tree_map_params(tx, lambda _, sharding: sharding, opt_shapes, self.param_shardings,
-                                   transform_non_params=lambda _: repl)
-    trained_sh = TrainState(params=self.param_shardings, opt_state=opt_sh, step=repl, skipped=repl)
-    frozen_sh = (None if lora is None else self.model_shardings, None if ref_params is None else self.model_shardings)
-    self._trained_shardings = trained_sh
-    self.abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
     compute_dtype = jnp.dtype(config.dtype)
+    self.abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
     if self.abstract:  # shapes only: a trainer for `lower_step` (nothing allocated, `step` refuses)
-      sds = lambda dt: lambda x, sh: jax.ShapeDtypeStruct(x.shape, dt or x.dtype, sharding=sh)
-      scalar = jax.ShapeDtypeStruct((), jnp.int32)
-      trained = TrainState(params=jax.tree.map(sds(jnp.float32), shapes, self.param_shardings),
-                           opt_state=jax.tree.map(sds(None), opt_shapes, opt_sh), step=sds(None)(scalar, repl),
-                           skipped=sds(None)(scalar, repl))
-      base = None if lora is None else jax.tree.map(sds(self.base_dtype), model_shapes, self.model_shardings)
-      ref = None if ref_params is None else jax.tree.map(sds(compute_dtype), model_shapes, self.model_shardings)
-      self.state = trained.replace(base=base, ref=ref)
+      self.state = abstract_state(pl, tx, base_dtype=None if lora is None else self.base_dtype,
+                                  ref_dtype=None if ref_params is None else compute_dtype)
     else:
-      base = None if lora is None else self._place(params, self.base_dtype, self.model_shardings)
+      base = None if lora is None else self._place(params, self.base_dtype, pl.model)
       trained = params if lora is None else (lora_lib.init_adapters(config, lora, lora_seed) if adapters is None
                                              else adapters)
       trained = self._place(trained, jnp.float32)
-      zero = jax.device_put(jnp.zeros((), jnp.int32), repl)
-      self.state = TrainState(params=trained, opt_state=jax.jit(tx.init, out_shardings=opt_sh)(trained), step=zero,
-                              skipped=jax.device_put(jnp.zeros((), jnp.int32), repl), base=base,
-                              ref=None if ref_params is None else self._place(ref_params, compute_dtype,
-                                                                              self.model_shardings))
+      ref = None if ref_params is None else self._place(ref_params, compute_dtype, pl.model)
+      zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), pl.replicated)
+      self.state = TrainState(params=trained, opt_state=jax.jit(tx.init, out_shardings=pl.trained.opt_state)(trained),
+                              step=zero(), skipped=zero(), base=base, ref=ref)
 
-    self._batch_shardings = {k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in TRAIN_FIELDS}
-    micro_sh = {k: NamedSharding(mesh, P(None, parallel.BATCH_AXES, *[None] * (k != "advantages")))
-                for k in TRAIN_FIELDS}
-    compute_sh = self.spec.compute_shardings
+    # the programs: the trained state donated, the frozen parts (base, ref) passed beside it
+    repl, trained_sh = pl.replicated, pl.trained
+    frozen_sh = (None if lora is None else pl.model, None if ref_params is None else pl.model)
     with_frozen = lambda fn: lambda trained, frozen, *a: fn(self.spec, trained.replace(base=frozen[0], ref=frozen[1]), *a)
     trained_only = lambda fn: lambda *a: (lambda state, metrics: (state.trained, metrics))(*fn(*a))
     self._train_step = jax.jit(trained_only(with_frozen(steps.train_step)), donate_argnums=(0,),
-                               in_shardings=(trained_sh, frozen_sh, self._batch_shardings), out_shardings=(trained_sh, repl))
+                               in_shardings=(trained_sh, frozen_sh, pl.batch), out_shardings=(trained_sh, repl))
     self._packed_step = jax.jit(trained_only(with_frozen(packed_train_step)), donate_argnums=(0,),
-                                in_shardings=(trained_sh, frozen_sh, self._batch_shardings, repl),
-                                out_shardings=(trained_sh, repl))
+                                in_shardings=(trained_sh, frozen_sh, pl.batch, repl), out_shardings=(trained_sh, repl))
     # grouped by length: the same step as separate programs (see `_grouped_step`)
     self._row_lengths = jax.jit(steps.row_lengths, out_shardings=repl)
     self._prepare_step = jax.jit(with_frozen(steps.prepare_grouped), out_shardings=(
-        compute_sh, frozen_sh[0] and self.spec.model_compute_shardings,
-        frozen_sh[1] and self.spec.model_compute_shardings, micro_sh, repl, compute_sh))
+        pl.compute, frozen_sh[0] and pl.model_compute, frozen_sh[1] and pl.model_compute, pl.micro, repl, pl.compute))
     self._accumulate_step = jax.jit(functools.partial(steps.accumulate_microbatch, self.spec),
                                     static_argnames=("width",), donate_argnums=(3,),
-                                    out_shardings=(compute_sh, (repl, repl, repl, parallel.batch_sharding(mesh, 2))))
+                                    out_shardings=(pl.compute, (repl, repl, repl, parallel.batch_sharding(mesh, 2))))
     self._apply_step = jax.jit(functools.partial(steps.apply_grouped, self.spec), donate_argnums=(0,),
                                out_shardings=(trained_sh, repl))
     self._microbatch_index = None  # [M] replicated int32 scalars, made at the first grouped step
@@ -190,17 +145,11 @@ class TrainerExecutor:
   # state
 
   def _place(self, params, dtype, shardings=None) -> Any:
-    """Copy `params` onto `shardings` (default: the trained params') in `dtype` (never aliasing the
-    caller's buffers: the step donates what it trains)."""
-    shardings = self.param_shardings if shardings is None else shardings
-    if jax.tree.structure(params) != jax.tree.structure(shardings):
-      what = ("LoRA adapters for this LoraConfig" if shardings is not self.model_shardings and self.lora else
-              "the model's structure for this ModelConfig")
-      raise ValueError(f"params do not match {what}: expected {jax.tree.structure(shardings)}, got "
-                       f"{jax.tree.structure(params)}")
-    dtype = jnp.dtype(dtype)
-    cast = lambda x: jnp.array(x, dtype=dtype, copy=True) if isinstance(x, jax.Array) else np.asarray(x, dtype)
-    return jax.device_put(jax.tree.map(cast, params), shardings)
+    """`placement.place` onto `shardings` (default: the trained params')."""
+    if shardings is None:
+      return place(params, dtype, self.param_shardings,
+                   "LoRA adapters for this LoraConfig" if self.lora else "the model's structure for this ModelConfig")
+    return place(params, dtype, shardings)
 
   params = property(lambda self: self.state.params, doc="The trained fp32 params (or LoRA adapters): live buffers.")
   base_params = property(lambda self: self.state.base, doc="A LoRA policy's frozen base (None without LoRA).")
@@ -244,7 +193,7 @@ class TrainerExecutor:
     s, repl = self.state, self._replicated
     opt_state = jax.tree.unflatten(jax.tree.structure(s.opt_state), jax.tree.leaves(state["opt_state"]))
     s = s.replace(params=self._place(state["params"], jnp.float32),
-                  opt_state=jax.device_put(opt_state, self._trained_shardings.opt_state, may_alias=False),
+                  opt_state=jax.device_put(opt_state, self.placement.trained.opt_state, may_alias=False),
                   step=jax.device_put(jnp.asarray(state["step"], jnp.int32), repl),
                   skipped=jax.device_put(jnp.asarray(state.get("skipped_nonfinite", 0), jnp.int32), repl))
     if s.ref is not None and "ref_params" in state:
@@ -261,7 +210,7 @@ class TrainerExecutor:
     self._check_batch_size(batch_size)
     batch = {k: jax.ShapeDtypeStruct((batch_size,) if k == "advantages" else
                                      (batch_size, prompt_len if k.startswith("prompt") else resp_len),
-                                     TRAIN_FIELDS[k], sharding=self._batch_shardings[k]) for k in TRAIN_FIELDS}
+                                     TRAIN_FIELDS[k], sharding=self.placement.batch[k]) for k in TRAIN_FIELDS}
     shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     args = [*jax.tree.map(shape_of, (self.state.trained, (self.state.base, self.state.ref))), batch]
     if self.pack:
@@ -325,27 +274,9 @@ class TrainerExecutor:
                        "with rows whose response_mask is 0")
 
   def _put_batch(self, batch: ScoredBatch) -> dict[str, Array]:
-    r = batch.rollout
-    host = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
-            "response_tokens": r.response_tokens, "response_mask": r.response_mask,
-            "behaviour_logprobs": r.behaviour_logprobs, "advantages": batch.advantages,
-            # the version of each token's weights, for the mismatch metrics' split by lag (-1: unknown)
-            "token_versions": (np.full(np.shape(r.response_tokens), -1, np.int32) if r.token_versions is None
-                               else r.token_versions)}
-    B = np.shape(host["prompt_tokens"])[0]
-    self._check_batch_size(B)
-    expected = {"prompt_tokens": (B, None), "prompt_mask": np.shape(host["prompt_tokens"]),
-                "response_tokens": (B, None), "response_mask": np.shape(host["response_tokens"]),
-                "behaviour_logprobs": np.shape(host["response_tokens"]), "advantages": (B,),
-                "token_versions": np.shape(host["response_tokens"])}
-    out = {}
-    for k, v in host.items():
-      shape, want = np.shape(v), expected[k]
-      if len(shape) != len(want) or any(w is not None and w != s for w, s in zip(want, shape)):
-        raise ValueError(f"batch field {k} has shape {shape}, expected {want} (None = any)")
-      v = v.astype(TRAIN_FIELDS[k]) if isinstance(v, jax.Array) else np.asarray(v, TRAIN_FIELDS[k])
-      out[k] = jax.device_put(v, self._batch_shardings[k])
-    return out
+    arrays = batch_arrays(batch)
+    self._check_batch_size(arrays["prompt_tokens"].shape[0])
+    return jax.device_put(arrays, self.placement.batch)
 
 
 def _local_value(x: Array) -> np.ndarray:

@@ -73,6 +73,19 @@ class StepSpec:
   compute_shardings: Any = None
   model_compute_shardings: Any = None
 
+  def __post_init__(self):
+    if self.microbatches < 1:
+      raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+    if self.temperature <= 0:
+      raise ValueError(f"temperature must be > 0 (the sampling temperature; use 1.0 for greedy), got "
+                       f"{self.temperature}")
+    if self.logprob_chunk is not None and self.logprob_chunk < 1:
+      raise ValueError(f"logprob_chunk must be a positive number of positions (or None: unchunked), got "
+                       f"{self.logprob_chunk}")
+    for reserved in ("ref_logprobs", "entropy"):
+      if reserved in self.loss_kwargs:
+        raise ValueError(f"loss_kwargs must not contain {reserved!r}: the trainer computes it")
+
   @property
   def with_entropy(self) -> bool:
     return bool(self.loss_kwargs.get("entropy_coef", 0.0))
