@@ -181,16 +181,23 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
                   attention=resolve_attention("auto", platform, config.dtype), scan_layers=scan_layers,
                   mismatch=False)
   state = init_state(params, spec.tx)
-  step = jax.jit(functools.partial(train_step, spec))
+  # The batch goes to the params' devices, replicated (as jit would place host arrays in one process;
+  # explicit so that a trainer spread over processes runs the same program); the state keeps its
+  # shardings from step to step (one compiled program).
+  batch_sharding = (jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+                    if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) else None)
+  if batch_sharding is None:
+    step = jax.jit(functools.partial(train_step, spec))
+  else:
+    shardings = jax.tree.map(lambda x: x.sharding if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+                             else batch_sharding, state)
+    state = jax.device_put(state, shardings)
+    step = jax.jit(functools.partial(train_step, spec), out_shardings=(shardings, batch_sharding))
 
   it = range(steps)
   if progress:
     from tqdm.auto import tqdm
     it = tqdm(it, desc="SFT warm start", dynamic_ncols=True)
-  # The batch goes to the params' devices, replicated (as jit would place host arrays in one process;
-  # explicit so that a trainer spread over processes runs the same program).
-  batch_sharding = (jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
-                    if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) else None)
   for i in it:
     examples = source.next_batch(batch_size)
     batch = _sft_batch(tokenizer, examples, [source.reference(ex) for ex in examples], prompt_len, resp_len, env=env)

@@ -13,6 +13,15 @@ reference answer + EOS) and a long-tail RL batch at 1B shapes (64 rows, prompts 
 responses log-normal with mean 1024 tokens, sigma 1, capped at 8192). Each over `--batches` batches.
 
     python scripts/bench_packing.py [--batches 50]
+
+--compile_h100 packed|padded: instead, compile the long-tail batch's train step at Llama-3.2-1B shapes
+(bf16, remat 'matmuls', cuDNN attention) for an H100 on this machine, no GPU attached, and print
+whether cuDNN's fused attention (forward, backward) is in it, any `[T, T]` array, and XLA's memory
+analysis. packed: `tokens_per_microbatch` = P + R = 8704; padded: `--microbatches` of 64 / M rows at
+P + R. Needs the CUDA-lowering virtualenv (shared/GPU.md) and ptxas on PATH, e.g.
+
+    PATH=$VENV/lib/python3.11/site-packages/nvidia/cuda_nvcc/bin:$PATH JAX_PLATFORMS=cpu,cuda \
+      JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $VENV/bin/python scripts/bench_packing.py --compile_h100 packed
 """
 
 from __future__ import annotations
@@ -71,10 +80,53 @@ def long_tail_batches(n: int, seed: int = 0) -> tuple[list[np.ndarray], int]:
   return out, 512 + 8192
 
 
+def compile_h100(layout: str, microbatches: int) -> None:
+  """The long-tail step compiled for an H100 (see the module docstring)."""
+  import re
+  import time
+  from pathlib import Path
+
+  import jax._src.cudnn.fused_attention_stablehlo as cudnn_attention
+  from jax.experimental import topologies
+
+  from llamarl_jax import parallel
+  from llamarl_jax.executors.trainer import TrainerExecutor
+  from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
+
+  # cuDNN's checks read the local GPU's compute capability; the target here is an H100's (9.0)
+  cudnn_attention.check_compute_capability = lambda c: tuple(map(int, c.split("."))) <= (9, 0)
+  cudnn_attention.is_cuda_compute_capability_equal = lambda c: c == "9.0"
+  text = (Path(__file__).resolve().parent / "gpu_targets" / "h100_sxm.pbtxt").read_text()
+  mesh = parallel.make_mesh(topologies.get_topology_desc("h100", "cuda", target_config=text,
+                                                         topology="1x1x1").devices[:1])
+  config = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                       num_kv_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                       tie_word_embeddings=True, dtype="bfloat16")
+  B, P, R = 64, 512, 8192
+  kw = dict(pack=True, tokens_per_microbatch=P + R) if layout == "packed" else dict(microbatches=microbatches)
+  trainer = TrainerExecutor(config, mesh, split_params(abstract_model(config))[1], attention="auto", remat="matmuls",
+                            **kw)
+  start = time.perf_counter()
+  lowered = trainer.lower_step(B, P, R)
+  hlo = lowered.as_text()
+  square = sorted({m for m in re.findall(r"tensor<([0-9x]+)x(?:bf16|f32|f16|i1)>", hlo) if f"{P + R}x{P + R}" in m})
+  compiled = lowered.compile()
+  mem = compiled.memory_analysis()
+  gib = lambda n: f"{n / 2**30:.2f} GiB"
+  print(f"{layout} ({kw}): attention {trainer.attention}; cuDNN fused attention forward "
+        f"{'__cudnn$fmhaSoftmax' in hlo}, backward {'__cudnn$fmhaSoftmaxBackward' in hlo}; [T, T] arrays: "
+        f"{square or 'none'}; compiled for an H100 in {time.perf_counter() - start:.0f} s; temp "
+        f"{gib(mem.temp_size_in_bytes)}, arguments {gib(mem.argument_size_in_bytes)}")
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--batches", type=int, default=50)
+  ap.add_argument("--compile_h100", choices=("packed", "padded"), default=None)
+  ap.add_argument("--microbatches", type=int, default=16, help="the padded step's, with --compile_h100 padded")
   args = ap.parse_args()
+  if args.compile_h100:
+    return compile_h100(args.compile_h100, args.microbatches)
   small, small_width = make_run_batches(args.batches)
   tail, tail_width = long_tail_batches(args.batches)
   print(f"make run: 128 rows, P + R = {small_width}, real tokens a row {np.mean([b.mean() for b in small]):.1f}; "
