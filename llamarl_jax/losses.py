@@ -685,8 +685,7 @@ def nll_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask
 # Read-only name -> loss table (for configs: Controller(loss="aipo", loss_kwargs={...})).
 LOSSES = types.MappingProxyType({"aipo": aipo_loss, "ppo_clip": ppo_clip_loss,
                                  "decoupled_ppo": decoupled_ppo_loss, "gspo": gspo_loss,
-                                 "cispo": cispo_loss, "seq_tis": seq_tis_loss, "mis": mis_loss,
-                                 "nll": nll_loss})
+                                 "cispo": cispo_loss, "seq_tis": seq_tis_loss, "mis": mis_loss})
 
 
 # The losses the trainer (`TrainConfig.loss`) offers. decoupled_ppo is left out on purpose: with one
