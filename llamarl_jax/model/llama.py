@@ -323,8 +323,8 @@ def with_lora(y: Array, x: Array, name: str, lora: LoraLayer | None) -> Array:
 class Segments:
   """Packed rows: several sequences (segments) laid end to end in each row of `[B, T]` tokens.
 
-  ids `[B, T]` int32: the segment of each position (equal ids = one sequence; a row's padding after
-  its last segment holds an id of its own). seqlens `[B, S]` int32: each row's segment lengths in
+  ids `[B, T]` int32: the segment of each position (equal ids = one sequence; 0 at a row's unused
+  end, after its last segment). seqlens `[B, S]` int32: each row's segment lengths in
   order, -1 past its last segment; offsets `[B, S + 1]` int32: their first positions, -1 past the
   last (the form cuDNN's packed fused attention takes). Positions restart at 0 in each segment (the
   caller's `positions`)."""
@@ -337,12 +337,15 @@ class Segments:
 def segment_attention(q: Array, k: Array, v: Array, segments: Segments, implementation: str) -> Array:
   """Causal attention that never crosses a segment: q `[B, T, H, D]`, k, v `[B, T, KV, D]` ->
   `[B, T, H, D]`. 'cudnn': cuDNN's fused kernel over packed segments (per-segment lengths and offsets,
-  nothing `[T, T]` in memory); 'xla': a `[B, T, T]` mask of equal segment ids under the causal one."""
+  nothing `[T, T]` in memory; JAX offers it on Hopper GPUs and newer), the outputs outside every
+  segment set to 0 (the kernel does not define them); 'xla': a `[B, T, T]` mask of equal segment ids
+  under the causal one."""
   if implementation == "cudnn":
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention as cudnn_attention
 
-    return cudnn_attention(q, k, v, None, None, segments.seqlens, segments.seqlens, segments.offsets,
-                           segments.offsets, scale=1.0 / math.sqrt(q.shape[-1]), mask_type=MaskType.CAUSAL)
+    out = cudnn_attention(q, k, v, None, None, segments.seqlens, segments.seqlens, segments.offsets,
+                          segments.offsets, scale=1.0 / math.sqrt(q.shape[-1]), mask_type=MaskType.CAUSAL)
+    return jnp.where((segments.ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
   same = segments.ids[:, :, None] == segments.ids[:, None, :]
   return jax.nn.dot_product_attention(q, k, v, mask=same[:, None], is_causal=True, implementation="xla")
 
