@@ -31,7 +31,7 @@ from llamarl_jax.model.llama import Segments
 from llamarl_jax.model.logprobs import packed_logprobs
 from llamarl_jax.train.metrics import valid_counts
 from llamarl_jax.train.state import TrainState
-from llamarl_jax.train.step import StepSpec, _constrain, apply_update, dropout_key, policy_loss, prepare
+from llamarl_jax.train.step import StepSpec, apply_update, constrain, dropout_key, policy_loss, prepare
 
 Array = jax.Array
 
@@ -113,7 +113,7 @@ def packed_train_step(spec: StepSpec, state: TrainState, batch, plan) -> tuple[T
     grads, logprobs = carry
     (part, (share, metrics, lp)), g = grad_fn(compute, spec, frozen, ref_compute, batch, packed["index"],
                                               plan["row_bin"], mb_packed, m, totals, dropout_key(spec, state.step, m))
-    grads = _constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), spec.compute_shardings)
+    grads = constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), spec.compute_shardings)
     return (grads, logprobs + lp), (part, share, metrics)
 
   def body(carry, xs):

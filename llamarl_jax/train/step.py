@@ -104,7 +104,8 @@ class StepSpec:
     return 1 if self.mesh is None else parallel.batch_divisor(self.mesh)
 
 
-def _constrain(x, shardings):
+def constrain(x, shardings):
+  """`x` under `with_sharding_constraint(shardings)`; as it is when shardings is None (no mesh)."""
   return x if shardings is None else jax.lax.with_sharding_constraint(x, shardings)
 
 
@@ -114,7 +115,7 @@ def prepare(spec: StepSpec, state: TrainState):
   (compute, frozen, ref_compute): the trained params', the LoRA base's (None without LoRA) and the
   KL reference's."""
   dtype = jnp.dtype(spec.model.dtype)
-  prep = lambda p, sh: None if p is None else _constrain(prepare_params(p, dtype), sh)
+  prep = lambda p, sh: None if p is None else constrain(prepare_params(p, dtype), sh)
   return (prep(state.params, spec.compute_shardings), prep(state.base, spec.model_compute_shardings),
           prep(state.ref, spec.model_compute_shardings))
 
@@ -172,7 +173,7 @@ def accumulate(spec: StepSpec, compute, frozen, ref_compute, grads, mb, totals, 
   grad_fn = jax.value_and_grad(_padded_loss, has_aux=True)
   (loss_part, (share, metrics, logprobs)), g = grad_fn(compute, spec, frozen, ref_compute, trimmed, totals, width,
                                                        R, key)
-  grads = _constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), spec.compute_shardings)
+  grads = constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), spec.compute_shardings)
   logprobs = jnp.pad(logprobs, ((0, 0), (0, R - logprobs.shape[1])))
   return grads, (loss_part, share, metrics, logprobs)
 
@@ -198,7 +199,7 @@ def apply_update(spec: StepSpec, state: TrainState, grads, loss_parts, shares, m
   the microbatches' `[M]`; tokens: (logprobs, behaviour_logprobs, response_mask, token_versions) of
   the whole batch in any one layout (`[M, B/M, R]` or `[B, R]`), for the mismatch metrics."""
   logprobs, behaviour, mask, versions = tokens
-  grads = _constrain(unstack_layers(grads), spec.param_shardings)
+  grads = constrain(unstack_layers(grads), spec.param_shardings)
   total_loss = jnp.sum(loss_parts)
   metrics = combine_metrics(micro_metrics, shares)
   if spec.mismatch:
