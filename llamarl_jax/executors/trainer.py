@@ -128,8 +128,10 @@ class TrainerExecutor:
                                in_shardings=(trained_sh, frozen_sh, pl.batch), out_shardings=(trained_sh, repl))
     self._packed_step = jax.jit(trained_only(with_frozen(packed_train_step)), donate_argnums=(0,),
                                 in_shardings=(trained_sh, frozen_sh, pl.batch, repl), out_shardings=(trained_sh, repl))
-    # grouped by length: the same step as separate programs (see `_grouped_step`)
-    self._row_lengths = jax.jit(steps.row_lengths, out_shardings=repl)
+    # the rows' lengths (grouped and packed layouts), a function of its own (a jit cache is per
+    # function: `trace_count` counts this trainer's programs only)
+    self._row_lengths = jax.jit(lambda batch: steps.row_lengths(batch), out_shardings=repl)
+    # grouped by length: the fused step's parts as separate programs (see `_grouped_step`)
     self._prepare_step = jax.jit(with_frozen(steps.prepare_grouped), out_shardings=(
         pl.compute, frozen_sh[0] and pl.model_compute, frozen_sh[1] and pl.model_compute, pl.micro, repl, pl.compute))
     self._accumulate_step = jax.jit(functools.partial(steps.accumulate_microbatch, self.spec),
