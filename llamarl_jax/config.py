@@ -299,7 +299,12 @@ class TrainConfig(_Validated):
   instead of 611%). Off by default: a step is then one fused program, and short or equal-length
   batches gain nothing. `scan_layers`: the layers under one `lax.scan` (compile time flat in depth);
   False unrolls them (faster steps for small models on a CPU: the tiny configs). `lora`: a
-  `LoraConfig` trains LoRA adapters on a frozen base instead of every weight (None: full fine-tuning)."""
+  `LoraConfig` trains LoRA adapters on a frozen base instead of every weight (None: full fine-tuning).
+  `pack`: pack each step's rows end to end into rows of `tokens_per_microbatch` tokens (at least the
+  batch's prompt + response width), attention kept within each sequence; a microbatch is one packed
+  row per data-parallel shard, as many as the packing needs: the same loss and gradient, computed
+  tokens close to the real ones whatever the length mix, and one compiled step program (`microbatches`
+  stays 1, `group_by_length` off)."""
   loss: str = "aipo"
   loss_kwargs: dict = field(default_factory=dict)
   reference_path: str | None = None
@@ -313,14 +318,23 @@ class TrainConfig(_Validated):
   group_by_length: bool = False
   scan_layers: bool = True
   lora: LoraConfig | None = None
+  pack: bool = False
+  tokens_per_microbatch: int | None = None
   RULES: ClassVar = {"loss": _loss_rule, "microbatches": at_least(1), "checkpoint_every": at_least(0),
                      "keep_checkpoints": at_least(1),
                      "remat": one_of(False, True, *REMAT_POLICIES), "attention": one_of(*ATTENTION_IMPLEMENTATIONS),
                      "logprob_chunk": lambda v: None if v is None or v >= 1 else "None or >= 1",
-                     "group_by_length": one_of(False, True), "scan_layers": one_of(False, True)}
+                     "group_by_length": one_of(False, True), "scan_layers": one_of(False, True),
+                     "pack": one_of(False, True),
+                     "tokens_per_microbatch": lambda v: None if v is None or v >= 1 else "None or >= 1"}
 
   def __post_init__(self):
     super().__post_init__()
+    if self.pack and (not self.tokens_per_microbatch or self.microbatches != 1 or self.group_by_length):
+      raise ConfigError(f"TrainConfig.pack = True needs tokens_per_microbatch (a packed row's tokens, at least the "
+                        f"prompt + response width; got {self.tokens_per_microbatch}), microbatches = 1 (got "
+                        f"{self.microbatches}: the packing sets them) and group_by_length = False (got "
+                        f"{self.group_by_length})")
     problems = loss_kwargs_problems(self.loss, self.loss_kwargs)
     if problems:
       raise ConfigError(f"invalid TrainConfig.loss_kwargs: {problems}")
@@ -510,7 +524,7 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
     "generator_delay_s": ("generator", "delay_s"),
     **{k: ("train", k) for k in ("loss", "loss_kwargs", "reference_path", "optimizer", "microbatches", "remat",
                                  "checkpoint_every", "keep_checkpoints", "attention", "logprob_chunk",
-                                 "group_by_length", "scan_layers", "lora")},
+                                 "group_by_length", "scan_layers", "lora", "pack", "tokens_per_microbatch")},
     **{k: ("schedule", k) for k in ("max_policy_lag", "version_schedule", "buffer_capacity", "step_timeout_s")},
     "reward_fn": ("reward", "fn"), "reward_workers": ("reward", "workers"), "reward_timeout_s": ("reward", "timeout_s"),
     "env_name": ("env", "name"),

@@ -7,6 +7,7 @@ plain arguments.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -16,20 +17,20 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from llamarl_jax import config as cfg
-from llamarl_jax import parallel
+from llamarl_jax import losses, parallel
 from llamarl_jax.checkpoint import latest_complete_step
 from llamarl_jax.config_check import RANGES, ConfigError, check_bindings
 from llamarl_jax.controller import Controller, prompt_limit as controller_prompt_limit
 from llamarl_jax.data import PromptSource
-from llamarl_jax.executors.trainer import token_logprobs
 from llamarl_jax.metrics import START, WANDB_MODES, MetricsLogger, wandb_available
 from llamarl_jax.model import hf
-from llamarl_jax.model.llama import Llama, ModelConfig, abstract_model, split_params
+from llamarl_jax.model.llama import Llama, ModelConfig, abstract_model, resolve_attention, split_params
 from llamarl_jax.time_breakdown import format_breakdown
+from llamarl_jax.train.state import init_state
+from llamarl_jax.train.step import StepSpec, train_step
 
 gin.external_configurable(ModelConfig, "ModelConfig")
 gin.external_configurable(PromptSource, "PromptSource")
@@ -171,46 +172,49 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
   model turns trained on (each + EOS), its observations only context. scan_layers: as
   `TrainConfig.scan_layers` (`scan_hidden_states`).
   """
-  abstract = abstract_model(config)
-  graphdef, _ = split_params(abstract)
-  opt = optax.chain(optax.clip_by_global_norm(1.0),
-                    optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(steps // 10, 1),
-                                                                   steps, learning_rate * 0.1),
-                                weight_decay=0.0))
-  opt_state = opt.init(params)
-
-  @jax.jit
-  def step(params, opt_state, pt, pm, rt, rm):
-    def loss_fn(p):
-      lp = token_logprobs(graphdef, p, pt, pm, rt, rm, scan_layers=scan_layers)
-      lp = lp[0] if isinstance(lp, tuple) else lp
-      return -jnp.sum(lp * rm) / jnp.maximum(jnp.sum(rm), 1)
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  # the trainer's step (`train.step.train_step`) with the negative log-likelihood as its loss
+  leaf = jax.tree.leaves(params)[0]
+  platform = next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend()
+  optimizer = cfg.OptimizerConfig(lr=learning_rate, warmup_steps=max(steps // 10, 1), schedule="cosine",
+                                  total_steps=max(steps, 1), final_lr_ratio=0.1, b2=0.999, max_grad_norm=1.0)
+  spec = StepSpec(model=config, loss=losses.nll_loss, optimizer=optimizer, logprob_chunk=None,
+                  attention=resolve_attention("auto", platform, config.dtype), scan_layers=scan_layers,
+                  mismatch=False)
+  state = init_state(params, spec.tx)
+  # The batch goes to the params' devices, replicated (as jit would place host arrays in one process;
+  # explicit so that a trainer spread over processes runs the same program); the state keeps its
+  # shardings from step to step (one compiled program).
+  batch_sharding = (jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+                    if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) else None)
+  if batch_sharding is None:
+    step = jax.jit(functools.partial(train_step, spec))
+  else:
+    shardings = jax.tree.map(lambda x: x.sharding if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+                             else batch_sharding, state)
+    state = jax.device_put(state, shardings)
+    step = jax.jit(functools.partial(train_step, spec), out_shardings=(shardings, batch_sharding))
 
   it = range(steps)
   if progress:
     from tqdm.auto import tqdm
     it = tqdm(it, desc="SFT warm start", dynamic_ncols=True)
-  # The batch goes to the params' devices, replicated (as jit would place host arrays in one process;
-  # explicit so that a trainer spread over processes runs the same program).
-  leaf = jax.tree.leaves(params)[0]
-  batch_sharding = (jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
-                    if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) else None)
   for i in it:
     examples = source.next_batch(batch_size)
     batch = _sft_batch(tokenizer, examples, [source.reference(ex) for ex in examples], prompt_len, resp_len, env=env)
+    pt, pm, rt, rm = batch
+    batch = {"prompt_tokens": pt, "prompt_mask": pm, "response_tokens": rt, "response_mask": rm,
+             "behaviour_logprobs": np.zeros(rt.shape, np.float32), "advantages": np.zeros(len(rt), np.float32),
+             "token_versions": np.full(rt.shape, -1, np.int32)}
     if batch_sharding is not None:
       batch = jax.device_put(batch, batch_sharding)
-    params, opt_state, loss = step(params, opt_state, *batch)
+    state, metrics = step(state, batch)
     if (i + 1) % log_every == 0 or i + 1 == steps:
-      loss = float(np.asarray(loss.addressable_data(0)))  # replicated; works when the mesh spans processes
+      loss = float(np.asarray(metrics["loss/total"].addressable_data(0)))  # replicated; works across processes
       if progress:
         it.set_postfix(nll=f"{loss:.3f}")
       if logger is not None:
         logger.log(i + 1 - steps, {"sft/nll": loss})
-  return params
+  return state.params
 
 
 def _bound_model_path() -> str | None:

@@ -668,6 +668,20 @@ def mis_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask
   return total, metrics
 
 
+def nll_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
+             aggregation: str = "token_mean", loss_norm_constant: float | None = None, ref_logprobs=None,
+             entropy=None) -> tuple[Array, dict[str, Array]]:
+  """Negative log-likelihood of the valid tokens (supervised fine-tuning: the trainer's step with this
+  loss is the SFT step). logprobs, mask `[B, T]`; behaviour_logprobs, advantages, ref_logprobs and
+  entropy are not used (the signature is the policy losses', so one step function serves both).
+  Returns (loss, metrics)."""
+  del behaviour_logprobs, advantages, ref_logprobs, entropy
+  valid = jnp.asarray(mask) != 0
+  loss = aggregate(-_as_float(logprobs), valid, aggregation, loss_norm_constant)
+  metrics = {"loss/total": loss, "policy/num_tokens": jnp.sum(valid), "policy/num_seqs": jnp.sum(jnp.any(valid, axis=-1))}
+  return loss, {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+
+
 # Read-only name -> loss table (for configs: Controller(loss="aipo", loss_kwargs={...})).
 LOSSES = types.MappingProxyType({"aipo": aipo_loss, "ppo_clip": ppo_clip_loss,
                                  "decoupled_ppo": decoupled_ppo_loss, "gspo": gspo_loss,

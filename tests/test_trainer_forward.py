@@ -281,9 +281,9 @@ def test_step_lowered_for_cuda_uses_cudnn_fused_attention():
 def test_padding_fraction_metric():
   """train/padding_fraction = padded positions / real tokens of the trainer's rows: 2 rows of width
   P + R = 4 + 4 = 8 holding 2 + 3 and 4 + 1 real tokens -> (16 - 10) / 10."""
-  from llamarl_jax.executors.trainer import _padding_fraction
+  from llamarl_jax.train.step import padding_fraction
 
   batch = {"prompt_tokens": np.array([[0, 0, 5, 6], [1, 2, 3, 4]]), "prompt_mask": np.array([[0, 0, 1, 1], [1, 1, 1, 1]]),
            "response_tokens": np.array([[7, 8, 9, 0], [5, 0, 0, 0]]),
            "response_mask": np.array([[1, 1, 1, 0], [1, 0, 0, 0]])}
-  assert float(_padding_fraction(batch)) == pytest.approx(0.6)
+  assert float(padding_fraction(batch)) == pytest.approx(0.6)

@@ -346,6 +346,37 @@ def with_lora(y: Array, x: Array, name: str, lora: LoraLayer | None) -> Array:
   return y + delta.reshape(y.shape).astype(y.dtype)
 
 
+@flax.struct.dataclass
+class Segments:
+  """Packed rows: several sequences (segments) laid end to end in each row of `[B, T]` tokens.
+
+  ids `[B, T]` int32: the segment of each position (equal ids = one sequence; 0 at a row's unused
+  end, after its last segment). seqlens `[B, S]` int32: each row's segment lengths in
+  order, -1 past its last segment; offsets `[B, S + 1]` int32: their first positions, -1 past the
+  last (the form cuDNN's packed fused attention takes). Positions restart at 0 in each segment (the
+  caller's `positions`)."""
+
+  ids: Array
+  seqlens: Array
+  offsets: Array
+
+
+def segment_attention(q: Array, k: Array, v: Array, segments: Segments, implementation: str) -> Array:
+  """Causal attention that never crosses a segment: q `[B, T, H, D]`, k, v `[B, T, KV, D]` ->
+  `[B, T, H, D]`. 'cudnn': cuDNN's fused kernel over packed segments (per-segment lengths and offsets,
+  nothing `[T, T]` in memory; JAX offers it on Hopper GPUs and newer), the outputs outside every
+  segment set to 0 (the kernel does not define them); 'xla': a `[B, T, T]` mask of equal segment ids
+  under the causal one."""
+  if implementation == "cudnn":
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention as cudnn_attention
+
+    out = cudnn_attention(q, k, v, None, None, segments.seqlens, segments.seqlens, segments.offsets,
+                          segments.offsets, scale=1.0 / math.sqrt(q.shape[-1]), mask_type=MaskType.CAUSAL)
+    return jnp.where((segments.ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+  same = segments.ids[:, :, None] == segments.ids[:, None, :]
+  return jax.nn.dot_product_attention(q, k, v, mask=same[:, None], is_causal=True, implementation="xla")
+
+
 class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
     c, pd = config, jnp.dtype(config.param_dtype)
@@ -377,7 +408,8 @@ class Attention(nnx.Module):
     With `lengths` `[B]` (and mask None, no cache) the rows are right-padded sequences from position
     0: causal attention with per-row lengths by `jax.nn.dot_product_attention(implementation=...)`,
     the form cuDNN's fused kernel takes ('cudnn'), or XLA's ('xla'). Outputs past a row's length
-    are not meaningful. lora: `LoraLayer` adapters of this block's projections (the trainer's
+    are not meaningful. With `lengths` a `Segments`, each row packs several sequences: causal
+    attention within each (`segment_attention`). lora: `LoraLayer` adapters of this block's projections (the trainer's
     unmerged LoRA forward), or None."""
     dt, c = x.dtype, self.config
     if self.fused:
@@ -410,7 +442,9 @@ class Attention(nnx.Module):
         write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (i, 0, 0)))
         k, v = write(ck, k.astype(ck.dtype), index), write(cv, v.astype(cv.dtype), index)
       new_cache = (k, v)
-    if lengths is not None:  # the trainer: right-padded rows, causal with per-row lengths
+    if isinstance(lengths, Segments):  # the packed trainer: causal within each segment of a row
+      out = segment_attention(q, k, v, lengths, implementation)
+    elif lengths is not None:  # the trainer: right-padded rows, causal with per-row lengths
       out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
                                          key_value_seq_lengths=lengths, implementation=implementation)
     elif q.shape[1] == 1 and layer_cache is not None:  # one new token per row: the decode step
@@ -660,12 +694,14 @@ def _block_graphdef(config: ModelConfig):
 def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengths: Array, *,
                        attention: str = "xla", remat="none", scan_layers: bool = True,
                        lora: dict | None = None, lora_scale: float = 1.0, lora_dropout: float = 0.0,
-                       dropout_key: Array | None = None) -> Array:
+                       dropout_key: Array | None = None, positions: Array | None = None) -> Array:
   """Final-norm hidden states `[B, T, E]` of right-padded rows, the layers under `lax.scan`.
 
   prepared: `prepare_params(params, config.dtype)`. tokens `[B, T]`: each row's sequence from
   position 0 (positions are 0..T-1), valid up to `lengths` `[B]`; states past a row's length are
   not meaningful. attention: 'xla' or 'cudnn' (see `resolve_attention`); remat: see `remat_policy`.
+  Packed rows: `lengths` a `Segments` and `positions` `[B, T]` (restarting at 0 in each segment):
+  attention stays within each segment (`segment_attention`).
   scan_layers=False unrolls the scan (the same program, one copy per layer): compile time grows with
   depth, but a small model on a CPU steps ~1.5x faster (BENCHMARKS.md: the main job's trainer step,
   734 -> 492 ms), XLA:CPU's loop over stacked layers costing more than the layers themselves.
@@ -676,10 +712,12 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
   """
   dt = jnp.dtype(config.dtype)
   B, T = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   inv_freq = rope_frequencies(config)
   graphdef = _block_graphdef(config)
-  lengths = lengths.astype(jnp.int32)
+  if not isinstance(lengths, Segments):
+    lengths = lengths.astype(jnp.int32)
 
   def layer(x, xs):
     layer_params, layer_lora, layer_key = xs

@@ -1,0 +1,120 @@
+"""Where a `TrainState` and a batch live on the trainer mesh: shardings, placement, abstract states.
+
+Params are fp32 masters sharded by `parallel.RULES` (FSDP over `fsdp`, TP over `tp` when the mesh has
+tp > 1); the optimizer state follows its params; the step's compute copy (`prepare_params`: layers
+stacked) has each layer leaf's sharding with a replicated leading `[num_layers]` axis; a batch's rows
+go over `data` x `fsdp`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from llamarl_jax import parallel
+from llamarl_jax.config import LoraConfig
+from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch
+from llamarl_jax.model import lora as lora_lib
+from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.train.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Shardings of a trainer's state and batches. model: the whole model's (the LoRA base, the KL
+  reference); params: the trained params' (the model's, or LoRA adapters'); trained: a `TrainState`
+  of shardings without its frozen parts; compute / model_compute: `prepare_params`' layouts of
+  params / model; batch: each `TRAIN_FIELDS` array's; micro: the same split `[M, B/M, ...]`."""
+  mesh: Mesh
+  model: Any
+  params: Any
+  trained: TrainState
+  compute: Any
+  model_compute: Any
+  batch: dict
+  micro: dict
+  replicated: NamedSharding
+  model_shapes: Any  # fp32 ShapeDtypeStructs of the model's params
+  param_shapes: Any  # ... of the trained params
+
+
+def _stacked(shardings, mesh: Mesh):
+  """`prepare_params`' layout: each layer leaf's sharding with a replicated leading `[num_layers]` axis."""
+  layer0 = shardings["layers"][0]
+  stacked = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), layer0)
+  return {**{k: v for k, v in shardings.items() if k != "layers"}, "layers": stacked}
+
+
+def make_placement(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, *, lora: LoraConfig | None = None,
+                   rules: Mapping[str, str | None] = parallel.RULES) -> Placement:
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  model_axes = parallel.logical_axes(abstract)
+  model_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), split_params(abstract)[1])
+  model_sh = parallel.param_shardings(model_shapes, model_axes, mesh, rules)
+  shapes, axes = ((model_shapes, model_axes) if lora is None else
+                  (lora_lib.adapter_shapes(config, lora), lora_lib.adapter_axes(model_axes, lora)))
+  param_sh = parallel.param_shardings(shapes, axes, mesh, rules)
+  repl = parallel.replicated(mesh)
+  opt_sh = optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, shapes), param_sh,
+                                 transform_non_params=lambda _: repl)
+  return Placement(
+      mesh=mesh, model=model_sh, params=param_sh, trained=TrainState(params=param_sh, opt_state=opt_sh, step=repl,
+                                                                     skipped=repl),
+      compute=_stacked(param_sh, mesh), model_compute=_stacked(model_sh, mesh),
+      batch={k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in TRAIN_FIELDS},
+      micro={k: NamedSharding(mesh, P(None, parallel.BATCH_AXES, *[None] * (k != "advantages"))) for k in TRAIN_FIELDS},
+      replicated=repl, model_shapes=model_shapes, param_shapes=shapes)
+
+
+def place(tree, dtype, shardings, what: str = "the model's structure for this ModelConfig") -> Any:
+  """Copy `tree` onto `shardings` in `dtype`, never aliasing the caller's buffers (a step donates what
+  it trains; device_put may alias a shard already on its device). what: the expected tree, for errors."""
+  if jax.tree.structure(tree) != jax.tree.structure(shardings):
+    raise ValueError(f"params do not match {what}: expected {jax.tree.structure(shardings)}, got "
+                     f"{jax.tree.structure(tree)}")
+  dtype = jnp.dtype(dtype)
+  cast = lambda x: jnp.array(x, dtype=dtype, copy=True) if isinstance(x, jax.Array) else np.asarray(x, dtype)
+  return jax.device_put(jax.tree.map(cast, tree), shardings)
+
+
+def abstract_state(placement: Placement, tx, *, base_dtype=None, ref_dtype=None) -> TrainState:
+  """A `TrainState` of sharded `ShapeDtypeStruct`s (fp32 params; a base in `base_dtype` / a reference
+  in `ref_dtype` when given): what `lower_step` lowers from, nothing allocated."""
+  sds = lambda dt: lambda x, sh: jax.ShapeDtypeStruct(x.shape, dt or x.dtype, sharding=sh)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=placement.replicated)
+  frozen = lambda dt: None if dt is None else jax.tree.map(sds(jnp.dtype(dt)), placement.model_shapes, placement.model)
+  return TrainState(params=jax.tree.map(sds(jnp.float32), placement.param_shapes, placement.params),
+                    opt_state=jax.tree.map(sds(None), jax.eval_shape(tx.init, placement.param_shapes),
+                                           placement.trained.opt_state),
+                    step=scalar, skipped=scalar, base=frozen(base_dtype), ref=frozen(ref_dtype))
+
+
+def batch_arrays(batch: ScoredBatch) -> dict:
+  """The `TRAIN_FIELDS` of `batch` (host numpy or device arrays) in their dtypes, shapes checked:
+  `[B, P]` prompts, `[B, R]` responses (and behaviour log-probs, token versions), `[B]` advantages."""
+  r = batch.rollout
+  host = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
+          "response_tokens": r.response_tokens, "response_mask": r.response_mask,
+          "behaviour_logprobs": r.behaviour_logprobs, "advantages": batch.advantages,
+          # the version of each token's weights, for the mismatch metrics' split by lag (-1: unknown)
+          "token_versions": (np.full(np.shape(r.response_tokens), -1, np.int32) if r.token_versions is None
+                             else r.token_versions)}
+  B = np.shape(host["prompt_tokens"])[0]
+  expected = {"prompt_tokens": (B, None), "prompt_mask": np.shape(host["prompt_tokens"]),
+              "response_tokens": (B, None), "response_mask": np.shape(host["response_tokens"]),
+              "behaviour_logprobs": np.shape(host["response_tokens"]), "advantages": (B,),
+              "token_versions": np.shape(host["response_tokens"])}
+  out = {}
+  for k, v in host.items():
+    shape, want = np.shape(v), expected[k]
+    if len(shape) != len(want) or any(w is not None and w != s for w, s in zip(want, shape)):
+      raise ValueError(f"batch field {k} has shape {shape}, expected {want} (None = any)")
+    out[k] = v.astype(TRAIN_FIELDS[k]) if isinstance(v, jax.Array) else np.asarray(v, TRAIN_FIELDS[k])
+  return out
