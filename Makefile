@@ -55,7 +55,7 @@ run-gpu: install-gpu
 # call, the engine and profile sections in another; the whole command has not run end to end on a GPU. The JSON
 # calibrates the step-time model: python -m llamarl_jax.perf_model --calibrate results/bench_gpu/bench_gpu.json
 bench-gpu: install-gpu
-	$(BIN)/python scripts/bench_gpu.py --out results/bench_gpu $(ARGS)
+	$(BIN)/python -m scripts.bench_gpu --out results/bench_gpu $(ARGS)
 
 bench: install
 	$(TEST_ENV) $(BIN)/python scripts/bench_generate.py
@@ -72,11 +72,9 @@ study: install
 	$(BIN)/python -m pip install -q -e '.[study]'
 	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study --seeds 5 $(ARGS)
 
-OFF_POLICY_CELLS = $(shell $(BIN)/python -c "import sys; sys.argv = ['x']; sys.path.insert(0, 'scripts'); import study; print(','.join(study.OFF_POLICY_CELLS))" 2>/dev/null)
-
 study-offpolicy: install  # the off-policy objectives' grid: 20 cells x 5 seeds, ~2 h on 2 cores
 	$(BIN)/python -m pip install -q -e '.[study]'
-	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study_offpolicy --seeds 5 --cells $(OFF_POLICY_CELLS) $(ARGS)
+	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study_offpolicy --seeds 5 --cells offpolicy $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs results .pytest_cache

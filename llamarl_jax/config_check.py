@@ -3,7 +3,9 @@
 A wrong value in a config (a string for `TrainConfig.checkpoint_every`, a negative lag, top_p = 2)
 would otherwise surface minutes later, deep in the run, as a raw `TypeError` or a silent misbehaviour.
 `check_bindings()` runs before anything is built or compiled and raises one `ConfigError` listing every
-bad binding by its gin name, with what was expected and what was found.
+bad binding by its gin name, with what was expected and what was found. `check_inputs()` does the same
+for the files and directories the bindings name (prompt files, model, reference and adapter directories,
+the model's tokenizer): a placeholder path ends the run in one message naming the binding to set.
 
 Types come from the annotations of the bound function / class (`int`, `float | None`, `OptimizerConfig`,
 ...); ranges and choices from `RANGES`, keyed by gin name (the run's configuration classes bring
@@ -19,6 +21,7 @@ import os
 import types
 import typing
 from collections.abc import Callable as AbcCallable
+from pathlib import Path
 from typing import Any, Callable
 
 import gin
@@ -169,6 +172,63 @@ def binding_problems() -> list[str]:
         if expected:
           problems.append(f"{label}: expected {expected}")
   return problems
+
+
+# Bindings that name what a run reads from disk: (configurable, parameter) -> (what it is, files one of which
+# each directory must hold). A missing one ends the run before anything is built, naming the binding.
+INPUTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    ("PromptSource", "files"): ("prompt files (.jsonl / .json / .parquet, or globs)", ()),
+    ("build_policy", "model_path"): ("a Hugging Face model directory", ("config.json",)),
+    ("TrainConfig", "reference_path"): ("the KL reference's Hugging Face model directory", ("config.json",)),
+    ("LoraConfig", "adapter_path"): ("a PEFT adapter directory", ("adapter_config.json",)),
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _input_problem(name: str, param: str, value) -> str | None:
+  """Why the input bound at `name.param` cannot be read, or None."""
+  from llamarl_jax import data
+
+  what, required = INPUTS[(name, param)]
+  if name == "PromptSource":
+    try:
+      data.expand_files(value)
+    except FileNotFoundError as e:
+      return str(e)
+    return None
+  path = Path(os.path.expanduser(str(value)))
+  if not path.is_dir():
+    return f"{path} is not a directory (expected {what})"
+  if required and not any((path / f).exists() for f in required):
+    return f"{path} has no {' / '.join(required)} (expected {what})"
+  if name == "build_policy" and not any((path / f).exists() for f in _TOKENIZER_FILES):
+    return f"{path} has no tokenizer ({' / '.join(_TOKENIZER_FILES)})"
+  return None
+
+
+def input_problems(inputs=tuple(INPUTS)) -> list[str]:
+  """Every bound input of `inputs` ((configurable, parameter) keys of INPUTS; default all) that is missing,
+  as "scope/Name.param = value: why"."""
+  problems = []
+  for scope, name, _, params in _bindings():
+    for param, value in sorted(params.items()):
+      value, _ = _resolve_macro(value)
+      if (name, param) not in inputs or value is None or isinstance(value, gin.config.ConfigurableReference):
+        continue
+      why = _input_problem(name, param, value)
+      if why:
+        problems.append(f"{scope + '/' if scope else ''}{name}.{param} = {value!r}: {why}")
+  return problems
+
+
+def check_inputs(inputs=tuple(INPUTS)) -> None:
+  """Raise one `ConfigError` naming every bound data file, model directory, tokenizer or adapter of `inputs`
+  (default all) that is missing."""
+  problems = input_problems(inputs)
+  if problems:
+    raise ConfigError(f"{len(problems)} input(s) the config names cannot be read (nothing was built or run):\n  "
+                      + "\n  ".join(problems) + "\nSet each binding to a real path, in the gin file or with "
+                      f"--gin_param (e.g. --gin_param=\"{problems[0].split(' = ')[0]}='...'\").")
 
 
 def check_bindings() -> None:

@@ -70,7 +70,8 @@ class PromptExample:
     return ids[-self.max_tokens:] if self.max_tokens is not None and len(ids) > self.max_tokens else ids
 
 
-def _expand(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+  """The prompt files that `files` (path(s) or glob(s)) name; FileNotFoundError naming the first that is missing."""
   items = [files] if isinstance(files, (str, os.PathLike)) else list(files)
   paths: list[Path] = []
   for item in items:
@@ -117,16 +118,6 @@ def read_located_rows(path: str | os.PathLike) -> list[tuple[str, dict | str]]:
 
 def _as_object(row: Any) -> dict | str:
   return row if isinstance(row, dict) else f"expected a JSON object, found a JSON {type(row).__name__}"
-
-
-def read_rows(path: str | os.PathLike) -> list[dict]:
-  """Rows of a .jsonl / .json (list) / .parquet file as dicts; a malformed row raises naming file and line."""
-  rows = []
-  for where, row in read_located_rows(path):
-    if isinstance(row, str):
-      raise ValueError(f"{where}: {row}")
-    rows.append(row)
-  return rows
 
 
 _LAYOUTS = (("question", "answer", "gsm8k"), ("problem", "solution", "boxed"), ("problem", "answer", "raw"),
@@ -246,7 +237,7 @@ class PromptSource:
     rows: list[tuple[int, str, str, str, str]] = []
     first_skips: list[str] = []
     index = 0
-    for path in _expand(files):
+    for path in expand_files(files):
       located = read_located_rows(path)
       objects = [r for _, r in located if isinstance(r, dict)]
       if not objects and not prompt_field:  # empty, or no row is an object: each row reports itself

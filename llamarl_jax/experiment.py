@@ -26,7 +26,7 @@ from llamarl_jax.config_check import RANGES, ConfigError, check_bindings
 from llamarl_jax.controller import Controller, prompt_limit as controller_prompt_limit
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.trainer import token_logprobs
-from llamarl_jax.metrics import START, MetricsLogger
+from llamarl_jax.metrics import START, WANDB_MODES, MetricsLogger, wandb_available
 from llamarl_jax.model import hf
 from llamarl_jax.model.llama import Llama, ModelConfig, abstract_model, split_params
 from llamarl_jax.time_breakdown import format_breakdown
@@ -261,8 +261,8 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                    rl_source: PromptSource | None = None, eval_source: PromptSource | None = None,
                    eval_size: int = 256, eval_every: int = 0, eval_samples: int = 0, eval_window: int = 3,
                    sft: bool = True, resume: bool = False, export: bool = True,
-                   tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True,
-                   resume_allow_changes: list[str] | tuple[str, ...] = (), memory_check: bool = True,
+                   tensorboard: bool = True, wandb_project: str | None = None, wandb_mode: str | None = None,
+                   progress: bool = True, resume_allow_changes: list[str] | tuple[str, ...] = (), memory_check: bool = True,
                    export_sft: bool = False) -> dict:
   """SFT warm start (optional) -> eval -> async RL (eval every `eval_every` steps) -> eval -> HF export.
 
@@ -286,6 +286,10 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   knobs that help, unless `memory_check` is False. At the end: where the wall time went
   (`time_breakdown`; printed, in the summary's "time_breakdown").
 
+  `wandb_project`: Weights & Biases beside JSONL and TensorBoard (`metrics.MetricsLogger`): the run's
+  configuration, every logged row, the time breakdown and the memory plan; `wandb_mode="offline"` needs
+  no network.
+
   Across processes every process runs this: the trainer processes do the SFT, training, checkpoints
   and export, the generator processes generation, rewards and the evaluations' sampling; process 0
   (the trainer leader) writes the config, the logs, the summary and the export.
@@ -295,6 +299,11 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   problems = [f"run_experiment.{k} = {v!r}: expected {why}" for k, v in
               (("rl_steps", rl_steps), ("eval_size", eval_size), ("eval_every", eval_every),
                ("eval_samples", eval_samples), ("eval_window", eval_window)) if (why := rules[k](v))]
+  if wandb_project and not wandb_available():
+    problems.append(f"run_experiment.wandb_project = {wandb_project!r} needs the wandb package: "
+                    "pip install -e '.[wandb]' (or unset wandb_project)")
+  if wandb_mode not in WANDB_MODES:
+    problems.append(f"run_experiment.wandb_mode = {wandb_mode!r}: expected one of {WANDB_MODES}")
   if problems:
     raise ConfigError("; ".join(problems))
   run_dir = Path(run_dir)
@@ -337,14 +346,15 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                           progress=progress)
   controller.evaluation_config = {"size": eval_size, "every": eval_every, "samples": eval_samples,
                                   "window": eval_window}  # in checkpoints; may change on resume
-  logger = None
+  logger = summary = None
   try:
     restored = _resume_or_refuse(controller, run_dir, resume=resume, allow_changes=resume_allow_changes,
                                  progress=progress)
     if main:
       run_dir.mkdir(parents=True, exist_ok=True)
       (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
-      logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project,
+      logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project, wandb_mode=wandb_mode,
+                             config={**controller.run_config(), "gin": gin.config_str()},
                              rewind_to=START if restored is None else restored)
       controller.logger = logger
     controller.recorder.breakdown.add("warmup", time.perf_counter() - t_start)  # building and compiling
@@ -358,12 +368,15 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   finally:
     with controller.recorder.breakdown.timed("waits_other"):  # stopping the reward pool and the tools
       controller.close()
-    if logger is not None:
+    if logger is not None and summary is None:  # a failed or interrupted run: the logs end here
       logger.close()
   summary["total_seconds"] = time.perf_counter() - t_start
   if plan is not None:
     summary["memory_plan"] = plan.as_dict()
   summary["time_breakdown"] = controller.recorder.breakdown.report(summary["total_seconds"])
+  if logger is not None:
+    logger.log_summary({k: summary[k] for k in ("time_breakdown", "memory_plan") if k in summary})
+    logger.close()
   if progress:
     print(format_breakdown(summary["time_breakdown"]))
   if main:

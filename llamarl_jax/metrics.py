@@ -1,6 +1,13 @@
-"""Metrics: one JSONL line per step, TensorBoard scalars (tensorboardX), optional wandb.
+"""Metrics: one JSONL line per step, TensorBoard scalars (tensorboardX), optional Weights & Biases.
 
 Names follow cleanRL's `group/name` habit: `reward/mean`, `policy/ratio_max`, `time/generate`.
+
+Weights & Biases (`wandb_project`; the `wandb` extra): the run's configuration as the W&B config, every
+logged row as its history, and the end-of-run sections (`log_summary`: the time breakdown, the memory
+plan) in its summary, flattened to `section/key`. `wandb_mode="offline"` writes the run under
+`<run_dir>/wandb/` with no network (`wandb sync` uploads it later); None takes W&B's own default
+(`WANDB_MODE`, else online). The W&B run id is kept in `<run_dir>/wandb_run_id`, so a resumed run
+continues the same W&B run.
 
 Resume: `MetricsLogger(..., rewind_to=step)` makes the logs continue from the restored checkpoint, so
 every step appears once: JSONL rows with a larger step (logged by the interrupted run after its last
@@ -14,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Mapping
 
@@ -28,6 +36,27 @@ def append_bounded(items: list, item, keep: int = KEEP) -> None:
     del items[:-keep]
 
 
+WANDB_MODES = (None, "online", "offline", "disabled")
+
+
+def wandb_available() -> bool:
+  """Whether the `wandb` package imports (the `wandb` extra: pip install -e '.[wandb]')."""
+  import importlib.util
+  return importlib.util.find_spec("wandb") is not None
+
+
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, float]:
+  """{"a": {"b": 1.0, "c": "x"}} -> {"a/b": 1.0}: the numeric leaves of nested mappings, keys joined by '/'."""
+  out = {}
+  for k, v in tree.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, Mapping):
+      out.update(flatten(v, key + "/"))
+    elif not isinstance(v, str) and (p := _plain(v)) is not None and isinstance(p, float):
+      out[key] = p
+  return out
+
+
 def _plain(v):
   try:
     v = float(v)
@@ -39,7 +68,7 @@ def _plain(v):
 class MetricsLogger:
 
   def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, wandb_project: str | None = None,
-               config: Mapping | None = None, rewind_to: int | None = None):
+               wandb_mode: str | None = None, config: Mapping | None = None, rewind_to: int | None = None):
     self.run_dir = Path(run_dir)
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.jsonl_path = self.run_dir / "metrics.jsonl"
@@ -53,12 +82,17 @@ class MetricsLogger:
       self._tb = SummaryWriter(str(tb_dir), purge_step=purge)
     self._wandb = None
     if wandb_project:
-      try:
-        import wandb
-      except ImportError:
-        print("wandb is not installed; logging to JSONL and TensorBoard only")
-      else:
-        self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=dict(config or {}))
+      if wandb_mode not in WANDB_MODES:
+        raise ValueError(f"wandb_mode must be one of {WANDB_MODES}, got {wandb_mode!r}")
+      if not wandb_available():
+        raise ImportError(f"wandb_project={wandb_project!r} needs the wandb package: pip install -e '.[wandb]'")
+      import wandb
+
+      id_file = self.run_dir / "wandb_run_id"
+      run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+      id_file.write_text(run_id)
+      self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=dict(config or {}), id=run_id,
+                               resume="allow", mode=wandb_mode)
 
   def log(self, step: int, metrics: Mapping[str, float]) -> None:
     row = {"step": int(step)}
@@ -68,8 +102,14 @@ class MetricsLogger:
       for k, v in row.items():
         if k != "step" and isinstance(v, float):
           self._tb.add_scalar(k, v, step)
+    if self._wandb is not None:  # numbers only, as TensorBoard (JSONL keeps a non-finite value as a string)
+      self._wandb.log({k: v for k, v in row.items() if k != "step" and isinstance(v, float)}, step=step)
+
+  def log_summary(self, sections: Mapping[str, Mapping]) -> None:
+    """End-of-run sections (e.g. {"time_breakdown": ..., "memory_plan": ...}) into W&B's run summary,
+    flattened to `section/key` numbers (summary.json holds them for the other sinks)."""
     if self._wandb is not None:
-      self._wandb.log(row, step=step)
+      self._wandb.summary.update(flatten(sections))
 
   def close(self) -> None:
     self._jsonl.close()

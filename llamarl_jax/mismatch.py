@@ -39,7 +39,6 @@ Array = jax.Array
 
 PREFIX = "rollout_corr"
 MISMATCH_LAGS = 4  # per-lag metrics for lags 0 .. 3 by default (LlamaRL runs at lag 1)
-NAMES = ("kl_k3", "ratio_mean", "ratio_max", "token_mult_prob_error", "num_tokens")
 
 
 def _summary(d: Array, valid: Array) -> dict[str, Array]:

@@ -98,15 +98,6 @@ def param_shardings(params: Any, axes: Any, mesh: Mesh, rules: Mapping[str, str 
                       axes, params, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def shard_params(params: Any, axes: Any, mesh: Mesh, rules: Mapping[str, str | None] = RULES,
-                 dtype=None) -> Any:
-  """Place `params` on `mesh` with the rules (device to device when they already live on devices)."""
-  shardings = param_shardings(params, axes, mesh, rules)
-  if dtype is not None:
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
-  return jax.device_put(params, shardings)
-
-
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   """Shard dim 0 (the batch) over `data` x `fsdp`; the rest replicated."""
   return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))

@@ -23,11 +23,7 @@ engine's row of the same lag and delay.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

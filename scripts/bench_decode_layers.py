@@ -3,7 +3,7 @@
 the generator's weights fused (the serving layout: Q/K/V and gate/up, `model.serving`) or in the
 trainer's layout, and the layers unrolled (the engine's model) or under `lax.scan`.
 
-Nothing runs and nothing is allocated: each step (`SlotPrograms._step`: the paged forward of one token
+Nothing runs and nothing is allocated: each step (`SlotPrograms.decode_step`: the paged forward of one token
 per slot, the lm_head, sampling, the slot state's update; every slot running) is lowered from abstract
 shapes and compiled by XLA's GPU compiler for the H100 target description (`bench_generate --bytes_target`,
 no autotuning without the device). Kernels are counted from the optimized module (`paged.kernel_counts`:
@@ -16,22 +16,18 @@ pool passes through the scan as its input and output per layer). Also the engine
 chunk of steps in a `while_loop`, unrolled layers) compile time in each layout.
 
   JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=/tmp/cudasite \\
-    PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH python scripts/bench_decode_layers.py --size 1b --slots 64
+    PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH python -m scripts.bench_decode_layers --size 1b --slots 64
 """
 
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 class ScannedModel:
-  """The duck-typed model `SlotPrograms._step` calls (`hidden_states` over a paged cache, `logits`),
+  """The duck-typed model `SlotPrograms.decode_step` calls (`hidden_states` over a paged cache, `logits`),
   its layers under `lax.scan`: params are `prepare_params`-stacked, the pool's k, v `[L, NB, bs, KV, D]`."""
 
   def __init__(self, config, layout, params):
@@ -98,7 +94,7 @@ def step_cost(programs, weight_layout, prompt, n_gen, scanned: bool) -> dict:
   repl = jax.sharding.NamedSharding(programs.mesh, jax.sharding.PartitionSpec())
 
   def step(params, cache, state, version):
-    return programs._step(ScannedModel(c, weight_layout, params), cache, state, version, num_entries)[:2]
+    return programs.decode_step(ScannedModel(c, weight_layout, params), cache, state, version, num_entries)
 
   lowered = jax.jit(step, donate_argnums=(1, 2), in_shardings=repl, out_shardings=repl).lower(
       params, cache, state, jax.ShapeDtypeStruct((), jnp.int32))
@@ -140,7 +136,7 @@ def main(argv=None):
   import jax
   import numpy as np
 
-  import bench_generate
+  from scripts import bench_generate
   from llamarl_jax.generation import Sampler, SamplingParams
   from llamarl_jax.generation.slot_programs import SlotPrograms
   from llamarl_jax.model.llama import HF_LAYOUT, ModelConfig
@@ -189,7 +185,7 @@ def main(argv=None):
       p, _ = programs_for(layout_name, config.num_layers)
       key = ("decode", p.widths[0], p.entry_plan[p.widths[0]][-1])
       t0 = time.perf_counter()
-      lowered = p._lower(key)
+      lowered = p.lower(key)
       t1 = time.perf_counter()
       lowered.compile()
       seconds = time.perf_counter() - t1

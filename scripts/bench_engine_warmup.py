@@ -3,8 +3,8 @@
 program set compiled, or loaded from JAX's persistent compilation cache), per program, in this
 process. Run it twice in fresh processes to see a cold and a warm cache:
 
-  LLAMARL_JAX_CACHE_DIR=/tmp/jaxcache python scripts/bench_engine_warmup.py --size 1b   # cold
-  LLAMARL_JAX_CACHE_DIR=/tmp/jaxcache python scripts/bench_engine_warmup.py --size 1b   # warm
+  LLAMARL_JAX_CACHE_DIR=/tmp/jaxcache python -m scripts.bench_engine_warmup --size 1b   # cold
+  LLAMARL_JAX_CACHE_DIR=/tmp/jaxcache python -m scripts.bench_engine_warmup --size 1b   # warm
 
 Prints one JSON line: size, slots, prompt, R, attention form, warm-up seconds, programs, each
 program's compile seconds (they compile concurrently: the sum exceeds the warm-up), and the seconds
@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def main(argv=None) -> dict:
@@ -39,7 +36,7 @@ def main(argv=None) -> dict:
   import jax
   import jax.numpy as jnp
 
-  import bench_generate
+  from scripts import bench_generate
   from llamarl_jax.generation import SamplingParams
   from llamarl_jax.generation.engine import SlotEngine
   from llamarl_jax.model.hf import config_from_hf

@@ -72,12 +72,10 @@ import contextlib
 import dataclasses
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name: (vocab, hidden, intermediate, layers, heads, kv_heads)
 SIZES = {

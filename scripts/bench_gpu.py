@@ -40,9 +40,9 @@ It checks its environment first and stops with a clear message when JAX sees no 
 every section at toy sizes on whatever backend is present (CPU included), cuDNN and the PyTorch CUDA
 parts skipped, so the script itself is tested (tests/test_bench_scripts.py).
 
-  make bench-gpu                                    # = python scripts/bench_gpu.py --out results/bench_gpu
-  python scripts/bench_gpu.py --sections decode,trainer --out /tmp/bench
-  JAX_PLATFORMS=cpu python scripts/bench_gpu.py --dry_run --out /tmp/dry
+  make bench-gpu                                    # = python -m scripts.bench_gpu --out results/bench_gpu
+  python -m scripts.bench_gpu --sections decode,trainer --out /tmp/bench
+  JAX_PLATFORMS=cpu python -m scripts.bench_gpu --dry_run --out /tmp/dry
 """
 
 from __future__ import annotations
@@ -63,12 +63,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_generate  # noqa: E402
-import bench_train  # noqa: E402
-import bench_weight_sync  # noqa: E402
+from scripts import bench_generate
+from scripts import bench_train
+from scripts import bench_weight_sync
 
 SECTIONS = ("trainer", "torch_peer", "attention", "decode", "transformers", "engine", "profile", "bytes", "weight_push",
             "e2e")
@@ -80,7 +78,7 @@ DEVICE_PEAKS = {"H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200"
 FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, train_remat="matmuls",
             train_warmup=2, train_steps=3,
             attn=(4, 2048, 32, 8, 64), decode_batches=(16, 64, 256), prompt_len=128, decode_R=64, hf_batch=64,
-            engine_slots=64, engine_prompts=256, engine_R=512,
+            engine_slots=64, engine_prompts=256, engine_R=512, engine_workloads="longtail,equal",
             # (KV block, attention, staged slots): auto = the Pallas kernel on one GPU, reduce = XLA's form
             engine_variants=((16, "auto", 0), (16, "reduce", 0), (16, "auto", 64)),
             profile_chunks=4,
@@ -92,7 +90,7 @@ FULL = dict(size="1b", train_B=16, train_P=512, train_R=1536, microbatches=2, tr
 DRY = dict(size="tiny", train_B=16, train_P=8, train_R=8, microbatches=2, train_remat="matmuls", train_warmup=1,
            train_steps=1,
            attn=(1, 64, 4, 2, 16), decode_batches=(2,), prompt_len=8, decode_R=4, hf_batch=2,
-           engine_slots=4, engine_prompts=8, engine_R=8, engine_variants=((16, "auto", 0), (4, "pallas", 0), (16, "auto", 4)),
+           engine_slots=4, engine_prompts=8, engine_R=8, engine_workloads="longtail,equal", engine_variants=((16, "auto", 0), (4, "pallas", 0), (16, "auto", 4)),
            profile_chunks=2,
            bytes_size="5m", bytes_slots=4,
            bytes_cache=64, bytes_live="20,40", push_size="1m",
@@ -361,7 +359,7 @@ def engine_section(cfg, env, args) -> dict:
   for bs, form, staged in cfg["engine_variants"]:
     ns = argparse.Namespace(slots=cfg["engine_slots"], engine_max_new_tokens=cfg["engine_R"],
                             engine_prompts=cfg["engine_prompts"], prompt_len=cfg["prompt_len"], stop_fraction=1 / 256,
-                            chunk_steps=16, repeats=1, engine_workloads="longtail,equal", kv_block_size=bs,
+                            chunk_steps=16, repeats=1, engine_workloads=cfg["engine_workloads"], kv_block_size=bs,
                             paged_attention=form, staged_slots=staged)
     rows += [dict(r, kv_block_size=bs, paged_attention=form, staged_slots=staged)
              for r in bench_generate.engine_table(config, model, ns, name)]
@@ -513,7 +511,7 @@ def train_run(gin_file: str, bindings, run_dir) -> dict:
   spec.write_text(json.dumps({"gin_file": str(ROOT / "configs" / gin_file), "out": str(out),
                               "bindings": [*bindings, f"run_experiment.run_dir = '{run_dir}'",
                                            "run_experiment.tensorboard = False"]}))
-  proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--train_run", str(spec)], cwd=ROOT,
+  proc = subprocess.run([sys.executable, "-m", "scripts.bench_gpu", "--train_run", str(spec)], cwd=ROOT,
                         capture_output=True, text=True)
   if proc.returncode:
     raise RuntimeError(f"{gin_file} exited with {proc.returncode}: {proc.stderr[-3000:]}")
@@ -692,7 +690,7 @@ def main(argv=None) -> dict:
   cfg = DRY if args.dry_run else FULL
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  command = "python scripts/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+  command = "python -m scripts.bench_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
   results = {"date": datetime.date.today().isoformat(), "command": command.strip(), "environment": env,
              "sections": {}, "total_s": 0.0}
   print(f"bench_gpu: {env['device']} ({env['backend']}), sections {sections}", flush=True)

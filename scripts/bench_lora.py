@@ -16,18 +16,15 @@ bitcasts or constants). --target h100 compiles for an H100 that is not there (JA
 
   JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=/tmp/cudasite \\
     PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH \\
-    python scripts/bench_lora.py --target h100 --sizes 1b,8b --ranks 8,32 --batch 64
+    python -m scripts.bench_lora --target h100 --sizes 1b,8b --ranks 8,32 --batch 64
 """
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 # (vocab, hidden, intermediate, layers, heads, kv heads, head dim, tied embeddings)
 SIZES = {
@@ -87,16 +84,6 @@ def kernel_count(hlo_text: str) -> int:
   return count
 
 
-def _generic_cost(compiled) -> dict:
-  """XLA's generic cost analysis (flops, bytes accessed) of a compiled program's optimized module (as
-  `paged.compiled_bytes_accessed` takes it: a GPU target's executable has no analysis of its own)."""
-  from jax._src import xla_bridge
-  from jax._src.lib import xla_client
-
-  module = compiled.runtime_executable().hlo_modules()[0]
-  return dict(xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))
-
-
 def step_cost(config, mesh, *, batch: int, cache_len: int, lora=None) -> dict:
   """XLA's cost of one decode step compiled for `mesh`'s device; lora: a `LoraConfig` applied unmerged
   (None: merged weights, the step of full fine-tuning)."""
@@ -126,9 +113,9 @@ def step_cost(config, mesh, *, batch: int, cache_len: int, lora=None) -> dict:
   text = compiled.as_text()
   over = float(paged.fused_index_overcount(text)) if generic else 0.0
   library = float(paged.library_call_bytes(text)) if generic else 0.0
-  cost = _generic_cost(compiled)
+  cost = paged.generic_cost_analysis(compiled)
   adapter_bytes = 0 if adapters is None else sum(x.size * 2 for x in jax.tree.leaves(adapters))
-  return {"bytes": xla_bytes - over + library, "flops": float(cost.get("flops", float("nan"))),
+  return {"bytes": xla_bytes - over + library, "flops": float((cost or {}).get("flops", float("nan"))),
           "kernels": kernel_count(text), "adapter_bytes": adapter_bytes, "compile_s": seconds}
 
 
@@ -147,7 +134,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   import jax
 
-  import bench_generate
+  from scripts import bench_generate
   from llamarl_jax.config import LORA_TARGETS, LoraConfig
 
   mesh = bench_generate.target_mesh(args.target)

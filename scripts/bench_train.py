@@ -37,7 +37,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name: (vocab, hidden, intermediate, layers, heads, kv_heads, tied)
 SIZES = {
@@ -253,8 +252,7 @@ def bench(name, args, peak_tflops):
   times = [trainer.step(batches[i % 2])["time/train_step"] for i in range(args.steps)]
   profile_dir = getattr(args, "profile", None)
   if profile_dir:  # one more step under the profiler (bench_gpu's profile section reads its trace)
-    import bench_generate
-
+    from scripts import bench_generate
     with bench_generate.profiled(profile_dir, "train_step"):
       trainer.step(batches[0])
   step_s = statistics.median(times)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Our math verifier (`rewards.math.verify`) against Math-Verify on two labelled corpora, one invocation.
 
-The corpora of tests/verify_suite.py: `suite` (hand-labelled GSM8K / MATH / Minerva / lm-eval / chat-model
+The corpora of `llamarl_jax.rewards.corpus`: `suite` (hand-labelled GSM8K / MATH / Minerva / lm-eval / chat-model
 answers) and `peers` (cases written in the spirit of Math-Verify's, hendrycks MATH's, Qwen2.5-Math's, verl's
 and lm-eval's test suites, plus the hard kinds: self-correction, spraying, labelled references, number
 forms, sets, identities). For both verifiers on each: right answers accepted and wrong answers rewarded
@@ -19,13 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def _timed(fn, cases, repeats: int) -> tuple[list[int], float]:
@@ -101,16 +95,16 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--repeats", type=int, default=5, help="passes over the suite when timing ours")
   parser.add_argument("--peer_repeats", type=int, default=1, help="passes over the suite when timing Math-Verify")
   parser.add_argument("--limit", type=int, default=0, help="use only the first N cases of each corpus (smoke tests)")
-  parser.add_argument("--corpus", choices=["suite", "peers", "both"], default="both", help="which corpora to run")
+  parser.add_argument("--corpus", choices=["suite", "peers", "heldout", "all"], default="all",
+                      help="which corpora to run")
   parser.add_argument("--no_peer", action="store_true", help="skip Math-Verify even if installed")
   parser.add_argument("--executor", type=int, default=0, help="also time both through a RewardExecutor of N workers")
   args = parser.parse_args(argv)
 
-  import verify_suite as S
-  from llamarl_jax.rewards import get_reward_fn
+  from llamarl_jax.rewards import corpus as verifier_corpus, get_reward_fn
 
-  corpora = {"suite": S.CASES, "peers": S.PEER_CASES}
-  if args.corpus != "both":
+  corpora = {name: verifier_corpus.load(name) for name in verifier_corpus.CORPORA}
+  if args.corpus != "all":
     corpora = {args.corpus: corpora[args.corpus]}
   if args.limit:
     corpora = {k: v[:args.limit] for k, v in corpora.items()}
@@ -131,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
       predictions[name], rates[name] = _timed(get_reward_fn(reward), cases, repeats)
       if args.executor:
         pool_rates[name] = _executor_rate(reward, cases, args.executor)
-    summary[corpus] = _report(corpus, cases, predictions, rates, pool_rates, args.executor, S.category_report)
+    summary[corpus] = _report(corpus, cases, predictions, rates, pool_rates, args.executor,
+                              verifier_corpus.category_report)
     for name in verifiers:
       summary[corpus][name]["calls_per_s"] = rates[name]
   return summary

@@ -10,11 +10,7 @@ exercises the whole path in seconds on a CPU). The tokenizer's EOS stops a row.
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None):

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from llamarl_jax.ports import free_ports  # noqa: E402  (no jax: the launcher stays light)
 _ROLE = re.compile(r"\[llamarl\] process (\d+)/\d+ role=(\S+)")

@@ -10,18 +10,15 @@ plugin, see `bench_generate.CUDA_PLUGIN_HELP`), for one-device trainer meshes (t
 
   JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=/tmp/cudasite \\
     PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH \\
-    python scripts/memory_plan.py --gin_file=configs/llama3_1b_1gpu.gin --target h100
+    python -m scripts.memory_plan --gin_file=configs/llama3_1b_1gpu.gin --target h100
 """
 
 import argparse
 import inspect
 import re
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def _bound(name: str, fn):
@@ -36,8 +33,7 @@ def _bound(name: str, fn):
 
 def target_capacity(target: str) -> float:
   """Device memory bytes of a GPU target description (`device_memory_size`)."""
-  import bench_generate
-
+  from scripts import bench_generate
   text = (ROOT / "scripts" / "gpu_targets" / bench_generate.GPU_TARGETS[target]).read_text()
   return float(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
 
@@ -52,16 +48,20 @@ def main(argv=None):
   if not args.gin_file:
     parser.error("at least one --gin_file is required (e.g. configs/llama3_1b_1gpu.gin)")
 
-  from llamarl_jax import experiment, memory_plan
+  from llamarl_jax import config_check, experiment, memory_plan
 
   experiment.parse_gin(args.gin_file, args.gin_param)
+  try:
+    config_check.check_inputs([("build_policy", "model_path")])  # the plan reads the model's config, no data
+  except config_check.ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
   model_config = experiment.build_policy(weights=False)[0]
   run = experiment.configured_run_config()
   eval_size = _bound("eval_size", experiment.run_experiment)
   eval_rows = eval_size * max(1, _bound("eval_samples", experiment.run_experiment))
   kw = {}
   if args.target != "default":
-    import bench_generate
+    from scripts import bench_generate
 
     trainer_devices = run.mesh.trainer_fsdp * run.mesh.trainer_tp
     if trainer_devices != 1 or not (run.mesh.colocated or run.mesh.generator_dp * run.mesh.generator_tp == 1):

@@ -21,7 +21,8 @@
 
 The off-policy grid (`OFF_POLICY_CELLS`: lag 4 and 8 x AIPO / CISPO / GSPO / sequence TIS /
 sequence MIS x with and without DAPO dynamic sampling, all on the static engine) is not in the default
-grid: `--cells op_lag4_aipo,op_lag4_aipo_dyn,...` with its own --out (`make study-offpolicy`); its report
+grid: `--cells offpolicy` (all 20) or `--cells op_lag4_aipo,op_lag4_aipo_dyn,...`, with its own --out
+(`make study-offpolicy`); its report
 adds the dropped-group rate, the paired objective-vs-AIPO and dynamic-vs-not questions and two figures.
 
 Resumable: each finished (cell, seed) writes OUT/runs/<cell>/seed<k>/result.json and is skipped next
@@ -37,11 +38,8 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,7 +102,8 @@ def _parse(argv):
   p.add_argument("--out", default="runs/study", help="study directory (results, SFT checkpoint, report)")
   p.add_argument("--seeds", type=int, default=5, help="seeds 0..S-1 per cell")
   p.add_argument("--cells", default=",".join(CELLS),
-                 help=f"comma-separated subset of {list(CELLS)} (the default), or of the off-policy grid's {list(OFF_POLICY_CELLS)}")
+                 help=f"comma-separated subset of {list(CELLS)} (the default), or of the off-policy grid's "
+                      f"{list(OFF_POLICY_CELLS)}; 'offpolicy': all of the off-policy grid")
   p.add_argument("--threshold", type=float, default=0.5,
                  help="training-reward threshold for 'steps to threshold' (trailing mean, see --threshold_window)")
   p.add_argument("--threshold_window", type=int, default=5, help="trailing window (steps) of that mean")
@@ -113,10 +112,11 @@ def _parse(argv):
   p.add_argument("--docs", action="store_true", help="also copy the plots to docs/study_*.png")
   args = p.parse_args(argv)
   args.gin_file = args.gin_file or [str(ROOT / "configs" / "study.gin")]
-  unknown = [c for c in args.cells.split(",") if c not in ALL_CELLS]
+  cells = [c for name in args.cells.split(",") for c in (OFF_POLICY_CELLS if name == "offpolicy" else [name])]
+  unknown = [c for c in cells if c not in ALL_CELLS]
   if unknown:
-    p.error(f"unknown cell(s) {unknown}; choose from {list(ALL_CELLS)}")
-  args.cells = args.cells.split(",")
+    p.error(f"unknown cell(s) {unknown}; choose from {list(ALL_CELLS)} or 'offpolicy'")
+  args.cells = cells
   if args.seeds < 2:
     p.error("--seeds must be >= 2: an interval over seeds needs at least two")
   return args

@@ -14,9 +14,6 @@ import json
 import os
 import signal
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> dict:
@@ -25,6 +22,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. ScheduleConfig.max_policy_lag=2")
   parser.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
   parser.add_argument("--run_dir", default=None, help="overrides run_experiment.run_dir")
+  parser.add_argument("--debug", action="store_true",
+                      help="on a configuration or input error, raise it with its traceback instead of one message")
   many = parser.add_argument_group("many processes (jax.distributed)")
   many.add_argument("--coordinator_address", default=None, help="host:port of process 0's coordination service")
   many.add_argument("--num_processes", type=int, default=None)
@@ -39,15 +38,34 @@ def main(argv=None) -> dict:
   if not args.gin_file:
     parser.error("at least one --gin_file is required (e.g. configs/tiny_cpu.gin)")
 
+  from llamarl_jax import config_check, experiment  # registers the configurables
+  from llamarl_jax.model.hf import CheckpointError
 
-  from llamarl_jax import experiment  # registers the configurables
+  try:
+    return _run(args, experiment, config_check)
+  except (config_check.ConfigError, CheckpointError) as e:  # the user's to fix: one message, no traceback
+    if args.debug:
+      raise
+    message = "\n".join(line for line in str(e).splitlines() if not line.startswith("  In call to configurable"))
+    sys.exit(f"error: {message}\n(--debug shows the traceback)")
 
+
+def _run(args, experiment, config_check) -> dict:
   bindings = list(args.gin_param)
   if args.run_dir:
     bindings.append(f"run_experiment.run_dir = '{args.run_dir}'")
   if args.resume:
     bindings.append("run_experiment.resume = True")
-  experiment.parse_gin(args.gin_file, bindings)  # refuses flat Controller.* keys, naming the typed ones
+  try:
+    experiment.parse_gin(args.gin_file, bindings)  # refuses flat Controller.* keys, naming the typed ones
+  except (OSError, ValueError, TypeError) as e:  # a missing file (gin's resource lookup may fail with a
+    # TypeError), an unknown configurable or parameter, a syntax error
+    if isinstance(e, config_check.ConfigError):
+      raise
+    raise config_check.ConfigError(f"the gin config cannot be parsed: {type(e).__name__}: {e}\n(gin reads files and "
+                                   f"their includes relative to the working directory, here {os.getcwd()})") from e
+  config_check.check_bindings()  # every binding's type and range, then every file and directory they name
+  config_check.check_inputs()
   if _join_job(args):
     return _run_one_of_many(experiment)
 

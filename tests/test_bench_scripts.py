@@ -1,18 +1,15 @@
 """The benchmark scripts run (tiny settings) and report what their tables claim to."""
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from llamarl_jax.rewards import corpus
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """scripts/<name>.py as `python -m scripts.<name>` imports it (the repository root is on pytest's path)."""
+  return importlib.import_module(f"scripts.{name}")
 
 
 @pytest.mark.devices(4)
@@ -30,9 +27,9 @@ def test_bench_async_reports_each_lag_with_its_bound(capsys):
 
 def test_bench_verify_reports_per_category_and_false_positives(capsys):
   summary = _load("bench_verify").main(["--limit", "60", "--no_peer", "--repeats", "1"])
-  assert set(summary) == {"suite", "peers"}  # the project's suite and the corpus in peers' styles
-  for corpus in summary.values():
-    assert corpus["cases"] == 60 and corpus["ours"]["false_positives"] == 0
+  assert set(summary) == set(corpus.CORPORA)  # the suite, the corpus in peers' styles, the held-out corpus
+  for name in ("suite", "peers"):  # in-sample: the verifier's rules were written against them
+    assert summary[name]["cases"] == 60 and summary[name]["ours"]["false_positives"] == 0
   out = capsys.readouterr().out
   assert "| gsm8k_hash |" in out and "ours accepted" in out and "calls/s" in out
 
@@ -45,8 +42,8 @@ def test_bench_gpu_fails_fast_without_a_gpu():
 
 def test_bench_gpu_dry_run_writes_the_report_and_json(tmp_path):
   """--dry_run on CPU at toy sizes: the sections that run write their numbers to the JSON and the
-  markdown; cuDNN is reported as skipped, not silently dropped. (The other sections' dry run, ~1 min on
-  2 cores, is recorded in BENCHMARKS.md; each reuses another bench script's tested functions.)"""
+  markdown; cuDNN is reported as skipped, not silently dropped. (engine, profile and e2e: the tests
+  below; decode, transformers and torch_peer call bench_generate's and bench_train's tested functions.)"""
   import json
 
   results = _load("bench_gpu").main(["--dry_run", "--out", str(tmp_path),
@@ -158,3 +155,85 @@ def test_ideal_utilization_refills_every_freed_slot_at_the_next_step():
   assert ideal([11, 2, 2], 2, widths=(2, 1)) == (1.0, 1.0)
   assert ideal([5, 2, 2, 2], 2, widths=(2, 1)) == (1.0, 1.0)  # rows 2, 2, 2, 1
   assert ideal([11, 2, 2, 2, 2], 4, widths=(4, 2)) == (14 / 22, 1.0)  # busy 4, 2, then 1 in rows of 2 x 8
+
+
+def _write_trace(path, events):
+  """A profiler trace as `jax.profiler` writes it: gzip'd Chrome-trace JSON under plugins/profile/<run>/."""
+  import gzip
+  import json
+
+  path.mkdir(parents=True)
+  with gzip.open(path / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"displayTimeUnit": "ns", "traceEvents": events}, f)
+
+
+def test_top_kernels_counts_a_gpu_traces_device_events_only(tmp_path):
+  """A GPU trace in the profiler's layout: a host process (whose XLA threads also have events) and a
+  device process with a compute stream. Only the device's complete events count; hand-counted: the
+  GEMM 3 x 20 us, the attention kernel 2 x 15 us, one norm of 10 us = 100 us in 6 events."""
+  meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+          {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "tf_XLAEigen/1"}},
+          {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0 (NVIDIA H200)"}},
+          {"ph": "M", "pid": 2, "tid": 13, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}}]
+  kernel = lambda name, ts, dur: {"ph": "X", "pid": 2, "tid": 13, "ts": ts, "dur": dur, "name": name}
+  events = meta + [kernel("gemm_fusion", 0, 20), kernel("paged_attention", 20, 15), kernel("gemm_fusion", 35, 20),
+                   kernel("rms_norm_fusion", 55, 10), kernel("paged_attention", 65, 15), kernel("gemm_fusion", 80, 20),
+                   {"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 500, "name": "ThunkExecutor::Execute"},
+                   {"ph": "i", "pid": 2, "tid": 13, "ts": 5, "name": "marker"}]
+  _write_trace(tmp_path / "decode" / "plugins" / "profile" / "run1", events)
+  got = _load("bench_gpu").top_kernels(tmp_path / "decode", top=2)
+  assert got["source"] == "device" and got["events"] == 6 and got["total_us"] == 100.0
+  assert got["top"] == [{"name": "gemm_fusion", "count": 3, "us": 60.0, "share": 0.6},
+                        {"name": "paged_attention", "count": 2, "us": 30.0, "share": 0.3}]
+
+
+def test_top_kernels_of_a_cpu_trace_reads_the_xla_threads_and_a_missing_trace_is_named(tmp_path):
+  """Without a device process (a CPU run) the XLA executor threads' events count, other threads' not;
+  a directory without a trace is a FileNotFoundError naming it."""
+  meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+          {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "tf_XLAEigen/1"}},
+          {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "python3"}}]
+  events = meta + [{"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 4, "name": "dot_fusion"},
+                   {"ph": "X", "pid": 1, "tid": 7, "ts": 4, "dur": 1, "name": "add_fusion"},
+                   {"ph": "X", "pid": 1, "tid": 8, "ts": 0, "dur": 99, "name": "$time perf_counter"}]
+  _write_trace(tmp_path / "t" / "plugins" / "profile" / "run1", events)
+  bench = _load("bench_gpu")
+  got = bench.top_kernels(tmp_path / "t")
+  assert (got["source"], got["events"], got["total_us"]) == ("host threads", 2, 5.0)
+  assert [(k["name"], k["share"]) for k in got["top"]] == [("dot_fusion", 0.8), ("add_fusion", 0.2)]
+  with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz under .*empty"):
+    bench.top_kernels(tmp_path / "empty")
+
+
+@pytest.mark.slow  # an engine and a traced decode + train step at toy sizes: ~40 s on 2 busy cores
+def test_bench_gpu_dry_run_engine_and_profile_sections(tmp_path):
+  """The engine and profile sections at toy sizes on the CPU (the engine with a stage of 4 slots, the
+  variant with the most machinery: refills on device): the row compares the slot engine
+  with the static sampler on the same prompts and seeds (float32 on the CPU: the same tokens), with
+  utilization at most the ideal scheduler's and a bounded program set; the profile traces whole decode
+  chunks and a train step and reads them with `top_kernels` (host threads on the CPU)."""
+  import json
+
+  bench = _load("bench_gpu")
+  bench.DRY.update(engine_variants=((16, "auto", 4),), engine_workloads="longtail")
+  bench.main(["--dry_run", "--out", str(tmp_path), "--sections", "engine,profile"])
+  saved = json.loads((tmp_path / "bench_gpu.json").read_text())["sections"]
+  engine = saved["engine"]
+  assert (engine["slots"], engine["prompts"]) == (4, 8)
+  assert [(r["staged_slots"], r["workload"]) for r in engine["rows"]] == [(4, "longtail")]
+  for r in engine["rows"]:
+    assert r["same_tokens"] == 1.0 and r["slots_tokens_per_s"] > 0 and r["speedup"] > 0
+    assert r["slot_utilization"] <= r["ideal_utilization"] + 1e-9 and 1 <= r["programs"] <= 8
+    assert r["length_max"] <= engine["max_new_tokens"] and r["ms_per_decode_step"] > 0
+  profile = saved["profile"]
+  decode, train = profile["decode"], profile["train"]
+  assert decode["source"] == train["source"] == "host threads"
+  assert decode["steps"] == bench.DRY["profile_chunks"] * profile["chunk_steps"]
+  assert decode["kernels_per_step"] == decode["events"] / decode["steps"] > 0
+  assert decode["device_us_per_step"] * decode["steps"] == pytest.approx(decode["total_us"])
+  for t in (decode, train):
+    shares = [k["share"] for k in t["top"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+  report = (tmp_path / "bench_gpu.md").read_text()
+  assert "## engine" in report and "## profile" in report and "decode: top kernels by time" in report
+  assert f"{decode['steps']} decode steps traced" in report

@@ -1,13 +1,17 @@
-"""Start-up validation of gin bindings: every shipped config passes; wrong types and out-of-range values
-fail before anything is built, each named by its binding."""
+"""Start-up validation of gin bindings: every shipped config passes; wrong types, out-of-range values and
+missing inputs (data files, model directories, tokenizers) fail before anything is built, each named by its
+binding, and scripts/train.py ends on them with one message."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gin
 import pytest
 
 from llamarl_jax import experiment  # noqa: F401  (registers the configurables)
-from llamarl_jax.config_check import ConfigError, binding_problems, check_bindings
+from llamarl_jax.config_check import ConfigError, binding_problems, check_bindings, check_inputs, input_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,13 +72,98 @@ def test_train_py_stops_before_building_anything(tmp_path):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   gin.clear_config()
+  argv = ["--gin_file", str(ROOT / "configs" / "tiny_cpu.gin"), "--run_dir", str(tmp_path / "run"),
+          "--gin_param=TrainConfig.checkpoint_every = '5'"]
   try:
-    with pytest.raises(ConfigError, match="TrainConfig.checkpoint_every = '5'"):
-      module.main(["--gin_file", str(ROOT / "configs" / "tiny_cpu.gin"), "--run_dir", str(tmp_path / "run"),
-                   "--gin_param=TrainConfig.checkpoint_every = '5'"])
+    with pytest.raises(SystemExit,
+                       match=r"^error: 1 gin binding\(s\) are invalid.*\n  TrainConfig.checkpoint_every = '5'"):
+      module.main(argv)
+    gin.clear_config()
+    with gin.unlock_config(), pytest.raises(ConfigError, match="TrainConfig.checkpoint_every = '5'"):
+      module.main(argv + ["--debug"])  # --debug: the exception itself, with its traceback
   finally:
     gin.clear_config()
   assert not (tmp_path / "run").exists()
+
+
+def _train_py(*args, cwd=ROOT):
+  """scripts/train.py in a fresh interpreter (JAX on the CPU, every compilation logged)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_LOG_COMPILES": "1"}
+  return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_the_shipped_gsm8k_config_without_its_data_is_one_message(tmp_path):
+  """Run as shipped (placeholder paths): one message naming each binding to set, a non-zero exit, no
+  traceback, and nothing built or compiled."""
+  run_dir = tmp_path / "run"
+  proc = _train_py("--gin_file=configs/llama3_1b_1gpu_gsm8k.gin", f"--run_dir={run_dir}")
+  assert proc.returncode != 0 and proc.stdout == ""
+  assert "Traceback" not in proc.stderr and "Compiling" not in proc.stderr, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert lines[0] == "error: 3 input(s) the config names cannot be read (nothing was built or run):", proc.stderr
+  assert lines[1] == ("  build_policy.model_path = '/path/to/Llama-3.2-1B-Instruct': /path/to/Llama-3.2-1B-Instruct "
+                      "is not a directory (expected a Hugging Face model directory)")
+  assert lines[2] == ("  train/PromptSource.files = '/path/to/gsm8k/train.jsonl': prompt file "
+                      "/path/to/gsm8k/train.jsonl does not exist")
+  assert lines[3].startswith("  eval/PromptSource.files = '/path/to/gsm8k/test.jsonl'")
+  assert len(lines) == 6 and lines[-1] == "(--debug shows the traceback)"
+  assert not run_dir.exists()  # --debug (the traceback): test_train_py_stops_before_building_anything
+
+
+def test_the_memory_plan_of_the_gsm8k_config_without_its_model_is_one_message():
+  """scripts/memory_plan reads the model's config (no data): only the model directory is named."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "scripts.memory_plan", "--gin_file=configs/llama3_1b_1gpu_gsm8k.gin"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.startswith("error: 1 input(s) the config names cannot be read")
+  assert "build_policy.model_path = '/path/to/Llama-3.2-1B-Instruct'" in proc.stderr
+  assert "PromptSource" not in proc.stderr
+
+
+def test_a_config_gin_cannot_parse_is_one_message(tmp_path, monkeypatch):
+  """An include not found from the working directory and an unknown configurable: one message each."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  try:
+    for cwd, argv, expected in ((tmp_path, [f"--gin_file={ROOT / 'configs' / 'tiny_cpu.gin'}"], "configs/base.gin"),
+                                (ROOT, ["--gin_file=configs/tiny_cpu.gin", "--gin_param=TrainConfg.lr = 2"],
+                                 "TrainConfg")):
+      monkeypatch.chdir(cwd)
+      gin.clear_config()
+      with pytest.raises(SystemExit) as info:
+        module.main(argv)
+      assert str(info.value).startswith("error: the gin config cannot be parsed: ") and expected in str(info.value)
+      assert f"relative to the working directory, here {cwd}" in str(info.value)
+  finally:
+    gin.clear_config()
+
+
+def test_every_missing_input_is_named_by_its_binding(parse, tmp_path):
+  """Prompt files and globs, model directories without config.json or a tokenizer, a reference without
+  config.json, an adapter directory without adapter_config.json: each named; present ones pass."""
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "config.json").write_text("{}")
+  data = tmp_path / "train.jsonl"
+  data.write_text("")
+  parse("tiny_cpu.gin", f"build_policy.model_path = '{model}'",
+        f"train/PromptSource.files = ['{data}', '{tmp_path}/*.parquet']",
+        f"TrainConfig.reference_path = '{tmp_path}'", f"eval/PromptSource.files = '{data}'")
+  assert sorted(input_problems()) == [
+      f"TrainConfig.reference_path = '{tmp_path}': {tmp_path} has no config.json (expected the KL reference's Hugging "
+      "Face model directory)",
+      f"build_policy.model_path = '{model}': {model} has no tokenizer "
+      "(tokenizer.json / tokenizer_config.json / tokenizer.model)",
+      f"train/PromptSource.files = ['{data}', '{tmp_path}/*.parquet']: no files match {tmp_path}/*.parquet"]
+  (model / "tokenizer.json").write_text("{}")
+  parse("tiny_cpu.gin", f"build_policy.model_path = '{model}'", f"train/PromptSource.files = '{data}'")
+  assert input_problems() == []
+  check_inputs()
 
 
 def test_each_config_class_validates_its_fields_once_when_built_from_python():

@@ -7,13 +7,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llamarl_jax.data import PromptExample, PromptSource, read_rows
+from llamarl_jax.data import PromptExample, PromptSource, read_located_rows
 from llamarl_jax.tokenizer import make_char_tokenizer
 
 DATA = Path(__file__).parent / "data"
 GSM8K = DATA / "gsm8k_sample.jsonl"
 MATH = DATA / "math_sample.jsonl"
 
+
+
+def read_rows(path) -> list[dict]:
+  """Rows of a prompt file as dicts; a malformed row raises naming file and line."""
+  rows = []
+  for where, row in read_located_rows(path):
+    if isinstance(row, str):
+      raise ValueError(f"{where}: {row}")
+    rows.append(row)
+  return rows
 
 def _key(ex: PromptExample):
   return (ex.index, ex.prompt, ex.ground_truth)

@@ -179,7 +179,7 @@ def test_extract_answer(response, answer):
     (r"I first got $\boxed{12}$, but I made a mistake. Redoing it: $\boxed{15}$.", "15", 1.0),
     (r"So \boxed{7}. Checking: 3 + 4 = 7, so \boxed{7}.", "7", 1.0),
     ("The answer is 12. Hmm, no: it is 15.", "12", 0.0),  # withdrawn after the final statement
-    ("The answer is 12. Hmm, no: it is 15.", "15", 0.0),  # 15 is never stated as the answer
+    ("The answer is 12. Hmm, no: it is 15.", "15", 1.0),  # ... and 15 stated after the withdrawal
     ("#### 12\nActually, I made a mistake; it should be 12.", "12", 1.0),  # withdrawn, then restated
     (r"\boxed{0.05}. The margin of error is 5%.", "0.05", 1.0),  # "error" and "mistake" withdraw only as
     (r"\boxed{5}. A common mistake is to answer 6.", "5", 1.0),  # "made an error", "my mistake", ...
@@ -195,6 +195,64 @@ def test_extract_answer(response, answer):
     ("<think>\nThe answer is \\boxed{15}.\n</think>\nThe answer is $\\boxed{12}$.", "15", 0.0),
 ])
 def test_self_correction_and_spraying(response, truth, expected):
+  assert M.verify(response, truth) == expected
+
+
+# A withdrawal after the answer ("just kidding", "on second thought", "wait", "I made an error") takes it
+# back: the answer restated after the withdrawal counts ("it's 9", ", 9.", "the answer is 9", "= 9"),
+# and with none restated the response has no answer. A number after the withdrawal that is not a
+# restatement ("an error in step 2") is not an answer; a hedged or flip-flopping one pays nothing.
+@pytest.mark.parametrize("response,truth,expected", [
+    ("The answer is 7. Just kidding, it's 9.", "7", 0.0),
+    ("The answer is 7. Just kidding, it's 9.", "9", 1.0),
+    ("The answer is 7. On second thought, 9.", "7", 0.0),
+    ("The answer is 7. On second thought, 9.", "9", 1.0),
+    (r"\boxed{7} Wait, I made an error.", "7", 0.0),
+    (r"\boxed{7} Wait, I made an error in step 2.", "7", 0.0),
+    (r"\boxed{7} Wait, I made an error in step 2.", "2", 0.0),
+    ("#### 7\nNever mind, I take that back.", "7", 0.0),
+    (r"\boxed{7}. Wait, that's wrong: the answer is \boxed{9}.", "9", 1.0),
+    (r"\boxed{7}. Wait, that's wrong: the answer is 9.", "9", 1.0),
+    (r"\boxed{7}. Wait, that's wrong: the answer is 9.", "7", 0.0),
+    (r"\boxed{7}. Let me double-check: 3 + 4 = 7.", "7", 1.0),
+    ("#### 7\nWait, let me double-check: 3 + 4 = 7. Yes, that's correct.", "7", 1.0),  # a confirmation after it
+    (r"\boxed{7} Wait, I made an error in step 2. Yes.", "2", 0.0),
+    ("The total is $12$. Hold on, I forgot the tax: the total is $13.50$.", "13.5", 1.0),
+    ("The answer is 7. Just kidding, it's probably 9.", "9", 0.0),
+    ("The answer is 7. Wait, it's 9 or 10.", "9", 0.0),
+    ("The answer is 7. Wait, no: 8. The answer is 7. Wait, no: 8.", "8", 0.0),  # flip-flopping
+    (r"\boxed{5}. Wait, \boxed{6}. Actually it is 9.", "9", 0.0),  # a third answer: sprayed
+])
+def test_a_withdrawal_after_the_answer_takes_it_back(response, truth, expected):
+  assert M.verify(response, truth) == expected
+
+
+# Clock times are times: equal only to the same time (12-hour against 24-hour by its 24-hour reading, a
+# bare hour of 1-12 by the clock face), never to a number or a ratio that happens to have the same value.
+@pytest.mark.parametrize("response,truth,expected", [
+    ("The meeting starts at 3:45.", "3:45", 1.0),
+    ("The meeting starts at 7:30.", "3:45", 0.0),
+    ("The answer is 3:45 pm.", "3:45 PM", 1.0),
+    ("The answer is 3:45 p.m.", "15:45", 1.0),
+    ("The answer is 3:45 pm.", "3:45", 1.0),
+    ("The answer is 3:45 am.", "3:45 PM", 0.0),
+    ("The answer is 3:45 am.", "15:45", 0.0),
+    ("#### 15:45", "3:45", 0.0),
+    (r"\boxed{6:30}", "3:15", 0.0),  # equal as ratios, different times
+    (r"\boxed{2:30}", "4:60", 0.0),  # 4:60 is no time; 2:30 is one, never a ratio
+    ("The answer is 12:00", "1:00", 0.0),
+    ("#### 1:30", "90", 0.0),  # a time is not its minutes
+    ("The answer is 1:30", "1/30", 0.0),
+    ("The answer is 1:30", "1.5", 0.0),
+    ("She arrives at 3 pm.", "3:00 PM", 1.0),
+    ("She arrives at 3 pm.", "3:00 AM", 0.0),
+    ("The answer is: The train leaves at 10:05 a.m.", "10:05 AM", 1.0),
+    ("The finish time is 1:05:30 pm.", "13:05:30", 1.0),
+    ("The finish time is 1:05:30 pm.", "13:05", 0.0),
+    ("The ratio of boys to girls is 3:4.", "6:8", 1.0),  # a ratio stays a ratio
+    (r"\boxed{3:4}", "6:8", 1.0),
+])
+def test_clock_times_are_compared_as_times(response, truth, expected):
   assert M.verify(response, truth) == expected
 
 

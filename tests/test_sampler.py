@@ -16,9 +16,9 @@ import torch
 from flax import nnx
 
 from conftest import tiny_hf_config
+from sequence_layout import sequence_layout
 from llamarl_jax import parallel
 from llamarl_jax.generation import FINISH_LENGTH, FINISH_STOP, Sampler, SamplingParams, sample_logits
-from llamarl_jax.generation.rollout import sequence_layout
 from llamarl_jax.model import load_hf_checkpoint, split_params
 
 V = 68
@@ -235,7 +235,8 @@ def test_dp_tp_mesh_gives_same_outputs_as_one_device(model, sampler, prompts):
   assert sharded.param_shardings["lm_head"].spec == jax.sharding.PartitionSpec(None, "tp")
   sampling = SamplingParams(temperature=1.0, max_new_tokens=R, n=2, seed=5)
   one = sampler.generate(model[1], prompts, sampling)
-  params = parallel.shard_params(split_params(model[1])[1], parallel.logical_axes(model[1]), mesh)
+  params = split_params(model[1])[1]
+  params = jax.device_put(params, parallel.param_shardings(params, parallel.logical_axes(model[1]), mesh))
   four = sharded.generate(params, prompts, sampling)  # a params dict already on the mesh
   assert four.response_tokens.shape == (6, R)
   np.testing.assert_array_equal(four.response_tokens, one.response_tokens)

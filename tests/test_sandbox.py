@@ -9,12 +9,14 @@ about 20 s on 2 cores; every time bound below is the limit plus a slack for a lo
 """
 
 import dataclasses
+import importlib.util
 import json
 import os
 import resource
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -469,6 +471,50 @@ print(json.dumps(out))
 """
 
 
+def _traversable_temp_root() -> str:
+  """A temporary-files directory whose every ancestor other users may enter (/tmp, mode 1777, where the
+  configured one is not): another uid must reach what the test puts there."""
+  root = Path(tempfile.gettempdir()).resolve()
+  if all(p.stat().st_mode & 0o001 for p in (root, *root.parents)):
+    return str(root)
+  return "/tmp"
+
+
+def _copy_sandbox_module(directory: Path) -> Path:
+  """Copy the sandbox's two source files into `directory`/sandbox; the path of the copied sandbox.py."""
+  target = directory / "sandbox"
+  target.mkdir()
+  source = Path(sandbox.__file__).resolve().parent
+  for name in ("sandbox.py", "_sandbox_child.py"):
+    shutil.copyfile(source / name, target / name)
+  return target / "sandbox.py"
+
+
+def test_the_child_reads_nothing_of_the_checkout(monkeypatch):
+  """The sandbox loaded from a directory only root may enter (mode 0700, like a `mktemp -d` clone)
+  still runs code as uid 65534: the child gets its bootstrap as `-c` source from the parent, its
+  config on the command line, and works in its own scratch directory, never reading the checkout.
+  The child's own attempt to list that directory fails, so the call cannot have depended on it."""
+  if not ROOT:
+    pytest.skip("needs root: the child drops to uid 65534 only under a root parent")
+  hidden = Path(tempfile.mkdtemp(prefix="llamarl_sandbox_hidden_"))
+  try:
+    os.chmod(hidden, 0o700)
+    spec = importlib.util.spec_from_file_location("llamarl_sandbox_hidden_copy", _copy_sandbox_module(hidden))
+    hidden_sandbox = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, hidden_sandbox)  # dataclasses look their module up
+    spec.loader.exec_module(hidden_sandbox)
+    limits = hidden_sandbox.SandboxLimits(cpu_s=5, wall_s=5, memory_bytes=256 * 2**20, max_processes=8,
+                                          audit_hook=False)  # the uid alone must keep the child out
+    caps = hidden_sandbox.capabilities(limits)
+    assert (caps.privileges_dropped, caps.uid) == (True, 65534)
+    result = hidden_sandbox.run_python(f"import os\nprint(6 * 7)\nos.listdir({str(hidden)!r})", limits)
+  finally:
+    shutil.rmtree(hidden, ignore_errors=True)
+  assert result.status == "error" and result.output.startswith("42\n"), result.output
+  assert "PermissionError" in result.output
+
+
 def test_a_parent_that_is_not_root_keeps_the_other_layers(tmp_path):
   """The parent itself runs as an unprivileged user (uid 65534), under an interpreter whose standard
   library that user can read: no privilege drop, but rlimits, process group and audit hook apply (and
@@ -478,10 +524,14 @@ def test_a_parent_that_is_not_root_keeps_the_other_layers(tmp_path):
     pytest.skip("needs root to start a parent as another user")
   if python is None or subprocess.run([python, "-c", "import sys; assert sys.version_info >= (3, 10)"]).returncode:
     pytest.skip("no system python3 >= 3.10 readable by an unprivileged user")
-  module = Path(sandbox.__file__).resolve()
-  home = Path(tempfile.mkdtemp(prefix="llamarl_sandbox_test_"))
+  home = Path(tempfile.mkdtemp(prefix="llamarl_sandbox_test_", dir=_traversable_temp_root()))
   try:
     os.chown(home, 65534, 65534)
+    # The unprivileged parent loads the sandbox from its own directory: the checkout may sit where
+    # uid 65534 cannot read (a `mktemp -d` clone, a home directory).
+    module = _copy_sandbox_module(home)
+    for path in (home / "sandbox", *(home / "sandbox").iterdir()):
+      os.chown(path, 65534, 65534)
     victim = home / "victim.txt"  # the unprivileged parent's own file: only the audit hook protects it
     victim.write_text("original")
     os.chown(victim, 65534, 65534)

@@ -203,6 +203,7 @@ def test_off_policy_cells_are_opt_in_and_report_their_rejected_fraction():
   assert set(study.OFF_POLICY_CELLS).isdisjoint(study.CELLS) and len(study.OFF_POLICY_CELLS) == 20
   assert study._parse([]).cells == list(study.CELLS)
   assert study._parse(["--cells", "lag0,op_lag8_gspo_dyn"]).cells == ["lag0", "op_lag8_gspo_dyn"]
+  assert study._parse(["--cells", "offpolicy"]).cells == list(study.OFF_POLICY_CELLS)  # `make study-offpolicy`
   assert study.OFF_POLICY_CELLS["op_lag8_gspo_dyn"][1]["dynamic_sampling"] == {"max_draws": 4}
   r = _fake_result("op_lag4_mis", 0, 0.8)
   r["steps"]["policy/frac_truncated"] = [math.nan] * 20

@@ -48,6 +48,8 @@ REDUCED = [  # the one-GPU config at a size a CPU test runs; the config's other 
     # evaluations, checkpoints, the export: their parts of the breakdown (the SFT's is a timed block too)
     "run_experiment.eval_size = 8", "run_experiment.eval_every = 2", "TrainConfig.checkpoint_every = 2",
     "run_experiment.export = True",
+    # Weights & Biases offline beside JSONL: the run's config, rows, breakdown and plan (test below)
+    "run_experiment.wandb_project = 'llamarl-test'", "run_experiment.wandb_mode = 'offline'",
 ]
 
 
@@ -104,3 +106,26 @@ def test_the_breakdown_adds_up_to_the_wall_time(one_gpu_run):
   for part in ("warmup", "generation", "rewards", "training", "weight_sync", "evaluation", "checkpointing"):
     assert b["parts"][part]["seconds"] > 0, part
   assert b["parts"]["sft"]["seconds"] == 0.0  # the config has no SFT warm start
+
+
+@pytest.mark.slow  # a whole run (~1 min on 2 cores, mostly compiling)
+def test_wandb_offline_holds_the_runs_config_rows_breakdown_and_plan(one_gpu_run):
+  """Read back from W&B's own log file: the configuration the checkpoints record (and the gin text),
+  each RL step's row as in metrics.jsonl, and the summary's time breakdown and memory plan."""
+  from wandb_records import run_contents
+
+  run_dir, summary = one_gpu_run
+  run = run_contents(run_dir)
+  assert run["config"]["model"]["num_layers"] == 2 and "ModelConfig.hidden_size = 32" in run["config"]["gin"]
+  jsonl = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+           if "reward/mean" in r}
+  logged = {h["_step"]: h for h in run["history"] if "reward/mean" in h}
+  assert sorted(logged) == sorted(jsonl) == [1, 2, 3, 4]
+  for step, row in logged.items():
+    assert row["reward/mean"] == pytest.approx(jsonl[step]["reward/mean"], rel=1e-12)
+    assert row["time/step"] == pytest.approx(jsonl[step]["time/step"], rel=1e-12)
+  b, plan = summary["time_breakdown"], summary["memory_plan"]
+  assert run["summary"]["time_breakdown/wall_seconds"] == pytest.approx(b["wall_seconds"])
+  assert run["summary"]["time_breakdown/parts/generation/seconds"] == pytest.approx(b["parts"]["generation"]["seconds"])
+  # colocated: one total, trainer and generator on the same device
+  assert run["summary"]["memory_plan/totals/trainer + generator"] == pytest.approx(plan["totals"]["trainer + generator"])

@@ -25,10 +25,11 @@ import pytest
 from flax import nnx
 
 from conftest import mesh_at_most
+from sequence_layout import sequence_layout
 from llamarl_jax import parallel
 from llamarl_jax.executors.trainer import (OptimizerConfig, TrainerExecutor, group_by_length, lr_schedule,
                                            make_optimizer, token_logprobs, width_bucket)
-from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch, sequence_layout
+from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
 from llamarl_jax.mismatch import MISMATCH_LAGS
 from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
 

@@ -188,11 +188,6 @@ class WeightSync:
     with self._cond:
       return self._newest()
 
-  @property
-  def held_versions(self) -> list[int]:
-    with self._cond:
-      return sorted(self._versions)
-
   def close(self) -> None:
     """Wake every `wait_for_version` waiter (they return False) and keep them from blocking again."""
     with self._cond:

@@ -82,11 +82,6 @@ class PageLayout:
     """NB: prompt regions + response blocks + the trash block."""
     return self.trash + 1
 
-  @property
-  def max_entries(self) -> int:
-    """The most blocks one decode step can read (every slot at its longest prompt and response)."""
-    return self.num_slots * (self.prompt_blocks + self.response_blocks)
-
   def empty_pages(self, config: ModelConfig, dtype=None) -> KVPages:
     dtype = jnp.dtype(dtype or config.dtype)
     shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
@@ -217,25 +212,31 @@ def _array_bytes(shape: str) -> int:
   return _DTYPE_BYTES[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",") if d] or [1]))
 
 
-def compiled_bytes_accessed(compiled) -> tuple[float, bool]:
-  """XLA's 'bytes accessed' of a compiled program (`jax.stages.Compiled`), and whether it is the
-  generic analysis's (which `fused_index_overcount` corrects).
-
-  XLA's generic `HloCostAnalysis` (the CPU backend's) over the optimized module the target's compiler
-  produced (its fusions, i.e. its kernels, each charged what it reads and writes), whichever the
-  target: the CPU, a GPU, or a GPU compiled for without one (`jax.experimental.topologies`, whose
-  executable has no cost analysis of its own). Where the CPU backend is not available (a process
-  started with JAX_PLATFORMS=cuda), the program's own backend's analysis, uncorrected.
-  """
-  from jax._src import xla_bridge  # the generic analysis is reachable only through jax's internals
+def generic_cost_analysis(compiled) -> dict[str, float] | None:
+  """XLA's generic `HloCostAnalysis` (the CPU backend's: "flops", "bytes accessed", ...) over the optimized
+  module of a compiled program (`jax.stages.Compiled`), whichever the target it was compiled for: the CPU,
+  a GPU, or a GPU compiled for without one (`jax.experimental.topologies`, whose executable has no cost
+  analysis of its own). None where the CPU backend is not available (JAX_PLATFORMS=cuda). The one place
+  that reaches into jax's internals for it: JAX has no public entry to the generic analysis."""
+  from jax._src import xla_bridge
   from jax._src.lib import xla_client
   try:
     cpu = xla_bridge.get_backend("cpu")
   except Exception:  # e.g. "Unknown backend cpu" when JAX_PLATFORMS excludes it
-    cpu = None
-  if cpu is not None:
-    module = compiled.runtime_executable().hlo_modules()[0]
-    return float(xla_client._xla.hlo_module_cost_analysis(cpu, module)["bytes accessed"]), True
+    return None
+  module = compiled.runtime_executable().hlo_modules()[0]
+  return dict(xla_client._xla.hlo_module_cost_analysis(cpu, module))
+
+
+def compiled_bytes_accessed(compiled) -> tuple[float, bool]:
+  """XLA's 'bytes accessed' of a compiled program (`jax.stages.Compiled`), and whether it is the
+  generic analysis's (`generic_cost_analysis`: the target's fusions, i.e. its kernels, each charged what
+  it reads and writes; `fused_index_overcount` corrects it). Where that is not available, the program's
+  own backend's analysis, uncorrected.
+  """
+  generic = generic_cost_analysis(compiled)
+  if generic is not None:
+    return float(generic["bytes accessed"]), True
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   return float(cost["bytes accessed"]), False

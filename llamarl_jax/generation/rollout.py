@@ -94,18 +94,6 @@ TRAIN_FIELDS = {"prompt_tokens": np.int32, "prompt_mask": np.int32, "response_to
                 "token_versions": np.int32}  # the mismatch metrics' split by policy lag (-1: unknown)
 
 
-def sequence_layout(prompt_tokens, prompt_mask, response_tokens, response_mask):
-  """Concatenate a left-padded prompt and its response into one trainer sequence.
-
-  Returns tokens `[B, P+R]`, positions `[B, P+R]` (0 at the first real prompt token, as the sampler
-  assigned them) and attention_mask `[B, P+R]`. The logits at index P-1+t predict response token t.
-  """
-  tokens = jnp.concatenate([prompt_tokens, response_tokens], axis=1)
-  mask = jnp.concatenate([prompt_mask, response_mask], axis=1).astype(jnp.int32)
-  positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
-  return tokens, positions, mask
-
-
 def trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask):
   """The trainer's rows: each row's real prompt tokens from position 0, then its response, right-padded.
 

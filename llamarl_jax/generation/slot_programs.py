@@ -290,7 +290,8 @@ class SlotPrograms:
         return b
     raise ValueError(f"a prompt of {length} tokens is longer than this engine's max_prompt_len={self.max_prompt_len}")
 
-  def _lower(self, key: tuple):
+  def lower(self, key: tuple):
+    """The program `key` (one of `program_keys()`) traced and lowered for this engine's shapes, not compiled."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     cache = jax.eval_shape(lambda: self.layout.empty_pages(self.config))
     state = jax.eval_shape(self.empty_state)
@@ -314,7 +315,7 @@ class SlotPrograms:
       if not keys:
         return 0
       t0 = time.perf_counter()
-      lowered = [(k, self._lower(k)) for k in keys]
+      lowered = [(k, self.lower(k)) for k in keys]
       t_lower = time.perf_counter() - t0
 
       def build(item):
@@ -437,6 +438,12 @@ class SlotPrograms:
         key=put(state.key, key), row=put(state.row, row), prompt=put(state.prompt, rep(prompt)),
         prompt_len=put(state.prompt_len, rep(lens)), region=put(state.region, rep(regions)))
     return cache, state
+
+  def decode_step(self, model, cache: KVPages, state: SlotState, version,
+                  num_entries: int) -> tuple[KVPages, SlotState]:
+    """One decode step of every slot, traceable: (cache, state). `model`: the engine's (`merge_params` of
+    its graph and params) or any with its `hidden_states` / `logits` interface over a paged cache."""
+    return self._step(model, cache, state, version, num_entries)[:2]
 
   def _step(self, model, cache: KVPages, st: SlotState, version, num_entries: int, slot=None):
     """One decode step of every running row of `st` (W rows: every slot, or the rows of slots `slot
@@ -654,7 +661,7 @@ class SlotPrograms:
     num_entries = int(num_entries or 0)
 
     def step(params, cache, state, version):
-      return self._step(merge_params(self.graphdef, params), cache, state, version, num_entries)[:2]
+      return self.decode_step(merge_params(self.graphdef, params), cache, state, version, num_entries)
 
     lowered = jax.jit(step, donate_argnums=(1, 2),
                       in_shardings=(self._param_shardings, cache_sharding, self.state_sharding, repl),

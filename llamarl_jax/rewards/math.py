@@ -16,12 +16,18 @@ Final answer of a response (one answer, or none), read after the last `</think>`
      next line when that line is empty), cut at the sentence end (Minerva's "$24$. I hope it is
      correct." gives 24); a sentence of words around exactly one number gives that number;
   4. else the last number of the text (or the `$...$` that contains it, or a `$...$` that ends the text
-     after it), unless a qualifier or hedge surrounds it ("at least 5", "12 or more", "maybe 5", "5?").
-Self-correction and spraying. Every box, `####` line and answer sentence is a stated answer. The final
-answer counts only if (a) no different answer is stated after it, (b) no withdrawal ("wait", "no:",
-"wrong", "mistake", "actually", "recheck", ...) follows it with a different number after the withdrawal,
-(c) every different earlier answer is withdrawn before the final one ("\\boxed{3} is wrong, so
-\\boxed{4}" gives 4; "\\boxed{3}. Alternatively \\boxed{4}" gives none), and (d) at most
+     after it, or the clock time `3:45 pm` or ratio `3:4` it ends), unless a qualifier or hedge surrounds
+     it ("at least 5", "12 or more", "maybe 5", "5?").
+Self-correction and spraying. Every box, `####` line and answer sentence is a stated answer; the last
+stated answer counts. A withdrawal after the final answer ("wait", "no:", "wrong", "made a mistake",
+"actually", "recheck", "just kidding", "on second thought", "never mind", ...) takes it back: the answer
+is then the one stated after the withdrawal (a box, `####`, "the answer is", or a number or `$...$` ending
+the response after a restating cue: "it's 9.", ", 9.", "= 15 apples"), and with none there is no answer
+("\\boxed{7} Wait, I made an error."; "an error in step 2" restates nothing). Otherwise the final answer
+counts only if (a) no different answer is stated after it, (b) every different earlier answer is withdrawn
+before the final one ("\\boxed{3} is wrong, so \\boxed{4}" gives 4; "\\boxed{3}. Alternatively \\boxed{4}"
+gives none), (c) a final answer withdrawn for a new one was not withdrawn before and stated again
+(flip-flopping), and (d) at most
 MAX_DISTINCT_ANSWERS different answers are stated in all (one answer and one correction: a third means
 spraying, and none counts). Hedged answers ("5 or 6", "probably 6", "7, but it might be 8", `\\pm 3`
 against 3) never equal a single answer. Sentences of words are not answers; a choice letter is.
@@ -31,7 +37,8 @@ Answers are normalised, then read as one of: an expression (numbers, variables, 
 tuple; a set (`\\{...\\}`, a bare comma list, "x = 2 or x = 3", `\\pm`, several boxes, `\\{1\\} \\cup \\{2\\}`;
 order-insensitive); a union of intervals (`[a, b)`, `\\cup`, `\\infty`, `\\mathbb{R}`, "all real numbers",
 `\\{x : ...\\}`, one-variable inequalities `-2 \\le x < 5`, `x > 3 or x < 1` (a union), `x > -2 and x < 5`
-(an intersection)); a ratio (`3:4`, `1:2:3`); a matrix (`pmatrix` / `bmatrix`); or text (`\\text{(C)}`,
+(an intersection)); a clock time (`3:45`, `15:45:10`, `3:45 pm`, `3 p.m.`: hours 0-23, two-digit
+minutes); a ratio (`3:4`, `1:2:3`); a matrix (`pmatrix` / `bmatrix`); or text (`\\text{(C)}`,
 `Monday`, `\\text{No}`).
 Normalisation drops `$`, `\\%`, degrees, `\\left`/`\\right`, spacing, `\\text{}` wrappers, thousands
 separators (`1,000`, `32,\\!349`, `1{,}000`, `1\\,000`, `10 000`; a group never starts at 0: `0,111` is a
@@ -46,6 +53,10 @@ constant factor (planes: x + y - z = 4 == -2x - 2y + 2z + 8 = 0), ratios up to a
 places is a printout: it equals a value within one unit of its last place (0.3333333333333333 == 1/3);
 shorter decimals must be exact (0.333333 != 1/3, 3.14159 != pi). A decimal comma is read only where
 unambiguous: "3,5" (not a thousands group) against a single-number reference is 3.5.
+Times: equal only to a time (never a number or a ratio: `6:30` is not `3:15`, `1:30` is not 90 or 1.5); a
+12-hour time equals a 24-hour one by its 24-hour reading (`3:45 pm` == `15:45`), a bare hour of 1-12 by
+the clock face (`3:45` == `3:45 pm`); `H:MM` with two-digit minutes is always a time, so a ratio written
+that way (`10:15`) equals only itself.
 Contested cases, decided: an ordered tuple never equals a set; `(1, 2)` equals the open interval; a
 percentage equals its number (`50\\%` == 50), never its fraction (0.5); `\\log` is natural.
 """
@@ -149,6 +160,21 @@ _NUMBER_RE = re.compile(
     r"(?:(?<![,\d(\[{])(?:\d+,\d{1,2}|0,\d+|\d{4,},\d+)(?![\d,])"  # decimal commas: 2,5  0,111  1000,99
     r"|[1-9]\d{0,2}(?:,\d{3})+|\d{1,3}(?: \d{3})+(?![\d.,])|\d+|(?=\.\d))"  # 1,000  10 000  12  .5
     r"(?:\.\d+)?(?:[eE][-+]?\d+\b)?(?:\s*/\s*\d+(?:\.\d+)?)?")
+# A clock time: `3:45`, `15:45:10`, `3:45 pm`, `3:45 p.m.`, `3 pm` (hours 0-23, minutes and seconds 00-59).
+_MERIDIEM = r"(?:\s*([AaPp])\.?\s?[Mm]\b\.?)"
+_CLOCK_RE = re.compile(rf"(?<![\d:.,])(\d{{1,2}}):([0-5]\d)(?::([0-5]\d))?(?![\d:]){_MERIDIEM}?"
+                       rf"|(?<![\d:.,])(\d{{1,2}}){_MERIDIEM}")
+_COLON_RUN_RE = re.compile(r"(?<![\w:.,])\d+(?::\d+)+(?![\d:])")  # 3:4, 1:2:3: a ratio written in the text
+
+
+def _around(pattern: re.Pattern, text: str, start: int, stop: int) -> re.Match | None:
+  """A match of `pattern` that covers text[start:stop] (e.g. the clock time `3:45 pm` around the number 45)."""
+  for m in pattern.finditer(text, max(0, start - 8), min(len(text), stop + 8)):
+    if m.start() <= start and m.end() >= stop:
+      return m
+  return None
+
+
 _ANSWER_RE = re.compile(r"\b(?:final\s+answer|answer)(?:\s*\*\*)?\s*(?:is\b|[:：])", re.IGNORECASE)
 _SENTENCE_END_RE = re.compile(r"\.(?=\s|$)|[!?](?=\s|$)|\bI hope\b|,\s+(?!(?:and|or)\b)(?=[A-Za-z]{2,})"
                               r"|\s(?:because|since|which|where|as|so|given|when)\b")
@@ -194,6 +220,10 @@ def _sentence(text: str) -> tuple[str, str]:
 
 def _single_number(line: str) -> str | None:
   """The one number of a line of words ("Janet makes $18 every day."), unless qualified or hedged."""
+  clocks = list(_CLOCK_RE.finditer(line))
+  if len(clocks) == 1 and len(_NUMBER_RE.findall(line)) == len(_NUMBER_RE.findall(clocks[0].group())) and \
+     not _QUALIFIER_RE.search(line) and not re.search(r"\b(?:or|and|but|wait)\b", line):
+    return clocks[0].group().strip()  # "The meeting starts at 3:45 pm."
   numbers = _NUMBER_RE.findall(line)
   if len(numbers) != 1 or _QUALIFIER_RE.search(line) or re.search(r"\b(?:or|and|but|wait)\b", line):
     return None
@@ -220,6 +250,12 @@ def _fallback(response: str) -> str | None:
     return next(g for g in segment.groups() if g is not None)
   if last is None:
     return last_number(response[:tail_start]) if tail_start else None
+  run = _around(_CLOCK_RE, tail, last.start(), last.end()) or _around(_COLON_RUN_RE, tail, last.start(), last.end())
+  if run is not None:  # "at 3:45 pm", "a ratio of 3:4": the time or ratio, not its last number
+    if _QUALIFIER_BEFORE_RE.search(tail[max(0, run.start() - 24):run.start()]) or \
+       _QUALIFIER_AFTER_RE.match(tail, run.end()):
+      return None
+    return run.group().strip()
   if _QUALIFIER_BEFORE_RE.search(tail[max(0, last.start() - 24):last.start()]) or \
      _QUALIFIER_AFTER_RE.match(tail, last.end()):
     return None
@@ -234,11 +270,26 @@ class _Statement:
   text: str
 
 
-# Words that withdraw an earlier answer: "no wait", "that is wrong", "let me recheck".
+# Words that withdraw an earlier answer: "no wait", "that is wrong", "let me recheck", "just kidding".
 _RETRACTION_RE = re.compile(
-    r"\b(?:wait|wrong|incorrect|mistaken|oops|actually|correction|corrected|re-?check\w*|reconsider\w*|"
-    r"recalculat\w*|recomput\w*|re-?evaluat\w*|scratch\s+that|redo|(?:made|make|found|there\s+(?:is|was))\s+an?\s+"
+    r"\b(?:wait|wrong|incorrect|mistaken|oops|actually|correction|corrected|re-?check\w*|double[- ]check\w*|"
+    r"reconsider\w*|recalculat\w*|recomput\w*|re-?evaluat\w*|scratch\s+that|redo|just\s+kidding|j/?k|"
+    r"on\s+second\s+thought|second\s+thoughts|never\s*mind|take\s+(?:that|it)\s+back|hold\s+on|"
+    r"not\s+(?:right|correct)|(?:made|make|found|there\s+(?:is|was))\s+an?\s+"
     r"(?:\w+\s+)?(?:error|mistake)|my\s+(?:\w+\s+)?(?:error|mistake))\b|\bno\s*[,:;.!]", re.IGNORECASE)
+# What introduces a number restated after a withdrawal: "Just kidding, it's 9", "On second thought, 9",
+# "the total is 15", "= 15". A number after anything else ("an error in step 2") is not an answer.
+_RESTATE_CUE_RE = re.compile(
+    r"(?:\bit['’]?s|\bit\s+(?:is|was|should\s+be|must\s+be|would\s+be)|\bis|\bbe|\bequals?|\bget|\bgives?|"
+    r"\bmakes?|\bthat['’]?s|\bso|\btherefore|\bthus|\bhence|=|:|,|;|\.|!|\A)(?:\s|\*\*|\$|\\\(|\\\[)*\Z",
+    re.IGNORECASE)
+# What may follow it to the end of the response: closing math, up to three words (units), punctuation, and
+# a confirmation ("Yes.", "That's correct.", "✓").
+_RESTATE_TAIL_RE = re.compile(
+    r"(?:\s|\*\*|\$|\\\)|\\\])*(?:[A-Za-z%°]+[\s.,!]*){0,3}[\s.!]*"
+    r"(?:(?:yes|yep|right|correct|confirmed|(?:so\s+)?(?:that|this|it)['’]?s?\s+(?:is\s+)?(?:right|correct))"
+    r"(?:[\s,]+(?:that|this|it)['’]?s?\s+(?:is\s+)?(?:right|correct))?[\s.!]*|[✓✔]\s*)?\Z", re.IGNORECASE)
+MAX_RESTATEMENT_DEPTH = 4  # withdrawals followed through, each reading the text after the previous one
 _CHOICE_RE = re.compile(r"[a-e]")  # a multiple-choice letter, the one text answer that counts as stated
 _DOUBLED_RE = re.compile(r"\\\\(?=[A-Za-z])")
 _SINGLE_CMD_RE = re.compile(r"(?<!\\)\\[A-Za-z]")
@@ -305,10 +356,40 @@ def _statements(response: str) -> tuple[_Statement | None, list[_Statement], lis
   return run, boxes, list(hashes), answers
 
 
-def extract_answer(response: str) -> str | None:
+def _restated(tail: str, depth: int) -> str | None:
+  """The answer stated in `tail`, the text after a withdrawal: its own stated answer (a box, `####`, "the
+  answer is"; withdrawals in it followed in turn), else a number (or `$...$`) that ends it and follows a
+  restating cue ("it's 9.", ", 9.", "= 15 apples."), unless qualified or hedged; None if neither."""
+  if depth >= MAX_RESTATEMENT_DEPTH:
+    return None
+  run, _, hashes, said = _statements(tail)
+  if run is not None or hashes or said:
+    return extract_answer(tail, _depth=depth + 1)
+  end = len(tail.rstrip())
+  last = None
+  for last in _NUMBER_RE.finditer(tail, max(0, end - 4 * MAX_ANSWER_CHARS)):
+    pass
+  if last is None:
+    return None
+  start, stop, text = last.start(), last.end(), last.group()
+  clock = _around(_CLOCK_RE, tail, start, stop) or _around(_COLON_RUN_RE, tail, start, stop)
+  for segment in _MATH_SEGMENT_RE.finditer(tail, max(0, start - MAX_ANSWER_CHARS)):
+    if segment.start() <= start < segment.end():
+      start, stop, text = segment.start(), segment.end(), next(g for g in segment.groups() if g is not None)
+  if clock is not None and clock.end() >= stop:
+    start, stop, text = clock.start(), clock.end(), clock.group().strip()
+  if not _RESTATE_CUE_RE.search(tail, max(0, start - 40), start) or not _RESTATE_TAIL_RE.match(tail, stop) or \
+     _QUALIFIER_BEFORE_RE.search(tail[max(0, start - 24):start]) or _QUALIFIER_AFTER_RE.match(tail, stop) or \
+     _HEDGE_RE.search(tail[max(0, start - 80):]):
+    return None
+  return text
+
+
+def extract_answer(response: str, *, _depth: int = 0) -> str | None:
   """The final-answer text of a response (see the module docstring), or None (none, malformed, hedged)."""
   if not isinstance(response, str) or len(response) > MAX_RESPONSE_CHARS:
     return None
+  depth = _depth
   response = _undouble(response)
   think = response.rfind("</think>")
   if think >= 0:
@@ -325,10 +406,24 @@ def extract_answer(response: str) -> str | None:
   else:
     return _fallback(response)
   withdrawn = _RETRACTION_RE.search(response, final.end)
-  if withdrawn is not None:
-    after = last_number(response[withdrawn.end():])
-    if after is not None and not answers_equal(after, final.text):
-      return None  # "The answer is 12. Hmm, no: it is 15.": the final answer withdrawn
+  if withdrawn is not None:  # "The answer is 7. Just kidding, it's 9.": the answer restated after it counts
+    restated = _restated(response[withdrawn.end():], depth)
+    if restated is None:
+      return None  # "\\boxed{7} Wait, I made an error.": withdrawn, and no new answer
+    if not answers_equal(restated, final.text):
+      mine = parse_answer(final.text)
+      earlier = sorted((s for s in boxes + hashes + said if s.end <= final.start), key=lambda s: -s.start)
+      again = next((s for s in earlier if mine is not None and (o := parse_answer(s.text)) is not None
+                    and _equal(mine, o)), None)
+      if again is not None and _RETRACTION_RE.search(response, again.end, final.start):
+        return None  # "7. Wait, no: 8. The answer is 7. Wait, no: 8.": answers flip-flopped
+      stated = [parse_answer(restated)]
+      for s in boxes + hashes + said + [final]:
+        other = parse_answer(s.text)
+        if other is not None and (other.kind != "text" or _CHOICE_RE.fullmatch(other.value)) and \
+           not any(x is not None and _equal(other, x) for x in stated):
+          stated.append(other)
+      return restated if len(stated) <= MAX_DISTINCT_ANSWERS else None
   others = [s for s in boxes + hashes + said
             if s is not final and not (s.start < final.end and s.end > final.start) and "\\boxed" not in s.text
             and "\\fbox" not in s.text]
@@ -470,6 +565,7 @@ class Answer:
     "set": [Answer] (alt: the number a decimal comma makes of "3,5")
     "intervals": [(lo, lo_closed, hi, hi_closed)] sorted and merged; lo/hi numbers, +-inf
     "matrix": [[AST]]                      "ratio": [AST] (`3:4`, `1:2:3`)
+    "time": (hour, minute, second, meridiem "a" / "p" or None)
     "text": normalised string
   """
   kind: str
@@ -648,6 +744,34 @@ def _is_name(s: str) -> bool:
   return not re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", s))
 
 
+def _clock(m: re.Match) -> Answer:
+  """A clock time as ("time", (hour, minute, second, meridiem)): meridiem "a" / "p" with hours 1-12, or None
+  with hours 0-23. Text where the hour is out of range (`13:00 pm`, `25:30` never matches _CLOCK_RE)."""
+  if m.group(5) is not None:
+    hour, minute, second, meridiem = int(m.group(5)), 0, 0, m.group(6).lower()
+  else:
+    hour, minute, second = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+    meridiem = m.group(4).lower() if m.group(4) else None
+  if hour > (12 if meridiem else 23) or (meridiem and hour == 0):
+    return _text(m.group())
+  return Answer("time", (hour, minute, second, meridiem))
+
+
+def _time_equal(a: tuple, b: tuple) -> bool:
+  """Clock times equal: the same hour (a 12-hour time against a 24-hour one by its 24-hour reading; a bare
+  hour of 1-12 against a 12-hour time by the clock face: `3:45` == `3:45 pm` == `15:45`), minute and second."""
+  (ha, ma, sa, pa), (hb, mb, sb, pb) = a, b
+  if (ma, sa) != (mb, sb):
+    return False
+  if pa and pb:
+    return (pa, ha % 12) == (pb, hb % 12)
+  if not pa and not pb:
+    return ha == hb
+  (h12, meridiem), bare = ((ha, pa), hb) if pa else ((hb, pb), ha)
+  h24 = h12 % 12 + (12 if meridiem == "p" else 0)
+  return bare == h24 or (1 <= bare <= 12 and bare % 12 == h12 % 12)
+
+
 def parse_answer(text: str) -> Answer | None:
   """An answer text as an `Answer` (see the module docstring), or None if empty or too long."""
   if not isinstance(text, str) or len(text) > MAX_ANSWER_CHARS:
@@ -673,6 +797,9 @@ def _parse(s: str, depth: int) -> Answer | None:
     inner = _parse(builder.group(1), depth + 1)
     return inner if inner is not None and inner.kind == "intervals" else _text(s)
   s = _strip_units(s)
+  clock = _CLOCK_RE.fullmatch(s)
+  if clock is not None:
+    return _clock(clock)
   if "\\pm" in s:  # x = \pm 2, 1 \pm \sqrt{2}: two answers
     items = [_parse(s.replace("\\pm", sign), depth + 1) for sign in ("+", "-")] if s.count("\\pm") == 1 else [None]
     return _set(items) if all(i is not None and i.kind != "text" for i in items) else _text(s)
@@ -869,6 +996,8 @@ def _ratio_equal(r, q) -> bool:
 
 def _equal(a: Answer, b: Answer) -> bool:
   kinds = {a.kind, b.kind}
+  if "time" in kinds:  # a time equals only a time: never a number or a ratio (6:30 is not 3:15)
+    return kinds == {"time"} and _time_equal(a.value, b.value)
   if "text" in kinds:
     return a.kind == b.kind and a.value == b.value
   if kinds == {"expr"}:

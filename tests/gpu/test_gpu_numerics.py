@@ -165,7 +165,7 @@ def test_pallas_paged_kernel_agrees_with_the_xla_form_on_the_gpu():
   need = int(np.sum(-(-prompt // bs) + -(-(live - prompt) // bs)))
   row, block, length = paged.live_entries(lay, jnp.arange(S, dtype=jnp.int32), jnp.asarray(prompt, jnp.int32),
                                           jnp.asarray(live - prompt, jnp.int32), jnp.ones(S, bool),
-                                          lay.max_entries)  # every entry a step could list: the kernel walks only the live ones
+                                          S * (lay.prompt_blocks + lay.response_blocks))  # every entry a step could list: the kernel walks only the live ones
   q = jnp.asarray(rng.normal(size=(S, 1, H, D)), jnp.bfloat16)
   xla = paged_decode_attention(q, k_pool, v_pool, row, block, length, "reduce")
   kernel = paged_decode_attention_kernel(q, k_pool, v_pool, row, block, length)
