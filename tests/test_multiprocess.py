@@ -273,15 +273,19 @@ def test_lora_two_processes_give_the_one_process_metrics_moving_only_adapters(wa
 
 @pytest.mark.devices(8)
 @pytest.mark.timeout(900)  # the warm start and 2 interpreters on 2 cores; the launcher's own hard limit is 300 s
-def test_fp8_two_processes_give_the_one_process_metrics(warm_start, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fp8_two_processes_give_the_one_process_metrics(warm_start, tmp_path, lora):
   """An fp8 generator, 3 steps: the trainer process quantises before the wire, the fp8 values and
-  scales cross, the generator process fuses them and samples with fp8 GEMMs. Every per-step metric
-  equals the one-process run's (quantising is per-channel max and division: the same bits on any
-  sharding), each push moved the fp8 tree (under half of the fp32 model's bytes), and the mismatch
-  metrics see the fp8 gap at lag 0 (the fp32 generator's is ~1e-9, test_controller)."""
+  scales cross, the generator process fuses them and samples with fp8 GEMMs (LoRA: the adapters
+  cross, the generator process merges and quantises). Every per-step metric equals the one-process
+  run's (quantising is per-channel max and division: the same bits on any sharding), each push moved
+  under half of the fp32 model's bytes, and the mismatch metrics see the fp8 gap at lag 0 (the fp32
+  generator's is ~1e-9, test_controller)."""
   from llamarl_jax.model.llama import ModelConfig
 
-  quantized = ["--gin_param=GeneratorConfig.quantize = 'fp8'", *warm_start]
+  adapters = ["--gin_param=TrainConfig.lora = @LoraConfig()", "--gin_param=LoraConfig.rank = 8",
+              "--gin_param=LoraConfig.alpha = 16.0"] if lora else []
+  quantized = ["--gin_param=GeneratorConfig.quantize = 'fp8'", *adapters, *warm_start]
   _train(tmp_path / "one", 3, *quantized)
   status, out = _launch(2, _args(tmp_path / "two", 3, *quantized), timeout_s=300)
   assert status == 0, out
