@@ -6,7 +6,7 @@
   TrainConfig      the objective and the optimizer (loss, its kwargs, KL reference, microbatches, remat,
                    checkpoints)
   ScheduleConfig   the asynchronous part (max_policy_lag, version schedule, buffer, stall timeout)
-  RewardConfig     the reward function and its worker pool
+  RewardConfig     the reward function and its worker pool; optionally a reward model combined with it
   EnvConfig        what an episode is: one turn, or turns with tool calls (llamarl_jax.envs)
   RunConfig        the seven together, with the checks that need more than one of them
 
@@ -415,14 +415,35 @@ class EnvConfig(_Validated):
                                      + self.max_observation_tokens * (self.max_turns - 1))
 
 
+REWARD_MODEL_NORMALIZATIONS = ("none", "batch", "group")
+
+
 @dataclass(frozen=True)
 class RewardConfig(_Validated):
   """`fn`: a reward name (rewards.REWARD_FNS), a callable, or a `RewardExecutor` the caller owns (e.g.
-  one worker pool shared by the runs of a study); scored in `workers` processes, `timeout_s` each."""
+  one worker pool shared by the runs of a study); scored in `workers` processes, `timeout_s` each.
+
+  model_path: a reward model (an HF `*ForSequenceClassification` directory, one label) that scores
+    every generated row (prompt + response) in `model_dtype`, beside the rule `fn`
+    (`executors.reward_model`). The reward the advantages see is then
+        rule_weight * rule + model_weight * gate * normalize(model score)
+    gate: 1, or with `model_gate` set, 1 only on rows whose rule reward is >= model_gate (a verifier
+    gate: the model ranks only answers the verifier accepts); normalize (`model_normalize`): 'none',
+    'batch' (standardised over the batch) or 'group' (over each prompt's samples). rule_weight = 0: the
+    model is the only reward (the rule still reports reward/mean and reward/accuracy). None: rules only.
+  """
   fn: Any = "arithmetic"
   workers: int = 2
   timeout_s: float = 5.0
-  RULES: ClassVar = {"workers": at_least(1), "timeout_s": above(0.0)}
+  model_path: str | None = None
+  model_weight: float = 1.0
+  rule_weight: float = 1.0
+  model_gate: float | None = None
+  model_normalize: str = "none"
+  model_dtype: str = "float32"
+  RULES: ClassVar = {"workers": at_least(1), "timeout_s": above(0.0),
+                     "model_normalize": one_of(*REWARD_MODEL_NORMALIZATIONS),
+                     "model_dtype": one_of(*GENERATOR_DTYPES)}
 
   @property
   def name(self) -> str:
@@ -453,6 +474,10 @@ class RunConfig(_Validated):
           "the overlong penalty measures one response against RolloutConfig.max_new_tokens, and a multi-turn "
           "episode is several turns with observations between them; set OverlongShaping.buffer_len = 0 "
           "(OverlongShaping.mask_truncated works with episodes: it masks those the budget cut)")
+    if self.reward.model_path and self.rollout.dynamic_sampling is not None:
+      raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} with RolloutConfig.dynamic_sampling: "
+                        "dynamic sampling keeps groups by the rule rewards scored in the generator loop, which "
+                        "has no reward model; set RolloutConfig.dynamic_sampling = None")
     if self.train.lora is not None and self.generator.quantize:
       raise ConfigError(f"GeneratorConfig.quantize={self.generator.quantize!r} with TrainConfig.lora: a LoRA push "
                         "moves the fp32 adapters and the generator merges them into its weights; set "
@@ -468,6 +493,9 @@ class RunConfig(_Validated):
     if num_processes > 1 and self.schedule.version_schedule != "fixed":
       raise ConfigError(f"ScheduleConfig.version_schedule={self.schedule.version_schedule!r} needs one process: "
                         "across processes the order of weight transfers must be a pure function of the step ('fixed')")
+    if num_processes > 1 and self.reward.model_path:
+      raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} is single-process only; across "
+                        "processes score with rule rewards (RewardConfig.model_path = None)")
     if num_processes > 1 and self.generator.quantize:
       raise ConfigError(f"GeneratorConfig.quantize={self.generator.quantize!r} is single-process only; across "
                         "processes use quantize=None")
@@ -487,6 +515,9 @@ class RunConfig(_Validated):
                     **({"dynamic_sampling": dataclasses.asdict(r.dynamic_sampling)} if r.dynamic_sampling else {})},
         "generator": {"dtype": str(g.dtype), "quantize": g.quantize},
         "reward": self.reward.name,
+        **({"reward_model": {k: getattr(self.reward, k) for k in ("model_path", "model_weight", "rule_weight",
+                                                                  "model_gate", "model_normalize", "model_dtype")}}
+           if self.reward.model_path else {}),
         "trainer": {"microbatches": self.train.microbatches, "remat": self.train.remat},
         **({"lora": dataclasses.asdict(self.train.lora)} if self.train.lora is not None else {}),
         **({"env": dataclasses.asdict(self.env)} if self.env.multi_turn else {}),
@@ -516,6 +547,8 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
                                  "group_by_length", "scan_layers", "lora")},
     **{k: ("schedule", k) for k in ("max_policy_lag", "version_schedule", "buffer_capacity", "step_timeout_s")},
     "reward_fn": ("reward", "fn"), "reward_workers": ("reward", "workers"), "reward_timeout_s": ("reward", "timeout_s"),
+    **{f"reward_{k}": ("reward", k) for k in ("model_path", "model_weight", "rule_weight", "model_gate",
+                                              "model_normalize", "model_dtype")},
     "env_name": ("env", "name"),
     **{k: ("env", k) for k in ("max_turns", "max_total_tokens", "max_observation_tokens", "tools", "tool_workers",
                                "tool_timeout_s")},

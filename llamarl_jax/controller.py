@@ -117,6 +117,10 @@ class Controller:
       self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0)
       ex.reward = config.reward.fn if not self._owns_reward else RewardExecutor(
           config.reward.fn, num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
+      if config.reward.model_path:  # on the generator's devices, sharded like its weights
+        from llamarl_jax.executors.reward_model import RewardModelExecutor
+
+        ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, mesh=self.generator_mesh)
       from llamarl_jax.envs import make_environment
 
       self.env = make_environment(config.env)
