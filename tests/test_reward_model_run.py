@@ -162,3 +162,41 @@ def test_a_reward_model_crash_stops_the_run_and_keeps_every_trained_step(policy,
     assert c.step == 2 and c.checkpointer.latest_step() == 2
   finally:
     c.close()
+
+
+def test_a_reward_model_with_its_own_tokenizer_reads_the_text_through_its_chat_template(tmp_path, tokenizer):
+  """Vocabularies differ (policy: characters; reward model: ChatML): the question and the decoded
+  response are re-tokenised as a user/assistant conversation by the reward model's tokenizer."""
+  from types import SimpleNamespace
+
+  from conftest import chatml_tokenizer
+  from test_reward_model import tiny_hf_classifier
+
+  from llamarl_jax.data import PromptExample
+  from llamarl_jax.executors.reward_model import RewardModelExecutor
+
+  rm_tok = chatml_tokenizer()
+  tiny_hf_classifier("qwen2", seed=3, pad_token_id=rm_tok.pad_token_id, vocab_size=len(rm_tok)).save_pretrained(
+      tmp_path / "rm")
+  model = RewardModel.from_pretrained(tmp_path / "rm", tokenizer=rm_tok)
+  executor = RewardModelExecutor(model, tokenizer)
+  assert executor.retokenize
+  examples = [PromptExample(prompt="Q: 2+2=? A:", ground_truth="4", task="arithmetic", index=0, question="2+2=?")]
+  responses = ["4", "five"]
+  item = SimpleNamespace(index=0, examples=examples, rollout=SimpleNamespace(lengths=np.array([1, 4])))
+  scores, metrics = executor.score(item, responses)
+  want_rows = [rm_tok(rm_tok.apply_chat_template([{"role": "user", "content": "2+2=?"},
+                                                  {"role": "assistant", "content": r}], tokenize=False))["input_ids"]
+               for r in responses]
+  np.testing.assert_array_equal(scores, model.score_tokens(want_rows))
+  assert metrics["reward_model/rows_per_s"] > 0
+
+
+def test_token_rows_need_a_vocabulary_that_holds_the_policys(tmp_path, tokenizer):
+  from test_reward_model import tiny_hf_classifier
+
+  from llamarl_jax.executors.reward_model import RewardModelExecutor
+
+  tiny_hf_classifier("llama", vocab_size=len(tokenizer) - 1).save_pretrained(tmp_path / "small")
+  with pytest.raises(ValueError, match="has no tokenizer to re-tokenise the text with"):
+    RewardModelExecutor(RewardModel.from_pretrained(tmp_path / "small"), tokenizer)
