@@ -1,6 +1,6 @@
 """The run's configuration: small frozen dataclasses, each validating its own fields once.
 
-  MeshConfig       where the trainer and the generator run (device counts per mesh axis, colocated)
+  MeshConfig       where the trainer, the generator and a reward model run (device counts per mesh axis)
   RolloutConfig    what is sampled per step (prompts, samples, sampling parameters, advantages, seed)
   GeneratorConfig  how it is sampled (engine, slots, chunk, dtype of the generator's weights)
   TrainConfig      the objective and the optimizer (loss, its kwargs, KL reference, microbatches, remat,
@@ -106,13 +106,18 @@ def field_problems(cls, values: dict[str, Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class MeshConfig(_Validated):
-  """Device counts of the two meshes (`parallel.make_meshes`); colocated: one mesh, taking turns."""
+  """Device counts of the meshes (`parallel.make_meshes`); colocated: trainer and generator on one mesh,
+  taking turns. reward_dp x reward_tp: the reward model's own devices after theirs
+  (`parallel.make_reward_mesh`); reward_dp = 0: it runs on the generator's mesh."""
   trainer_fsdp: int = 1
   trainer_tp: int = 1
   generator_dp: int = 1
   generator_tp: int = 1
   colocated: bool = False
-  RULES: ClassVar = {k: at_least(1) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp")}
+  reward_dp: int = 0
+  reward_tp: int = 1
+  RULES: ClassVar = {**{k: at_least(1) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp",
+                                                 "reward_tp")}, "reward_dp": int_at_least(0)}
 
 
 @dataclass(frozen=True)
@@ -474,6 +479,9 @@ class RunConfig(_Validated):
           "the overlong penalty measures one response against RolloutConfig.max_new_tokens, and a multi-turn "
           "episode is several turns with observations between them; set OverlongShaping.buffer_len = 0 "
           "(OverlongShaping.mask_truncated works with episodes: it masks those the budget cut)")
+    if self.mesh.reward_dp and not self.reward.model_path:
+      raise ConfigError(f"MeshConfig.reward_dp={self.mesh.reward_dp} gives devices to a reward model, but "
+                        "RewardConfig.model_path is None; set a reward model or MeshConfig.reward_dp = 0")
     if self.reward.model_path and self.rollout.dynamic_sampling is not None:
       raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} with RolloutConfig.dynamic_sampling: "
                         "dynamic sampling keeps groups by the rule rewards scored in the generator loop, which "
@@ -531,7 +539,8 @@ SECTIONS = {"mesh": MeshConfig, "rollout": RolloutConfig, "generator": Generator
             "schedule": ScheduleConfig, "reward": RewardConfig, "env": EnvConfig}
 
 LEGACY_KEYS: dict[str, tuple[str, str]] = {
-    **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated")},
+    **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated",
+                                "reward_dp", "reward_tp")},
     **{k: ("rollout", k) for k in ("prompts_per_step", "samples_per_prompt", "temperature", "top_p", "top_k",
                                    "max_new_tokens", "advantage_estimator", "seed", "overlong", "dynamic_sampling")},
     "generator_engine": ("generator", "engine"), "engine_slots": ("generator", "slots"),

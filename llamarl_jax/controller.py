@@ -117,10 +117,11 @@ class Controller:
       self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0)
       ex.reward = config.reward.fn if not self._owns_reward else RewardExecutor(
           config.reward.fn, num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
-      if config.reward.model_path:  # on the generator's devices, sharded like its weights
+      if config.reward.model_path:  # its own mesh (MeshConfig.reward_dp), else the generator's
         from llamarl_jax.executors.reward_model import RewardModelExecutor
 
-        ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, mesh=self.generator_mesh)
+        reward_mesh = parallel.make_reward_mesh(**dataclasses.asdict(config.mesh)) or self.generator_mesh
+        ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, mesh=reward_mesh)
       from llamarl_jax.envs import make_environment
 
       self.env = make_environment(config.env)

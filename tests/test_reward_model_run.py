@@ -9,6 +9,7 @@ without a tokenizer, so it reads the policy's own token rows (prompt + response)
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -58,6 +59,21 @@ def test_reward_model_settings_are_flat_keys_and_checked():
     run_config(reward_model_path="/rm", dynamic_sampling=DynamicSampling())
   with pytest.raises(ConfigError, match="RewardConfig.model_path='/rm' is single-process only"):
     run_config(reward_model_path="/rm").check_layout(1, num_processes=2)
+  with pytest.raises(ConfigError, match="MeshConfig.reward_dp=2 gives devices to a reward model"):
+    run_config(reward_dp=2)
+
+
+def test_reward_mesh_takes_the_devices_after_the_trainer_and_the_generator():
+  from llamarl_jax import parallel
+
+  devices = jax.devices()[:8]
+  layout = dict(trainer_fsdp=2, generator_dp=2, reward_dp=2, reward_tp=2, devices=devices)
+  assert parallel.make_reward_mesh(**layout).devices.flatten().tolist() == devices[4:8]
+  assert parallel.make_reward_mesh(**{**layout, "colocated": True, "generator_dp": 2}).devices.flatten().tolist() == \
+      devices[2:6]
+  assert parallel.make_reward_mesh(**{**layout, "reward_dp": 0}) is None
+  with pytest.raises(ValueError, match="the reward model's 3x2 devices come after"):
+    parallel.make_meshes(**{**layout, "reward_dp": 3})
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +125,17 @@ def _record(obj, name, log):
   setattr(obj, name, wrapped)
 
 
+@pytest.mark.parametrize("reward_dp", [
+    0,  # on the generator's 2 devices
+    pytest.param(2, marks=pytest.mark.devices(6))])  # its own 2 devices beside trainer 2 + generator 2
 @pytestmark_devices
 def test_trained_rewards_are_the_reward_models_scores_combined_with_the_rule(policy, tokenizer, tmp_path,
-                                                                            reward_model_dir):
-  c = make_controller(policy, tokenizer, tmp_path, reward_model_dir, reward_rule_weight=0.5, reward_model_weight=2.0)
+                                                                            reward_model_dir, reward_dp):
+  c = make_controller(policy, tokenizer, tmp_path, reward_model_dir, reward_rule_weight=0.5, reward_model_weight=2.0,
+                      reward_dp=reward_dp)
+  rm_devices = c.ex.reward_model.model.params["embed"].sharding.device_set
+  want_devices = set(c.generator_mesh.devices.flat) if not reward_dp else set(jax.devices()[4:6])
+  assert rm_devices == want_devices
   scored_items, trained = [], []
   _record(c.ex.reward_model, "score", scored_items)
   _record(c.trainer, "step", trained)
