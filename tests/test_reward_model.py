@@ -178,3 +178,18 @@ def test_bad_inputs_are_named(saved_classifier, make_hf_model):
     RewardModel.from_pretrained(causal)
   # the causal LM still loads as one (the classifier support leaves it alone)
   assert load_hf_checkpoint(causal)[0].num_labels == 0
+
+
+def test_bench_reward_model_reports_throughput_and_padding(capsys):
+  import importlib.util
+  from pathlib import Path
+
+  script = Path(__file__).resolve().parents[1] / "scripts" / "bench_reward_model.py"
+  spec = importlib.util.spec_from_file_location("bench_reward_model", script)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  rows = bench.main(["--sizes", "32x1", "--rows", "8", "--batch_rows", "4", "--repeats", "2", "--max_len", "40"])
+  assert [(r["model"], r["rows"]) for r in rows] == [("32x1", 8)]
+  assert rows[0]["rows_per_s"] > 0 and 0 <= rows[0]["padded"] < 1
+  assert 1 <= rows[0]["programs"] <= 3  # 2 chunks of 4 rows at widths 16 / 32 / 64 at most
+  assert "tokens/s" in capsys.readouterr().out

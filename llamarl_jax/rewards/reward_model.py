@@ -12,9 +12,11 @@ lm_head:
   score(texts)         the same from text, through the model's own tokenizer and chat template
   values(tokens)       the head at every position `[B, T]`: a critic's V(s_t) after reading token t
 
-Device programs: rows are scored in batches of `batch_rows` at most; a batch's row count is rounded up
-to a power of two (and to the mesh's batch divisor) and its width to a power of two from `min_width`
-(at most the context), so a stream of batches of one size compiles one program per width octave.
+Device programs: rows are sorted by length and scored in chunks of `batch_rows` at most, each chunk
+at its own width (so short rows are not padded to the longest of the whole call); a chunk's row count
+is rounded up to a power of two (and to the mesh's batch divisor) and its width to a power of two from
+`min_width` (at most the context), so a stream of batches of one size compiles about one program per
+width octave.
 """
 
 from __future__ import annotations
@@ -189,16 +191,17 @@ class RewardModel:
     t0 = time.perf_counter()
     rows = self._check_rows(rows)
     positions = score_positions(rows, self.pad_id)
+    order = np.argsort([len(r) for r in rows], kind="stable")
     out = []
     for start in range(0, len(rows), self.batch_rows):
-      chunk = rows[start:start + self.batch_rows]
-      tokens, lengths = self._bucket(chunk)
+      idx = order[start:start + self.batch_rows]
+      tokens, lengths = self._bucket([rows[i] for i in idx])
       pos = np.zeros(len(lengths), np.int32)
-      pos[:len(chunk)] = positions[start:start + len(chunk)]
-      scores = self._scores(self.params, self._put(tokens), self._put(lengths), self._put(pos))
-      out.append(scores)  # dispatched; fetched below, so the chunks run back to back
-    scores = np.concatenate([np.asarray(s)[:min(self.batch_rows, len(rows) - i * self.batch_rows)]
-                             for i, s in enumerate(out)])
+      pos[:len(idx)] = positions[idx]
+      out.append((idx, self._scores(self.params, self._put(tokens), self._put(lengths), self._put(pos))))
+    scores = np.zeros(len(rows), np.float32)
+    for idx, chunk_scores in out:  # dispatched above, fetched here: the chunks run back to back
+      scores[idx] = np.asarray(chunk_scores)[:len(idx)]
     self.stats["rows"] += len(rows)
     self.stats["seconds"] += time.perf_counter() - t0
     self.stats["calls"] += 1
