@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -101,7 +100,6 @@ class RewardModel:
     self.params = prepare(params, jnp.dtype(config.dtype).name)  # the compute layout: cast, layers stacked
     self._scores = jax.jit(self._scores_impl)
     self._values = jax.jit(self._values_impl)
-    self.stats = {"rows": 0, "seconds": 0.0, "calls": 0}
 
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, mesh=None, tokenizer=None,
@@ -188,7 +186,6 @@ class RewardModel:
     """Scores `[len(rows)]` float32 of token rows of any lengths (each read at its last non-pad token)."""
     if len(rows) == 0:
       return np.zeros(0, np.float32)
-    t0 = time.perf_counter()
     rows = self._check_rows(rows)
     positions = score_positions(rows, self.pad_id)
     order = np.argsort([len(r) for r in rows], kind="stable")
@@ -202,10 +199,7 @@ class RewardModel:
     scores = np.zeros(len(rows), np.float32)
     for idx, chunk_scores in out:  # dispatched above, fetched here: the chunks run back to back
       scores[idx] = np.asarray(chunk_scores)[:len(idx)]
-    self.stats["rows"] += len(rows)
-    self.stats["seconds"] += time.perf_counter() - t0
-    self.stats["calls"] += 1
-    return scores.astype(np.float32)
+    return scores
 
   def values(self, tokens, lengths=None) -> np.ndarray:
     """The head at every position `[B, T]` float32 of right-padded `tokens` `[B, T]` (rows valid up
@@ -250,8 +244,3 @@ class RewardModel:
   def score(self, texts: Sequence, prompts: Sequence[str] | None = None) -> np.ndarray:
     """Scores `[len(texts)]` of texts (see `encode`), through the model's own tokenizer."""
     return self.score_tokens(self.encode(texts, prompts))
-
-  def take_stats(self) -> dict:
-    """Rows scored, seconds and calls since the last take (all reset to 0)."""
-    out, self.stats = self.stats, {"rows": 0, "seconds": 0.0, "calls": 0}
-    return out
