@@ -124,6 +124,23 @@ def test_values_are_the_head_at_every_position(saved_classifier):
   np.testing.assert_allclose(values[1, 4], rm.score_tokens([rows[1][:5]])[0], rtol=1e-5, atol=1e-5)
 
 
+def test_values_equal_transformers_per_token_head(saved_classifier):
+  """The critic's per-token values are transformers' `score(hidden_states)` before its pooling."""
+  import torch
+
+  torch_model, path = saved_classifier("qwen2")
+  rows = random_rows([9, 4], seed=6)
+  tokens = np.zeros((2, 9), np.int64)
+  tokens[1, :4] = rows[1]
+  tokens[0] = rows[0]
+  with torch.no_grad():
+    hidden = torch_model.model(input_ids=torch.tensor(tokens)).last_hidden_state
+    want = torch_model.score(hidden)[..., 0].numpy()
+  values = RewardModel.from_pretrained(path).values(tokens, np.array([9, 4]))
+  np.testing.assert_allclose(values[0], want[0], **TOL)
+  np.testing.assert_allclose(values[1, :4], want[1, :4], **TOL)  # past a row's length: not meaningful
+
+
 def test_few_programs_for_many_lengths(saved_classifier):
   _, path = saved_classifier("llama")
   rm = RewardModel.from_pretrained(path, batch_rows=8)
