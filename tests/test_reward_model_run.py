@@ -223,3 +223,29 @@ def test_token_rows_need_a_vocabulary_that_holds_the_policys(tmp_path, tokenizer
   tiny_hf_classifier("llama", vocab_size=len(tokenizer) - 1).save_pretrained(tmp_path / "small")
   with pytest.raises(ValueError, match="has no tokenizer to re-tokenise the text with"):
     RewardModelExecutor(RewardModel.from_pretrained(tmp_path / "small"), tokenizer)
+
+
+@pytestmark_devices
+def test_a_stuck_reward_model_times_out_naming_the_reward_executor_and_keeps_every_trained_step(
+    policy, tokenizer, tmp_path, reward_model_dir):
+  import time
+
+  c = make_controller(policy, tokenizer, tmp_path, reward_model_dir, checkpoint_every=5)
+  try:
+    c.run(2)  # compiles everything under the default step timeout
+    real, calls = c.ex.reward_model.model.score_tokens, {"n": 0}
+
+    def stuck(rows):
+      calls["n"] += 1
+      if calls["n"] == 1:  # batch 2 (the next run's first): longer than the step timeout
+        time.sleep(6.0)
+      return real(rows)
+
+    c.ex.reward_model.model.score_tokens = stuck
+    c.config = dataclasses.replace(c.config, schedule=dataclasses.replace(c.config.schedule, step_timeout_s=1.5))
+    with pytest.raises(TimeoutError, match=r"step 2: no scored batch within step_timeout_s = 1.5 s\. Stalled: the "
+                                           r"reward executor \(.*the reward model is stuck\)"):
+      c.run(4)
+    assert c.step == 2 and c.checkpointer.latest_step() == 2
+  finally:
+    c.close()

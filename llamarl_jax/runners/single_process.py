@@ -125,7 +125,7 @@ class _Pipeline:
     gen, gen_since = self.ex.generator.status
     rew, rew_since = self.reward_status
     if rew.startswith("scoring"):
-      stalled = "the reward executor (a reward function or its worker pool is stuck)"
+      stalled = "the reward executor (a reward function, its worker pool or the reward model is stuck)"
     elif gen.startswith("generating"):
       stalled = "the generator (sampling or the prompt source is stuck)"
     elif gen.startswith("waiting for the weights"):
