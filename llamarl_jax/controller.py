@@ -120,8 +120,10 @@ class Controller:
       if config.reward.model_path:  # its own mesh (MeshConfig.reward_dp), else the generator's
         from llamarl_jax.executors.reward_model import RewardModelExecutor
 
-        reward_mesh = parallel.make_reward_mesh(**dataclasses.asdict(config.mesh)) or self.generator_mesh
-        ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, mesh=reward_mesh)
+        own_mesh = parallel.make_reward_mesh(**dataclasses.asdict(config.mesh))
+        turn = ex.device_turn if config.mesh.colocated and own_mesh is None else None  # shares the one mesh
+        ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, mesh=own_mesh or self.generator_mesh,
+                                                          device_turn=turn)
       from llamarl_jax.envs import make_environment
 
       self.env = make_environment(config.env)

@@ -125,17 +125,19 @@ def _record(obj, name, log):
   setattr(obj, name, wrapped)
 
 
-@pytest.mark.parametrize("reward_dp", [
-    0,  # on the generator's 2 devices
-    pytest.param(2, marks=pytest.mark.devices(6))])  # its own 2 devices beside trainer 2 + generator 2
+@pytest.mark.parametrize("placement", [
+    "generator",  # on the generator's 2 devices
+    pytest.param("own", marks=pytest.mark.devices(6)),  # its own 2 devices beside trainer 2 + generator 2
+    "colocated"])  # trainer and generator on one 2-device mesh, taking turns; the reward model takes turns too
 @pytestmark_devices
 def test_trained_rewards_are_the_reward_models_scores_combined_with_the_rule(policy, tokenizer, tmp_path,
-                                                                            reward_model_dir, reward_dp):
+                                                                            reward_model_dir, placement):
   c = make_controller(policy, tokenizer, tmp_path, reward_model_dir, reward_rule_weight=0.5, reward_model_weight=2.0,
-                      reward_dp=reward_dp)
+                      reward_dp=2 if placement == "own" else 0, colocated=placement == "colocated")
   rm_devices = c.ex.reward_model.model.params["embed"].sharding.device_set
-  want_devices = set(c.generator_mesh.devices.flat) if not reward_dp else set(jax.devices()[4:6])
+  want_devices = set(jax.devices()[4:6]) if placement == "own" else set(c.generator_mesh.devices.flat)
   assert rm_devices == want_devices
+  assert (c.ex.reward_model.device_turn is c.ex.device_turn) == (placement == "colocated")
   scored_items, trained = [], []
   _record(c.ex.reward_model, "score", scored_items)
   _record(c.trainer, "step", trained)

@@ -17,6 +17,7 @@ checkpoint of the last one).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Sequence
 
@@ -40,11 +41,14 @@ class RewardModelExecutor:
 
   model: a `rewards.RewardModel`; policy_tokenizer: the policy's (rows are built from its tokens, or
   its texts re-tokenised). reward: the combination (`RewardConfig.rule_weight`, `model_weight`,
-  `model_gate`, `model_normalize`).
+  `model_gate`, `model_normalize`). device_turn: a lock held while the model computes, when it shares
+  its devices with executors that take turns on them (colocated mode); None: none.
   """
 
-  def __init__(self, model, policy_tokenizer, reward: RewardConfig = RewardConfig(), *, name: str = "reward model"):
+  def __init__(self, model, policy_tokenizer, reward: RewardConfig = RewardConfig(), *, name: str = "reward model",
+               device_turn=None):
     self.model, self.policy_tokenizer, self.reward, self.name = model, policy_tokenizer, reward, name
+    self.device_turn = device_turn if device_turn is not None else contextlib.nullcontext()
     self.retokenize = model.tokenizer is not None and not same_vocabulary(model.tokenizer, policy_tokenizer)
     if not self.retokenize and len(policy_tokenizer) > model.config.vocab_size:
       raise ValueError(f"{name}: the policy's tokenizer has {len(policy_tokenizer)} tokens but the reward model's "
@@ -52,12 +56,12 @@ class RewardModelExecutor:
                        "the text with: save the reward model with its tokenizer")
 
   @classmethod
-  def from_config(cls, reward: RewardConfig, policy_tokenizer, *, mesh=None) -> "RewardModelExecutor":
+  def from_config(cls, reward: RewardConfig, policy_tokenizer, *, mesh=None, device_turn=None) -> "RewardModelExecutor":
     """The reward model of `reward.model_path` in `reward.model_dtype`, on `mesh`."""
     from llamarl_jax.rewards.reward_model import RewardModel
 
     model = RewardModel.from_pretrained(reward.model_path, dtype=reward.model_dtype, mesh=mesh)
-    return cls(model, policy_tokenizer, reward, name=f"reward model {reward.model_path}")
+    return cls(model, policy_tokenizer, reward, name=f"reward model {reward.model_path}", device_turn=device_turn)
 
   def rows(self, item, texts: Sequence[str] | None = None) -> list[list[int]]:
     """The reward model's token row of each row of the batch (see the module docstring)."""
@@ -81,7 +85,8 @@ class RewardModelExecutor:
     t0 = time.perf_counter()
     try:
       rows = self.rows(item, texts)
-      scores = self.model.score_tokens(rows)
+      with self.device_turn:
+        scores = self.model.score_tokens(rows)
     except Exception as e:  # noqa: BLE001 - re-raised with the model and the batch named
       raise RewardModelError(f"{self.name} failed scoring batch {item.index}: {type(e).__name__}: {e}") from e
     seconds = time.perf_counter() - t0
