@@ -1,4 +1,5 @@
-"""Critic-free advantages from the rewards of the n samples of each prompt (a "group").
+"""Advantages: critic-free ones from the rewards of the n samples of each prompt (a "group"), and
+token-level GAE from a critic's values (`gae`, at the end of this module).
 
 Every estimator takes rewards in one of two layouts and returns advantages in the same layout:
   rewards [n_prompts, n_samples]                         group_ids=None: row p is prompt p's group
@@ -145,3 +146,48 @@ def compute_advantages(rewards: Array, group_ids: Array | None = None,
     raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of "
                      f"{ADVANTAGE_ESTIMATORS}")
   return _ESTIMATORS[estimator](rewards, group_ids, num_groups, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Token-level advantages with a critic: generalised advantage estimation (Schulman et al. 2016,
+# arXiv:1506.02438).
+
+
+@jax.jit
+def gae(rewards: Array, values: Array, mask: Array, gamma: float | Array = 1.0,
+        lam: float | Array = 1.0) -> tuple[Array, Array]:
+  """GAE over token-level rows: (advantages, returns), both fp32 `[B, T]`.
+
+  rewards `[B, T]`: the reward of each token's step (an outcome reward sits at the row's last valid
+    token; per-token shaping, e.g. a KL penalty, anywhere). values `[B, T]`: the critic's V(s_t).
+    mask `[B, T]` (bool or 0/1): 1 = a token the policy wrote (an action).
+  With t' the next valid position after t (none after the row's last valid token):
+      delta_t = r_t + gamma * V_t' - V_t          (V after the last valid token is 0: terminal)
+      A_t     = delta_t + gamma * lam * A_t'      (A after the last valid token is 0)
+      R_t     = A_t + V_t                         (the critic's regression target)
+  Masked positions are not steps of the policy: right padding, and mask gaps such as tool outputs or
+  observations the model did not write, are skipped, so the valid token before a gap bootstraps from
+  the value at the first valid token after it and the discount counts policy tokens only (the row
+  behaves exactly as if its masked positions were removed). A masked position's reward and value are
+  ignored (put an observation's reward on a policy token), and its advantage and return are 0.
+  gamma, lam: Python floats or traced scalars (one compiled program for every value).
+  """
+  chex.assert_rank(rewards, 2, custom_message="gae: rewards must be [batch, tokens]")
+  chex.assert_equal_shape([rewards, values, mask], custom_message=(
+      f"gae: rewards, values and mask must have one shape [batch, tokens]; got {jnp.shape(rewards)}, "
+      f"{jnp.shape(values)}, {jnp.shape(mask)}"))
+  rewards, values = jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32)
+  valid = jnp.asarray(mask).astype(bool)
+  gamma, lam = jnp.asarray(gamma, jnp.float32), jnp.asarray(lam, jnp.float32)
+
+  def step(carry, xs):  # backwards over time; carry = (V, A) at each row's next valid position
+    next_value, next_adv = carry
+    r, v, m = xs
+    adv = r + gamma * next_value - v + gamma * lam * next_adv
+    carry = (jnp.where(m, v, next_value), jnp.where(m, adv, next_adv))
+    return carry, jnp.where(m, adv, 0.0)
+
+  zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
+  _, adv_t = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, valid.T), reverse=True)
+  advantages = adv_t.T
+  return advantages, jnp.where(valid, advantages + values, 0.0)

@@ -1,12 +1,12 @@
 """The run's configuration: small frozen dataclasses, each validating its own fields once.
 
-  MeshConfig       where the trainer and the generator run (device counts per mesh axis, colocated)
+  MeshConfig       where the trainer, the generator and a reward model run (device counts per mesh axis)
   RolloutConfig    what is sampled per step (prompts, samples, sampling parameters, advantages, seed)
   GeneratorConfig  how it is sampled (engine, slots, chunk, dtype of the generator's weights)
   TrainConfig      the objective and the optimizer (loss, its kwargs, KL reference, microbatches, remat,
                    checkpoints)
   ScheduleConfig   the asynchronous part (max_policy_lag, version schedule, buffer, stall timeout)
-  RewardConfig     the reward function and its worker pool
+  RewardConfig     the reward function and its worker pool; optionally a reward model combined with it
   EnvConfig        what an episode is: one turn, or turns with tool calls (llamarl_jax.envs)
   RunConfig        the seven together, with the checks that need more than one of them
 
@@ -106,13 +106,18 @@ def field_problems(cls, values: dict[str, Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class MeshConfig(_Validated):
-  """Device counts of the two meshes (`parallel.make_meshes`); colocated: one mesh, taking turns."""
+  """Device counts of the meshes (`parallel.make_meshes`); colocated: trainer and generator on one mesh,
+  taking turns. reward_dp x reward_tp: the reward model's own devices after theirs
+  (`parallel.make_reward_mesh`); reward_dp = 0: it runs on the generator's mesh."""
   trainer_fsdp: int = 1
   trainer_tp: int = 1
   generator_dp: int = 1
   generator_tp: int = 1
   colocated: bool = False
-  RULES: ClassVar = {k: at_least(1) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp")}
+  reward_dp: int = 0
+  reward_tp: int = 1
+  RULES: ClassVar = {**{k: at_least(1) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp",
+                                                 "reward_tp")}, "reward_dp": int_at_least(0)}
 
 
 @dataclass(frozen=True)
@@ -433,14 +438,35 @@ class EnvConfig(_Validated):
                                      + self.max_observation_tokens * (self.max_turns - 1))
 
 
+REWARD_MODEL_NORMALIZATIONS = ("none", "batch", "group")
+
+
 @dataclass(frozen=True)
 class RewardConfig(_Validated):
   """`fn`: a reward name (rewards.REWARD_FNS), a callable, or a `RewardExecutor` the caller owns (e.g.
-  one worker pool shared by the runs of a study); scored in `workers` processes, `timeout_s` each."""
+  one worker pool shared by the runs of a study); scored in `workers` processes, `timeout_s` each.
+
+  model_path: a reward model (an HF `*ForSequenceClassification` directory, one label) that scores
+    every generated row (prompt + response) in `model_dtype`, beside the rule `fn`
+    (`executors.reward_model`). The reward the advantages see is then
+        rule_weight * rule + model_weight * gate * normalize(model score)
+    gate: 1, or with `model_gate` set, 1 only on rows whose rule reward is >= model_gate (a verifier
+    gate: the model ranks only answers the verifier accepts); normalize (`model_normalize`): 'none',
+    'batch' (standardised over the batch) or 'group' (over each prompt's samples). rule_weight = 0: the
+    model is the only reward (the rule still reports reward/mean and reward/accuracy). None: rules only.
+  """
   fn: Any = "arithmetic"
   workers: int = 2
   timeout_s: float = 5.0
-  RULES: ClassVar = {"workers": at_least(1), "timeout_s": above(0.0)}
+  model_path: str | None = None
+  model_weight: float = 1.0
+  rule_weight: float = 1.0
+  model_gate: float | None = None
+  model_normalize: str = "none"
+  model_dtype: str = "float32"
+  RULES: ClassVar = {"workers": at_least(1), "timeout_s": above(0.0),
+                     "model_normalize": one_of(*REWARD_MODEL_NORMALIZATIONS),
+                     "model_dtype": one_of(*GENERATOR_DTYPES)}
 
   @property
   def name(self) -> str:
@@ -471,6 +497,13 @@ class RunConfig(_Validated):
           "the overlong penalty measures one response against RolloutConfig.max_new_tokens, and a multi-turn "
           "episode is several turns with observations between them; set OverlongShaping.buffer_len = 0 "
           "(OverlongShaping.mask_truncated works with episodes: it masks those the budget cut)")
+    if self.mesh.reward_dp and not self.reward.model_path:
+      raise ConfigError(f"MeshConfig.reward_dp={self.mesh.reward_dp} gives devices to a reward model, but "
+                        "RewardConfig.model_path is None; set a reward model or MeshConfig.reward_dp = 0")
+    if self.reward.model_path and self.rollout.dynamic_sampling is not None:
+      raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} with RolloutConfig.dynamic_sampling: "
+                        "dynamic sampling keeps groups by the rule rewards scored in the generator loop, which "
+                        "has no reward model; set RolloutConfig.dynamic_sampling = None")
 
   def check_layout(self, trainer_batch_divisor: int, num_processes: int) -> None:
     """The checks that need the meshes or the job: rows per step split evenly over microbatches and
@@ -482,6 +515,9 @@ class RunConfig(_Validated):
     if num_processes > 1 and self.schedule.version_schedule != "fixed":
       raise ConfigError(f"ScheduleConfig.version_schedule={self.schedule.version_schedule!r} needs one process: "
                         "across processes the order of weight transfers must be a pure function of the step ('fixed')")
+    if num_processes > 1 and self.reward.model_path:
+      raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} is single-process only; across "
+                        "processes score with rule rewards (RewardConfig.model_path = None)")
 
   def record(self) -> dict:
     """What a checkpoint records of this config (a resume compares it: checkpoint.RESUMABLE_CHANGES)."""
@@ -498,6 +534,9 @@ class RunConfig(_Validated):
                     **({"dynamic_sampling": dataclasses.asdict(r.dynamic_sampling)} if r.dynamic_sampling else {})},
         "generator": {"dtype": str(g.dtype), "quantize": g.quantize},
         "reward": self.reward.name,
+        **({"reward_model": {k: getattr(self.reward, k) for k in ("model_path", "model_weight", "rule_weight",
+                                                                  "model_gate", "model_normalize", "model_dtype")}}
+           if self.reward.model_path else {}),
         "trainer": {"microbatches": self.train.microbatches, "remat": self.train.remat},
         **({"lora": dataclasses.asdict(self.train.lora)} if self.train.lora is not None else {}),
         **({"env": dataclasses.asdict(self.env)} if self.env.multi_turn else {}),
@@ -511,7 +550,8 @@ SECTIONS = {"mesh": MeshConfig, "rollout": RolloutConfig, "generator": Generator
             "schedule": ScheduleConfig, "reward": RewardConfig, "env": EnvConfig}
 
 LEGACY_KEYS: dict[str, tuple[str, str]] = {
-    **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated")},
+    **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated",
+                                "reward_dp", "reward_tp")},
     **{k: ("rollout", k) for k in ("prompts_per_step", "samples_per_prompt", "temperature", "top_p", "top_k",
                                    "max_new_tokens", "advantage_estimator", "seed", "overlong", "dynamic_sampling")},
     "generator_engine": ("generator", "engine"), "engine_slots": ("generator", "slots"),
@@ -527,6 +567,8 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
                                  "group_by_length", "scan_layers", "lora", "pack", "tokens_per_microbatch")},
     **{k: ("schedule", k) for k in ("max_policy_lag", "version_schedule", "buffer_capacity", "step_timeout_s")},
     "reward_fn": ("reward", "fn"), "reward_workers": ("reward", "workers"), "reward_timeout_s": ("reward", "timeout_s"),
+    **{f"reward_{k}": ("reward", k) for k in ("model_path", "model_weight", "rule_weight", "model_gate",
+                                              "model_normalize", "model_dtype")},
     "env_name": ("env", "name"),
     **{k: ("env", k) for k in ("max_turns", "max_total_tokens", "max_observation_tokens", "tools", "tool_workers",
                                "tool_timeout_s")},

@@ -117,6 +117,13 @@ class Controller:
       self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize)
       ex.reward = config.reward.fn if not self._owns_reward else RewardExecutor(
           config.reward.fn, num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
+      if config.reward.model_path:  # its own mesh (MeshConfig.reward_dp), else the generator's
+        from llamarl_jax.executors.reward_model import RewardModelExecutor
+
+        own_mesh = parallel.make_reward_mesh(**dataclasses.asdict(config.mesh))
+        turn = ex.device_turn if config.mesh.colocated and own_mesh is None else None  # shares the one mesh
+        ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, mesh=own_mesh or self.generator_mesh,
+                                                          device_turn=turn)
       from llamarl_jax.envs import make_environment
 
       self.env = make_environment(config.env)

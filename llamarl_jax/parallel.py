@@ -39,17 +39,25 @@ def make_mesh(devices: Sequence[jax.Device], *, data: int = 1, fsdp: int = 1, tp
 
 
 def make_meshes(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int = 1,
-                generator_tp: int = 1, colocated: bool = False,
+                generator_tp: int = 1, colocated: bool = False, reward_dp: int = 0, reward_tp: int = 1,
                 devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh]:
   """Split `jax.devices()` into disjoint (trainer, generator) meshes.
 
   The trainer takes the first `trainer_fsdp * trainer_tp` devices, the generator the next
   `generator_dp * generator_tp`. With `colocated=True` both roles share one mesh over the trainer's
   devices: the generator mesh is the same devices reshaped to `(generator_dp, 1, generator_tp)`.
+  reward_dp * reward_tp devices after those are the reward model's (`make_reward_mesh`); they are
+  counted here so that a layout that does not fit fails at once.
   """
   devices = list(jax.devices() if devices is None else devices)
   n_train = trainer_fsdp * trainer_tp
   n_gen = generator_dp * generator_tp
+  n_reward = reward_dp * reward_tp
+  if n_reward and (n_train if colocated else n_train + n_gen) + n_reward > len(devices):
+    raise ValueError(
+        f"the reward model's {reward_dp}x{reward_tp} devices come after the trainer's and the generator's "
+        f"({n_train if colocated else n_train + n_gen}), but only {len(devices)} devices are available; reduce "
+        "MeshConfig.reward_dp / reward_tp, or set reward_dp = 0 to run the reward model on the generator's devices")
   if colocated:
     if n_gen != n_train:
       raise ValueError(f"colocated mode needs generator_dp*generator_tp ({n_gen}) == "
@@ -66,6 +74,23 @@ def make_meshes(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int
         "use colocated=True, or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N")
   return (make_mesh(devices[:n_train], fsdp=trainer_fsdp, tp=trainer_tp),
           make_mesh(devices[n_train:n_train + n_gen], data=generator_dp, tp=generator_tp))
+
+
+def make_reward_mesh(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int = 1,
+                     generator_tp: int = 1, colocated: bool = False, reward_dp: int = 0, reward_tp: int = 1,
+                     devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+  """The reward model's own `(reward_dp, 1, reward_tp)` mesh over the devices after the trainer's and
+  the generator's (the same arguments as `make_meshes`); None when reward_dp = 0 (the reward model
+  then shares the generator's mesh)."""
+  if not reward_dp:
+    return None
+  devices = list(jax.devices() if devices is None else devices)
+  start = trainer_fsdp * trainer_tp + (0 if colocated else generator_dp * generator_tp)
+  n = reward_dp * reward_tp
+  if start + n > len(devices):
+    raise ValueError(f"the reward mesh needs devices {start}..{start + n - 1}, only {len(devices)} available; "
+                     "reduce MeshConfig.reward_dp / reward_tp, or set reward_dp = 0 (the generator's devices)")
+  return make_mesh(devices[start:start + n], data=reward_dp, tp=reward_tp)
 
 
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,

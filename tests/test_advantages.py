@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llamarl_jax.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, group_mean_advantages,
+from llamarl_jax.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, gae, group_mean_advantages,
                                     grpo_advantages, rloo_advantages)
 
 RTOL = 1e-6
@@ -161,3 +161,95 @@ def test_property_matches_per_group_reference_and_is_finite(n_prompts, n_samples
   # Every group's advantages sum to 0 (all three estimators are centred within the group).
   sums = np.bincount(ids[:n], weights=adv[:n], minlength=n_prompts)
   np.testing.assert_allclose(sums, 0.0, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# gae: token-level advantages and returns from a critic's values.
+#
+# Row 0: an outcome reward 1 at its last valid token (t=2), then right padding (t=3) whose value 9
+#   must be ignored (the value after the last valid token is 0).
+# Row 1: a mask gap at t=1 (a tool output the model did not write) carrying reward 5 and value 7,
+#   both ignored: t=0 bootstraps from V at t=2, and the discount counts policy tokens only.
+GAE_REWARDS = np.array([[0.0, 0.0, 1.0, 0.0], [0.0, 5.0, 0.0, 2.0]], np.float32)
+GAE_VALUES = np.array([[0.5, 0.6, 0.8, 9.0], [1.0, 7.0, 0.5, 1.5]], np.float32)
+GAE_MASK = np.array([[1, 1, 1, 0], [1, 0, 1, 1]], np.int32)
+# Hand derivation, delta_t = r_t + gamma V_t' - V_t, A_t = delta_t + gamma lam A_t' (t' the next valid t).
+GAE_HAND = {
+    # gamma = lam = 1: A_t = (sum of later rewards) - V_t. Row 0: 1 - V; row 1: 2 - V.
+    (1.0, 1.0): [[0.5, 0.4, 0.2, 0.0], [1.0, 0.0, 1.5, 0.5]],
+    # gamma 1, lam .95. Row 0: deltas .2, .2, .1 -> A2 = .2, A1 = .2 + .95 * .2 = .39,
+    #   A0 = .1 + .95 * .39 = .4705. Row 1: deltas 2 - 1.5 = .5, 1.5 - .5 = 1, .5 - 1 = -.5
+    #   -> A3 = .5, A2 = 1 + .475 = 1.475, A0 = -.5 + .95 * 1.475 = .90125.
+    (1.0, 0.95): [[0.4705, 0.39, 0.2, 0.0], [0.90125, 0.0, 1.475, 0.5]],
+    # gamma .95, lam 1: A_t = gamma^(steps to the reward) * r - V_t. Row 0: .9025 - .5, .95 - .6,
+    #   1 - .8. Row 1 (t=0 is 2 policy steps before t=3): .9025 * 2 - 1, .95 * 2 - .5, 2 - 1.5.
+    (0.95, 1.0): [[0.4025, 0.35, 0.2, 0.0], [0.805, 0.0, 1.4, 0.5]],
+    # gamma = lam = .95 (gamma lam = .9025). Row 0: deltas .2, .95 * .8 - .6 = .16, .95 * .6 - .5 = .07
+    #   -> A2 = .2, A1 = .16 + .9025 * .2 = .3405, A0 = .07 + .9025 * .3405 = .37730125.
+    #   Row 1: deltas .5, .95 * 1.5 - .5 = .925, .95 * .5 - 1 = -.525 -> A3 = .5,
+    #   A2 = .925 + .9025 * .5 = 1.37625, A0 = -.525 + .9025 * 1.37625 = .717065625.
+    (0.95, 0.95): [[0.37730125, 0.3405, 0.2, 0.0], [0.717065625, 0.0, 1.37625, 0.5]],
+}
+
+
+@pytest.mark.parametrize("gamma,lam", sorted(GAE_HAND))
+def test_gae_hand_values(gamma, lam):
+  adv, ret = gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, gamma, lam)
+  want = np.array(GAE_HAND[(gamma, lam)], np.float32)
+  # float32 arithmetic over 3 steps of values O(1): a few ulps, so 1e-6 absolute.
+  np.testing.assert_allclose(adv, want, atol=1e-6)
+  # returns = A + V at policy tokens, 0 at masked ones
+  np.testing.assert_allclose(ret, np.where(GAE_MASK == 1, want + GAE_VALUES, 0.0), atol=1e-6)
+
+
+def _gae_reference(rewards, values, mask, gamma, lam):
+  """An independent float64 loop: compact each row to its policy tokens, run textbook GAE, scatter back."""
+  adv = np.zeros(rewards.shape)
+  for b in range(rewards.shape[0]):
+    idx = np.flatnonzero(mask[b])
+    a_next, v_next = 0.0, 0.0
+    for t in idx[::-1]:
+      a_next = rewards[b, t] + gamma * v_next - values[b, t] + gamma * lam * a_next
+      v_next = values[b, t]
+      adv[b, t] = a_next
+  return adv, np.where(mask == 1, adv + values, 0.0)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_matches_a_loop_on_random_rows(gamma, lam):
+  rng = np.random.default_rng(1)
+  B, T = 5, 23
+  rewards = rng.normal(size=(B, T)).astype(np.float32)
+  values = rng.normal(size=(B, T)).astype(np.float32)
+  lengths = np.array([23, 17, 1, 9, 0])
+  mask = (np.arange(T) < lengths[:, None]).astype(np.int32)
+  mask[0, 5:8] = 0  # gaps inside rows
+  mask[1, 3] = 0
+  adv, ret = gae(rewards, values, mask, gamma, lam)
+  want_adv, want_ret = _gae_reference(rewards, values, mask, gamma, lam)
+  # float32 recursions over <= 23 steps of O(1) terms vs float64: ~1e-5 absolute.
+  np.testing.assert_allclose(adv, want_adv, atol=2e-5)
+  np.testing.assert_allclose(ret, want_ret, atol=2e-5)
+  assert np.all(np.asarray(adv)[mask == 0] == 0.0) and np.all(np.asarray(adv)[4] == 0.0)
+
+
+def test_gae_lam_zero_is_the_one_step_td_error():
+  adv, _ = gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, 0.95, 0.0)
+  # Row 0: deltas .07, .16, .2 (derived above); row 1: -.525, 0 (masked), .925, .5.
+  np.testing.assert_allclose(adv, [[0.07, 0.16, 0.2, 0.0], [-0.525, 0.0, 0.925, 0.5]], atol=1e-6)
+
+
+def test_gae_is_one_program_for_every_gamma_and_lam():
+  gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, 1.0, 1.0)
+  before = gae._cache_size()
+  for gamma, lam in GAE_HAND:
+    gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, gamma, lam)
+  jax.jit(lambda r, v, m: gae(r, v, m, 0.9, 0.9))(GAE_REWARDS, GAE_VALUES, GAE_MASK)  # composes under jit
+  assert gae._cache_size() == before
+
+
+def test_gae_refuses_mismatched_shapes():
+  with pytest.raises(AssertionError, match="gae: rewards, values and mask must have one shape"):
+    gae(GAE_REWARDS, GAE_VALUES[:, :3], GAE_MASK)
+  with pytest.raises(AssertionError, match=r"gae: rewards must be \[batch, tokens\]"):
+    gae(GAE_REWARDS[0], GAE_VALUES[0], GAE_MASK[0])

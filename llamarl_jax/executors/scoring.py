@@ -31,6 +31,36 @@ def overlong_penalty(lengths, max_len: int, buffer_len: int, penalty_factor: flo
   return (penalty_factor * penalty).astype(np.float32)
 
 
+def combine_rewards(rule, model, group_ids, num_groups: int, *, rule_weight: float = 1.0, model_weight: float = 1.0,
+                    gate: float | None = None, normalize: str = "none", eps: float = 1e-6) -> np.ndarray:
+  """Rule and reward-model rewards of one batch `[B]` -> the combined reward `[B]` float32:
+
+      rule_weight * rule + model_weight * gate * normalize(model)
+
+  gate: None (every row) or a threshold: the model term counts only where rule >= gate (a verifier
+  gate). normalize: 'none'; 'batch': (s - mean) / (std + eps) over the batch; 'group': the same over
+  each group (`group_ids` `[B]` in [0, num_groups): the samples of one prompt; a group whose scores are
+  all equal gets 0). std is the population std (ddof 0).
+  """
+  rule, model = np.asarray(rule, np.float64), np.asarray(model, np.float64)
+  if rule.shape != model.shape:
+    raise ValueError(f"rule rewards {rule.shape} and reward-model scores {model.shape} differ in shape")
+  if normalize == "batch":
+    model = (model - model.mean()) / (model.std() + eps)
+  elif normalize == "group":
+    ids = np.asarray(group_ids)
+    count = np.maximum(np.bincount(ids, minlength=num_groups), 1)
+    mean = np.bincount(ids, model, minlength=num_groups) / count
+    centered = model - mean[ids]
+    std = np.sqrt(np.bincount(ids, centered ** 2, minlength=num_groups) / count)
+    model = centered / (std[ids] + eps)
+  elif normalize != "none":
+    raise ValueError(f"normalize must be 'none', 'batch' or 'group', got {normalize!r}")
+  if gate is not None:
+    model = np.where(rule >= gate, model, 0.0)
+  return (rule_weight * rule + model_weight * model).astype(np.float32)
+
+
 def decode_responses(tokenizer, rollout) -> list[str]:
   toks = np.asarray(rollout.response_tokens)
   lengths = np.asarray(rollout.lengths)
@@ -38,25 +68,31 @@ def decode_responses(tokenizer, rollout) -> list[str]:
 
 
 def score_generated(item, reward, tokenizer, *, samples_per_prompt: int, advantage_estimator: str,
-                    overlong: OverlongShaping | None = None,
-                    max_new_tokens: int | None = None) -> tuple[ScoredBatch, dict, list[str]]:
+                    overlong: OverlongShaping | None = None, max_new_tokens: int | None = None,
+                    reward_model=None) -> tuple[ScoredBatch, dict, list[str]]:
   """Score a `Generated` batch with a RewardExecutor: (ScoredBatch, reward metrics, decoded texts: whole
   episodes, observations included). The reward function scores `item.answers` when the episodes
-  have them (multi-turn: the final answer), else the decoded responses."""
+  have them (multi-turn: the final answer), else the decoded responses. With a `reward_model`
+  (`executors.reward_model.RewardModelExecutor`) it scores every row too, and its combination with
+  the rule rewards is what the advantages see."""
   texts = decode_responses(tokenizer, item.rollout)
   if item.rewards is not None:  # scored in the generator loop (dynamic sampling)
     rewards, reward_metrics = item.rewards, item.reward_metrics
   else:
     truths = [ex.ground_truth for ex in item.examples for _ in range(samples_per_prompt)]
     rewards, reward_metrics = reward.score(item.answers if item.answers is not None else texts, truths)
+  combined = None
+  if reward_model is not None:
+    combined, model_metrics = reward_model.score_and_combine(item, rewards, texts)
+    reward_metrics = {**reward_metrics, **model_metrics}
   scored, metrics = scored_from_rewards(item, rewards, reward_metrics, advantage_estimator=advantage_estimator,
-                                        overlong=overlong, max_new_tokens=max_new_tokens)
+                                        overlong=overlong, max_new_tokens=max_new_tokens, combined=combined)
   return scored, metrics, texts
 
 
 def scored_from_rewards(item, rewards, reward_metrics: dict, *, advantage_estimator: str,
-                        overlong: OverlongShaping | None = None,
-                        max_new_tokens: int | None = None) -> tuple[ScoredBatch, dict]:
+                        overlong: OverlongShaping | None = None, max_new_tokens: int | None = None,
+                        combined=None) -> tuple[ScoredBatch, dict]:
   """Rewards `[B]` of a `Generated` batch -> (ScoredBatch with advantages, the batch's metrics).
 
   Shared by one process (all rewards scored here) and many (each generator process scores a share
@@ -65,10 +101,15 @@ def scored_from_rewards(item, rewards, reward_metrics: dict, *, advantage_estima
   rewards before the advantages, and truncated responses may be masked out of the loss (see
   `OverlongShaping`). reward/mean, std and accuracy stay those of the verifier's rewards. Multi-turn
   episodes' environment rewards (`item.env_rewards`) are added before the advantages (reward/env_mean).
+  `combined` `[B]`: the rule rewards combined with a reward model's scores (`combine_rewards`), shaped
+  and used for the advantages in their place (reward/combined_mean).
   """
   rewards = np.asarray(rewards, np.float32)
   rollout = item.rollout
   shaped, shaping_metrics = rewards, {}
+  if combined is not None:
+    shaped = np.asarray(combined, np.float32)
+    shaping_metrics["reward/combined_mean"] = float(shaped.mean())
   if getattr(item, "env_rewards", None) is not None:
     env_rewards = np.asarray(item.env_rewards, np.float32)
     shaped = (shaped + env_rewards).astype(np.float32)

@@ -2,7 +2,10 @@
 
 Families (`llamarl_jax.model.llama.FAMILIES`, chosen by config.json's `model_type`): Llama 3 / 3.1 /
 3.2 (`LlamaForCausalLM`), Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`), Qwen3 dense (`Qwen3ForCausalLM`).
-Anything else (MoE, sliding-window attention, other RoPE scalings) is refused with the field named.
+Each family's `*ForSequenceClassification` too (`LlamaForSequenceClassification`, ...: the decoder with
+a `score` head `[num_labels, hidden]`, no bias, instead of `lm_head`; `ModelConfig.num_labels`), the
+format of reward models. Anything else (MoE, sliding-window attention, other RoPE scalings) is refused
+with the field named.
 
 Loading reads one tensor at a time (lazily, via `safe_open`) and places it straight onto its
 sharding, so a large model never exists as a full replicated host copy. Saving writes a directory
@@ -84,7 +87,8 @@ def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
   """Translate an HF `config.json` dict, refusing what the model cannot represent (names the field).
 
   The family comes from `model_type` (one of `FAMILIES`); `architectures`, when given, must name its
-  causal-LM class.
+  causal-LM class or its sequence-classification class (a score head of `num_labels` outputs, from
+  `id2label` as transformers counts them; 2 when absent, transformers' default).
   """
   model_type = hf.get("model_type")
   if model_type not in FAMILIES:
@@ -92,9 +96,13 @@ def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
                           "(dense decoders only: no MoE, no sliding window)")
   family = FAMILIES[model_type]
   archs = hf.get("architectures") or [family.architecture]
-  if family.architecture not in archs:
+  classifier = family.architecture.replace("ForCausalLM", "ForSequenceClassification")
+  if family.architecture not in archs and classifier not in archs:
     raise CheckpointError(f"{source}: architectures {archs} not supported for model_type {model_type!r} "
-                          f"(need {family.architecture})")
+                          f"(need {family.architecture} or {classifier})")
+  num_labels = 0
+  if family.architecture not in archs:
+    num_labels = len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels", 2)
   # Llama's attention_bias adds a bias to o_proj too, and Qwen3's to q, k, v and o: we have neither.
   # (Qwen2's q/k/v bias is part of the architecture; its config has no such field.)
   flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}.get(model_type, ())
@@ -125,6 +133,7 @@ def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
       max_position_embeddings=hf.get("max_position_embeddings", 8192),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       model_type=model_type,
+      num_labels=num_labels,
       param_dtype=param_dtype,
       dtype=jnp.dtype(compute_dtype or param_dtype).name,
   )
@@ -134,7 +143,7 @@ def config_to_hf(config: ModelConfig, *, torch_dtype: str = "float32", bos_token
                  eos_token_id=None, pad_token_id=None) -> dict:
   """The family's own config.json, so `transformers` loads it back as the same class."""
   hf = {
-      "architectures": [config.family.architecture],
+      "architectures": [config.architecture],
       "model_type": config.model_type,
       "vocab_size": config.vocab_size,
       "hidden_size": config.hidden_size,
@@ -156,6 +165,9 @@ def config_to_hf(config: ModelConfig, *, torch_dtype: str = "float32", bos_token
       "eos_token_id": eos_token_id,
       "pad_token_id": pad_token_id,
   }
+  if config.num_labels:
+    hf.update(id2label={str(i): f"LABEL_{i}" for i in range(config.num_labels)},
+              label2id={f"LABEL_{i}": i for i in range(config.num_labels)})
   if config.model_type == "llama":
     hf.update(attention_bias=False, mlp_bias=False)
   else:  # qwen2 / qwen3: full attention in every layer
@@ -175,7 +187,9 @@ def _tensor_map(config: ModelConfig) -> dict[tuple, tuple[str, Callable, Callabl
       ("embed",): ("model.embed_tokens.weight", lambda w: w, lambda w: w),
       ("final_norm", "scale"): ("model.norm.weight", lambda w: w, lambda w: w),
   }
-  if not config.tie_word_embeddings:
+  if config.num_labels:
+    m[("score",)] = ("score.weight", t, t)
+  elif not config.tie_word_embeddings:
     m[("lm_head",)] = ("lm_head.weight", t, t)
   for i in range(config.num_layers):
     p = f"model.layers.{i}."
@@ -254,7 +268,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, compute_dt
   shardings = None if mesh is None else parallel.param_shardings(shapes, axes, mesh, rules)
   tmap = _tensor_map(config)
   expected = {name for name, *_ in tmap.values()}
-  if config.tie_word_embeddings:
+  if config.tie_word_embeddings and not config.num_labels:
     expected.add("lm_head.weight")  # may or may not be stored; ignored when tied
   unexpected = sorted(n for n in files if n not in expected and "rotary_emb" not in n)
   if unexpected:
@@ -289,10 +303,14 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, compute_dt
 
 
 def save_hf_checkpoint(model: Llama, config: ModelConfig, path: str | os.PathLike, *,
-                       dtype=None, tokenizer=None, max_shard_bytes: int = 5 * 2**30) -> Path:
+                       dtype=None, tokenizer=None, pad_token_id: int | None = None,
+                       max_shard_bytes: int = 5 * 2**30) -> Path:
   """Write `model` as an HF directory of its family (config.json + safetensors, sharded above max_shard_bytes).
 
-  Written into a temp directory and renamed into place, so a crash never leaves half a checkpoint.
+  Its class is `config.architecture` (the causal LM, or the sequence classifier of a score head).
+  config.json's special token ids come from `tokenizer`; `pad_token_id` overrides the pad id (a
+  sequence classifier needs one to score batches: transformers reads each row at its last non-pad
+  token). Written into a temp directory and renamed into place, so a crash never leaves half a checkpoint.
   """
   if model.layout != HF_LAYOUT:
     raise ValueError(f"the model holds the generator's serving layout ({model.layout}); save the trainer's "
@@ -308,6 +326,8 @@ def save_hf_checkpoint(model: Llama, config: ModelConfig, path: str | os.PathLik
   if tokenizer is not None:
     hf_config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id)
+  if pad_token_id is not None:
+    hf_config["pad_token_id"] = pad_token_id
   tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
   try:
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))

@@ -16,7 +16,9 @@ Weight layouts (ours, einsum-friendly; `hf.py` converts from/to the HF `[out, in
   q_norm     [head_dim]                    k_norm [head_dim]                 (qwen3 only)
   wo         [heads, head_dim, embed]
   w_gate     [embed, mlp]   w_up [embed, mlp]   w_down [mlp, embed]
-  lm_head    [embed, vocab]  (absent when embeddings are tied)
+  lm_head    [embed, vocab]  (absent when embeddings are tied, and with a score head)
+  score      [embed, num_labels]  (a score head, `num_labels` >= 1, instead of lm_head: HF's
+             `*ForSequenceClassification`, no bias; with one label a reward model or a critic)
 The generator's serving layout (`WeightLayout`, built by `model.serving.serving_params`) replaces
   wq, wk, wv by wqkv [embed, kv_heads, heads / kv_heads + 2, head_dim] (each KV head's group of
   query heads, then its key, then its value: one GEMM of (heads + 2 kv_heads) * head_dim columns whose
@@ -92,6 +94,9 @@ class ModelConfig:
   max_position_embeddings: int = 8192
   tie_word_embeddings: bool = False
   model_type: str = "llama"  # the family, a key of FAMILIES: "llama", "qwen2", "qwen3"
+  # The head: 0 = the causal LM's lm_head (logits over the vocabulary); n >= 1 = a score head of n
+  # outputs per position (HF `*ForSequenceClassification`; num_labels = 1: a reward model or critic).
+  num_labels: int = 0
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype (activations, matmuls, KV cache)
 
@@ -105,10 +110,18 @@ class ModelConfig:
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     if self.model_type not in FAMILIES:
       raise ValueError(f"model_type {self.model_type!r} is not a supported family; supported: {sorted(FAMILIES)}")
+    if self.num_labels < 0:
+      raise ValueError(f"num_labels must be 0 (a causal LM) or >= 1 (a score head), got {self.num_labels}")
 
   @property
   def family(self) -> Family:
     return FAMILIES[self.model_type]
+
+  @property
+  def architecture(self) -> str:
+    """The transformers class of this model: the family's causal LM, or its sequence classifier."""
+    causal = self.family.architecture
+    return causal.replace("ForCausalLM", "ForSequenceClassification") if self.num_labels else causal
 
   @property
   def qkv_bias(self) -> bool:
@@ -130,7 +143,8 @@ class ModelConfig:
     qkv_out = hd * (self.num_heads + 2 * self.num_kv_heads)
     attn = d * qkv_out + self.num_heads * hd * d + self.qkv_bias * qkv_out + self.qk_norm * 2 * hd
     per_layer = attn + 3 * d * f + 2 * d
-    return L * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+    head = d * self.num_labels if self.num_labels else (0 if self.tie_word_embeddings else v * d)
+    return L * per_layer + v * d + head + d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,8 +528,8 @@ class Llama(nnx.Module):
 
   tokens `[B, T]` int; positions `[B, T]` (default `arange(T)`, offset by `cache.index` when a
   cache is given); attention_mask `[B, S]` (1 = real token; S = T without a cache, S = cache
-  length with one). Returns fp32 logits `[B, T, vocab]`, and the updated `KVCache` when a cache
-  is given. With `remat=True` each block's activations are recomputed in the backward pass.
+  length with one). Returns fp32 logits `[B, T, vocab]` (with a score head, `config.num_labels` >= 1:
+  scores `[B, T, num_labels]`), and the updated `KVCache` when a cache is given. With `remat=True` each block's activations are recomputed in the backward pass.
   layout: which projections are fused (`WeightLayout`; the generator's serving layout), the same
   function of the same weights either way.
   """
@@ -526,7 +540,9 @@ class Llama(nnx.Module):
     self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd, 0.02)
     self.layers = nnx.List([Block(config, rngs, layout) for _ in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
-    if not config.tie_word_embeddings:
+    if config.num_labels:
+      self.score = _param(rngs, (config.hidden_size, config.num_labels), ("embed", None), pd)
+    elif not config.tie_word_embeddings:
       self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd)
 
   def hidden_states(self, tokens, positions=None, cache=None, attention_mask=None, remat=False):
@@ -588,8 +604,12 @@ class Llama(nnx.Module):
     return self.final_norm(x), cache.replace(k=tuple(new_k), v=tuple(new_v))
 
   def logits(self, x: Array) -> Array:
-    """Project hidden states `[..., E]` to fp32 logits `[..., vocab]`."""
-    w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+    """Project hidden states `[..., E]` through the head: fp32 logits `[..., vocab]`, or with a score
+    head (`config.num_labels` >= 1) fp32 scores `[..., num_labels]`."""
+    if self.config.num_labels:
+      w = self.score[...]
+    else:
+      w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
     return jnp.einsum("...e,ev->...v", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens, positions=None, cache=None, attention_mask=None, remat=False):
@@ -742,6 +762,9 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
 
 def lm_head_weight(config: ModelConfig, prepared: dict) -> Array:
   """The `[embed, vocab]` output projection (the embedding's transpose when tied)."""
+  if config.num_labels:
+    raise ValueError(f"a score-head model ({config.architecture}) has no lm_head; its head is "
+                     "prepared['score'] [embed, num_labels]")
   return prepared["embed"].T if config.tie_word_embeddings else prepared["lm_head"]
 
 

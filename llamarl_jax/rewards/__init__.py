@@ -12,7 +12,8 @@ own with
 pickled reference (module + name). So a reward function must be defined at the top level of an
 importable module (not a lambda, closure or nested function); a function in a script's `__main__`
 works too when the script guards its entry point with `if __name__ == "__main__":`.
-This package must stay free of JAX imports: the workers import it.
+This package must stay free of JAX imports: the workers import it. `RewardModel` (a Hugging Face
+`*ForSequenceClassification` reward model, `rewards.reward_model`) runs JAX and is imported on first use.
 """
 
 from __future__ import annotations
@@ -63,4 +64,12 @@ _LAZY["math_verify"] = "llamarl_jax.rewards.math_verify_backend:verify"
 register_reward("arithmetic", synthetic.score_arithmetic)
 register_reward("countdown", synthetic.score_countdown)
 
-__all__ = ["RewardFn", "get_reward_fn", "math", "register_reward", "registered_rewards", "synthetic"]
+
+def __getattr__(name: str):
+  if name == "RewardModel":  # JAX: imported only by those who ask for it, never by the reward workers
+    from llamarl_jax.rewards.reward_model import RewardModel
+    return RewardModel
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["RewardFn", "RewardModel", "get_reward_fn", "math", "register_reward", "registered_rewards", "synthetic"]

@@ -57,6 +57,7 @@ class Executors:
   trainer: Any = None       # executors.trainer.TrainerExecutor
   generator: Any = None     # executors.generator.GeneratorExecutor
   reward: Any = None        # executors.reward.RewardExecutor
+  reward_model: Any = None  # executors.reward_model.RewardModelExecutor (RewardConfig.model_path), else None
   weights: Any = None       # executors.weight_sync.WeightSync
   mp: Any = None            # multiprocess.protocol.Context
   tokenizer: Any = None
@@ -71,7 +72,8 @@ class Executors:
 # Metrics that measure time or depend on thread timing (how far ahead the generator ran); everything
 # else in a step's metrics is a pure function of (config, seed) under the 'fixed' version schedule.
 TIMING_KEYS = ("time/", "throughput/", "sync/seconds", "sync/gbps", "buffer/occupancy",
-               "reward/worker_")  # worker restarts/recycles/RSS: timeouts and memory, not the schedule
+               "reward/worker_",  # worker restarts/recycles/RSS: timeouts and memory, not the schedule
+               "reward_model/latency_s", "reward_model/rows_per_s")
 
 
 def schedule_metrics(metrics: dict) -> dict:

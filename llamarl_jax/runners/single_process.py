@@ -3,7 +3,8 @@
   generator thread:  GeneratorExecutor.run: wait for the scheduled policy version of batch k (exactly
                      max(v0, k - max_policy_lag) under 'fixed', schedule.py); draw prompts; sample on
                      the generator mesh -> RolloutBatch (host) with per-token policy versions
-  reward thread:     decode, score in the RewardExecutor's process pool, advantages -> ScoredBatch
+  reward thread:     decode, score in the RewardExecutor's process pool (and the reward model, when
+                     there is one), advantages -> ScoredBatch
                      -> ReplayBuffer.put (blocks when full: backpressure)
   trainer (caller):  ReplayBuffer.get (drops data older than the lag bound) -> lag check ->
                      TrainerExecutor.step on the trainer mesh -> WeightSync.push (cast + device_put
@@ -94,7 +95,8 @@ class _Pipeline:
                                                  samples_per_prompt=rollout_cfg.samples_per_prompt,
                                                  advantage_estimator=rollout_cfg.advantage_estimator,
                                                  overlong=rollout_cfg.overlong,
-                                                 max_new_tokens=rollout_cfg.max_new_tokens)
+                                                 max_new_tokens=rollout_cfg.max_new_tokens,
+                                                 reward_model=self.ex.reward_model)
         t2 = time.perf_counter()
         self.reward_timer.add(busy=t2 - t1, wait=t1 - t0)
         with self.lock:
@@ -123,7 +125,7 @@ class _Pipeline:
     gen, gen_since = self.ex.generator.status
     rew, rew_since = self.reward_status
     if rew.startswith("scoring"):
-      stalled = "the reward executor (a reward function or its worker pool is stuck)"
+      stalled = "the reward executor (a reward function, its worker pool or the reward model is stuck)"
     elif gen.startswith("generating"):
       stalled = "the generator (sampling or the prompt source is stuck)"
     elif gen.startswith("waiting for the weights"):
