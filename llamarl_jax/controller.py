@@ -209,7 +209,10 @@ class Controller:
   def run_config(self) -> dict:
     """What a checkpoint records about the run that wrote it; a resume compares it (checkpoint.py)."""
     source = self.prompt_source
-    return {"model": dataclasses.asdict(self.model_config), **self.config.record(),
+    model = dataclasses.asdict(self.model_config)
+    if not model.get("num_labels"):  # a policy (an LM head) records only the fields of a causal LM config
+      model.pop("num_labels", None)
+    return {"model": model, **self.config.record(),
             "kl_reference": (None if self.trainer.ref_params is None
                              else self.config.train.reference_path or "initial policy"),
             "mesh": {"trainer": dict(self.trainer_mesh.shape), "generator": dict(self.generator_mesh.shape),
