@@ -417,20 +417,25 @@ class EnvConfig(_Validated):
 
 @dataclass(frozen=True)
 class RewardConfig(_Validated):
-  """`fn`: a reward name (rewards.REWARD_FNS), a callable, or a `RewardExecutor` the caller owns (e.g.
-  one worker pool shared by the runs of a study); scored in `workers` processes, `timeout_s` each."""
+  """`fn`: a reward name (rewards.REWARD_FNS) or a callable, scored in `workers` processes, `timeout_s`
+  each. A pool the caller owns (e.g. one shared by the runs of a study) is handed to the Controller
+  (`Controller(reward=...)`); `fn` then names it (`RewardExecutor.name`)."""
   fn: Any = "arithmetic"
   workers: int = 2
   timeout_s: float = 5.0
   RULES: ClassVar = {"workers": at_least(1), "timeout_s": above(0.0)}
 
-  @property
-  def name(self) -> str:
+  def __post_init__(self):
+    super().__post_init__()
     from llamarl_jax.executors.reward import RewardExecutor
 
+    if isinstance(self.fn, RewardExecutor):  # a running pool is not a setting
+      raise ConfigError(f"RewardConfig.fn is a running RewardExecutor ({self.fn.name!r}); pass it as "
+                        f"Controller(reward=...) and set RewardConfig.fn = {self.fn.name!r}")
+
+  @property
+  def name(self) -> str:
     fn = self.fn
-    if isinstance(fn, RewardExecutor):
-      return fn.name
     return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
 
 

@@ -23,12 +23,13 @@ from llamarl_jax import config as cfg
 from llamarl_jax import parallel
 from llamarl_jax.checkpoint import latest_complete_step
 from llamarl_jax.config_check import RANGES, ConfigError, check_bindings
-from llamarl_jax.controller import Controller, prompt_limit as controller_prompt_limit
+from llamarl_jax.controller import Controller
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.trainer import token_logprobs
 from llamarl_jax.metrics import START, MetricsLogger
 from llamarl_jax.model import hf
 from llamarl_jax.model.llama import Llama, ModelConfig, abstract_model, split_params
+from llamarl_jax.shapes import RunShapes
 from llamarl_jax.time_breakdown import format_breakdown
 
 gin.external_configurable(ModelConfig, "ModelConfig")
@@ -302,13 +303,15 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   progress = progress and main
   t_start = time.perf_counter()
   run_config = configured_run_config()
+  model_config = build_policy(weights=False)[0]
+  shapes = RunShapes.of(model_config, run_config)  # one geometry: the memory plan's, the engine's, the data's
   plan = None
   if jax.process_count() == 1:  # from shapes only: nothing is allocated before it is checked
     from llamarl_jax import memory_plan
     from llamarl_jax.compile_cache import enable_persistent_cache
 
     enable_persistent_cache()  # on a GPU: the plan's compile of the train step is the run's first one's
-    plan = memory_plan.plan_run(build_policy(weights=False)[0], run_config,
+    plan = memory_plan.plan_run(model_config, run_config, shapes=shapes,
                                 eval_rows=eval_size * max(1, eval_samples))
     if progress:
       print(plan.table())
@@ -326,14 +329,11 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     eval_source = eval_source.with_tokenizer(tokenizer)
   # The prompts are checked against the generator's limit before anything is compiled: an overlong row
   # is refused (file:line) or cut and counted at start, not after the engine's warm-up.
-  max_prompt_tokens = config.max_position_embeddings - run_config.env.response_width(run_config.rollout.max_new_tokens)
-  if (limit := controller_prompt_limit(config, run_config)) is not None:  # the slot engine's max_prompt_len
-    max_prompt_tokens = min(max_prompt_tokens, limit)
   for source in (rl_source, eval_source):
     if source is not None:
-      source.limit_prompts(max_prompt_tokens)
+      source.limit_prompts(shapes.prompt_limit)
   eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size) if eval_size else []
-  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, config=run_config,
+  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, config=run_config, shapes=shapes,
                           progress=progress)
   controller.evaluation_config = {"size": eval_size, "every": eval_every, "samples": eval_samples,
                                   "window": eval_window}  # in checkpoints; may change on resume

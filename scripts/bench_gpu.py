@@ -413,7 +413,7 @@ def profile_section(cfg, env, args) -> dict:
   S, P, R = cfg["engine_slots"], cfg["prompt_len"], cfg["engine_R"]
   chunks = cfg["profile_chunks"]
   steps = max(1, min(16, R // (chunks + 2)))  # every chunk runs all its steps: no row reaches R
-  engine = SlotEngine(config, num_slots=S, sampling=SamplingParams(temperature=1.0, max_new_tokens=R),
+  engine = SlotEngine(config, lanes=S, sampling=SamplingParams(temperature=1.0, max_new_tokens=R),
                       max_prompt_len=P, chunk_steps=steps, chunks_in_flight=1)
   rng = np.random.RandomState(0)
   engine.swap(engine.sampler.place_params(model), 0)
