@@ -1,6 +1,6 @@
 """Metrics: one JSONL line per step, TensorBoard scalars (tensorboardX), optional wandb.
 
-Names follow cleanRL's `group/name` habit: `reward/mean`, `policy/ratio_max`, `time/generate`.
+Names follow cleanRL's `group/name` habit: `reward/mean`, `policy/ratio_max`, `time/generate_busy`.
 
 Resume: `MetricsLogger(..., rewind_to=step)` makes the logs continue from the restored checkpoint, so
 every step appears once: JSONL rows with a larger step (logged by the interrupted run after its last

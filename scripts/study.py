@@ -93,7 +93,7 @@ LAG_CELLS = ("lag0", "lag1", "lag2", "lag4")
 LAG4_CELLS = ("lag4", "lag4_clamped", "lag4_no_trunc", "lag4_ppo_clip")
 # Per-step metrics kept in result.json (the full set is in each run's metrics.jsonl).
 KEPT = ("reward/mean", "reward/accuracy", "policy/kl_behaviour", "policy/frac_truncated", "policy/frac_clipped",
-        "policy/ratio_max", "policy/lag_mean", "time/step", "time/train", "time/generate", "time/trainer_wait",
+        "policy/ratio_max", "policy/lag_mean", "time/step", "time/train", "time/generate_busy", "time/trainer_wait",
         "generate/response_length_mean", "rollout_corr/rollout_rs_masked_fraction", "dynamic_sampling/drop_rate")
 
 

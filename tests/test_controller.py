@@ -81,7 +81,7 @@ def test_policy_lag_never_exceeds_bound(policy, tokenizer, tmp_path, lag):
     assert max(k for k, n in split.items() if n) == m["policy/lag_max"]
   if lag == 0:  # same weights, fp32 generator and trainer: only summation order differs (see below)
     assert_lag0_mismatch_is_numerics(steps)
-  for key in ("buffer/occupancy", "buffer/dropped_stale", "time/generate", "time/train", "time/sync",
+  for key in ("buffer/occupancy", "buffer/dropped_stale", "time/generate_busy", "time/train", "time/sync",
               "sync/gbps", "throughput/gen_tokens_per_s", "policy/ratio_mean", "policy/kl_behaviour"):
     assert key in steps[-1], key
 
