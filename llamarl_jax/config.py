@@ -15,7 +15,7 @@ Each field is checked in exactly one place: its class's `RULES` (applied by `__p
 Choice lists come from the modules that own them (losses, advantages, schedule, ...), never repeated.
 No gin here: `experiment.py` registers these classes with gin (`MeshConfig.trainer_fsdp = 2`, ...).
 A gin binding of a flat `Controller.<key>` gets an error naming the typed key that holds the setting
-(`LEGACY_KEYS`, `legacy_key_problems`); `run_config(**flat)` builds a RunConfig from the flat names.
+(`FLAT_KEYS`, `flat_binding_problems`); `run_config(**flat)` builds a RunConfig from the flat names.
 """
 
 from __future__ import annotations
@@ -504,7 +504,7 @@ class RunConfig(_Validated):
 SECTIONS = {"mesh": MeshConfig, "rollout": RolloutConfig, "generator": GeneratorConfig, "train": TrainConfig,
             "schedule": ScheduleConfig, "reward": RewardConfig, "env": EnvConfig}
 
-LEGACY_KEYS: dict[str, tuple[str, str]] = {
+FLAT_KEYS: dict[str, tuple[str, str]] = {
     **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated")},
     **{k: ("rollout", k) for k in ("prompts_per_step", "samples_per_prompt", "temperature", "top_p", "top_k",
                                    "max_new_tokens", "advantage_estimator", "seed", "overlong", "dynamic_sampling")},
@@ -527,33 +527,33 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
 }
 
 
-def new_key(legacy: str) -> str:
+def new_key(flat: str) -> str:
   """'prompts_per_step' -> 'RolloutConfig.prompts_per_step' (KeyError for an unknown key)."""
-  section, name = LEGACY_KEYS[legacy]
+  section, name = FLAT_KEYS[flat]
   return f"{SECTIONS[section].__name__}.{name}"
 
 
 def run_config(base: RunConfig | None = None, **flat) -> RunConfig:
   """A RunConfig from the flat keyword names (`max_policy_lag=2, generator_engine='static'`),
   over `base` (default: all defaults). Convenient in tests and scripts; unknown names raise."""
-  unknown = sorted(k for k in flat if k not in LEGACY_KEYS)
+  unknown = sorted(k for k in flat if k not in FLAT_KEYS)
   if unknown:
-    raise ConfigError(f"unknown run setting(s) {unknown}; known: {sorted(LEGACY_KEYS)}")
+    raise ConfigError(f"unknown run setting(s) {unknown}; known: {sorted(FLAT_KEYS)}")
   base = base or RunConfig()
   changes: dict[str, dict] = {}
   for key, value in flat.items():
-    section, name = LEGACY_KEYS[key]
+    section, name = FLAT_KEYS[key]
     changes.setdefault(section, {})[name] = value
   return dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kw) for s, kw in changes.items()})
 
 
-_LEGACY_BINDING = re.compile(r"(?<![\w.])Controller\.(\w+)\s*=")
+_CONTROLLER_BINDING = re.compile(r"(?<![\w.])Controller\.(\w+)\s*=")
 
 
-def legacy_key_problems(text: str) -> list[str]:
+def flat_binding_problems(text: str) -> list[str]:
   """One line per `Controller.<key> = ...` binding in gin text (a flat key), naming the typed key that holds it."""
   out = []
-  for key in dict.fromkeys(_LEGACY_BINDING.findall(text)):
-    out.append(f"Controller.{key}: " + (f"use {new_key(key)}" if key in LEGACY_KEYS
+  for key in dict.fromkeys(_CONTROLLER_BINDING.findall(text)):
+    out.append(f"Controller.{key}: " + (f"use {new_key(key)}" if key in FLAT_KEYS
                                          else "no setting of that name (see llamarl_jax/config.py)"))
   return out

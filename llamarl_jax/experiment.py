@@ -43,7 +43,7 @@ def parse_gin(files, bindings=()) -> None:
   files, the files they include, and the bindings), each with the typed key that holds its setting."""
   problems = []
   for text in [*(_gin_text(f) for f in files), *bindings]:
-    problems += cfg.legacy_key_problems(text)
+    problems += cfg.flat_binding_problems(text)
   if problems:
     raise ConfigError("the run's settings are typed configs (llamarl_jax/config.py), not Controller.* keys; "
                       "rename these binding(s):\n  " + "\n  ".join(dict.fromkeys(problems)))

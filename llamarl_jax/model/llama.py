@@ -638,8 +638,8 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
   position 0 (positions are 0..T-1), valid up to `lengths` `[B]`; states past a row's length are
   not meaningful. attention: 'xla' or 'cudnn' (see `resolve_attention`); remat: see `remat_policy`.
   scan_layers=False unrolls the scan (the same program, one copy per layer): compile time grows with
-  depth, but a small model on a CPU steps ~1.5x faster (BENCHMARKS.md: the main job's trainer step,
-  734 -> 492 ms), XLA:CPU's loop over stacked layers costing more than the layers themselves.
+  depth, but a small model on a CPU steps faster unrolled (the main job's trainer step: BENCHMARKS.md),
+  XLA:CPU's loop over stacked layers costing more than the layers themselves.
   The same math as `Llama.hidden_states` (the same Block code runs on each layer's slice).
   lora: LoRA adapters in the layout `prepare_params` gives (`model.lora.init_adapters`' tree with
   "layers" stacked), added unmerged to the projections they adapt, times `lora_scale` (alpha / rank),
