@@ -262,7 +262,8 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
                    rl_source: PromptSource | None = None, eval_source: PromptSource | None = None,
                    eval_size: int = 256, eval_every: int = 0, eval_samples: int = 0, eval_window: int = 3,
                    sft: bool = True, resume: bool = False, export: bool = True,
-                   tensorboard: bool = True, wandb_project: str | None = None, progress: bool = True,
+                   tensorboard: bool = True, wandb_project: str | None = None, wandb_mode: str = "offline",
+                   progress: bool = True,
                    resume_allow_changes: list[str] | tuple[str, ...] = (), memory_check: bool = True,
                    export_sft: bool = False) -> dict:
   """SFT warm start (optional) -> eval -> async RL (eval every `eval_every` steps) -> eval -> HF export.
@@ -272,6 +273,10 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   config and restored; only then is anything in `run_dir` written (config, logs rewound to the
   restored step). `resume_allow_changes`: settings allowed to differ from the checkpoint's beyond
   `checkpoint.RESUMABLE_CHANGES` (e.g. ['optimizer.lr']); the evaluation settings below are among them.
+
+  Logs: JSONL, TensorBoard (`tensorboard`) and, with `wandb_project`, Weights & Biases (`wandb_mode`
+  'offline' by default: written under run_dir/wandb, `wandb sync` uploads it) with the run's config,
+  every logged row, and at the end the time breakdown and the memory plan in its summary.
 
   Held-out evaluations (`evaluate_and_log`): greedy accuracy, plus a sampled pass@1 from `eval_samples`
   draws per problem when > 0, logged at the step they were taken (JSONL/TensorBoard `eval/*`) and
@@ -344,7 +349,8 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     if main:
       run_dir.mkdir(parents=True, exist_ok=True)
       (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
-      logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project,
+      logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project, wandb_mode=wandb_mode,
+                             config=controller.run_record(),
                              rewind_to=START if restored is None else restored)
       controller.logger = logger
     controller.recorder.breakdown.add("warmup", time.perf_counter() - t_start)  # building and compiling
@@ -358,7 +364,9 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   finally:
     with controller.recorder.breakdown.timed("waits_other"):  # stopping the reward pool and the tools
       controller.close()
-    if logger is not None:
+    if logger is not None:  # the results that are not per step (wandb's summary; summary.json below)
+      logger.summarize({"time_breakdown": controller.recorder.breakdown.report(time.perf_counter() - t_start),
+                        **({"memory_plan": plan.as_dict()} if plan is not None else {})})
       logger.close()
   summary["total_seconds"] = time.perf_counter() - t_start
   if plan is not None:

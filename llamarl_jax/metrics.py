@@ -1,4 +1,9 @@
-"""Metrics: one JSONL line per step, TensorBoard scalars (tensorboardX), optional wandb.
+"""Metrics: one JSONL line per step, TensorBoard scalars (tensorboardX), optionally Weights & Biases.
+
+Weights & Biases (`wandb_project`; the `wandb` extra): the run's config at start, every logged row as
+its history, and `summarize`'s results (the time breakdown, the memory plan) in its summary. Offline by
+default (`wandb_mode`): the run is written under `run_dir/wandb` without a network or an account, for
+`wandb sync` later; 'online' streams it.
 
 Names follow cleanRL's `group/name` habit: `reward/mean`, `policy/ratio_max`, `time/generate_busy`.
 
@@ -19,6 +24,7 @@ from typing import Mapping
 
 START = -(2**62)  # `rewind_to` value that drops every row (SFT logs at negative steps)
 KEEP = 10_000  # entries a run keeps of a history or timeline (a long run must not grow without bound)
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def append_bounded(items: list, item, keep: int = KEEP) -> None:
@@ -37,9 +43,13 @@ def _plain(v):
 
 
 class MetricsLogger:
+  """Logs rows of metrics by step to JSONL, TensorBoard and (with `wandb_project`) Weights & Biases.
+
+  config: the run's settings, recorded by wandb at start. rewind_to: see the module docstring.
+  """
 
   def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, wandb_project: str | None = None,
-               config: Mapping | None = None, rewind_to: int | None = None):
+               wandb_mode: str = "offline", config: Mapping | None = None, rewind_to: int | None = None):
     self.run_dir = Path(run_dir)
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.jsonl_path = self.run_dir / "metrics.jsonl"
@@ -53,12 +63,15 @@ class MetricsLogger:
       self._tb = SummaryWriter(str(tb_dir), purge_step=purge)
     self._wandb = None
     if wandb_project:
+      if wandb_mode not in WANDB_MODES:
+        raise ValueError(f"wandb_mode must be one of {WANDB_MODES}, got {wandb_mode!r}")
       try:
         import wandb
       except ImportError:
-        print("wandb is not installed; logging to JSONL and TensorBoard only")
-      else:
-        self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=dict(config or {}))
+        raise ImportError(f"wandb_project={wandb_project!r} needs Weights & Biases, which is not installed: "
+                          "pip install -e '.[wandb]' (or leave run_experiment.wandb_project unset)") from None
+      self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=dict(config or {}),
+                               mode=wandb_mode)
 
   def log(self, step: int, metrics: Mapping[str, float]) -> None:
     row = {"step": int(step)}
@@ -70,6 +83,17 @@ class MetricsLogger:
           self._tb.add_scalar(k, v, step)
     if self._wandb is not None:
       self._wandb.log(row, step=step)
+
+  @property
+  def wandb_run(self):
+    """The Weights & Biases run (None without `wandb_project`)."""
+    return self._wandb
+
+  def summarize(self, results: Mapping) -> None:
+    """A run's results that are not per step (e.g. {"time_breakdown": ..., "memory_plan": ...}): in the
+    wandb run's summary (JSONL and TensorBoard: the run directory's summary.json holds them)."""
+    if self._wandb is not None:
+      self._wandb.summary.update(dict(results))
 
   def close(self) -> None:
     self._jsonl.close()
