@@ -22,9 +22,10 @@ Colocated runs hold everything on one device at once (the slot engine keeps its 
 trainer trains). `device_limit` is what the allocator lets the run use (JAX's `bytes_limit`; for a
 GPU compiled for without one, its memory times XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default).
 `MemoryPlan.check` refuses a plan over the limit, naming the knobs that shrink its largest parts.
+The widths and counts come from the run's `shapes.RunShapes`, the one the Controller builds its engine
+from, so the planned KV pool is the allocated one. The train step compiles where a limit is known.
 
-    plan = plan_run(model_config, run_config, eval_rows=256)   # compiles the train step where a limit is known
-    plan = plan_run(model_config, run_config, shapes=shapes, eval_rows=256)  # the run's own `RunShapes`
+    plan = plan_run(model_config, run_config, shapes=shapes, eval_rows=256)  # shapes: the run's `RunShapes`
     print(plan.table()); plan.check()
 `scripts/memory_plan.py` prints it for a gin config compiled for an H100 on a machine without one.
 """
