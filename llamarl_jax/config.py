@@ -15,7 +15,7 @@ Each field is checked in exactly one place: its class's `RULES` (applied by `__p
 Choice lists come from the modules that own them (losses, advantages, schedule, ...), never repeated.
 No gin here: `experiment.py` registers these classes with gin (`MeshConfig.trainer_fsdp = 2`, ...).
 A gin binding of a flat `Controller.<key>` gets an error naming the typed key that holds the setting
-(`LEGACY_KEYS`, `legacy_key_problems`); `run_config(**flat)` builds a RunConfig from the flat names.
+(`FLAT_KEYS`, `flat_binding_problems`); `run_config(**flat)` builds a RunConfig from the flat names.
 """
 
 from __future__ import annotations
@@ -443,8 +443,9 @@ REWARD_MODEL_NORMALIZATIONS = ("none", "batch", "group")
 
 @dataclass(frozen=True)
 class RewardConfig(_Validated):
-  """`fn`: a reward name (rewards.REWARD_FNS), a callable, or a `RewardExecutor` the caller owns (e.g.
-  one worker pool shared by the runs of a study); scored in `workers` processes, `timeout_s` each.
+  """`fn`: a reward name (rewards.REWARD_FNS) or a callable, scored in `workers` processes, `timeout_s`
+  each. A pool the caller owns (e.g. one shared by the runs of a study) is handed to the Controller
+  (`Controller(reward=...)`); `fn` then names it (`RewardExecutor.name`).
 
   model_path: a reward model (an HF `*ForSequenceClassification` directory, one label) that scores
     every generated row (prompt + response) in `model_dtype`, beside the rule `fn`
@@ -468,13 +469,17 @@ class RewardConfig(_Validated):
                      "model_normalize": one_of(*REWARD_MODEL_NORMALIZATIONS),
                      "model_dtype": one_of(*GENERATOR_DTYPES)}
 
-  @property
-  def name(self) -> str:
+  def __post_init__(self):
+    super().__post_init__()
     from llamarl_jax.executors.reward import RewardExecutor
 
+    if isinstance(self.fn, RewardExecutor):  # a running pool is not a setting
+      raise ConfigError(f"RewardConfig.fn is a running RewardExecutor ({self.fn.name!r}); pass it as "
+                        f"Controller(reward=...) and set RewardConfig.fn = {self.fn.name!r}")
+
+  @property
+  def name(self) -> str:
     fn = self.fn
-    if isinstance(fn, RewardExecutor):
-      return fn.name
     return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
 
 
@@ -549,7 +554,7 @@ class RunConfig(_Validated):
 SECTIONS = {"mesh": MeshConfig, "rollout": RolloutConfig, "generator": GeneratorConfig, "train": TrainConfig,
             "schedule": ScheduleConfig, "reward": RewardConfig, "env": EnvConfig}
 
-LEGACY_KEYS: dict[str, tuple[str, str]] = {
+FLAT_KEYS: dict[str, tuple[str, str]] = {
     **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated",
                                 "reward_dp", "reward_tp")},
     **{k: ("rollout", k) for k in ("prompts_per_step", "samples_per_prompt", "temperature", "top_p", "top_k",
@@ -575,33 +580,33 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
 }
 
 
-def new_key(legacy: str) -> str:
+def new_key(flat: str) -> str:
   """'prompts_per_step' -> 'RolloutConfig.prompts_per_step' (KeyError for an unknown key)."""
-  section, name = LEGACY_KEYS[legacy]
+  section, name = FLAT_KEYS[flat]
   return f"{SECTIONS[section].__name__}.{name}"
 
 
 def run_config(base: RunConfig | None = None, **flat) -> RunConfig:
   """A RunConfig from the flat keyword names (`max_policy_lag=2, generator_engine='static'`),
   over `base` (default: all defaults). Convenient in tests and scripts; unknown names raise."""
-  unknown = sorted(k for k in flat if k not in LEGACY_KEYS)
+  unknown = sorted(k for k in flat if k not in FLAT_KEYS)
   if unknown:
-    raise ConfigError(f"unknown run setting(s) {unknown}; known: {sorted(LEGACY_KEYS)}")
+    raise ConfigError(f"unknown run setting(s) {unknown}; known: {sorted(FLAT_KEYS)}")
   base = base or RunConfig()
   changes: dict[str, dict] = {}
   for key, value in flat.items():
-    section, name = LEGACY_KEYS[key]
+    section, name = FLAT_KEYS[key]
     changes.setdefault(section, {})[name] = value
   return dataclasses.replace(base, **{s: dataclasses.replace(getattr(base, s), **kw) for s, kw in changes.items()})
 
 
-_LEGACY_BINDING = re.compile(r"(?<![\w.])Controller\.(\w+)\s*=")
+_CONTROLLER_BINDING = re.compile(r"(?<![\w.])Controller\.(\w+)\s*=")
 
 
-def legacy_key_problems(text: str) -> list[str]:
+def flat_binding_problems(text: str) -> list[str]:
   """One line per `Controller.<key> = ...` binding in gin text (a flat key), naming the typed key that holds it."""
   out = []
-  for key in dict.fromkeys(_LEGACY_BINDING.findall(text)):
-    out.append(f"Controller.{key}: " + (f"use {new_key(key)}" if key in LEGACY_KEYS
+  for key in dict.fromkeys(_CONTROLLER_BINDING.findall(text)):
+    out.append(f"Controller.{key}: " + (f"use {new_key(key)}" if key in FLAT_KEYS
                                          else "no setting of that name (see llamarl_jax/config.py)"))
   return out

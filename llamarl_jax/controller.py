@@ -34,19 +34,17 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from llamarl_jax import distributed, parallel
 from llamarl_jax.checkpoint import Checkpointer
 from llamarl_jax.compile_cache import enable_persistent_cache
 from llamarl_jax.config import RunConfig
-from llamarl_jax.executors.generator import GeneratorExecutor
+from llamarl_jax.executors.generator import rollout_sampling, run_generator
 from llamarl_jax.executors.reward import RewardExecutor
-from llamarl_jax.executors.scoring import decode_responses
+from llamarl_jax.executors.scoring import score_evaluation
 from llamarl_jax.executors.trainer import TrainerExecutor, run_trainer_options
 from llamarl_jax.executors.weight_sync import WeightSync
-from llamarl_jax.generation.engine import SlotEngine
-from llamarl_jax.generation.sampler import Sampler, SamplingParams
+from llamarl_jax.generation.sampler import Sampler
 from llamarl_jax.metrics import MetricsLogger
 from llamarl_jax.model import fp8, hf
 from llamarl_jax.model import lora as lora_lib
@@ -54,6 +52,7 @@ from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
 from llamarl_jax.runners.common import Executors, RunState, StepRecorder, overlap_seconds, schedule_metrics  # noqa: F401
 from llamarl_jax.runners.single_process import ExecutorFailed  # noqa: F401  (re-exported)
 from llamarl_jax.schedule import versions_kept
+from llamarl_jax.shapes import RunShapes
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +60,27 @@ log = logging.getLogger(__name__)
 class Controller:
   """Wires the executors and runs them; see the module docstring for the data flow.
 
-  config: the run's `RunConfig` (config.py). `logger`: where the trainer leader logs metrics.
+  config: the run's `RunConfig` (config.py). `shapes`: its geometry (default `RunShapes.of(model_config,
+  config)`; the memory plan's). `reward`: a `RewardExecutor` the caller owns and closes (e.g. one
+  worker pool shared by a study's runs; its name must be `RewardConfig.fn`'s, which checkpoints
+  record); default one the Controller builds from `config.reward`. `logger`: where the trainer
+  leader logs metrics.
   """
 
   def __init__(self, model_config: ModelConfig, params: Any, tokenizer, prompt_source, *, run_dir: str | Path,
-               config: RunConfig | None = None, logger: MetricsLogger | None = None, progress: bool = True):
+               config: RunConfig | None = None, shapes: RunShapes | None = None, reward: RewardExecutor | None = None,
+               logger: MetricsLogger | None = None, progress: bool = True):
     config = config if config is not None else RunConfig()
     if not isinstance(config, RunConfig):
       raise TypeError(f"Controller(config=...) takes a llamarl_jax.config.RunConfig, got {type(config).__name__}")
+    if reward is not None and reward.name != config.reward.name:
+      raise ValueError(f"Controller(reward=...) scores with {reward.name!r} but RewardConfig.fn is "
+                       f"{config.reward.name!r} (what checkpoints record); set RewardConfig.fn = {reward.name!r}")
+    self.shapes = RunShapes.of(model_config, config) if shapes is None else shapes
     self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
     self.prompt_source, self.run_dir, self.progress = prompt_source, Path(run_dir), progress
     r, g, t = config.rollout, config.generator, config.train
-    stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-    self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                   max_new_tokens=r.max_new_tokens, n=r.samples_per_prompt,
-                                   stop_token_ids=stop_ids, seed=r.seed)
+    self.sampling = rollout_sampling(r, tokenizer)
     self.trainer_mesh, self.generator_mesh = parallel.make_meshes(**dataclasses.asdict(config.mesh))
     enable_persistent_cache()  # on a GPU: a restarted or repeated run loads its programs (`compile_cache`)
     config.check_layout(parallel.batch_divisor(self.trainer_mesh), jax.process_count())
@@ -105,17 +110,12 @@ class Controller:
                                    adapters=adapters, lora_seed=r.seed, **run_trainer_options(config))
       self.checkpointer = Checkpointer(self.run_dir / "checkpoints", max_to_keep=t.keep_checkpoints,
                                        processes=self.roles.trainer if multi else None)
-    # A RewardExecutor passed in belongs to the caller (e.g. one pool shared by a study's runs).
-    self._owns_reward = not isinstance(config.reward.fn, RewardExecutor)
+    self._owns_reward = reward is None
     self.sampler = self.env = None
-    # the longest first prompt the generator takes (the slot engine's limit; None: the context's),
-    # the same in every process (the data sources apply it)
-    width = config.env.response_width(r.max_new_tokens)
-    self.prompt_limit = prompt_limit(model_config, config)
     if self.is_generator:
       gen_config = model_config.replace(param_dtype=g.dtype, dtype=g.dtype)
       self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize)
-      ex.reward = config.reward.fn if not self._owns_reward else RewardExecutor(
+      ex.reward = reward if reward is not None else RewardExecutor(
           config.reward.fn, num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
       if config.reward.model_path:  # its own mesh (MeshConfig.reward_dp), else the generator's
         from llamarl_jax.executors.reward_model import RewardModelExecutor
@@ -127,43 +127,15 @@ class Controller:
       from llamarl_jax.envs import make_environment
 
       self.env = make_environment(config.env)
-      engine = None
-      if g.engine == "slots":
-        # a later turn's prompt is the whole episode so far: the first prompt, earlier turns, observations
-        max_prompt = self.prompt_limit + (width - r.max_new_tokens if config.env.multi_turn else 0)
-        engine = SlotEngine(gen_config, self.generator_mesh,
-                            num_slots=g.slots or _round_up(r.rows, parallel.batch_divisor(self.generator_mesh)),
-                            sampling=self.sampling, max_prompt_len=max_prompt, chunk_steps=g.chunk_steps,
-                            pad_id=tokenizer.pad_token_id or 0, recompute_kv=g.recompute_kv,
-                            kv_block_size=g.kv_block_size, chunks_in_flight=g.chunks_in_flight,
-                            paged_attention=g.paged_attention, min_decode_width=g.min_decode_width,
-                            staged_slots=g.staged_slots, quantize=g.quantize)
-      ex.generator = GeneratorExecutor(self.sampler, tokenizer, prompt_source, self.sampling,
-                                       prompts_per_step=r.prompts_per_step,
-                                       max_policy_lag=config.schedule.max_policy_lag,
-                                       version_schedule=config.schedule.version_schedule, seed=r.seed,
-                                       delay_s=g.delay_s, device_turn=ex.device_turn if config.mesh.colocated else None,
-                                       engine=engine, dynamic_sampling=r.dynamic_sampling,
-                                       score=ex.reward.score if r.dynamic_sampling else None,
-                                       env=self.env, env_config=config.env)
+      ex.generator = run_generator(self.sampler, tokenizer, prompt_source, self.sampling, config, self.shapes,
+                                   device_turn=ex.device_turn if config.mesh.colocated else None,
+                                   score=ex.reward.score, env=self.env)
     if multi:
-      from llamarl_jax.multiprocess.protocol import Context
-      from llamarl_jax.transfer import WeightPlan
+      from llamarl_jax.multiprocess.protocol import Context, weight_plan
 
-      dtype = self.generator_dtype
-      plan = WeightPlan(gen_shardings, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes),
-                        self.trainer_mesh, transform=lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
-      if g.quantize == "fp8" and t.lora is None:  # quantised on the trainer: fp8 values + scales cross
-        plan = WeightPlan(fp8.quantized_shardings(gen_shardings), fp8.quantized_shapes(shapes, dtype),
-                          self.trainer_mesh, transform=lambda p: fp8.quantize_params(p, dtype))
-      if t.lora is not None:  # the adapters every push, the base when it changed; merged on the generator
-        from llamarl_jax.transfer import LoraPlan
-
-        adapter_shapes = lora_lib.adapter_shapes(model_config, t.lora)
-        adapters = WeightPlan(parallel.param_shardings(adapter_shapes, lora_lib.adapter_axes(axes, t.lora),
-                                                       self.generator_mesh), adapter_shapes, self.trainer_mesh)
-        plan = LoraPlan(plan, adapters, base=lambda: ex.trainer.base_params, lora_scale=lora_lib.scale(t.lora),
-                        dtype=dtype)
+      plan = weight_plan(model_config, shapes, axes, gen_shardings, self.trainer_mesh, self.generator_mesh,
+                         dtype=self.generator_dtype, lora=t.lora, base=lambda: ex.trainer.base_params,
+                         quantize=g.quantize)
       ex.mp = Context(self.roles, plan, self.trainer_mesh, self.generator_mesh)
     else:
       lora = {}
@@ -189,6 +161,7 @@ class Controller:
   trainer = property(lambda self: self.ex.trainer)
   mp = property(lambda self: self.ex.mp)
   step = property(lambda self: self.state.step)
+  prompt_limit = property(lambda self: self.shapes.prompt_limit)  # the data sources cut prompts at it
   history = property(lambda self: self.recorder.history)
 
   @property
@@ -206,7 +179,7 @@ class Controller:
     generated = self.ex.generator.timeline if self.ex.generator is not None else []
     return sorted(generated + self.ex.timeline, key=lambda t: t[1])
 
-  def run_config(self) -> dict:
+  def run_record(self) -> dict:
     """What a checkpoint records about the run that wrote it; a resume compares it (checkpoint.py)."""
     source = self.prompt_source
     model = dataclasses.asdict(self.model_config)
@@ -274,7 +247,7 @@ class Controller:
     meta = {"step": state.step, "policy_version": state.step, "seed": self.config.rollout.seed,
             "data_state": state.data_state, "max_policy_lag": lag, "version_schedule": schedule,
             "first_version": first, "generator_versions": versions}
-    self.checkpointer.save(state.step, payload, meta, config=self.run_config())
+    self.checkpointer.save(state.step, payload, meta, config=self.run_record())
 
   def restore_checkpoint(self, step: int | None = None, *, allow_changes: Sequence[str] = ()) -> int:
     """Load the newest complete (or the given) checkpoint; returns the restored step.
@@ -295,7 +268,7 @@ class Controller:
 
     restored, kept = None, {}
     if self.is_trainer:
-      step, payload, meta = self.checkpointer.restore(target, step, config=self.run_config(),
+      step, payload, meta = self.checkpointer.restore(target, step, config=self.run_record(),
                                                       allow_changes=allow_changes)
       gen = payload.pop("generator_versions", {})
       self.trainer.load_state_dict(payload)
@@ -371,28 +344,11 @@ class Controller:
       rollout = gen.sample(examples, 0, params, 0, greedy=True, n=1, record=False)
       sampled = gen.sample(examples, seed, params, 0, n=samples, record=False) if samples else None
       if self.mp is None or jax.process_index() == self.roles.generator_leader:
-        result = self._score_eval(examples, rollout, sampled, samples)
+        result = score_evaluation(self.tokenizer, self.ex.reward, examples, rollout, sampled, samples)
     if self.mp is not None:
       result = self.mp.facts.share("evaluate", result, source=self.roles.generator_leader)
       result["eval/samples"] = [tuple(x) for x in result["eval/samples"]]
     return result
-
-  def _score_eval(self, examples: Sequence, episodes, sampled, samples: int) -> dict:
-    """Accuracy of the episodes' answers (`Episodes.answers`; single-turn: the responses)."""
-    truths = [ex.ground_truth for ex in examples]
-    texts = decode_responses(self.tokenizer, episodes.rollout)
-    answers = episodes.answers if episodes.answers is not None else texts
-    rewards = np.asarray(self.ex.reward.score(answers, truths)[0])
-    out = {"eval/accuracy": float(np.mean(rewards >= 1.0)), "eval/reward_mean": float(rewards.mean()),
-           "eval/samples": [(ex.prompt, t) for ex, t in zip(examples[:3], texts[:3])]}
-    out.update({f"eval/{k.replace('/', '_')}": v for k, v in episodes.metrics.items()
-                if k in ("episode/turns_mean", "episode/tool_calls_mean", "tool/errors")})
-    if sampled is not None:
-      sampled_answers = (sampled.answers if sampled.answers is not None
-                         else decode_responses(self.tokenizer, sampled.rollout))
-      sampled_rewards = np.asarray(self.ex.reward.score(sampled_answers, np.repeat(truths, samples).tolist())[0])
-      out["eval/pass1_sampled"] = float(np.mean(sampled_rewards >= 1.0))
-    return out
 
   def close(self) -> None:
     if self.ex.generator is not None:
@@ -404,15 +360,3 @@ class Controller:
     if self.checkpointer is not None:
       self.checkpointer.close()
 
-
-def prompt_limit(model_config: ModelConfig, config: RunConfig) -> int | None:
-  """The longest first prompt the generator takes: the slot engine's `GeneratorConfig.max_prompt_len`,
-  default min(512, context - response width); None for the static sampler (the context's limit)."""
-  if config.generator.engine != "slots":
-    return None
-  width = config.env.response_width(config.rollout.max_new_tokens)
-  return config.generator.max_prompt_len or max(1, min(512, model_config.max_position_embeddings - width))
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple

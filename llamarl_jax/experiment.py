@@ -23,11 +23,12 @@ from llamarl_jax import config as cfg
 from llamarl_jax import losses, parallel
 from llamarl_jax.checkpoint import latest_complete_step
 from llamarl_jax.config_check import RANGES, ConfigError, check_bindings
-from llamarl_jax.controller import Controller, prompt_limit as controller_prompt_limit
+from llamarl_jax.controller import Controller
 from llamarl_jax.data import PromptSource
 from llamarl_jax.metrics import START, WANDB_MODES, MetricsLogger, wandb_available
 from llamarl_jax.model import hf
 from llamarl_jax.model.llama import Llama, ModelConfig, abstract_model, resolve_attention, split_params
+from llamarl_jax.shapes import RunShapes
 from llamarl_jax.time_breakdown import format_breakdown
 from llamarl_jax.train.state import init_state
 from llamarl_jax.train.step import StepSpec, train_step
@@ -43,7 +44,7 @@ def parse_gin(files, bindings=()) -> None:
   files, the files they include, and the bindings), each with the typed key that holds its setting."""
   problems = []
   for text in [*(_gin_text(f) for f in files), *bindings]:
-    problems += cfg.legacy_key_problems(text)
+    problems += cfg.flat_binding_problems(text)
   if problems:
     raise ConfigError("the run's settings are typed configs (llamarl_jax/config.py), not Controller.* keys; "
                       "rename these binding(s):\n  " + "\n  ".join(dict.fromkeys(problems)))
@@ -276,6 +277,10 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   restored step). `resume_allow_changes`: settings allowed to differ from the checkpoint's beyond
   `checkpoint.RESUMABLE_CHANGES` (e.g. ['optimizer.lr']); the evaluation settings below are among them.
 
+  Logs: JSONL, TensorBoard (`tensorboard`) and, with `wandb_project`, Weights & Biases (`wandb_mode`
+  'offline' by default: written under run_dir/wandb, `wandb sync` uploads it) with the run's config,
+  every logged row, and at the end the time breakdown and the memory plan in its summary.
+
   Held-out evaluations (`evaluate_and_log`): greedy accuracy, plus a sampled pass@1 from `eval_samples`
   draws per problem when > 0, logged at the step they were taken (JSONL/TensorBoard `eval/*`) and
   listed in the summary's `evals`. `eval_every=0` evaluates only before and after RL; `eval_size = 0`
@@ -315,13 +320,15 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   progress = progress and main
   t_start = time.perf_counter()
   run_config = configured_run_config()
+  model_config = build_policy(weights=False)[0]
+  shapes = RunShapes.of(model_config, run_config)  # one geometry: the memory plan's, the engine's, the data's
   plan = None
   if jax.process_count() == 1:  # from shapes only: nothing is allocated before it is checked
     from llamarl_jax import memory_plan
     from llamarl_jax.compile_cache import enable_persistent_cache
 
     enable_persistent_cache()  # on a GPU: the plan's compile of the train step is the run's first one's
-    plan = memory_plan.plan_run(build_policy(weights=False)[0], run_config,
+    plan = memory_plan.plan_run(model_config, run_config, shapes=shapes,
                                 eval_rows=eval_size * max(1, eval_samples))
     if progress:
       print(plan.table())
@@ -339,14 +346,11 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     eval_source = eval_source.with_tokenizer(tokenizer)
   # The prompts are checked against the generator's limit before anything is compiled: an overlong row
   # is refused (file:line) or cut and counted at start, not after the engine's warm-up.
-  max_prompt_tokens = config.max_position_embeddings - run_config.env.response_width(run_config.rollout.max_new_tokens)
-  if (limit := controller_prompt_limit(config, run_config)) is not None:  # the slot engine's max_prompt_len
-    max_prompt_tokens = min(max_prompt_tokens, limit)
   for source in (rl_source, eval_source):
     if source is not None:
-      source.limit_prompts(max_prompt_tokens)
+      source.limit_prompts(shapes.prompt_limit)
   eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size) if eval_size else []
-  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, config=run_config,
+  controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, config=run_config, shapes=shapes,
                           progress=progress)
   controller.evaluation_config = {"size": eval_size, "every": eval_every, "samples": eval_samples,
                                   "window": eval_window}  # in checkpoints; may change on resume
@@ -358,7 +362,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
       run_dir.mkdir(parents=True, exist_ok=True)
       (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
       logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project, wandb_mode=wandb_mode,
-                             config={**controller.run_config(), "gin": gin.config_str()},
+                             config={**controller.run_record(), "gin": gin.config_str()},
                              rewind_to=START if restored is None else restored)
       controller.logger = logger
     controller.recorder.breakdown.add("warmup", time.perf_counter() - t_start)  # building and compiling

@@ -9,7 +9,7 @@ Parts, per device (bytes of one device's shards):
              Gradients (one per trained weight, fp32) and the train step's activations and workspace:
              XLA's memory analysis of the compiled step at the configured microbatches and remat
              (`TrainerExecutor.lower_step`, the fused step at the widest batch: prompts at the run's
-             prompt limit, responses at their maximum); its temporaries are the gradients plus the
+             prompt limit, responses at their maximum: `shapes.RunShapes`); its temporaries are the gradients plus the
              activations. Without a compile the activations are not counted (a CPU run).
   generator  weights in the generator dtype: the versions the `WeightSync` holds for the schedule
              ('fixed': up to max_policy_lag + 1 waiting) plus the one the engine decodes with;
@@ -22,8 +22,10 @@ Colocated runs hold everything on one device at once (the slot engine keeps its 
 trainer trains). `device_limit` is what the allocator lets the run use (JAX's `bytes_limit`; for a
 GPU compiled for without one, its memory times XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default).
 `MemoryPlan.check` refuses a plan over the limit, naming the knobs that shrink its largest parts.
+The widths and counts come from the run's `shapes.RunShapes`, the one the Controller builds its engine
+from, so the planned KV pool is the allocated one. The train step compiles where a limit is known.
 
-    plan = plan_run(model_config, run_config, eval_rows=256)   # compiles the train step where a limit is known
+    plan = plan_run(model_config, run_config, shapes=shapes, eval_rows=256)  # shapes: the run's `RunShapes`
     print(plan.table()); plan.check()
 `scripts/memory_plan.py` prints it for a gin config compiled for an H100 on a machine without one.
 """
@@ -41,6 +43,7 @@ import numpy as np
 
 from llamarl_jax.config import RunConfig
 from llamarl_jax.model.llama import ModelConfig
+from llamarl_jax.shapes import RunShapes
 
 GB = 1e9
 DEFAULT_MEM_FRACTION = 0.75  # XLA's GPU client default (XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -163,13 +166,6 @@ def device_bytes(tree: Any) -> float:
   return float(total)
 
 
-def generator_versions(run: RunConfig) -> int:
-  """Copies of the generator's weights a run holds at most: the WeightSync's ('fixed': max_policy_lag
-  + 1 versions may wait; 'latest': the newest) plus the engine's own."""
-  waiting = run.schedule.max_policy_lag + 1 if run.schedule.version_schedule == "fixed" else 1
-  return waiting + 1
-
-
 def abstract_trainer(model_config: ModelConfig, run: RunConfig, mesh):
   """A `TrainerExecutor` of shapes only (nothing allocated) with the run's trainer settings."""
   from llamarl_jax.executors.trainer import TrainerExecutor, run_trainer_options
@@ -215,13 +211,12 @@ def target_limit(capacity: float) -> float:
 # the plan
 
 
-def plan(model_config: ModelConfig, run: RunConfig, *, trainer, prompt_len: int, eval_rows: int,
+def plan(model_config: ModelConfig, run: RunConfig, *, shapes: RunShapes, trainer, eval_rows: int,
          step_memory: dict | None, device_kind: str, capacity: float | None, limit: float | None) -> MemoryPlan:
-  """The plan from the abstract trainer (its arrays' shardings), the step's memory analysis (None: not
-  compiled), the prompt width `prompt_len` (the engine's prompt limit) and `eval_rows` (rows of one
-  held-out evaluation's generate call)."""
+  """The plan from the run's shapes, the abstract trainer (its arrays' shardings), the step's memory
+  analysis (None: not compiled) and `eval_rows` (rows of one held-out evaluation's generate call)."""
   r, g, m = run.rollout, run.generator, run.mesh
-  R = run.env.response_width(r.max_new_tokens)
+  R, prompt_len = shapes.response_width, shapes.prompt_limit
   params = device_bytes(trainer.params)
   lora = run.train.lora
   parts = [Part("trainer weights", params, "trainer", "fp32 masters" if lora is None else
@@ -240,22 +235,18 @@ def plan(model_config: ModelConfig, run: RunConfig, *, trainer, prompt_len: int,
                       f"XLA: step temporaries {_size(step_memory['temporaries'])} - gradients; "
                       f"{r.rows} x ({prompt_len} + {R}), {run.train.microbatches} microbatches, remat {run.train.remat!r}"))
   gen_dtype = jnp.dtype(g.dtype)
-  copies = generator_versions(run)
+  copies = shapes.versions_held
   gen_weights = model_config.num_params() * gen_dtype.itemsize / m.generator_tp
   parts.append(Part("generator weights", copies * gen_weights, "generator",
                     f"{copies} x {_size(gen_weights)} ({gen_dtype.name}; versions held for lag {run.schedule.max_policy_lag} "
                     "+ the engine's)"))
-  if g.engine == "slots":
-    lanes = g.slots or r.rows
-    slots = lanes + g.staged_slots
-    extra = (R - r.max_new_tokens) if run.env.multi_turn else 0
-    pool = slot_pool_bytes(model_config, slots=slots, max_prompt_len=prompt_len + extra, max_new_tokens=r.max_new_tokens,
-                           block_size=g.kv_block_size, dtype=gen_dtype) / m.generator_tp
-    parts.append(Part("KV pool", pool, "generator", f"slot engine: {slots} slots x ({prompt_len + extra} + "
-                      f"{r.max_new_tokens}) positions, blocks of {g.kv_block_size}"))
+  pool = shapes.kv_pool_positions * kv_bytes_per_position(model_config, gen_dtype) / m.generator_tp
+  if shapes.engine == "slots":
+    parts.append(Part("KV pool", pool, "generator", f"slot engine: {shapes.slots} slots x ({shapes.engine_prompt_len}"
+                      f" + {r.max_new_tokens}) positions, blocks of {g.kv_block_size}"))
   else:
-    cache = r.rows * (prompt_len + R) * kv_bytes_per_position(model_config, gen_dtype) / (m.generator_dp * m.generator_tp)
-    parts.append(Part("KV pool", cache, "generator", f"static sampler: {r.rows} rows x ({prompt_len} + {R}) positions"))
+    parts.append(Part("KV pool", pool / m.generator_dp, "generator",
+                      f"static sampler: {r.rows} rows x ({shapes.engine_prompt_len} + {R}) positions"))
   if eval_rows:
     ev = eval_rows * (prompt_len + R) * kv_bytes_per_position(model_config, gen_dtype) / (m.generator_dp * m.generator_tp)
     parts.append(Part("evaluation KV", ev, "generator", f"static sampler: {eval_rows} rows x ({prompt_len} + {R})"))
@@ -263,9 +254,12 @@ def plan(model_config: ModelConfig, run: RunConfig, *, trainer, prompt_len: int,
                     step_memory=step_memory)
 
 
-def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, mesh=None, compile: bool | None = None,
-             capacity: float | None = None, limit: float | None = None) -> MemoryPlan:
+def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, shapes: RunShapes | None = None,
+             mesh=None, compile: bool | None = None, capacity: float | None = None,
+             limit: float | None = None) -> MemoryPlan:
   """The plan of a run of `model_config` under `run`, made before anything is allocated.
+
+  shapes: the run's geometry (default `RunShapes.of(model_config, run)`).
 
   mesh: the trainer mesh to compile for (default: the run's, `parallel.make_meshes`); a mesh over a
   target topology's devices (a GPU compiled for on a CPU machine) works, with capacity and limit given.
@@ -278,20 +272,10 @@ def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, mesh=
   device = mesh.devices.flat[0]
   if capacity is None and limit is None:
     capacity, limit = device_limit(device)
+  shapes = RunShapes.of(model_config, run) if shapes is None else shapes
   trainer = abstract_trainer(model_config, run, mesh)
-  prompt_len = prompt_limit(model_config, run)
   do_compile = limit is not None if compile is None else compile
-  step = (train_step_memory(trainer, run.rollout.rows, prompt_len, run.env.response_width(run.rollout.max_new_tokens))
+  step = (train_step_memory(trainer, shapes.rows, shapes.prompt_limit, shapes.response_width)
           if do_compile else None)
-  return plan(model_config, run, trainer=trainer, prompt_len=prompt_len, eval_rows=eval_rows, step_memory=step,
+  return plan(model_config, run, shapes=shapes, trainer=trainer, eval_rows=eval_rows, step_memory=step,
               device_kind=device.device_kind, capacity=capacity, limit=limit)
-
-
-def prompt_limit(model_config: ModelConfig, run: RunConfig) -> int:
-  """The prompt width planned for: the Controller's limit (`controller.prompt_limit`: the slot engine's),
-  for the static sampler the context minus the response width."""
-  from llamarl_jax import controller
-
-  limit = controller.prompt_limit(model_config, run)
-  return limit if limit is not None else max(1, model_config.max_position_embeddings
-                                             - run.env.response_width(run.rollout.max_new_tokens))

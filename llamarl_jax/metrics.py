@@ -1,6 +1,6 @@
 """Metrics: one JSONL line per step, TensorBoard scalars (tensorboardX), optional Weights & Biases.
 
-Names follow cleanRL's `group/name` habit: `reward/mean`, `policy/ratio_max`, `time/generate`.
+Names follow cleanRL's `group/name` habit: `reward/mean`, `policy/ratio_max`, `time/generate_busy`.
 
 Weights & Biases (`wandb_project`; the `wandb` extra): the run's configuration as the W&B config, every
 logged row as its history, and the end-of-run sections (`log_summary`: the time breakdown, the memory
@@ -27,6 +27,7 @@ from typing import Mapping
 
 START = -(2**62)  # `rewind_to` value that drops every row (SFT logs at negative steps)
 KEEP = 10_000  # entries a run keeps of a history or timeline (a long run must not grow without bound)
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def append_bounded(items: list, item, keep: int = KEEP) -> None:
@@ -66,6 +67,10 @@ def _plain(v):
 
 
 class MetricsLogger:
+  """Logs rows of metrics by step to JSONL, TensorBoard and (with `wandb_project`) Weights & Biases.
+
+  config: the run's settings, W&B's config. rewind_to: see the module docstring.
+  """
 
   def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, wandb_project: str | None = None,
                wandb_mode: str | None = None, config: Mapping | None = None, rewind_to: int | None = None):

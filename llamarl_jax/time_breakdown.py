@@ -5,8 +5,9 @@ Each RL step's time (`time/step`, from asking for a batch to the end of the weig
 on the device, a weight swap into the engine, the reward executor, or nothing of those: the other
 threads' host work, queues), then training and the weight push. Checkpoints and evaluations run
 between steps. Generation that
-overlaps training (asynchronous runs) costs no wall time and is not in the breakdown; the executors'
-own busy seconds (`time/generate`, `time/reward`) count it.
+overlaps training (asynchronous runs) costs no wall time and is not in the parts; the executors' own
+busy seconds (`time/generate_busy`, `time/reward_busy`) count it, and the breakdown reports their
+totals beside the parts ("busy_seconds").
 
 A run's breakdown (`TimeBreakdown`, `summary.json`'s "time_breakdown") adds the parts outside the
 steps: start-up (building the policy and the controller: the slot engine's programs compile there) and
@@ -30,6 +31,8 @@ LABELS = {"warmup": "compile / warm-up", "sft": "SFT warm start", "generation": 
 # The per-step metrics whose sum is `time/step`, and the part of the run's breakdown each goes to.
 STEP_PARTS = {"time/wait_generate": "generation", "time/wait_swap": "weight_sync", "time/wait_reward": "rewards",
               "time/wait_other": "waits_other", "time/train": "training", "time/sync": "weight_sync"}
+# The executors' own busy seconds per step (`runners.common.StepRecorder`), totalled beside the parts.
+BUSY = {"generation": "time/generate_busy", "rewards": "time/reward_busy"}
 # What the trainer's wait is split by (timeline interval kinds), first match wins where they overlap.
 WAIT_KINDS = (("generate", "time/wait_generate"), ("swap", "time/wait_swap"), ("reward", "time/wait_reward"))
 
@@ -70,6 +73,7 @@ class TimeBreakdown:
 
   def __init__(self):
     self.seconds = dict.fromkeys(PARTS, 0.0)
+    self.busy = dict.fromkeys(BUSY, 0.0)  # the executors' own seconds, overlapping the parts
     self.steps = 0
 
   def add(self, part: str, seconds: float) -> None:
@@ -91,14 +95,18 @@ class TimeBreakdown:
     else:
       for key, part in STEP_PARTS.items():
         self.add(part, metrics.get(key, 0.0))
+    for part, key in BUSY.items():
+      self.busy[part] += float(metrics.get(key, 0.0))
     self.steps += 1
 
   def report(self, wall_seconds: float) -> dict:
-    """{"wall_seconds", "parts": {part: {"seconds", "share"}}, "unaccounted_seconds", "unaccounted_share"}."""
+    """{"wall_seconds", "parts": {part: {"seconds", "share"}}, "unaccounted_seconds", "unaccounted_share",
+    "busy_seconds": {"generation", "rewards"}} (busy: the executors' own, overlapping the parts)."""
     wall = max(float(wall_seconds), 1e-9)
     parts = {p: {"seconds": s, "share": s / wall} for p, s in self.seconds.items()}
     rest = wall - sum(self.seconds.values())
-    return {"wall_seconds": wall, "parts": parts, "unaccounted_seconds": rest, "unaccounted_share": rest / wall}
+    return {"wall_seconds": wall, "parts": parts, "unaccounted_seconds": rest, "unaccounted_share": rest / wall,
+            "busy_seconds": dict(self.busy)}
 
 
 def format_breakdown(report: Mapping) -> str:
@@ -107,4 +115,7 @@ def format_breakdown(report: Mapping) -> str:
   for part, r in report["parts"].items():
     lines.append(f"  {LABELS[part]:<22} {r['seconds']:9.1f} s  {r['share']:6.1%}")
   lines.append(f"  {'unaccounted':<22} {report['unaccounted_seconds']:9.1f} s  {report['unaccounted_share']:6.1%}")
+  busy = report.get("busy_seconds", {})
+  if busy:  # what the executors did, whether the trainer waited for it or it ran behind training
+    lines.append("  busy, overlapping the parts: " + ", ".join(f"{LABELS[p]} {s:.1f} s" for p, s in busy.items()))
   return "\n".join(lines)

@@ -45,14 +45,14 @@ def run_one(args, lag: int, delay: float, engine: str = "slots") -> dict:
                        tie_word_embeddings=True)
   _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
   with tempfile.TemporaryDirectory() as run_dir, RewardExecutor("arithmetic", num_workers=1) as reward:
-    run = run_config(reward_fn=reward, max_policy_lag=lag, prompts_per_step=args.prompts,
+    run = run_config(reward_fn=reward.name, max_policy_lag=lag, prompts_per_step=args.prompts,
                      samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
                      trainer_fsdp=args.trainer_fsdp, generator_dp=args.generator_dp, generator_tp=args.generator_tp,
                      optimizer=OptimizerConfig(lr=1e-4), generator_delay_s=delay, buffer_capacity=max(lag, 1) + 1,
                      generator_engine=engine, engine_max_prompt_len=16, seed=0,
                      colocated=getattr(args, "colocated", False))
     c = Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir, config=run,
-                   progress=False)
+                   reward=reward, progress=False)
     try:
       steps = c.run(args.warmup + args.steps)
       timed = steps[args.warmup:]

@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
   from llamarl_jax.model.hf import config_from_hf
 
   config = config_from_hf(bench_generate.hf_config(args.size).to_dict(), dtype=jnp.dtype(args.dtype))
-  build = lambda: SlotEngine(config, num_slots=args.slots, max_prompt_len=args.prompt_len,
+  build = lambda: SlotEngine(config, lanes=args.slots, max_prompt_len=args.prompt_len,
                              sampling=SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.n),
                              kv_block_size=args.kv_block_size, paged_attention=args.paged_attention)
   t = time.perf_counter()

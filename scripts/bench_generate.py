@@ -454,7 +454,7 @@ def engine_table(config, model, args, name):
       stops = tuple(int(t) for t in rng.choice(np.arange(1, config.vocab_size), count, replace=False))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=R, stop_token_ids=stops)
     sampler = Sampler(config)
-    engine = SlotEngine(config, num_slots=S, sampling=sampling, max_prompt_len=args.prompt_len,
+    engine = SlotEngine(config, lanes=S, sampling=sampling, max_prompt_len=args.prompt_len,
                         chunk_steps=args.chunk_steps, kv_block_size=getattr(args, "kv_block_size", 16),
                         paged_attention=getattr(args, "paged_attention", "auto"),
                         min_decode_width=getattr(args, "min_decode_width", None),

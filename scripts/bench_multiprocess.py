@@ -7,7 +7,7 @@ is emulated: generation and training really run at the same time on disjoint har
 and batches cross processes (`llamarl_jax/transfer.py`). The same workload runs at max_policy_lag 0
 (the synchronous baseline: generate, score, train, push, in sequence) and at lag 1; the table gives
 the mean step time over the timed steps (after warm-up), the speed-up over lag 0, and the stage
-times from the metrics (time/generate and time/reward measured in the generator process, time/train,
+times from the metrics (time/generate_busy and time/reward_busy measured in the generator process, time/train,
 time/sync and time/trainer_wait in the trainer process).
 
   python scripts/bench_multiprocess.py                    # needs >= 2 cores and `taskset`
@@ -61,8 +61,8 @@ def run_one(args, lag: int, run_dir: Path) -> dict:
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   timed = [r for r in rows if "reward/mean" in r][args.warmup:]
   mean = lambda k: float(np.mean([r[k] for r in timed]))
-  return {"lag": lag, "step_s": mean("time/step"), "generate_s": mean("time/generate"),
-          "reward_s": mean("time/reward"), "train_s": mean("time/train"), "sync_s": mean("time/sync"),
+  return {"lag": lag, "step_s": mean("time/step"), "generate_s": mean("time/generate_busy"),
+          "reward_s": mean("time/reward_busy"), "train_s": mean("time/train"), "sync_s": mean("time/sync"),
           "trainer_wait_s": mean("time/trainer_wait"), "generator_wait_s": mean("time/generator_wait"),
           "lag_max": max(r["policy/lag_max"] for r in timed)}
 

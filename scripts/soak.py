@@ -106,11 +106,11 @@ def main(argv=None) -> dict:
   task = {"min_digits": 1, "max_digits": 2, "num_operands": 2, "ops": "+"}
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory() as run_dir, RewardExecutor("arithmetic", num_workers=1) as reward:
-    run = run_config(reward_fn=reward, max_policy_lag=1, prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8,
+    run = run_config(reward_fn=reward.name, max_policy_lag=1, prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8,
                      trainer_fsdp=2, generator_dp=2, optimizer=OptimizerConfig(lr=3e-4, warmup_steps=10),
                      checkpoint_every=args.checkpoint_every, keep_checkpoints=2, seed=0)
     c = Controller(config, params, tokenizer, PromptSource(task="arithmetic", task_kwargs=task, seed=0),
-                   run_dir=run_dir, config=run, logger=logger, progress=False)
+                   run_dir=run_dir, config=run, reward=reward, logger=logger, progress=False)
     try:
       steps = c.run(args.steps)
     finally:

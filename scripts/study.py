@@ -91,7 +91,7 @@ LAG_CELLS = ("lag0", "lag1", "lag2", "lag4")
 LAG4_CELLS = ("lag4", "lag4_clamped", "lag4_no_trunc", "lag4_ppo_clip")
 # Per-step metrics kept in result.json (the full set is in each run's metrics.jsonl).
 KEPT = ("reward/mean", "reward/accuracy", "policy/kl_behaviour", "policy/frac_truncated", "policy/frac_clipped",
-        "policy/ratio_max", "policy/lag_mean", "time/step", "time/train", "time/generate", "time/trainer_wait",
+        "policy/ratio_max", "policy/lag_mean", "time/step", "time/train", "time/generate_busy", "time/trainer_wait",
         "generate/response_length_mean", "rollout_corr/rollout_rs_masked_fraction", "dynamic_sampling/drop_rate")
 
 
@@ -210,8 +210,8 @@ def sft_checkpoint(out: Path, reward) -> tuple:
     t0 = time.perf_counter()
     config, params, tokenizer = experiment.build_policy()
     source = experiment.configured_prompt_source().with_tokenizer(tokenizer)
-    c = Controller(config, params, tokenizer, source, run_dir=out / "sft" / "build", progress=False,
-                   config=run_config(experiment.configured_run_config(), reward_fn=reward, checkpoint_every=0))
+    c = Controller(config, params, tokenizer, source, run_dir=out / "sft" / "build", progress=False, reward=reward,
+                   config=run_config(experiment.configured_run_config(), reward_fn=reward.name, checkpoint_every=0))
     try:
       params = experiment.supervised_warmstart(config, c.trainer.policy_params(), tokenizer, source.fork(seed_offset=1),
                                                progress=False)
@@ -250,9 +250,9 @@ def run_one(cell: str, seed: int, *, out: Path, config, params, tokenizer, base_
   # Seed s: its own prompt stream (the SFT used offset 1) and sampling noise, the same in every cell.
   source = base_source.fork(seed_offset=1000 + seed)
   t0 = time.perf_counter()
-  run = run_config(configured_run_config(), seed=seed, reward_fn=reward, checkpoint_every=0, **overrides)
+  run = run_config(configured_run_config(), seed=seed, reward_fn=reward.name, checkpoint_every=0, **overrides)
   controller = Controller(config, params, tokenizer, source, run_dir=run_dir, logger=logger, progress=False,
-                          config=run)
+                          config=run, reward=reward)
   evals = [dict(before)]  # step 0: the shared SFT policy, evaluated once for the whole study
   try:
     history = run_with_evals(controller, eval_examples, knobs["rl_steps"], eval_every=knobs["eval_every"],
@@ -292,7 +292,8 @@ def run_grid(args, out: Path) -> None:
     before_path = out / "sft" / "eval_before_rl.json"
     if not before_path.exists():
       c = Controller(config, params, tokenizer, base_source, run_dir=out / "sft" / "eval", progress=False,
-                     config=run_config(configured_run_config(), reward_fn=reward, checkpoint_every=0))
+                     reward=reward, config=run_config(configured_run_config(), reward_fn=reward.name,
+                                                      checkpoint_every=0))
       try:
         logger = MetricsLogger(out / "sft" / "eval", tensorboard=False)
         row = evaluate_and_log(c, eval_examples, samples=knobs["eval_samples"], logger=logger)

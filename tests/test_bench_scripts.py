@@ -82,8 +82,10 @@ def test_bench_gpu_e2e_dry_run_reports_a_runs_speed_breakdown_and_plan(tmp_path)
   assert row["config"] == "llama3_1b_1gpu.gin" and row["rl_steps"] == 3
   assert row["step_s"] > 0 and row["gen_tokens_per_s"] > 0 and row["peak_memory_gib"] is None  # CPU: no statistics
   assert 0 < row["plan_gib"] < 0.01 and row["eval_before"] is None  # the config evaluates nothing
+  assert row["peak_over_plan"] is None  # no measured peak on a CPU: no ratio
   assert abs(row["unaccounted_s"]) <= 0.05 * row["wall_run_s"] and row["breakdown"]["warmup"] > 0
   report = (tmp_path / "bench_gpu.md").read_text()
+  assert "peak memory GiB (plan) | peak / plan |" in report
   assert "| llama3_1b_1gpu.gin | 3 |" in report and "- llama3_1b_1gpu.gin seconds: warmup" in report
 
 

@@ -183,8 +183,8 @@ def test_each_config_class_validates_its_fields_once_when_built_from_python():
   built = cfg.run_config(max_policy_lag=3, generator_engine="static", reward_fn="math")
   assert (built.schedule.max_policy_lag, built.generator.engine, built.reward.fn) == (3, "static", "math")
   # every flat key maps to a field that exists
-  for key in cfg.LEGACY_KEYS:
-    section, name = cfg.LEGACY_KEYS[key]
+  for key in cfg.FLAT_KEYS:
+    section, name = cfg.FLAT_KEYS[key]
     assert name in {f.name for f in __import__("dataclasses").fields(cfg.SECTIONS[section])}, key
 
 
@@ -197,7 +197,7 @@ def test_every_typed_setting_has_one_flat_key():
 
   assert [f.name for f in dataclasses.fields(cfg.RunConfig)] == list(cfg.SECTIONS)
   fields = [(section, f.name) for section, cls in cfg.SECTIONS.items() for f in dataclasses.fields(cls)]
-  mapped = list(cfg.LEGACY_KEYS.values())
+  mapped = list(cfg.FLAT_KEYS.values())
   assert sorted(mapped) == sorted(fields), (sorted(set(fields) - set(mapped)), sorted(set(mapped) - set(fields)))
   built = cfg.run_config(engine_staged_slots=4, scan_layers=False, env_name="tools", max_turns=3, tools=["calc"])
   assert (built.generator.staged_slots, built.train.scan_layers, built.env.name, built.env.max_turns,

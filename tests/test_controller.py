@@ -46,11 +46,12 @@ def make_controller(policy, tokenizer, tmp_path, *, source=None, reward=None, ge
   defaults = dict(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2, generator_dp=2,
                   optimizer=OptimizerConfig(lr=1e-3), step_timeout_s=120)
   defaults.update(kw)
-  run = run_config(reward_fn=reward or RewardExecutor("arithmetic", inline=True), **defaults)
+  reward = reward or RewardExecutor("arithmetic", inline=True)
+  run = run_config(reward_fn=reward.name, **defaults)
   if generator:  # GeneratorConfig settings without a flat key
     run = dataclasses.replace(run, generator=dataclasses.replace(run.generator, **generator))
   return Controller(config, params, tokenizer, source if source is not None else PromptSource(task="arithmetic", seed=0),
-                    run_dir=tmp_path, config=run, progress=False)
+                    run_dir=tmp_path, config=run, reward=reward, progress=False)
 
 
 def run(policy, tokenizer, tmp_path, steps, **kw):
@@ -80,7 +81,7 @@ def test_policy_lag_never_exceeds_bound(policy, tokenizer, tmp_path, lag):
     assert max(k for k, n in split.items() if n) == m["policy/lag_max"]
   if lag == 0:  # same weights, fp32 generator and trainer: only summation order differs (see below)
     assert_lag0_mismatch_is_numerics(steps)
-  for key in ("buffer/occupancy", "buffer/dropped_stale", "time/generate", "time/train", "time/sync",
+  for key in ("buffer/occupancy", "buffer/dropped_stale", "time/generate_busy", "time/train", "time/sync",
               "sync/gbps", "throughput/gen_tokens_per_s", "policy/ratio_mean", "policy/kl_behaviour"):
     assert key in steps[-1], key
 
@@ -351,7 +352,7 @@ def test_overlong_shaping_and_a_sequence_level_loss_through_the_controller(polic
     assert m["reward/overlong_penalty_mean"] <= -m["generate/frac_truncated"] + 1e-7  # truncated: -1 each
     assert np.isfinite(m["loss/total"]) and "policy/frac_clipped" in m
     assert m["policy/num_tokens"] == m["train/tokens"]
-  assert c.run_config()["rollout"]["overlong"] == {"buffer_len": 3, "penalty_factor": 1.0, "mask_truncated": True}
+  assert c.run_record()["rollout"]["overlong"] == {"buffer_len": 3, "penalty_factor": 1.0, "mask_truncated": True}
   with pytest.raises(ValueError, match=r"buffer_len \(7\) must be <= RolloutConfig.max_new_tokens \(6\)"):
     make_controller(policy, tokenizer, tmp_path, overlong=OverlongShaping(buffer_len=7))
 
@@ -386,7 +387,7 @@ def test_dynamic_sampling_trains_informative_groups_and_resumes_exactly(policy, 
     assert 1 <= m["dynamic_sampling/draws"] <= 3 and 0 <= m["dynamic_sampling/drop_rate"] < 1
   assert any(m["dynamic_sampling/drop_rate"] > 0 for m in full)  # the parity reward leaves some groups flat
   assert any(m["dynamic_sampling/draws"] > 1 for m in full)
-  assert c.run_config()["rollout"]["dynamic_sampling"] == {"max_draws": 3}
+  assert c.run_record()["rollout"]["dynamic_sampling"] == {"max_draws": 3}
 
   first = make_controller(policy, tokenizer, tmp_path / "resumed", reward=reward(), checkpoint_every=2, **kw)
   try:

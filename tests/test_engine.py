@@ -56,13 +56,13 @@ def static_sampler(model):
 
 @pytest.fixture(scope="module")
 def greedy_engine(model):
-  return SlotEngine(model[0], num_slots=3, sampling=GREEDY, max_prompt_len=16, chunk_steps=2, prompt_buckets=(8, 16),
+  return SlotEngine(model[0], lanes=3, sampling=GREEDY, max_prompt_len=16, chunk_steps=2, prompt_buckets=(8, 16),
                     kv_block_size=4)
 
 
 @pytest.fixture(scope="module")
 def sampling_engine(model):
-  return SlotEngine(model[0], num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+  return SlotEngine(model[0], lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
                     kv_block_size=4)
 
 
@@ -128,7 +128,7 @@ def test_pallas_attention_samples_what_the_static_sampler_samples(model, static_
   """The one-kernel paged attention (`paged_attention='pallas'`, Pallas interpret mode on the CPU) in
   the engine: the static sampler's tokens and log-probs, with a queue, stops, prefix sharing and
   blocks of 4 (responses across several blocks)."""
-  eng = SlotEngine(model[0], num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+  eng = SlotEngine(model[0], lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
                    kv_block_size=4, paged_attention="pallas")
   static = static_sampler.generate(model[1], prompts, SAMPLED, policy_version=0)
   batch = eng.generate(model[1], prompts, SAMPLED)
@@ -136,7 +136,7 @@ def test_pallas_attention_samples_what_the_static_sampler_samples(model, static_
     np.testing.assert_array_equal(getattr(batch, name), np.asarray(getattr(static, name)), err_msg=name)
   np.testing.assert_allclose(batch.behaviour_logprobs, static.behaviour_logprobs, atol=1e-5, rtol=0)
   with pytest.raises(ValueError, match="must be one of"):
-    SlotEngine(model[0], num_slots=4, sampling=SAMPLED, paged_attention="flash")
+    SlotEngine(model[0], lanes=4, sampling=SAMPLED, paged_attention="flash")
 
 
 
@@ -145,7 +145,7 @@ def test_pallas_attention_refuses_a_sharded_generator_mesh(model):
   """A Pallas call is not partitioned over a mesh (its pools would be gathered whole): refused, named."""
   mesh = parallel.make_mesh(jax.devices()[:2], data=2)
   with pytest.raises(ValueError, match="unsharded"):
-    SlotEngine(model[0], mesh, num_slots=4, sampling=SAMPLED, paged_attention="pallas")
+    SlotEngine(model[0], mesh, lanes=4, sampling=SAMPLED, paged_attention="pallas")
 
 
 def _run_with_swap(engine, model, model_b, prompts, recompute):
@@ -312,7 +312,7 @@ def test_the_batch_shrinks_to_the_busy_slots_and_samples_the_same(model, static_
   writes its own slot's blocks), and the samples and behaviour log-probs are the static sampler's.
   Utilization counts the rows computed; occupancy every slot."""
   sampling = dataclasses.replace(STOP_OFTEN, max_new_tokens=16, stop_token_ids=tuple(range(10, 25)))
-  eng = SlotEngine(model[0], num_slots=4, sampling=sampling, max_prompt_len=16, chunk_steps=2, kv_block_size=4)
+  eng = SlotEngine(model[0], lanes=4, sampling=sampling, max_prompt_len=16, chunk_steps=2, kv_block_size=4)
   assert eng.programs.widths == (4, 1)
   ref, m = _samples_as_static(eng, static_sampler, model, prompts * 2, sampling)
   assert m["generate/decode_width_mean"] < 4, f"the batch never shrank: lengths {ref.lengths}"
@@ -346,7 +346,7 @@ def test_staged_slots_refill_lanes_on_device_at_the_next_step(model, static_samp
   chunks (3 steps, 2 in flight) and the host's harvests; the samples and log-probs are the static
   sampler's; a step never computes more than the 2 lanes."""
   sampling = STOP_OFTEN
-  eng = SlotEngine(model[0], num_slots=2, staged_slots=6, sampling=sampling, max_prompt_len=16, chunk_steps=3,
+  eng = SlotEngine(model[0], lanes=2, staged_slots=6, sampling=sampling, max_prompt_len=16, chunk_steps=3,
                    kv_block_size=4)
   assert eng.num_slots == 8 and eng.programs.num_lanes == 2 and eng.programs.widths == (2, 1)
   ref, m = _samples_as_static(eng, static_sampler, model, prompts * 2, sampling)
@@ -367,7 +367,7 @@ from llamarl_jax.generation.engine import SlotEngine
 from llamarl_jax.model import ModelConfig, init_model
 config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                      head_dim=16, max_position_embeddings=64)
-engine = SlotEngine(config, num_slots=2, sampling=SamplingParams(temperature=0, max_new_tokens=4), max_prompt_len=8)
+engine = SlotEngine(config, lanes=2, sampling=SamplingParams(temperature=0, max_new_tokens=4), max_prompt_len=8)
 print(engine.generate(init_model(config), [[1, 2, 3]]).lengths.tolist())
 """  # the engine (and its watcher thread) still alive when the interpreter exits
 
@@ -426,13 +426,13 @@ def test_a_second_engine_of_the_same_configuration_reuses_the_programs(model, gr
   """Programs belong to the configuration, not the engine: a second engine (another seed is the same
   configuration) compiles nothing and samples the same; another configuration gets its own."""
   first = greedy_engine
-  again = SlotEngine(model[0], num_slots=3, sampling=dataclasses.replace(GREEDY, seed=9), max_prompt_len=16,
+  again = SlotEngine(model[0], lanes=3, sampling=dataclasses.replace(GREEDY, seed=9), max_prompt_len=16,
                      chunk_steps=2, prompt_buckets=(8, 16), kv_block_size=4)
   assert again.programs is first.programs and again.warmup_s < 1.0
   prompts = [[3, 4, 5], [6] * 10]
   np.testing.assert_array_equal(again.generate(model[1], prompts).response_tokens,
                                 first.generate(model[1], prompts).response_tokens)
-  other = SlotEngine(model[0], num_slots=3, sampling=GREEDY, max_prompt_len=16, chunk_steps=3,
+  other = SlotEngine(model[0], lanes=3, sampling=GREEDY, max_prompt_len=16, chunk_steps=3,
                      prompt_buckets=(8, 16), kv_block_size=4)
   assert other.programs is not first.programs
 
@@ -446,7 +446,7 @@ def test_program_count_is_bounded_at_real_shapes(model, prompt_len, R):
   recompute. (A tiny model at real slot, prompt and response shapes: the program set depends on
   shapes, not on the model's size.)"""
   sampling = SamplingParams(temperature=1.0, max_new_tokens=R, n=8, seed=1, stop_token_ids=tuple(range(10, 40)))
-  eng = SlotEngine(model[0], num_slots=64, sampling=sampling, max_prompt_len=prompt_len, chunk_steps=8,
+  eng = SlotEngine(model[0], lanes=64, sampling=sampling, max_prompt_len=prompt_len, chunk_steps=8,
                    recompute_kv=False, progress=False)
   keys = eng.programs.program_keys()
   assert len(keys) <= 8, keys
@@ -543,7 +543,7 @@ def test_no_recompilation_after_warm_up(model, model_b, sampling_engine, prompts
 def test_sharded_slots_give_the_same_samples(model, sampling_engine, prompts):
   """Slots over data=2, params over tp=2: the same tokens and log-probs as one device."""
   mesh = parallel.make_mesh(jax.devices()[:4], data=2, tp=2)
-  sharded = SlotEngine(model[0], mesh, num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+  sharded = SlotEngine(model[0], mesh, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
                        kv_block_size=4)
   one = sampling_engine.generate(model[1], prompts, SAMPLED)
   four = sharded.generate(model[1], prompts, SAMPLED)
@@ -553,19 +553,19 @@ def test_sharded_slots_give_the_same_samples(model, sampling_engine, prompts):
 
 @pytest.mark.devices(2)
 def test_slots_must_divide_over_the_data_axes(model):
-  with pytest.raises(ValueError, match="num_slots must be a positive multiple"):
-    SlotEngine(model[0], parallel.make_mesh(jax.devices()[:2], data=2), num_slots=3)
+  with pytest.raises(ValueError, match="lanes must be a positive multiple"):
+    SlotEngine(model[0], parallel.make_mesh(jax.devices()[:2], data=2), lanes=3)
 
 
 def test_bad_input_errors(model, greedy_engine):
-  with pytest.raises(ValueError, match="num_slots must be a positive multiple"):
-    SlotEngine(model[0], num_slots=0)
+  with pytest.raises(ValueError, match="lanes must be a positive multiple"):
+    SlotEngine(model[0], lanes=0)
   with pytest.raises(ValueError, match="samples per prompt need as many slots"):
-    SlotEngine(model[0], num_slots=2, sampling=SamplingParams(n=4))
+    SlotEngine(model[0], lanes=2, sampling=SamplingParams(n=4))
   with pytest.raises(ValueError, match="only the seed"):
     greedy_engine.generate(model[1], [[1, 2]], SamplingParams(temperature=0.5, max_new_tokens=R))
   with pytest.raises(RuntimeError, match="no weights"):
-    SlotEngine(model[0], num_slots=1, sampling=GREEDY).step()
+    SlotEngine(model[0], lanes=1, sampling=GREEDY).step()
 
 
 def test_chunks_in_flight_change_when_the_host_sees_results_not_the_samples(model, sampling_engine, prompts):
@@ -575,7 +575,7 @@ def test_chunks_in_flight_change_when_the_host_sees_results_not_the_samples(mode
   one-chunk-at-a-time engine's (the per-row keys do not depend on slot or chunk), the log-probs to
   fp32 rounding."""
   def run(in_flight):
-    eng = SlotEngine(model[0], num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+    eng = SlotEngine(model[0], lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
                      chunks_in_flight=in_flight)
     eng.swap(model[1], 0)
     eng.submit(prompts * 2, seed=5, tags=list(range(8)))
@@ -595,14 +595,14 @@ def test_chunks_in_flight_change_when_the_host_sees_results_not_the_samples(mode
       np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
     assert m["time/generate_device_idle"] >= 0 and m["time/generate_host_wait"] >= 0
   with pytest.raises(ValueError, match="chunks_in_flight"):
-    SlotEngine(model[0], num_slots=4, sampling=SAMPLED, chunks_in_flight=0)
+    SlotEngine(model[0], lanes=4, sampling=SAMPLED, chunks_in_flight=0)
 
 
 def test_device_idle_counts_the_time_the_host_kept_the_device_waiting(model, prompts):
   """One chunk in flight and a host that sleeps 0.15 s after each harvest: the device finished each
   chunk before the host's sleep, so it idles at least the sleep before every later dispatch
   (the watcher thread times each chunk's end); idle never exceeds the wall time."""
-  eng = SlotEngine(model[0], num_slots=4, sampling=GREEDY, max_prompt_len=16, chunk_steps=2, chunks_in_flight=1)
+  eng = SlotEngine(model[0], lanes=4, sampling=GREEDY, max_prompt_len=16, chunk_steps=2, chunks_in_flight=1)
   eng.swap(model[1], 0)
   eng.submit(prompts, seed=0)
   eng.step()  # compiles insert and decode
@@ -623,7 +623,7 @@ def test_device_idle_counts_the_time_the_host_kept_the_device_waiting(model, pro
 def test_device_idle_does_not_count_the_time_between_batches(model, prompts):
   """An engine that ran out of work is not idle-waiting on the host: a second generate() 0.3 s after
   the first adds (almost) nothing, where the first gap would have been 0.3 s."""
-  eng = SlotEngine(model[0], num_slots=4, sampling=GREEDY, max_prompt_len=16, chunk_steps=2)
+  eng = SlotEngine(model[0], lanes=4, sampling=GREEDY, max_prompt_len=16, chunk_steps=2)
   eng.generate(model[1], prompts)  # compiles
   eng.take_metrics()
   time.sleep(0.3)

@@ -383,7 +383,7 @@ def _generate_batches(params, sampling, *, engine, num_batches=2, env=None, max_
   from llamarl_jax.generation.engine import SlotEngine
 
   sampler = Sampler(CONFIG, pad_id=0)
-  eng = (SlotEngine(CONFIG, num_slots=4, sampling=sampling, max_prompt_len=max_prompt_len, chunk_steps=2,
+  eng = (SlotEngine(CONFIG, lanes=4, sampling=sampling, max_prompt_len=max_prompt_len, chunk_steps=2,
                     kv_block_size=4) if engine else None)
   env_config = EnvConfig(name="tools", max_turns=3, max_total_tokens=40, max_observation_tokens=8)
   gen = GeneratorExecutor(sampler, TOK, PromptSource(task="arithmetic", seed=0), sampling, prompts_per_step=3,
@@ -566,7 +566,7 @@ def test_slot_engine_turns_after_a_weight_swap_have_the_new_weights_log_probs(ra
   params0, _ = random_model_episodes
   params1 = jax.tree.map(lambda x: x * 1.3, params0)
   sampling = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, stop_token_ids=tuple(range(2, 42)))
-  eng = SlotEngine(CONFIG, num_slots=4, sampling=sampling, max_prompt_len=64, chunk_steps=2, kv_block_size=4)
+  eng = SlotEngine(CONFIG, lanes=4, sampling=sampling, max_prompt_len=64, chunk_steps=2, kv_block_size=4)
   gen = GeneratorExecutor(Sampler(CONFIG, pad_id=0), TOK, PromptSource(task="arithmetic", seed=0), sampling,
                           prompts_per_step=3, max_policy_lag=1, seed=4, engine=eng, env=EchoTool(),
                           env_config=EnvConfig(name="tools", max_turns=3, max_total_tokens=40, max_observation_tokens=8))

@@ -162,10 +162,10 @@ def _controller(tmp_path, reward, **kw):
   config = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
   _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
-  run = run_config(reward_fn=reward, prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2,
+  run = run_config(reward_fn=reward.name, prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2,
                    generator_dp=2, optimizer=OptimizerConfig(lr=1e-2), **kw)
   return Controller(config, params, tok, PromptSource(task="arithmetic", seed=0), run_dir=tmp_path, config=run,
-                    progress=False)
+                    reward=reward, progress=False)
 
 
 _BLOCK = {"until": 0.0}

@@ -147,7 +147,7 @@ def test_the_slot_engine_samples_what_the_fp8_sampler_samples(sampler, params, p
   """Same seed and rows: the fp8 engine's tokens and log-probs are the static fp8 sampler's; with an
   in-flight swap (KV recomputed) every token is the full forward of its own version's fp8 weights.
   The program set stays the engine's (at most 8 programs)."""
-  eng = SlotEngine(CONFIG, num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+  eng = SlotEngine(CONFIG, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
                    kv_block_size=4, quantize="fp8")
   assert eng.sampler.layout.fp8 and eng.programs.num_compiled <= 8
   static = sampler.generate(params, prompts, SAMPLED)

@@ -318,11 +318,11 @@ def test_lora_run_resumes_exactly_from_a_checkpoint(tmp_path):
   warm = jax.tree.map(lambda x: x * 1.5, params)  # the base RL starts from
 
   def controller(run_dir, **kw):
-    run = run_config(reward_fn=RewardExecutor("arithmetic", inline=True), prompts_per_step=4, samples_per_prompt=2,
+    run = run_config(reward_fn="arithmetic", prompts_per_step=4, samples_per_prompt=2,
                      max_new_tokens=6, trainer_fsdp=2, generator_dp=2, optimizer=OPT, max_policy_lag=1, seed=3,
                      lora=LORA.replace(dropout=0.1), generator_engine="static", **kw)
     return Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir,
-                      config=run, progress=False)
+                      config=run, reward=RewardExecutor("arithmetic", inline=True), progress=False)
 
   keys = ("loss/total", "reward/mean", "train/grad_norm", "policy/ratio_mean", "generate/response_length_mean")
   full = controller(tmp_path / "full", checkpoint_every=2)

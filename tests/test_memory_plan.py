@@ -180,3 +180,45 @@ def test_the_one_gpu_configs_share_one_device_and_the_planned_pool(monkeypatch, 
     assert q("GeneratorConfig.max_prompt_len") + q("RolloutConfig.max_new_tokens") == 2048
   finally:
     gin.clear_config()
+
+
+@pytest.mark.devices(5)
+@pytest.mark.parametrize("case", ["plain", "dp_not_dividing_rows", "multi_turn"])
+def test_the_planned_kv_pool_is_what_the_controllers_engine_allocates(tmp_path, case):
+  """The plan's KV pool (bytes per generator device) against the pool the Controller's slot engine
+  allocates. plain: 8 rows on one generator device, first prompts up to 256 - 6 = 250 tokens, prompt
+  regions of the 256-position bucket. dp_not_dividing_rows: 6 rows over 4 generator devices take 8
+  lanes. multi_turn (2 turns of 6, observations of 8: R = 20): a later turn's prompt is the first
+  prompt, a turn and an observation, up to (256 - 20) + 14 = 250 tokens, again the 256 bucket."""
+  from flax import nnx
+
+  from llamarl_jax.config import EnvConfig, run_config
+  from llamarl_jax.controller import Controller
+  from llamarl_jax.data import PromptSource
+  from llamarl_jax.executors.reward import RewardExecutor
+  from llamarl_jax.model.llama import Llama, split_params
+  from llamarl_jax.shapes import RunShapes
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tok = make_char_tokenizer()
+  model = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+  kw = dict(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, engine_kv_block_size=4)
+  if case == "dp_not_dividing_rows":
+    kw.update(prompts_per_step=3, generator_dp=4)
+  run = run_config(**kw)
+  if case == "multi_turn":
+    run = dataclasses.replace(run, env=EnvConfig(name="tools", max_turns=2, max_observation_tokens=8))
+  shapes = RunShapes.of(model, run)
+  expected = {"plain": (8, 250, 256), "dp_not_dividing_rows": (8, 250, 256), "multi_turn": (8, 236, 256)}[case]
+  assert (shapes.lanes, shapes.prompt_limit, shapes.engine_prompt_len) == expected
+  plan = memory_plan.plan_run(model, run, eval_rows=0)
+  _, params = split_params(Llama(model, rngs=nnx.Rngs(params=0)))
+  c = Controller(model, params, tok, PromptSource(task="arithmetic", seed=0), run_dir=tmp_path, config=run,
+                 reward=RewardExecutor("arithmetic", inline=True), progress=False)
+  try:
+    engine = c.ex.generator.engine
+    assert engine.num_lanes == shapes.lanes and engine.max_prompt_len == shapes.engine_prompt_len
+    assert {p.name: p.nbytes for p in plan.parts}["KV pool"] == device_bytes(engine._cache)
+  finally:
+    c.close()

@@ -110,9 +110,9 @@ def make_controller(policy, tokenizer, tmp_path, rm_path, **kw):
                   optimizer=OptimizerConfig(lr=1e-3), step_timeout_s=120, max_policy_lag=0,
                   reward_model_path=str(rm_path))
   defaults.update(kw)
-  run = run_config(reward_fn=RewardExecutor("arithmetic", inline=True), **defaults)
+  run = run_config(reward_fn="arithmetic", **defaults)
   return Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=tmp_path,
-                    config=run, progress=False)
+                    config=run, reward=RewardExecutor("arithmetic", inline=True), progress=False)
 
 
 def _record(obj, name, log):

@@ -93,7 +93,7 @@ def test_sampler_and_engine_sample_what_the_unfused_layout_samples(prompts, samp
   got = fused.generate(params, prompts, sampling)
   np.testing.assert_array_equal(got.response_tokens, want.response_tokens)
   np.testing.assert_allclose(got.behaviour_logprobs, want.behaviour_logprobs, atol=LOGPROB_TOL, rtol=0)
-  engine = SlotEngine(c, num_slots=4, sampling=sampling, max_prompt_len=16, chunk_steps=2, kv_block_size=4,
+  engine = SlotEngine(c, lanes=4, sampling=sampling, max_prompt_len=16, chunk_steps=2, kv_block_size=4,
                       progress=False)
   assert engine.sampler.layout == FUSED and "wqkv" in engine.programs.param_avals["layers"][0]["attn"]
   out = engine.generate(params, prompts, sampling)
@@ -144,7 +144,7 @@ def test_tensor_parallel_shards_hold_their_own_heads_and_sample_the_same(prompts
                           v[device][:, :, None]], axis=2)
     np.testing.assert_array_equal(shard, own)
   want = Sampler(c, layout=HF_LAYOUT).generate(params, prompts, SAMPLED)
-  engine = SlotEngine(c, mesh, num_slots=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=2, kv_block_size=4,
+  engine = SlotEngine(c, mesh, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=2, kv_block_size=4,
                       progress=False)
   got = engine.generate(params, prompts, SAMPLED)
   np.testing.assert_array_equal(got.response_tokens, want.response_tokens)

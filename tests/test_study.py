@@ -52,11 +52,11 @@ def setup():
 
 def _controller(setup, run_dir):
   config, params, tokenizer, _ = setup
-  run = run_config(reward_fn=RewardExecutor("arithmetic", inline=True), max_policy_lag=1, prompts_per_step=4,
+  run = run_config(reward_fn="arithmetic", max_policy_lag=1, prompts_per_step=4,
                    samples_per_prompt=2, max_new_tokens=4, trainer_fsdp=1, generator_dp=1,
                    optimizer=OptimizerConfig(lr=1e-2), seed=3, step_timeout_s=120)
   return Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir, config=run,
-                    progress=False)
+                    reward=RewardExecutor("arithmetic", inline=True), progress=False)
 
 
 @pytest.mark.devices(2)

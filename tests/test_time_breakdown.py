@@ -129,3 +129,52 @@ def test_wandb_offline_holds_the_runs_config_rows_breakdown_and_plan(one_gpu_run
   assert run["summary"]["time_breakdown/parts/generation/seconds"] == pytest.approx(b["parts"]["generation"]["seconds"])
   # colocated: one total, trainer and generator on the same device
   assert run["summary"]["memory_plan/totals/trainer + generator"] == pytest.approx(plan["totals"]["trainer + generator"])
+
+
+@pytest.mark.devices(2)
+def test_a_synchronous_runs_generation_part_is_the_engines_own_time(tmp_path):
+  """Lag 0: the trainer waits for each batch while the slot engine generates it, so the step parts'
+  generation (`time/wait_generate`, the trainer's wait split by the generator's timeline) equals the
+  seconds the engine spent in its own `step` calls, timed here by a clock wrapped around them, over
+  the same steps (within 5%: the host work between the engine's calls and the step boundaries). The
+  generator's busy seconds hold that and its host work."""
+  import time
+
+  from flax import nnx
+
+  from llamarl_jax.config import run_config
+  from llamarl_jax.controller import Controller
+  from llamarl_jax.data import PromptSource
+  from llamarl_jax.executors.reward import RewardExecutor
+  from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tok = make_char_tokenizer()
+  model = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+  _, params = split_params(Llama(model, rngs=nnx.Rngs(params=0)))
+  run = run_config(max_policy_lag=0, prompts_per_step=4, samples_per_prompt=4, max_new_tokens=24,
+                   engine_chunk_steps=2, seed=0)
+  c = Controller(model, params, tok, PromptSource(task="arithmetic", seed=0), run_dir=tmp_path, config=run,
+                 reward=RewardExecutor("arithmetic", inline=True), progress=False)
+  engine_calls, step_ends = [], []
+  engine = c.ex.generator.engine
+  step = engine.step
+
+  def timed_step():
+    t0 = time.perf_counter()
+    out = step()
+    engine_calls.append((t0, time.perf_counter()))
+    return out
+
+  engine.step = timed_step
+  try:
+    steps = c.run(5, on_step=lambda s, m: step_ends.append(time.perf_counter()))
+  finally:
+    c.close()
+  # steps 2..5 (the first one also waits for the trainer's and the push's compiles), by their end times
+  engine_s = sum(b - a for a, b in engine_calls if step_ends[0] < a and b <= step_ends[-1])
+  waited = sum(m["time/wait_generate"] for m in steps[1:])
+  assert engine_s > 0.05
+  assert waited == pytest.approx(engine_s, rel=0.05), (waited, engine_s)
+  assert sum(m["time/generate_busy"] for m in steps[1:]) >= 0.95 * engine_s

@@ -145,3 +145,22 @@ def _apply_overlong(rewards: np.ndarray, rollout, overlong: OverlongShaping, max
     metrics.update({"reward/frac_truncated_masked": float(truncated.mean()),
                     "reward/frac_tokens_masked": float(np.sum(mask * truncated[:, None]) / max(np.sum(mask), 1))})
   return rewards, rollout, metrics
+
+
+def score_evaluation(tokenizer, reward, examples, episodes, sampled, samples: int) -> dict:
+  """A held-out evaluation's metrics: the greedy `episodes`' accuracy (reward >= 1) and mean reward,
+  three sample completions, the episodes' turn and tool counts; with `sampled` (`samples` draws per
+  problem) the sampled pass@1. Answers are `Episodes.answers` (single-turn: the decoded responses)."""
+  truths = [ex.ground_truth for ex in examples]
+  texts = decode_responses(tokenizer, episodes.rollout)
+  answers = episodes.answers if episodes.answers is not None else texts
+  rewards = np.asarray(reward.score(answers, truths)[0])
+  out = {"eval/accuracy": float(np.mean(rewards >= 1.0)), "eval/reward_mean": float(rewards.mean()),
+         "eval/samples": [(ex.prompt, t) for ex, t in zip(examples[:3], texts[:3])]}
+  out.update({f"eval/{k.replace('/', '_')}": v for k, v in episodes.metrics.items()
+              if k in ("episode/turns_mean", "episode/tool_calls_mean", "tool/errors")})
+  if sampled is not None:
+    sampled_answers = sampled.answers if sampled.answers is not None else decode_responses(tokenizer, sampled.rollout)
+    sampled_rewards = np.asarray(reward.score(sampled_answers, np.repeat(truths, samples).tolist())[0])
+    out["eval/pass1_sampled"] = float(np.mean(sampled_rewards >= 1.0))
+  return out

@@ -3,7 +3,7 @@
 `Sampler.generate` decodes a static batch: a row that finishes early idles until the longest row of
 its batch is done. `SlotEngine` keeps a fixed number of KV-cache slots (static shapes) busy instead:
 
-  slots:   `num_slots` lanes (rows a decode step computes) plus `staged_slots`: independent
+  slots:   `lanes` (rows a decode step computes) plus `staged_slots`: independent
            sequences (prompts up to Pm = the largest prompt bucket, R = max_new_tokens), each with
            its own position, length, finish state and, per token, the policy version that sampled
            it (`SlotState`), over a paged KV pool (`paged.PageLayout`): a prompt region per group
@@ -207,10 +207,11 @@ def _stop_watcher(chunks: "queue.SimpleQueue[_InFlight | None]", watcher: thread
 
 
 class SlotEngine:
-  """Continuous-batching generator over `num_slots` KV-cache slots (see the module docstring).
+  """Continuous-batching generator over `lanes` + `staged_slots` KV-cache slots (see the module docstring).
 
   config, mesh, pad_id, prompt_buckets, rules: as `Sampler` (slots are sharded over the mesh's data
-    axes like the static batch; num_slots must be a multiple of data x fsdp).
+    axes like the static batch; lanes and staged_slots must be multiples of data x fsdp).
+  lanes: rows one decode step computes at most (each a KV slot).
   sampling: temperature, top_k, top_p, max_new_tokens (R), n (samples per prompt) and stop ids of
     every request (they are compiled in); `seed` is per `submit` call.
   max_prompt_len: longest prompt accepted (rounded up to a bucket); the cache holds Pm + R tokens.
@@ -232,12 +233,12 @@ class SlotEngine:
   paged_attention: the decode attention's form (`paged_attention.PAGED_IMPLEMENTATIONS`: 'auto',
     'reduce', 'dot', or 'pallas', the one-kernel form of `paged_kernel`); 'auto' is 'pallas' on one
     GPU, XLA's 'reduce' on a sharded GPU mesh, 'dot' on the CPU.
-  staged_slots: KV slots beyond the `num_slots` lanes (rows a decode step computes): queued prompts
+  staged_slots: KV slots beyond the lanes: queued prompts
     are prefilled into them ahead and a decode chunk admits them into lanes as lanes free, on device
     (FIFO), so finished rows are refilled at the next step without a host round trip while staged
     slots last (0: a freed lane waits for the host's insert after it harvested the chunk).
   min_decode_width: the fewest rows a decode chunk computes (`slot_programs.decode_widths`: the
-    lanes, then quarterings; default num_slots / 16; num_slots: the batch never shrinks). A row's samples do not depend on it (its keys
+    lanes, then quarterings; default lanes / 16; lanes: the batch never shrinks). A row's samples do not depend on it (its keys
     and math are per row; tests compare with the static sampler).
   layout: the weights' layout in the programs (`Sampler`'s; default the serving layout, Q/K/V and
     gate/up fused, `model.serving`); `swap` takes the trainer's layout and fuses on the mesh.
@@ -248,7 +249,7 @@ class SlotEngine:
   does all of it for one batch and returns a `RolloutBatch` shaped like `Sampler.generate`'s.
   """
 
-  def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, num_slots: int,
+  def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, lanes: int,
                sampling: SamplingParams = SamplingParams(), max_prompt_len: int = 128, chunk_steps: int = 16,
                pad_id: int = 0, prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
                max_insert: int | None = None, recompute_kv: bool = False, chunks_in_flight: int = 2,
@@ -260,16 +261,17 @@ class SlotEngine:
                            quantize=quantize)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
     divisor = parallel.batch_divisor(self.mesh)
-    if num_slots < 1 or num_slots % divisor:
-      raise ValueError(f"num_slots must be a positive multiple of the mesh's data x fsdp size ({divisor}), "
-                       f"got {num_slots}")
+    if lanes < 1 or lanes % divisor:
+      raise ValueError(f"lanes must be a positive multiple of the mesh's data x fsdp size ({divisor}), "
+                       f"got {lanes}")
     if staged_slots < 0 or staged_slots % divisor:
       raise ValueError(f"staged_slots must be a non-negative multiple of the mesh's data x fsdp size ({divisor}), "
                        f"got {staged_slots}")
-    self.num_lanes = num_slots  # rows a decode step computes at most
-    num_slots += staged_slots  # KV slots: the lanes' and the stage's
+    self.num_lanes = lanes  # rows a decode step computes at most
+    num_slots = lanes + staged_slots  # KV slots: the lanes' and the stage's
     if sampling.n > num_slots:
-      raise ValueError(f"sampling.n = {sampling.n} samples per prompt need as many slots; num_slots is {num_slots}")
+      raise ValueError(f"sampling.n = {sampling.n} samples per prompt need as many slots; lanes + staged_slots "
+                       f"is {num_slots}")
     if chunk_steps < 1:
       raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
     if chunks_in_flight < 1:

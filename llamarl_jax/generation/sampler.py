@@ -52,6 +52,15 @@ Array = jax.Array
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
+def prompt_bucket(length: int, buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS) -> int:
+  """The padded prompt length for a longest prompt of `length` tokens: the smallest of the sorted
+  `buckets` that holds it, past the largest a multiple of the largest."""
+  for b in buckets:
+    if length <= b:
+      return b
+  return -(-length // buckets[-1]) * buckets[-1]
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How to sample. temperature 0 = greedy; top_k 0 = off; top_p 1 = off.
@@ -339,11 +348,7 @@ class Sampler:
 
   def prompt_bucket(self, length: int) -> int:
     """The padded prompt length for a longest prompt of `length` tokens."""
-    for b in self.prompt_buckets:
-      if length <= b:
-        return b
-    top = self.prompt_buckets[-1]
-    return -(-length // top) * top
+    return prompt_bucket(length, self.prompt_buckets)
 
   # -- host side ----------------------------------------------------------------
 

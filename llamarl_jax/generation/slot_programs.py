@@ -192,8 +192,8 @@ class SlotPrograms:
                        f"over the mesh: the pools would be gathered whole); this generator mesh has "
                        f"{dict(mesh.shape)}: use one device per generator, or paged_attention='auto'")
     if paged_attention == "auto" and self.platform == "gpu" and mesh.devices.size == 1:
-      # one GPU: the kernel (each live block read once; 2.1 vs 4.3 ms per 1B decode step at 64 slots on
-      # an H200, BENCHMARKS.md); sharded meshes keep XLA's form (a Pallas call is not partitioned)
+      # one GPU: the kernel (each live block read once; its decode step against XLA's: BENCHMARKS.md);
+      # sharded meshes keep XLA's form (a Pallas call is not partitioned)
       paged_attention = "pallas"
     self.paged_attention = paged_attention
     with paged_attention_module.target_platform(self.platform, paged_attention):

@@ -723,8 +723,8 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
   Packed rows: `lengths` a `Segments` and `positions` `[B, T]` (restarting at 0 in each segment):
   attention stays within each segment (`segment_attention`).
   scan_layers=False unrolls the scan (the same program, one copy per layer): compile time grows with
-  depth, but a small model on a CPU steps ~1.5x faster (BENCHMARKS.md: the main job's trainer step,
-  734 -> 492 ms), XLA:CPU's loop over stacked layers costing more than the layers themselves.
+  depth, but a small model on a CPU steps faster unrolled (the main job's trainer step: BENCHMARKS.md),
+  XLA:CPU's loop over stacked layers costing more than the layers themselves.
   The same math as `Llama.hidden_states` (the same Block code runs on each layer's slice).
   lora: LoRA adapters in the layout `prepare_params` gives (`model.lora.init_adapters`' tree with
   "layers" stacked), added unmerged to the projections they adapt, times `lora_scale` (alpha / rank),

@@ -2,7 +2,7 @@
 
 The XLA forms of `paged_attention.paged_decode_attention` gather every listed block, write per-entry
 partial outputs `[TB, H, D]` in fp32 and merge them per row with a matmul; on the GPU compiler's
-program that moves 2.0-2.5x the live KV bytes (BENCHMARKS.md). This kernel runs one
+program that moves a multiple of the live KV bytes (measured: BENCHMARKS.md). This kernel runs one
 program per (row, KV head): it walks the row's entries `P` blocks at a time, keeps the online-softmax
 state (running max, normaliser, weighted values) in registers and writes only the row's output, so a
 step reads each live block of each KV head once and nothing block-sized is written. Entries past a
@@ -16,9 +16,8 @@ Numerics: scores, softmax and sums in fp32 (the blocks are cast to fp32 before e
 same math as the XLA forms up to summation order; `interpret=True` runs the kernel with JAX ops on
 any backend (the CPU tests compare it with the XLA forms and the dense reference).
 
-On one H200 (1B, 64 slots, block 16) the kernel takes 19 us per layer per decode step, 18.6% of
-the step's GPU time, against 98 us for XLA's 'reduce' form (`make bench-gpu`'s profile section,
-BENCHMARKS.md); the slot engine uses it on one GPU by default.
+The slot engine uses it on one GPU by default; its time per layer against XLA's 'reduce' form is
+`make bench-gpu`'s profile section (BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -105,7 +105,9 @@ class StepRecorder:
     """state: after the step. times: (asked for a batch, got it, trained, synced) perf_counter stamps.
     waited_on: ("generate" | "swap" | "reward", start, end) intervals of the other threads, which split
     the trainer's wait (`time_breakdown.split_wait`; none: all of it is "time/wait_other").
-    `time/step` = the sum of `time_breakdown.STEP_PARTS`. A checkpoint due after the step is written
+    `time/step` = the sum of `time_breakdown.STEP_PARTS`. Beside them, each executor's own busy seconds
+    since the previous step (`time/generate_busy`, `time/reward_busy`): in an asynchronous run most of
+    the generator's is hidden behind training, in a synchronous one it is the wait. A checkpoint due after the step is written
     once its metrics are logged (a kill in between loses no logged step: the resume rewinds the logs to
     the checkpoint); its seconds go to the run's breakdown."""
     t0, t1, t2, t3 = times
@@ -114,8 +116,8 @@ class StepRecorder:
                "buffer/dropped_stale": float(dropped), "buffer/occupancy": float(occupancy),
                "time/step": t3 - t0, "time/trainer_wait": t1 - t0, **split_wait(t0, t1, waited_on),
                "time/train": t2 - t1, "time/sync": t3 - t2,
-               "time/generate": generator_times[0], "time/generator_wait": generator_times[1],
-               "time/reward": reward_times[0], "time/reward_wait": reward_times[1],
+               "time/generate_busy": generator_times[0], "time/generator_wait": generator_times[1],
+               "time/reward_busy": reward_times[0], "time/reward_wait": reward_times[1],
                "throughput/train_tokens_per_s": train_tokens / max(t2 - t1, 1e-9)}
     append_bounded(self.history, metrics)
     self.breakdown.add_step(metrics)

@@ -24,7 +24,8 @@ import numpy as np
 from llamarl_jax.config import RunConfig
 from llamarl_jax.executors.generator import Generated, Timer
 from llamarl_jax.executors.scoring import decode_responses, scored_from_rewards
-from llamarl_jax.multiprocess.protocol import RemoteWeights, Slots, Stopped, Worker, join_all, run_key, wait_key
+from llamarl_jax.multiprocess.protocol import run_key
+from llamarl_jax.multiprocess.runtime import RemoteWeights, Slots, Stopped, Worker, join_all, wait_key
 from llamarl_jax.runners.common import Executors, RunState
 from llamarl_jax.schedule import lag_metrics, share_rows, transfer_schedule
 

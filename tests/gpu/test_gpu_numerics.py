@@ -96,7 +96,7 @@ def bf16_rollout(one_b_layers):
   config = ONE_B_LAYERS.replace(dtype="bfloat16", param_dtype="bfloat16")
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), one_b_layers[1])
   sampling = SamplingParams(temperature=1.0, max_new_tokens=128, seed=1)
-  engine = SlotEngine(config, num_slots=8, sampling=sampling, max_prompt_len=64)
+  engine = SlotEngine(config, lanes=8, sampling=sampling, max_prompt_len=64)
   rng = np.random.RandomState(2)
   prompts = [rng.randint(1, ONE_B_LAYERS.vocab_size, n).tolist() for n in (64, 5, 33, 17, 64, 48, 9, 60)]
   return engine.generate(params, prompts, sampling)
