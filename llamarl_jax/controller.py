@@ -117,13 +117,10 @@ class Controller:
       self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize)
       ex.reward = reward if reward is not None else RewardExecutor(
           config.reward.fn, num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
-      if config.reward.model_path:  # its own mesh (MeshConfig.reward_dp), else the generator's
+      if config.reward.model_path:
         from llamarl_jax.executors.reward_model import RewardModelExecutor
 
-        own_mesh = parallel.make_reward_mesh(**dataclasses.asdict(config.mesh))
-        turn = ex.device_turn if config.mesh.colocated and own_mesh is None else None  # shares the one mesh
-        ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, mesh=own_mesh or self.generator_mesh,
-                                                          device_turn=turn)
+        ex.reward_model = RewardModelExecutor.for_run(config, tokenizer, self.generator_mesh, ex.device_turn)
       from llamarl_jax.envs import make_environment
 
       self.env = make_environment(config.env)
@@ -138,14 +135,8 @@ class Controller:
                          quantize=g.quantize)
       ex.mp = Context(self.roles, plan, self.trainer_mesh, self.generator_mesh)
     else:
-      lora = {}
-      if t.lora is not None:  # a push moves the adapters; the generator merges them into its base
-        adapter_shardings = parallel.param_shardings(lora_lib.adapter_shapes(model_config, t.lora),
-                                                     lora_lib.adapter_axes(axes, t.lora), self.generator_mesh)
-        lora = dict(adapter_shardings=adapter_shardings, lora_scale=lora_lib.scale(t.lora),
-                    base=lambda: ex.trainer.base_params)
-      ex.weights = WeightSync(gen_shardings, dtype=g.dtype, quantize=g.quantize,
-                              keep_pending=config.schedule.version_schedule == "fixed", **lora)
+      ex.weights = WeightSync.for_run(config, model_config, axes, gen_shardings, self.generator_mesh,
+                                      base=lambda: ex.trainer.base_params)
     self.ex = ex
     self.state = RunState()
     self.recorder = StepRecorder(logger=logger if self.is_main else None, checkpoint_every=t.checkpoint_every,
@@ -182,9 +173,8 @@ class Controller:
   def run_record(self) -> dict:
     """What a checkpoint records about the run that wrote it; a resume compares it (checkpoint.py)."""
     source = self.prompt_source
-    model = dataclasses.asdict(self.model_config)
-    if not model.get("num_labels"):  # a policy (an LM head) records only the fields of a causal LM config
-      model.pop("num_labels", None)
+    # a policy (an LM head, num_labels 0) records only the fields of a causal LM config
+    model = {k: v for k, v in dataclasses.asdict(self.model_config).items() if k != "num_labels" or v}
     return {"model": model, **self.config.record(),
             "kl_reference": (None if self.trainer.ref_params is None
                              else self.config.train.reference_path or "initial policy"),
@@ -232,10 +222,6 @@ class Controller:
 
   # ----------------------------------------------------------------------------------------------
   # checkpoints
-
-  def save_checkpoint(self) -> None:
-    """A checkpoint of the current state (trainer processes, all of them: Orbax writes each one's shards)."""
-    self._save(self.state)
 
   def _save(self, state: RunState) -> None:
     first = state.step if state.first_version is None else state.first_version

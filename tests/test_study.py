@@ -70,7 +70,7 @@ def test_evaluation_between_steps_leaves_training_unchanged(setup, tmp_path):
     with pytest.raises(ValueError, match="samples .* must be >= 0"):
       c.evaluate(examples, samples=-1)
     c.state = c.state.replace(data_state=c.prompt_source.state_dict())  # the restore point: step 0, its data position
-    c.save_checkpoint()
+    c.recorder.save(c.state)  # the checkpoint every step's save writes
     steps = run_with_evals(c, examples, 3, eval_every=1, samples=2, evals=evals)
     again = c.evaluate(examples, samples=2, seed=3)  # the weights after step 3, outside the run
     assert c.restore_checkpoint(0) == 0

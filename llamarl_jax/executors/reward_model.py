@@ -18,6 +18,7 @@ checkpoint of the last one).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Sequence
 
@@ -62,6 +63,16 @@ class RewardModelExecutor:
 
     model = RewardModel.from_pretrained(reward.model_path, dtype=reward.model_dtype, mesh=mesh)
     return cls(model, policy_tokenizer, reward, name=f"reward model {reward.model_path}", device_turn=device_turn)
+
+  @classmethod
+  def for_run(cls, config, policy_tokenizer, generator_mesh, device_turn) -> "RewardModelExecutor":
+    """A run's reward model (`RunConfig` `config`): on its own mesh (`MeshConfig.reward_dp`), else on
+    the generator's; colocated on one shared mesh it takes turns with the others (`device_turn`)."""
+    from llamarl_jax import parallel
+
+    own_mesh = parallel.make_reward_mesh(**dataclasses.asdict(config.mesh))
+    turn = device_turn if config.mesh.colocated and own_mesh is None else None
+    return cls.from_config(config.reward, policy_tokenizer, mesh=own_mesh or generator_mesh, device_turn=turn)
 
   def rows(self, item, texts: Sequence[str] | None = None) -> list[list[int]]:
     """The reward model's token row of each row of the batch (see the module docstring)."""

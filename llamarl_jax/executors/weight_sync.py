@@ -79,6 +79,23 @@ class WeightSync:
     self._merge = jax.jit(lambda base, adapters: finish(merge_adapters(base, adapters, lora_scale, self.dtype)),
                           out_shardings=self.out_shardings)
 
+  @classmethod
+  def for_run(cls, config, model_config, axes, gen_shardings, generator_mesh, *, base) -> "WeightSync":
+    """A one-process run's weight sync (`RunConfig` `config`): the generator dtype and quantisation;
+    the 'fixed' schedule keeps every pending version; with LoRA a push moves the adapters and the
+    generator merges them into the frozen base (`base()`: the trainer's)."""
+    from llamarl_jax import parallel
+    from llamarl_jax.model import lora as lora_lib
+
+    g, lora = config.generator, config.train.lora
+    kw = {}
+    if lora is not None:
+      kw = dict(adapter_shardings=parallel.param_shardings(lora_lib.adapter_shapes(model_config, lora),
+                                                           lora_lib.adapter_axes(axes, lora), generator_mesh),
+                lora_scale=lora_lib.scale(lora), base=base)
+    return cls(gen_shardings, dtype=g.dtype, quantize=g.quantize,
+               keep_pending=config.schedule.version_schedule == "fixed", **kw)
+
   @property
   def lora(self) -> bool:
     return self.adapter_shardings is not None
