@@ -29,12 +29,12 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from llamarl_jax import parallel
 from llamarl_jax.model import hf
 from llamarl_jax.model.llama import (ModelConfig, abstract_model, merge_params, prepare_params, resolve_attention,
                                      scan_hidden_states, split_params, unstack_layers)
+from llamarl_jax.train.placement import stacked_shardings
 
 Array = jax.Array
 
@@ -55,12 +55,6 @@ def score_positions(rows: Sequence[Sequence[int]], pad_id: int | None) -> np.nda
       real = np.flatnonzero(row != pad_id)
       out[i] = real[-1] if len(real) else 0
   return out
-
-
-def _stacked_shardings(param_shardings: dict, mesh) -> dict:
-  """Shardings of `prepare_params`' layout: each layer's with a replicated leading `[num_layers]` axis."""
-  stacked = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), param_shardings["layers"][0])
-  return {**{k: v for k, v in param_shardings.items() if k != "layers"}, "layers": stacked}
 
 
 class RewardModel:
@@ -93,7 +87,7 @@ class RewardModel:
     prepare = jax.jit(prepare_params, static_argnums=1)
     if mesh is not None:
       axes = parallel.logical_axes(abstract_model(config))
-      shardings = _stacked_shardings(parallel.param_shardings(shapes, axes, mesh), mesh)
+      shardings = stacked_shardings(parallel.param_shardings(shapes, axes, mesh), mesh)
       prepare = jax.jit(prepare_params, static_argnums=1, out_shardings=shardings)
       self._rows_sharding = parallel.batch_sharding(mesh, 2)
       self._vec_sharding = parallel.batch_sharding(mesh, 1)

@@ -45,7 +45,7 @@ class Placement:
   param_shapes: Any  # ... of the trained params
 
 
-def _stacked(shardings, mesh: Mesh):
+def stacked_shardings(shardings, mesh: Mesh):
   """`prepare_params`' layout: each layer leaf's sharding with a replicated leading `[num_layers]` axis."""
   layer0 = shardings["layers"][0]
   stacked = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), layer0)
@@ -67,7 +67,7 @@ def make_placement(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransforma
   return Placement(
       mesh=mesh, model=model_sh, params=param_sh, trained=TrainState(params=param_sh, opt_state=opt_sh, step=repl,
                                                                      skipped=repl),
-      compute=_stacked(param_sh, mesh), model_compute=_stacked(model_sh, mesh),
+      compute=stacked_shardings(param_sh, mesh), model_compute=stacked_shardings(model_sh, mesh),
       batch={k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in TRAIN_FIELDS},
       micro={k: NamedSharding(mesh, P(None, parallel.BATCH_AXES, *[None] * (k != "advantages"))) for k in TRAIN_FIELDS},
       replicated=repl, model_shapes=model_shapes, param_shapes=shapes)
