@@ -361,7 +361,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
       run_dir.mkdir(parents=True, exist_ok=True)
       (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
       logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project, wandb_mode=wandb_mode,
-                             config={**controller.run_record(), "gin": gin.config_str()},
+                             config={**controller.run_record(), "gin": gin.config_str()} if wandb_project else None,
                              rewind_to=START if restored is None else restored)
       controller.logger = logger
     controller.recorder.breakdown.add("warmup", time.perf_counter() - t_start)  # building and compiling
