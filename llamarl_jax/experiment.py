@@ -380,7 +380,7 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   summary["total_seconds"] = time.perf_counter() - t_start
   if plan is not None:
     summary["memory_plan"] = plan.as_dict()
-  summary["time_breakdown"] = controller.recorder.breakdown.report(summary["total_seconds"])
+  summary["time_breakdown"] = controller.recorder.breakdown.report(summary["total_seconds"], controller.timeline)
   if logger is not None:
     logger.log_summary({k: summary[k] for k in ("time_breakdown", "memory_plan") if k in summary})
     logger.close()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 PARTS = ("warmup", "sft", "generation", "rewards", "training", "weight_sync", "evaluation", "checkpointing",
          "waits_other")
@@ -106,14 +106,48 @@ class TimeBreakdown:
       self.busy[part] += float(metrics.get(key, 0.0))
     self.steps += 1
 
-  def report(self, wall_seconds: float) -> dict:
+  def report(self, wall_seconds: float, timeline: Sequence[tuple[str, float, float]] = ()) -> dict:
     """{"wall_seconds", "parts": {part: {"seconds", "share"}}, "unaccounted_seconds", "unaccounted_share",
-    "busy_seconds": {"generation", "rewards"}} (busy: the executors' own, overlapping the parts)."""
+    "busy_seconds": {"generation", "rewards"}} (busy: the executors' own, overlapping the parts), and
+    with the run's `timeline` (the Controller's intervals of real work) "overlap_seconds": the seconds
+    two executors worked at once, {"rewards with generation", "generation with training", "rewards with
+    training"}: what the asynchronous pipeline hid (over the intervals the timeline keeps)."""
     wall = max(float(wall_seconds), 1e-9)
     parts = {p: {"seconds": s, "share": s / wall} for p, s in self.seconds.items()}
     rest = wall - sum(self.seconds.values())
-    return {"wall_seconds": wall, "parts": parts, "unaccounted_seconds": rest, "unaccounted_share": rest / wall,
-            "busy_seconds": dict(self.busy)}
+    out = {"wall_seconds": wall, "parts": parts, "unaccounted_seconds": rest, "unaccounted_share": rest / wall,
+           "busy_seconds": dict(self.busy)}
+    if timeline:
+      out["overlap_seconds"] = {f"{OVERLAP_NAMES[a]} with {OVERLAP_NAMES[b]}": overlap_seconds(timeline, a, b)
+                                for a, b in (("reward", "generate"), ("generate", "train"), ("reward", "train"))}
+    return out
+
+
+OVERLAP_NAMES = {"generate": "generation", "reward": "rewards", "train": "training"}  # timeline kind -> part
+
+
+def overlap_seconds(timeline: Sequence[tuple[str, float, float]], a: str, b: str) -> float:
+  """Seconds during which an `a` interval and a `b` interval of `timeline` ran at the same time (each
+  kind's intervals taken as their union)."""
+  def union(kind):
+    spans = []
+    for s, e in sorted((s, e) for name, s, e in timeline if name == kind):
+      if spans and s <= spans[-1][1]:
+        spans[-1][1] = max(spans[-1][1], e)
+      else:
+        spans.append([s, e])
+    return spans
+
+  spans_a, spans_b = union(a), union(b)
+  total, i, j = 0.0, 0, 0
+  while i < len(spans_a) and j < len(spans_b):
+    (s1, e1), (s2, e2) = spans_a[i], spans_b[j]
+    total += max(0.0, min(e1, e2) - max(s1, s2))
+    if e1 <= e2:
+      i += 1
+    else:
+      j += 1
+  return total
 
 
 def format_breakdown(report: Mapping) -> str:
@@ -125,4 +159,7 @@ def format_breakdown(report: Mapping) -> str:
   busy = report.get("busy_seconds", {})
   if busy:  # what the executors did, whether the trainer waited for it or it ran behind training
     lines.append("  busy, overlapping the parts: " + ", ".join(f"{LABELS[p]} {s:.1f} s" for p, s in busy.items()))
+  overlap = report.get("overlap_seconds", {})
+  if overlap:  # what ran at the same time
+    lines.append("  at the same time: " + ", ".join(f"{k} {s:.1f} s" for k, s in overlap.items()))
   return "\n".join(lines)

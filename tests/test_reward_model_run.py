@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from llamarl_jax.config import ConfigError, DynamicSampling, OptimizerConfig, RunConfig, run_config
-from llamarl_jax.controller import Controller, ExecutorFailed
+from llamarl_jax.controller import Controller, ExecutorFailed, overlap_seconds
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.executors.scoring import combine_rewards
@@ -132,8 +132,10 @@ def _record(obj, name, log):
 @pytestmark_devices
 def test_trained_rewards_are_the_reward_models_scores_combined_with_the_rule(policy, tokenizer, tmp_path,
                                                                             reward_model_dir, placement):
+  # on devices of its own, at lag 1: the reward model scores batch k while the generator generates k + 1
   c = make_controller(policy, tokenizer, tmp_path, reward_model_dir, reward_rule_weight=0.5, reward_model_weight=2.0,
-                      reward_dp=2 if placement == "own" else 0, colocated=placement == "colocated")
+                      reward_dp=2 if placement == "own" else 0, colocated=placement == "colocated",
+                      max_policy_lag=1 if placement == "own" else 0)
   rm_devices = c.ex.reward_model.model.params["embed"].sharding.device_set
   want_devices = set(jax.devices()[4:6]) if placement == "own" else set(c.generator_mesh.devices.flat)
   assert rm_devices == want_devices
@@ -164,6 +166,11 @@ def test_trained_rewards_are_the_reward_models_scores_combined_with_the_rule(pol
     assert metrics["reward_model/score_mean"] == pytest.approx(float(want_scores.mean()), abs=1e-5)
     assert metrics["reward_model/latency_s"] > 0 and metrics["reward_model/rows_per_s"] > 0
   assert np.ptp(np.concatenate([s for (_, (s, _)) in scored_items])) > 0.01  # the scores vary: not a constant
+  overlap = overlap_seconds(c.timeline, "reward", "generate")
+  if placement == "own":  # scoring ran while the generator went on (the run summary's "overlap_seconds")
+    assert overlap > 0
+  elif placement == "colocated":  # one mesh: the executors take turns
+    assert overlap_seconds(c.timeline, "generate", "train") == 0.0
 
 
 @pytestmark_devices

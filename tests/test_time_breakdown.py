@@ -9,7 +9,7 @@ from pathlib import Path
 import gin
 import pytest
 
-from llamarl_jax.time_breakdown import PARTS, STEP_PARTS, TimeBreakdown, split_wait
+from llamarl_jax.time_breakdown import PARTS, STEP_PARTS, TimeBreakdown, format_breakdown, overlap_seconds, split_wait
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +38,18 @@ def test_the_first_step_is_warm_up_and_the_rest_is_split():
   with b.timed("checkpointing"):
     pass
   assert b.blocks == 1
+
+
+def test_overlap_is_the_seconds_two_kinds_of_work_ran_at_once():
+  timeline = [("generate", 0.0, 2.0), ("reward", 1.0, 4.0), ("generate", 3.0, 5.0), ("train", 4.5, 6.0),
+              ("generate", 1.5, 2.5)]  # a second generator thread: generation is [0, 2.5] and [3, 5]
+  assert overlap_seconds(timeline, "reward", "generate") == pytest.approx(1.5 + 1.0)
+  assert overlap_seconds(timeline, "generate", "train") == pytest.approx(0.5)
+  assert overlap_seconds(timeline, "reward", "train") == 0.0
+  report = TimeBreakdown().report(10.0, timeline)
+  assert report["overlap_seconds"] == pytest.approx({"rewards with generation": 2.5, "generation with training": 0.5,
+                                                     "rewards with training": 0.0})
+  assert "at the same time: rewards with generation 2.5 s" in format_breakdown(report)
 
 
 REDUCED = [  # the one-GPU config at a size a CPU test runs; the config's other settings kept

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from llamarl_jax.metrics import append_bounded
 from llamarl_jax.schedule import prune_kept
-from llamarl_jax.time_breakdown import TimeBreakdown, split_wait
+from llamarl_jax.time_breakdown import TimeBreakdown, overlap_seconds, split_wait  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -150,10 +150,3 @@ def show_progress(bar, metrics: dict) -> None:
                   lag=f"{metrics['policy/lag_mean']:.1f}",
                   gen_tok_s=f"{metrics.get('throughput/gen_tokens_per_s', 0):.0f}")
   bar.update(1)
-
-
-def overlap_seconds(timeline: Sequence[tuple[str, float, float]], a: str, b: str) -> float:
-  """Seconds during which an `a` interval and a `b` interval of `timeline` ran at the same time."""
-  spans_a = [(s, e) for name, s, e in timeline if name == a]
-  spans_b = [(s, e) for name, s, e in timeline if name == b]
-  return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in spans_a for s2, e2 in spans_b)
