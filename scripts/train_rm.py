@@ -13,7 +13,8 @@ random tiny Llama with the character tokenizer. Each response is scored as a run
 (`train.reward_model.response_row`: prompt tokens, response tokens, EOS), read at its last token.
 
 Training: `train.reward_model.bt_step` (the trainer's prepare + clip + AdamW around
-`losses.bradley_terry_loss`), random batches of `--batch_pairs`, a cosine learning rate. Held-out
+`losses.bradley_terry_loss`), random batches of `--batch_pairs`, a cosine learning rate, fp32 on one
+device (JAX's default). Held-out
 pairwise accuracy (a tie counts one half) before training, every `--eval_every` steps and at the end.
 Writes run_dir/metrics.jsonl (`rm/*` train rows, `eval/rm_*` held-out rows), run_dir/summary.json and
 the reward model, run_dir/hf_export: a `*ForSequenceClassification` directory with its tokenizer
@@ -159,6 +160,8 @@ def train_rm(args, train, heldout) -> dict:
 
   optimizer = OptimizerConfig(lr=args.lr, warmup_steps=args.warmup_steps, schedule="cosine", total_steps=args.steps,
                               final_lr_ratio=0.1, weight_decay=args.weight_decay, b2=0.999, max_grad_norm=1.0)
+  # a few layers unrolled (a small model on a CPU steps faster so, as TrainConfig.scan_layers = False in
+  # configs/tiny_cpu.gin), deeper models under the scan (compile time flat in depth)
   spec = bt_spec(config, optimizer, scan_layers=config.num_layers > 4, margin=args.margin)
   state = init_state(params, spec.tx)
   step_fn = jax.jit(functools.partial(bt_step, spec))

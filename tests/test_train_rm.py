@@ -63,7 +63,7 @@ def test_arithmetic_pairs_prefer_the_verified_answer_and_split_prompts():
   assert not {p.prompt for p in train} & {p.prompt for p in heldout}
   assert all(synthetic.split_of(p.prompt) == "heldout" for p in heldout)
   kinds = {"format": sum(p.rejected == "ans " + p.chosen for p in train)}
-  assert 0.2 < kinds["format"] / len(train) < 0.4  # REJECTIONS: 30% the right answer in the teacher's format
+  assert 0.13 < kinds["format"] / len(train) < 0.27  # REJECTIONS: 20% the right answer in the teacher's format
   assert preferences.arithmetic_pairs(TASK, seed=0, count=600, split="train") == train  # deterministic
 
 

@@ -32,7 +32,8 @@ from llamarl_jax.rewards import synthetic
 
 KEYS = ("prompt", "chosen", "rejected")
 # The kinds of rejected response `arithmetic_pairs` draws, with their probabilities.
-REJECTIONS = (("format", 0.3), ("wrong", 0.3), ("format_wrong", 0.2), ("digits", 0.1), ("junk", 0.1))
+# Mostly wrong numbers: the format is one visible feature, learnt from few pairs; the sum is not.
+REJECTIONS = (("format", 0.2), ("wrong", 0.35), ("format_wrong", 0.1), ("digits", 0.25), ("junk", 0.1))
 
 
 class PairsError(ValueError):
