@@ -16,7 +16,8 @@ Training: `train.reward_model.bt_step` (the trainer's prepare + clip + AdamW aro
 `losses.bradley_terry_loss`), random batches of `--batch_pairs`, a cosine learning rate, fp32 on one
 device (JAX's default). Held-out
 pairwise accuracy (a tie counts one half) before training, every `--eval_every` steps and at the end.
-Writes run_dir/metrics.jsonl (`rm/*` train rows, `eval/rm_*` held-out rows), run_dir/summary.json and
+Writes run_dir/metrics.jsonl (`rm/*` train rows, `eval/rm_*` held-out rows; `eval/rm_accuracy/<kind>`
+when the pairs name their kind), run_dir/summary.json and
 the reward model, run_dir/hf_export: a `*ForSequenceClassification` directory with its tokenizer
 (`RewardConfig.model_path` of a run, or transformers' `AutoModelForSequenceClassification`).
 """
@@ -176,8 +177,11 @@ def train_rm(args, train, heldout) -> dict:
       chosen.append(np.asarray(c)[:len(c_rows)])
       rejected.append(np.asarray(r)[:len(r_rows)])
     d = np.concatenate(chosen) - np.concatenate(rejected)
-    return {"eval/rm_accuracy": float(np.mean((d > 0) + 0.5 * (d == 0))), "eval/rm_margin_mean": float(d.mean()),
-            "eval/rm_pairs": len(d)}
+    won = (d > 0) + 0.5 * (d == 0)
+    row = {"eval/rm_accuracy": float(np.mean(won)), "eval/rm_margin_mean": float(d.mean()), "eval/rm_pairs": len(d)}
+    for kind in sorted({p.kind for p in heldout if p.kind}):  # pairs files that name their kinds
+      row[f"eval/rm_accuracy/{kind}"] = float(np.mean([w for w, p in zip(won, heldout) if p.kind == kind]))
+    return row
 
   logger = MetricsLogger(run_dir, tensorboard=False)
   evals = []
@@ -227,6 +231,8 @@ def train_rm(args, train, heldout) -> dict:
              "steps": args.steps, "batch_pairs": B, "width": width, "model_params": config.num_params(),
              "init": args.init or "tiny", "heldout_accuracy_before": before["eval/rm_accuracy"],
              "heldout_accuracy_after": after["eval/rm_accuracy"], "heldout_margin_after": after["eval/rm_margin_mean"],
+             "heldout_accuracy_by_kind": {k.rsplit("/", 1)[1]: v for k, v in after.items()
+                                          if k.startswith("eval/rm_accuracy/")},
              "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t0, "evals": evals,
              "skipped_nonfinite": int(state.skipped)}
   logger.close()
@@ -234,6 +240,9 @@ def train_rm(args, train, heldout) -> dict:
   if not args.no_progress:
     print(f"held-out pairwise accuracy {before['eval/rm_accuracy']:.3f} -> {after['eval/rm_accuracy']:.3f} "
           f"({len(heldout)} pairs); {args.steps} steps in {train_seconds:.0f} s; reward model: {export}")
+    if summary["heldout_accuracy_by_kind"]:
+      print("  by kind of rejected response: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                         summary["heldout_accuracy_by_kind"].items()))
   return summary
 
 

@@ -65,6 +65,14 @@ def test_arithmetic_pairs_prefer_the_verified_answer_and_split_prompts():
   kinds = {"format": sum(p.rejected == "ans " + p.chosen for p in train)}
   assert 0.13 < kinds["format"] / len(train) < 0.27  # REJECTIONS: 20% the right answer in the teacher's format
   assert preferences.arithmetic_pairs(TASK, seed=0, count=600, split="train") == train  # deterministic
+  assert all(p.kind == "format" for p in train if p.rejected == "ans " + p.chosen)
+
+
+def test_pairs_round_trip_with_and_without_kind(tmp_path):
+  pairs = [PreferencePair("1+1=", "2", "ans 2", "format"), PreferencePair("2+2=", "4", "5")]
+  write_pairs(pairs, tmp_path / "p.jsonl")
+  assert "kind" not in (tmp_path / "p.jsonl").read_text().splitlines()[1]
+  assert read_pairs(tmp_path / "p.jsonl") == pairs
 
 
 @pytest.mark.parametrize("content, problem", [
@@ -145,6 +153,10 @@ def test_train_rm_raises_heldout_pairwise_accuracy(trained):
   assert [r["step"] for r in train_rows] == [10, 20, 30, 40]
   assert train_rows[-1]["loss/total"] < train_rows[0]["loss/total"]
   assert [r["step"] for r in rows if "eval/rm_accuracy" in r] == [0, 40]
+  kinds = {p.kind for p in heldout}  # the pairs name their kinds: accuracy per kind too
+  assert kinds == {"format", "format_wrong"} and set(summary["heldout_accuracy_by_kind"]) == kinds
+  assert rows[-1]["eval/rm_accuracy"] == pytest.approx(np.mean([
+      rows[-1][f"eval/rm_accuracy/{k}"] for p in heldout for k in [p.kind]]))
 
 
 def test_export_loads_in_transformers_with_our_scores(trained):

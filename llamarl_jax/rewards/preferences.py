@@ -4,6 +4,9 @@ A pairs file is JSONL, one object per line with three strings (other keys are ig
 
     {"prompt": "23+58=", "chosen": "81", "rejected": "ans 81"}
 
+and optionally "kind" (a string naming the kind of rejected response: held-out accuracy is also
+reported per kind).
+
 `read_pairs(path)` reads one, refusing (with `PairsError`, naming file:line) a missing or empty file,
 a line that is not a JSON object, a missing or non-string key, and a pair whose chosen and rejected
 responses are the same text (no preference to learn).
@@ -45,6 +48,7 @@ class PreferencePair:
   prompt: str
   chosen: str
   rejected: str
+  kind: str | None = None  # what kind of rejected response (`REJECTIONS`), when known
 
 
 def read_pairs(path: str | os.PathLike, *, max_problems: int = 5) -> list[PreferencePair]:
@@ -79,7 +83,8 @@ def read_pairs(path: str | os.PathLike, *, max_problems: int = 5) -> list[Prefer
       if row["chosen"] == row["rejected"]:
         problems.append(f"{where}: chosen and rejected are the same text ({row['chosen'][:40]!r}): no preference")
         continue
-      pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"]))
+      kind = row.get("kind")
+      pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"], kind if isinstance(kind, str) else None))
   if problems:
     more = f"\n  ... and {len(problems) - max_problems} more" if len(problems) > max_problems else ""
     raise PairsError(f"{path}: {len(problems)} bad line(s) of preference pairs:\n  "
@@ -96,7 +101,7 @@ def write_pairs(pairs: Iterable[PreferencePair], path: str | os.PathLike) -> Pat
   path.parent.mkdir(parents=True, exist_ok=True)
   with path.open("w") as f:
     for p in pairs:
-      f.write(json.dumps(asdict(p)) + "\n")
+      f.write(json.dumps({k: v for k, v in asdict(p).items() if v is not None}) + "\n")
   return path
 
 
@@ -149,8 +154,9 @@ def arithmetic_pairs(task: synthetic.ArithmeticTask, *, seed: int, count: int, s
   for i in range(count):
     inst = synthetic.generate(task, seed, i, split)
     rng = random.Random(f"pairs:{seed}:{split}:{i}")
-    rejected = reject(rng, inst.ground_truth, rng.choices(kinds, weights)[0], prefix=prefix)
+    kind = rng.choices(kinds, weights)[0]
+    rejected = reject(rng, inst.ground_truth, kind, prefix=prefix)
     if synthetic.score_arithmetic(rejected, inst.ground_truth) != 0.0:  # the verifier rejects every rejected
       raise RuntimeError(f"rejected {rejected!r} passes the verifier for {inst.prompt!r}")
-    pairs.append(PreferencePair(inst.prompt, inst.ground_truth, rejected))
+    pairs.append(PreferencePair(inst.prompt, inst.ground_truth, rejected, kind))
   return pairs
