@@ -43,11 +43,13 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 _FORMAT = 1
 
 # Settings that may differ between a checkpoint and the run resuming it (prefix match): the lr
-# schedule's length and end, the meshes (arrays are restored onto the new shardings), microbatching
-# and remat (exact reformulations of the same step), the held-out evaluation settings (they do not
+# schedule's length and end, the meshes (arrays are restored onto the new shardings), microbatching,
+# length grouping, packing and remat (reformulations of the same step: the same loss and gradient up to
+# float summation order), the held-out evaluation settings (they do not
 # change what is trained). Everything else recorded must match.
 RESUMABLE_CHANGES = ("optimizer.total_steps", "optimizer.final_lr_ratio", "mesh.", "trainer.microbatches",
-                     "trainer.remat", "evaluation.", "lora.adapter_path")
+                     "trainer.remat", "trainer.group_by_length", "trainer.pack", "trainer.tokens_per_microbatch",
+                     "evaluation.", "lora.adapter_path")
 
 
 class IncompatibleCheckpoint(ValueError):

@@ -542,7 +542,9 @@ class RunConfig(_Validated):
         **({"reward_model": {k: getattr(self.reward, k) for k in ("model_path", "model_weight", "rule_weight",
                                                                   "model_gate", "model_normalize", "model_dtype")}}
            if self.reward.model_path else {}),
-        "trainer": {"microbatches": self.train.microbatches, "remat": self.train.remat},
+        "trainer": {"microbatches": self.train.microbatches, "remat": self.train.remat,
+                    "group_by_length": self.train.group_by_length, "pack": self.train.pack,
+                    "tokens_per_microbatch": self.train.tokens_per_microbatch},
         **({"lora": dataclasses.asdict(self.train.lora)} if self.train.lora is not None else {}),
         **({"env": dataclasses.asdict(self.env)} if self.env.multi_turn else {}),
     }

@@ -18,6 +18,11 @@ Parts, per device (bytes of one device's shards):
              a held-out evaluation's cache (the static sampler, every problem of `eval_size` at once,
              times the sampled pass@1's draws).
 
+  reward     with `RewardConfig.model_path`: the reward model's weights (its `config.json` in
+             `RewardConfig.model_dtype`, sharded on its mesh) and its scoring program's temporaries (XLA's
+             memory analysis of its widest chunk: `RewardModel.chunk_shape` of a step's rows at prompt +
+             response tokens), on its own devices (`MeshConfig.reward_dp`) or on the generator's.
+
 Colocated runs hold everything on one device at once (the slot engine keeps its pool while the
 trainer trains). `device_limit` is what the allocator lets the run use (JAX's `bytes_limit`; for a
 GPU compiled for without one, its memory times XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default).
@@ -60,6 +65,8 @@ KNOBS = {
     "KV pool": "fewer GeneratorConfig.slots / staged_slots, a shorter GeneratorConfig.max_prompt_len or "
                "RolloutConfig.max_new_tokens (fewer KV blocks)",
     "evaluation KV": "a smaller run_experiment.eval_size or eval_samples",
+    "reward model weights": "a larger MeshConfig.reward_tp, RewardConfig.model_dtype = 'bfloat16'",
+    "reward model activations": "a larger MeshConfig.reward_dp or reward_tp (fewer rows and heads per device)",
 }
 
 
@@ -69,7 +76,8 @@ class MemoryPlanError(RuntimeError):
 
 @dataclass(frozen=True)
 class Part:
-  """One row of the plan: bytes per device (None: not measured), on the "trainer" or "generator" device."""
+  """One row of the plan: bytes per device (None: not measured), on the "trainer", "generator" or
+  "reward" device."""
   name: str
   nbytes: float | None
   device: str
@@ -87,10 +95,11 @@ class MemoryPlan:
   step_memory: dict | None = None  # XLA's memory analysis of the train step (`train_step_memory`)
 
   def totals(self) -> dict[str, float]:
-    """Bytes per device: {"trainer", "generator"}, or {"trainer + generator"} when colocated."""
+    """Bytes per device: {"trainer", "generator"}, or {"trainer + generator"} when colocated; and
+    {"reward"} for a reward model on devices of its own."""
     out: dict[str, float] = {}
     for p in self.parts:
-      key = "trainer + generator" if self.colocated else p.device
+      key = "trainer + generator" if self.colocated and p.device != "reward" else p.device
       out[key] = out.get(key, 0.0) + (p.nbytes or 0.0)
     return out
 
@@ -212,9 +221,11 @@ def target_limit(capacity: float) -> float:
 
 
 def plan(model_config: ModelConfig, run: RunConfig, *, shapes: RunShapes, trainer, eval_rows: int,
-         step_memory: dict | None, device_kind: str, capacity: float | None, limit: float | None) -> MemoryPlan:
+         step_memory: dict | None, device_kind: str, capacity: float | None, limit: float | None,
+         reward: list[Part] = ()) -> MemoryPlan:
   """The plan from the run's shapes, the abstract trainer (its arrays' shardings), the step's memory
-  analysis (None: not compiled) and `eval_rows` (rows of one held-out evaluation's generate call)."""
+  analysis (None: not compiled), `eval_rows` (rows of one held-out evaluation's generate call) and the
+  reward model's parts (`reward_model_parts`)."""
   r, g, m = run.rollout, run.generator, run.mesh
   R, prompt_len = shapes.response_width, shapes.prompt_limit
   params = device_bytes(trainer.params)
@@ -250,25 +261,69 @@ def plan(model_config: ModelConfig, run: RunConfig, *, shapes: RunShapes, traine
   if eval_rows:
     ev = eval_rows * (prompt_len + R) * kv_bytes_per_position(model_config, gen_dtype) / (m.generator_dp * m.generator_tp)
     parts.append(Part("evaluation KV", ev, "generator", f"static sampler: {eval_rows} rows x ({prompt_len} + {R})"))
+  parts.extend(reward)
   return MemoryPlan(tuple(parts), colocated=m.colocated, device_kind=device_kind, capacity=capacity, limit=limit,
                     step_memory=step_memory)
 
 
+def reward_model_config(run: RunConfig) -> ModelConfig | None:
+  """The reward model's config (`RewardConfig.model_path`'s config.json in `model_dtype`); None without one."""
+  import json
+  from pathlib import Path
+
+  from llamarl_jax.model import hf
+
+  if not run.reward.model_path:
+    return None
+  path = Path(run.reward.model_path) / "config.json"
+  if not path.is_file():
+    raise hf.CheckpointError(f"RewardConfig.model_path = {run.reward.model_path!r}: no config.json there (a reward "
+                             "model is an HF *ForSequenceClassification directory)")
+  return hf.config_from_hf(json.loads(path.read_text()), source=str(path), dtype=jnp.dtype(run.reward.model_dtype))
+
+
+def reward_model_parts(config: ModelConfig, run: RunConfig, shapes: RunShapes, mesh, *, compile: bool) -> list[Part]:
+  """The reward model's weights and (compiled) scoring temporaries on `mesh`, its devices' share."""
+  from llamarl_jax.rewards.reward_model import RewardModel
+
+  device = "reward" if run.mesh.reward_dp else "generator"
+  where = (f"its own {run.mesh.reward_dp} x tp {run.mesh.reward_tp} devices" if run.mesh.reward_dp
+           else "the generator's devices")
+  model = RewardModel(config, None, mesh=mesh)  # shapes only
+  parts = [Part("reward model weights", device_bytes(model.params), device,
+                f"{config.num_params() / 1e9:.2f}B, {jnp.dtype(config.dtype).name}, on {where}")]
+  rows, width = model.chunk_shape(min(shapes.rows, model.batch_rows), shapes.prompt_limit + shapes.response_width)
+  if not compile:
+    parts.append(Part("reward model activations", None, device, "not compiled"))
+    return parts
+  stats = model.lower_scores(rows, width).compile().memory_analysis()
+  parts.append(Part("reward model activations", float(stats.temp_size_in_bytes), device,
+                    f"XLA: its widest chunk, {rows} rows x {width} tokens (the policy's tokens; re-tokenised "
+                    "text may be longer)"))
+  return parts
+
+
 def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, shapes: RunShapes | None = None,
              mesh=None, compile: bool | None = None, capacity: float | None = None,
-             limit: float | None = None) -> MemoryPlan:
+             limit: float | None = None, reward_mesh=None) -> MemoryPlan:
   """The plan of a run of `model_config` under `run`, made before anything is allocated.
 
   shapes: the run's geometry (default `RunShapes.of(model_config, run)`).
 
   mesh: the trainer mesh to compile for (default: the run's, `parallel.make_meshes`); a mesh over a
   target topology's devices (a GPU compiled for on a CPU machine) works, with capacity and limit given.
-  compile: compile the train step for XLA's memory analysis (default: where the device has a limit).
+  reward_mesh: the reward model's mesh (with `RewardConfig.model_path`; default: the run's own reward
+  mesh, else the generator's).
+  compile: compile the train step (and the reward model's scoring) for XLA's memory analysis (default:
+  where the device has a limit).
   """
   from llamarl_jax import parallel
 
   if mesh is None:
-    mesh = parallel.make_meshes(**dataclasses.asdict(run.mesh))[0]
+    meshes = parallel.make_meshes(**dataclasses.asdict(run.mesh))
+    mesh = meshes[0]
+    if reward_mesh is None and run.reward.model_path:
+      reward_mesh = parallel.make_reward_mesh(**dataclasses.asdict(run.mesh)) or meshes[1]
   device = mesh.devices.flat[0]
   if capacity is None and limit is None:
     capacity, limit = device_limit(device)
@@ -277,5 +332,7 @@ def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, shape
   do_compile = limit is not None if compile is None else compile
   step = (train_step_memory(trainer, shapes.rows, shapes.prompt_limit, shapes.response_width)
           if do_compile else None)
+  rm_config = reward_model_config(run)
+  reward = [] if rm_config is None else reward_model_parts(rm_config, run, shapes, reward_mesh, compile=do_compile)
   return plan(model_config, run, shapes=shapes, trainer=trainer, eval_rows=eval_rows, step_memory=step,
-              device_kind=device.device_kind, capacity=capacity, limit=limit)
+              device_kind=device.device_kind, capacity=capacity, limit=limit, reward=reward)

@@ -1,6 +1,8 @@
 """Where a run's wall time goes: seconds and shares per part, from the trainer thread's point of view.
 
-Each RL step's time (`time/step`, from asking for a batch to the end of the weight push) is the sum of
+Each RL step's time (`time/step`, from the end of the previous step's weight push - or, after a
+checkpoint or an evaluation, which are parts of their own, from asking for the batch - to the end of
+this step's weight push; the trainer's logging of the previous step is in its wait) is the sum of
 `STEP_PARTS`: the trainer's wait for the batch, split by what was running meanwhile (the generator
 on the device, a weight swap into the engine, the reward executor, or nothing of those: the other
 threads' host work, queues), then training and the weight push. Checkpoints and evaluations run
@@ -75,8 +77,13 @@ class TimeBreakdown:
     self.seconds = dict.fromkeys(PARTS, 0.0)
     self.busy = dict.fromkeys(BUSY, 0.0)  # the executors' own seconds, overlapping the parts
     self.steps = 0
+    self.blocks = 0  # parts added outside the steps (checkpoints, evaluations, ...): a runner's step clock reads it
 
   def add(self, part: str, seconds: float) -> None:
+    self._add(part, seconds)
+    self.blocks += 1
+
+  def _add(self, part: str, seconds: float) -> None:
     if part not in self.seconds:
       raise KeyError(f"unknown part {part!r}; parts: {PARTS}")
     self.seconds[part] += float(seconds)
@@ -91,10 +98,10 @@ class TimeBreakdown:
 
   def add_step(self, metrics: Mapping[str, float]) -> None:
     if self.steps == 0:
-      self.add("warmup", metrics["time/step"])
+      self._add("warmup", metrics["time/step"])
     else:
       for key, part in STEP_PARTS.items():
-        self.add(part, metrics.get(key, 0.0))
+        self._add(part, metrics.get(key, 0.0))
     for part, key in BUSY.items():
       self.busy[part] += float(metrics.get(key, 0.0))
     self.steps += 1

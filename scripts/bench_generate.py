@@ -100,22 +100,27 @@ CUDA_PLUGIN_HELP = """compiling for a GPU target without a GPU needs JAX's CUDA 
 
 def target_mesh(target):
   """The generator mesh of one device to compile the --bytes step for: this backend's first device,
-  or (a GPU target) a device of `jax.experimental.topologies` built from its target description,
-  which XLA's GPU compiler compiles for with no GPU attached (nothing can run on it)."""
+  or (a GPU target) a device of `target_devices`."""
   import jax
 
   from llamarl_jax import parallel
 
   if target == "default":
     return parallel.make_mesh(jax.devices()[:1])
+  return parallel.make_mesh(target_devices(target, 1))
+
+
+def target_devices(target, n):
+  """`n` devices of one node of a GPU target: a `jax.experimental.topologies` topology built from its
+  target description, which XLA's GPU compiler compiles for with no GPU attached (nothing can run on it)."""
   from jax.experimental import topologies
 
   text = (Path(__file__).resolve().parent / "gpu_targets" / GPU_TARGETS[target]).read_text()
   try:
-    topology = topologies.get_topology_desc(target, "cuda", target_config=text, topology="1x1x1")
+    topology = topologies.get_topology_desc(target, "cuda", target_config=text, topology=f"1x1x{n}")
   except Exception as e:  # no CUDA plugin: "topology not implemented for cuda", or its import errors
     raise SystemExit(f"--bytes_target {target}: {type(e).__name__}: {e}\n{CUDA_PLUGIN_HELP}") from e
-  return parallel.make_mesh(topology.devices[:1])
+  return list(topology.devices)
 
 
 def hf_config(name):

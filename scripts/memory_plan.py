@@ -5,8 +5,8 @@ analysis of the step compiled at the configured microbatches, generator weights,
 pool, an evaluation's cache) against the device's memory. Exit status 1 when it does not fit.
 
 --target default compiles for this machine's first devices (the run's trainer mesh); --target h100
-compiles for an H100 that is not there (XLA's GPU compiler, `scripts/gpu_targets/`; needs JAX's CUDA
-plugin, see `bench_generate.CUDA_PLUGIN_HELP`), for one-device trainer meshes (the one-GPU configs):
+compiles for a node of H100s that is not there (XLA's GPU compiler, `scripts/gpu_targets/`; needs JAX's
+CUDA plugin, see `bench_generate.CUDA_PLUGIN_HELP`), as many as the config's meshes take:
 
   JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=/tmp/cudasite \\
     PATH=/tmp/cudasite/nvidia/cuda_nvcc/bin:$PATH \\
@@ -61,15 +61,18 @@ def main(argv=None):
   eval_rows = eval_size * max(1, _bound("eval_samples", experiment.run_experiment))
   kw = {}
   if args.target != "default":
+    import dataclasses
+
+    from llamarl_jax import parallel
     from scripts import bench_generate
 
-    trainer_devices = run.mesh.trainer_fsdp * run.mesh.trainer_tp
-    if trainer_devices != 1 or not (run.mesh.colocated or run.mesh.generator_dp * run.mesh.generator_tp == 1):
-      raise SystemExit(f"--target {args.target} compiles for one device; this config's trainer mesh has "
-                       f"{trainer_devices} (use --target default on a machine with its devices)")
+    m = run.mesh
+    n = m.trainer_fsdp * m.trainer_tp + (0 if m.colocated else m.generator_dp * m.generator_tp) + m.reward_dp * m.reward_tp
+    devices = bench_generate.target_devices(args.target, n)
+    meshes = parallel.make_meshes(**dataclasses.asdict(m), devices=devices)
     capacity = target_capacity(args.target)
-    kw = dict(mesh=bench_generate.target_mesh(args.target), capacity=capacity,
-              limit=memory_plan.target_limit(capacity))
+    kw = dict(mesh=meshes[0], capacity=capacity, limit=memory_plan.target_limit(capacity),
+              reward_mesh=parallel.make_reward_mesh(**dataclasses.asdict(m), devices=devices) or meshes[1])
   plan = memory_plan.plan_run(model_config, run, eval_rows=eval_rows, compile=True, **kw)
   print(f"{', '.join(args.gin_file)} {' '.join(args.gin_param)}: {model_config.num_params() / 1e9:.2f}B parameters")
   print(plan.table())

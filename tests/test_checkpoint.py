@@ -96,11 +96,12 @@ def test_changed_config_lists_every_difference_and_touches_nothing(three_checkpo
   changed["max_policy_lag"] = 2
   changed["optimizer"]["total_steps"] = 500  # a new lr schedule end: allowed
   changed["mesh"]["trainer"] = [1, 1, 2]      # restored onto new shardings: allowed
+  changed.setdefault("trainer", {}).update(pack=True, tokens_per_microbatch=256)  # the same step, packed: allowed
   with pytest.raises(IncompatibleCheckpoint) as info:
     ck.restore(_state(0), config=changed)
   msg = str(info.value)
   assert "model.hidden_size: checkpoint 32, now 64" in msg and "max_policy_lag: checkpoint 1, now 2" in msg
-  assert "total_steps" not in msg and "mesh" not in msg and "resume_allow_changes" in msg
+  assert "total_steps" not in msg and "mesh" not in msg and "pack" not in msg and "resume_allow_changes" in msg
   assert sorted(p.relative_to(ck.directory) for p in ck.directory.rglob("*")) == before
   step, _, _ = ck.restore(_state(0), config=changed, allow_changes=["model.hidden_size", "max_policy_lag"])
   assert step == 6

@@ -222,3 +222,35 @@ def test_the_planned_kv_pool_is_what_the_controllers_engine_allocates(tmp_path, 
     assert {p.name: p.nbytes for p in plan.parts}["KV pool"] == device_bytes(engine._cache)
   finally:
     c.close()
+
+
+@pytest.mark.devices(6)
+def test_the_reward_models_part_is_what_it_allocates_on_its_own_devices(tmp_path):
+  """A reward model on devices of its own (reward dp 1 x tp 2 after a trainer of 2 and a generator of 2):
+  the plan's weights per device equal the bytes a loaded `RewardModel` holds on one of its devices
+  (the planned model is shapes only), its scoring temporaries come from a compile of its widest chunk
+  (all 8 rows of the step at the prompt limit + responses, rounded to 64 positions), and it is a
+  device total of its own."""
+  from llamarl_jax import parallel
+  from llamarl_jax.config import run_config
+  from llamarl_jax.rewards.reward_model import RewardModel
+  from llamarl_jax.shapes import RunShapes
+  from test_reward_model import tiny_hf_classifier
+
+  rm_dir = tmp_path / "rm"
+  tiny_hf_classifier("llama", seed=3, vocab_size=64, max_position_embeddings=64).save_pretrained(rm_dir)
+  model = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+  run = run_config(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2, generator_dp=2,
+                   reward_dp=1, reward_tp=2, reward_model_path=str(rm_dir), reward_model_dtype="float32")
+  plan = memory_plan.plan_run(model, run, eval_rows=0, compile=True)
+  parts = {p.name: p for p in plan.parts}
+  loaded = RewardModel.from_pretrained(rm_dir, mesh=parallel.make_reward_mesh(**dataclasses.asdict(run.mesh)))
+  assert parts["reward model weights"].nbytes == device_bytes(loaded.params)
+  shapes = RunShapes.of(model, run)
+  assert loaded.chunk_shape(shapes.rows, shapes.prompt_limit + shapes.response_width) == (8, 64)
+  assert "8 rows x 64 tokens" in parts["reward model activations"].note
+  assert parts["reward model activations"].nbytes > 0
+  totals = plan.totals()
+  assert set(totals) == {"trainer", "generator", "reward"}
+  assert totals["reward"] == parts["reward model weights"].nbytes + parts["reward model activations"].nbytes

@@ -34,6 +34,10 @@ def test_the_first_step_is_warm_up_and_the_rest_is_split():
   assert b.seconds["weight_sync"] == 2.0 and b.seconds["training"] == 1.0  # time/sync + time/wait_swap
   r = b.report(20.0)
   assert r["unaccounted_seconds"] == pytest.approx(20.0 - 12.0) and r["parts"]["warmup"]["share"] == 6.0 / 20.0
+  assert b.blocks == 0  # steps are not blocks between steps; a checkpoint is (a runner restarts its step clock)
+  with b.timed("checkpointing"):
+    pass
+  assert b.blocks == 1
 
 
 REDUCED = [  # the one-GPU config at a size a CPU test runs; the config's other settings kept

@@ -73,12 +73,13 @@ class RewardModel:
   """A scalar-head decoder that scores token rows (a reward model) or every position (a critic).
 
   config: a `ModelConfig` with `num_labels = 1`; params: `split_params` of the model (its HF
-  layout; kept only in the compute layout, `prepare_params`). pad_id: the id transformers reads past
+  layout; kept only in the compute layout, `prepare_params`), or None for a model of shapes only
+  (nothing allocated: `lower_scores` compiles its program for a memory plan). pad_id: the id transformers reads past
   (config.json's `pad_token_id`, else the tokenizer's; None: each row is read at its last token).
   tokenizer: for `score(texts)` (optional). mesh: where it runs (None: the default device).
   """
 
-  def __init__(self, config: ModelConfig, params: dict, *, pad_id: int | None = None, tokenizer=None,
+  def __init__(self, config: ModelConfig, params: dict | None, *, pad_id: int | None = None, tokenizer=None,
                mesh=None, batch_rows: int = 64, min_width: int = 16, attention: str = "auto",
                scan_layers: bool = True):
     if config.num_labels != 1:
@@ -97,13 +98,21 @@ class RewardModel:
     graphdef, shapes = split_params(abstract_model(config))
     self._graphdef = graphdef
     prepare = jax.jit(prepare_params, static_argnums=1)
+    shardings = None
     if mesh is not None:
       axes = parallel.logical_axes(abstract_model(config))
       shardings = stacked_shardings(parallel.param_shardings(shapes, axes, mesh), mesh)
       prepare = jax.jit(prepare_params, static_argnums=1, out_shardings=shardings)
       self._rows_sharding = parallel.batch_sharding(mesh, 2)
       self._vec_sharding = parallel.batch_sharding(mesh, 1)
-    self.params = prepare(params, jnp.dtype(config.dtype).name)  # the compute layout: cast, layers stacked
+    dtype = jnp.dtype(config.dtype).name
+    if params is None:  # shapes (and shardings) only
+      self.params = jax.eval_shape(lambda p: prepare(p, dtype), shapes)
+      if shardings is not None:
+        self.params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                   self.params, shardings)
+    else:
+      self.params = prepare(params, dtype)  # the compute layout: cast, layers stacked
     self._scores = jax.jit(self._scores_impl)
     self._values = jax.jit(self._values_impl)
 
@@ -152,6 +161,21 @@ class RewardModel:
     return jnp.einsum("bte,e->bt", hidden, params["score"][:, 0].astype(hidden.dtype),
                       preferred_element_type=jnp.float32)
 
+  def lower_scores(self, rows: int, width: int):
+    """The scoring program of a chunk of `rows` x `width` tokens, lowered (abstract inputs: a model of
+    shapes only lowers too); `.compile().memory_analysis()` is what a chunk takes on a device."""
+    def arg(shape, dtype):
+      sharding = None if self.mesh is None else (self._rows_sharding if len(shape) == 2 else self._vec_sharding)
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    return self._scores.lower(self.params, arg((rows, width), jnp.int32), arg((rows,), jnp.int32),
+                              arg((rows,), jnp.int32))
+
+  def chunk_shape(self, rows: int, longest: int) -> tuple[int, int]:
+    """(rows, width) of the device arrays for `rows` rows of up to `longest` tokens (`score_tokens`
+    scores at most `batch_rows` rows at once)."""
+    return _pow2_at_least(rows, self.batch_divisor), min(_pow2_at_least(longest, self.min_width), self.max_width)
+
   # ----------------------------------------------------------------------------------------------
   # host side
 
@@ -171,8 +195,7 @@ class RewardModel:
   def _bucket(self, rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded tokens `[B', T']` (B' rows rounded up to a power of two and the batch divisor, T'
     a power of two from min_width, capped at the context) and lengths `[B']` (padding rows: 1 token)."""
-    n = _pow2_at_least(len(rows), self.batch_divisor)
-    width = min(_pow2_at_least(max(len(r) for r in rows), self.min_width), self.max_width)
+    n, width = self.chunk_shape(len(rows), max(len(r) for r in rows))
     tokens = np.full((n, width), 0 if self.pad_id is None else self.pad_id, np.int32)
     lengths = np.ones(n, np.int32)
     for i, r in enumerate(rows):

@@ -102,7 +102,8 @@ class StepRecorder:
   def record(self, state: RunState, *, batch: dict, train: dict, sync: dict, lag: dict, train_tokens: float,
              times: tuple[float, float, float, float], generator_times: tuple, reward_times: tuple,
              dropped: int, occupancy: int, waited_on: Sequence[tuple[str, float, float]] = ()) -> dict:
-    """state: after the step. times: (asked for a batch, got it, trained, synced) perf_counter stamps.
+    """state: after the step. times: (the step's start - the previous step's end or the ask for a batch -,
+    got the batch, trained, synced) perf_counter stamps.
     waited_on: ("generate" | "swap" | "reward", start, end) intervals of the other threads, which split
     the trainer's wait (`time_breakdown.split_wait`; none: all of it is "time/wait_other").
     `time/step` = the sum of `time_breakdown.STEP_PARTS`. Beside them, each executor's own busy seconds

@@ -180,9 +180,12 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
   steps: list[dict] = []
   interrupted = False
   try:
+    t_end = blocks = None  # the previous step's end and the breakdown's blocks then
     for _ in range(num_steps):
       s = state.step
-      t0 = time.perf_counter()
+      # the step's clock: from the previous step's end (the logging between is the trainer's wait),
+      # unless a checkpoint or an evaluation ran since (parts of their own)
+      t0 = t_end if t_end is not None and recorder.breakdown.blocks == blocks else time.perf_counter()
       try:
         entry = pipe.buffer.get(min_version=s - lag, timeout=config.schedule.step_timeout_s)
       except BufferClosed as e:
@@ -203,6 +206,7 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
         sync_metrics = ex.weights.push(ex.trainer.params, state.step)
         state = remember(state, state.step)
         t3 = time.perf_counter()
+      t_end, blocks = t3, recorder.breakdown.blocks
       with pipe.lock:
         ex.mark("train", t_dev, t3)
         gen_times = ex.generator.timer.take()
