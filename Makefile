@@ -14,7 +14,7 @@ TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=
 TEST_WORKERS ?= 2
 TEST_PAR = -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install install-gpu run run-gpu test test-quick test-gpu bench bench-gpu study study-offpolicy clean
+.PHONY: install install-gpu run run-rm run-gpu test test-quick test-gpu bench bench-gpu study study-offpolicy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,23 @@ install-gpu: install
 
 run: install
 	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin --run_dir=runs/tiny_cpu_$$(date +%Y%m%d_%H%M%S) $(ARGS)
+
+# `make run` with a trained reward model as the only reward (configs/tiny_rm.gin, README "Reward models"):
+# make run's SFT warm start (exported), preference pairs of the task, a Bradley-Terry reward model trained
+# from the warm-started policy, then make run's RL rewarded by that model alone; all under RM_RUN.
+RM_RUN := runs/tiny_rm_$(shell date +%Y%m%d_%H%M%S)
+RUN_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false"
+run-rm: install
+	$(RUN_ENV) $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin --run_dir=$(RM_RUN)/sft \
+	  --gin_param=run_experiment.rl_steps=0 --gin_param=run_experiment.eval_size=0 \
+	  --gin_param=run_experiment.export_sft=True --gin_param=run_experiment.export=False
+	$(BIN)/python scripts/preference_pairs.py --out $(RM_RUN)/pairs --train 4000 --heldout 500
+	$(RUN_ENV) $(BIN)/python scripts/train_rm.py --pairs $(RM_RUN)/pairs/train.jsonl \
+	  --heldout_pairs $(RM_RUN)/pairs/heldout.jsonl --init $(RM_RUN)/sft/sft_export --run_dir $(RM_RUN)/rm \
+	  --steps 400 --lr 3e-4
+	$(RUN_ENV) $(BIN)/python scripts/train.py --gin_file=configs/tiny_rm.gin --run_dir=$(RM_RUN)/rl \
+	  --gin_param="build_policy.model_path='$(RM_RUN)/sft/sft_export'" \
+	  --gin_param="RewardConfig.model_path='$(RM_RUN)/rm/hf_export'" $(ARGS)
 
 test: install
 	$(TEST_ENV) $(BIN)/python -m pytest -q $(TEST_PAR) $(ARGS)

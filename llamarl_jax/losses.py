@@ -682,6 +682,29 @@ def nll_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask
   return loss, {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
 
 
+def bradley_terry_loss(chosen_scores: Array, rejected_scores: Array, mask: Array | None = None, *,
+                       margin: float = 0.0) -> tuple[Array, dict[str, Array]]:
+  """Bradley-Terry loss of a reward model on preference pairs: the mean over valid pairs of
+  -log sigmoid(r_chosen - r_rejected - margin) (= softplus(-(d - margin)), d = r_chosen - r_rejected).
+
+  chosen_scores, rejected_scores `[P]`: the model's scalar scores of each pair's preferred and
+  rejected response; mask `[P]` (nonzero = a real pair; None: all). Masked pairs contribute exactly 0
+  (even if their scores are inf or NaN); no valid pair gives loss 0. Metrics (over valid pairs):
+  loss/total; rm/accuracy (the fraction with d > 0, a tie counting one half: a constant model scores
+  0.5); rm/margin_mean (mean d); rm/chosen_mean, rm/rejected_mean; rm/num_pairs.
+  """
+  chosen, rejected = _as_float(chosen_scores), _as_float(rejected_scores)
+  valid = jnp.ones(chosen.shape, bool) if mask is None else jnp.asarray(mask) != 0
+  count = jnp.sum(valid).astype(jnp.float32)
+  mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) / jnp.maximum(count, 1.0)
+  d = jnp.where(valid, chosen - rejected, 0.0)
+  loss = mean(jax.nn.softplus(margin - d))
+  metrics = {"loss/total": loss, "rm/accuracy": mean(jnp.where(d > 0, 1.0, jnp.where(d == 0, 0.5, 0.0))),
+             "rm/margin_mean": mean(d), "rm/chosen_mean": mean(jnp.where(valid, chosen, 0.0)),
+             "rm/rejected_mean": mean(jnp.where(valid, rejected, 0.0)), "rm/num_pairs": count}
+  return loss, {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+
+
 # Read-only name -> loss table (for configs: Controller(loss="aipo", loss_kwargs={...})).
 LOSSES = types.MappingProxyType({"aipo": aipo_loss, "ppo_clip": ppo_clip_loss,
                                  "decoupled_ppo": decoupled_ppo_loss, "gspo": gspo_loss,

@@ -57,6 +57,18 @@ def score_positions(rows: Sequence[Sequence[int]], pad_id: int | None) -> np.nda
   return out
 
 
+def scores_at(config: ModelConfig, prepared: dict, tokens: Array, lengths: Array, positions: Array, *,
+              attention: str = "xla", scan_layers: bool = True, remat="none") -> Array:
+  """fp32 scores `[B]` of a scalar-head model: the head at `positions` `[B]` of right-padded rows
+  `tokens` `[B, T]` (valid up to `lengths` `[B]`). prepared: `prepare_params(params, config.dtype)`.
+  Pure and differentiable: the reward model's forward and the one its training differentiates."""
+  hidden = scan_hidden_states(config, prepared, tokens, lengths, attention=attention, scan_layers=scan_layers,
+                              remat=remat)
+  picked = hidden[jnp.arange(hidden.shape[0]), positions]  # [B, E]
+  return jnp.einsum("be,e->b", picked, prepared["score"][:, 0].astype(picked.dtype),
+                    preferred_element_type=jnp.float32)
+
+
 class RewardModel:
   """A scalar-head decoder that scores token rows (a reward model) or every position (a critic).
 
@@ -141,11 +153,8 @@ class RewardModel:
                               scan_layers=self.scan_layers)
 
   def _scores_impl(self, params, tokens, lengths, positions):
-    """tokens `[B, T]`, lengths, positions `[B]` -> fp32 scores `[B]` (the head at `positions`)."""
-    hidden = self._hidden(params, tokens, lengths)
-    picked = hidden[jnp.arange(hidden.shape[0]), positions]  # [B, E]
-    return jnp.einsum("be,e->b", picked, params["score"][:, 0].astype(picked.dtype),
-                      preferred_element_type=jnp.float32)
+    return scores_at(self.config, params, tokens, lengths, positions, attention=self.attention,
+                     scan_layers=self.scan_layers)
 
   def _values_impl(self, params, tokens, lengths):
     hidden = self._hidden(params, tokens, lengths)
