@@ -54,6 +54,28 @@ from llamarl_jax.model.paged_attention import PagedKVCache
 
 Array = jax.Array
 
+# XLA options a decode program compiles with. A decode GEMM has one row per slot (M <= a few hundred)
+# and a long contraction; XLA's GPU compiler splits such a GEMM's contraction over thread blocks
+# (split-K) and writes each block's fp32 partial sums to memory for a second pass to add: at 1B
+# shapes, 64 slots, ~0.5 GB per step, as much as a quarter of the fp8 layers' weights
+# (BENCHMARKS.md, "Kernels and bytes of a decode step"). Without split-K the GEMM writes its result
+# in the output dtype once and the residual add fuses with the next norm. A GPU option: the CPU
+# compiler ignores it; an XLA that lacks it compiles with its defaults (`compile_lowered`).
+DECODE_COMPILER_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
+
+
+def compile_lowered(lowered, options: dict | None = None):
+  """`lowered.compile(compiler_options=options)`; where this XLA does not know one of the options
+  (they are experimental flags that may move between versions), compiled with its defaults."""
+  if not options:
+    return lowered.compile()
+  try:
+    return lowered.compile(compiler_options=options)
+  except Exception as e:  # jax raises XlaRuntimeError / JaxRuntimeError: "No such compile option: ..."
+    if "No such compile option" not in str(e):
+      raise
+    return lowered.compile()
+
 
 @flax.struct.dataclass
 class SlotState:
@@ -320,7 +342,7 @@ class SlotPrograms:
 
       def build(item):
         t = time.perf_counter()
-        exe = item[1].compile()
+        exe = compile_lowered(item[1], DECODE_COMPILER_OPTIONS if item[0][0] == "decode" else None)
         return item[0], exe, time.perf_counter() - t
 
       workers = max(1, min(len(lowered), os.cpu_count() or 1))
@@ -668,7 +690,7 @@ class SlotPrograms:
                       out_shardings=(cache_sharding, self.state_sharding)).lower(
                           params, cache, state, jax.ShapeDtypeStruct((), jnp.int32))
     t0 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = compile_lowered(lowered, DECODE_COMPILER_OPTIONS)
     compile_s = time.perf_counter() - t0
     xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
     text = compiled.as_text()  # megabytes for a 1B step: read once
