@@ -624,8 +624,8 @@ class SlotPrograms:
 
   # -- cost of one decode step (bench_generate --bytes, tests) ----------------------------------------
 
-  def decode_step_cost(self, prompt_lens, n_gen, *, layout: str = "paged",
-                       num_entries: int | None = None) -> dict[str, float]:
+  def decode_step_cost(self, prompt_lens, n_gen, *, layout: str = "paged", num_entries: int | None = None,
+                       compiler_options: dict | None = None) -> dict[str, float]:
     """XLA's cost analysis of ONE decode step, lowered and compiled from abstract shapes (nothing
     allocated), next to the ideal bytes (`paged.ideal_step_bytes`: weights + live KV).
 
@@ -633,7 +633,8 @@ class SlotPrograms:
     response tokens sampled; the step attends to L + n_gen positions (its live length).
     layout: 'paged' (this engine: the step lists `num_entries` blocks, default the program set's
     smallest entry count that holds the live blocks) or 'dense' (a `[S, Pm + R]` cache per layer,
-    attention over all of it).
+    attention over all of it). compiler_options: XLA's, default the decode programs'
+    (`DECODE_COMPILER_OPTIONS`); {} compiles with XLA's defaults.
     Returns {'bytes', 'xla_bytes', 'overcount', 'kernel_bytes', 'library_bytes', 'ideal', 'weights',
     'layer_weights' (the decoder layers' parameters as the step holds them: fp8 + scales with an fp8
     generator), 'kv', 'ratio',
@@ -690,7 +691,7 @@ class SlotPrograms:
                       out_shardings=(cache_sharding, self.state_sharding)).lower(
                           params, cache, state, jax.ShapeDtypeStruct((), jnp.int32))
     t0 = time.perf_counter()
-    compiled = compile_lowered(lowered, DECODE_COMPILER_OPTIONS)
+    compiled = compile_lowered(lowered, DECODE_COMPILER_OPTIONS if compiler_options is None else compiler_options)
     compile_s = time.perf_counter() - t0
     xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
     text = compiled.as_text()  # megabytes for a 1B step: read once
