@@ -57,6 +57,34 @@ def block_dequantized(w, n_in, block=128):
   return back.reshape(shape), kb * mb
 
 
+def lm_head_bytes(config, slots, mesh):
+  """Bytes of the lm_head alone (hidden states `[slots, E]` -> fp32 logits `[slots, vocab]`) compiled
+  for `mesh`'s device: as the generator computes it (generator dtype) and as an fp8 GEMM (the
+  weight per vocabulary column and the rows per token, `model.fp8`'s scheme). Returns (bf16, fp8)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from llamarl_jax.generation import paged
+  from llamarl_jax.model import fp8
+
+  E, V, dt = config.hidden_size, config.vocab_size, jnp.dtype(config.dtype)
+  repl = NamedSharding(mesh, P())
+
+  def quantized(x, w, scale):
+    xq, sx = fp8.quantize_rows(x)
+    return jax.lax.dot_general(xq, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) * sx * scale
+
+  plain = lambda x, w: jnp.einsum("be,ev->bv", x, w, preferred_element_type=jnp.float32)
+  x = jax.ShapeDtypeStruct((slots, E), dt)
+  out = []
+  for f, args in ((plain, (x, jax.ShapeDtypeStruct((E, V), dt))),
+                  (quantized, (x, jax.ShapeDtypeStruct((E, V), fp8.FP8), jax.ShapeDtypeStruct((V,), jnp.float32)))):
+    compiled = jax.jit(f, in_shardings=repl, out_shardings=repl).lower(*args).compile()
+    out.append(paged.compiled_bytes_accessed(compiled)[0])
+  return tuple(out)
+
+
 def step_costs(sizes, slots=64, max_kernels_per_layer=None):
   """The --step_costs table (see the module docstring); returns its rows as dicts."""
   import jax
@@ -97,6 +125,13 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
                          kernels=c["kernels"], kernels_per_layer=per_layer))
         if options is None and max_kernels_per_layer is not None and per_layer > max_kernels_per_layer:
           over.append(f"{size} {quantize or 'bf16'}: {per_layer:.1f} kernels per layer")
+    head_bf16, head_fp8 = lm_head_bytes(config, slots, mesh)
+    total = rows[-1]["bytes"] - head_bf16 + head_fp8
+    print(f"| {size} | fp8, lm_head fp8 too (the lm_head compiled alone: {head_bf16 / 1e9:.3f} -> "
+          f"{head_fp8 / 1e9:.3f} GB) | decode options | {total / 1e9:.3f} GB | {total / bf16['decode options']:.2f}x "
+          f"| | | |", flush=True)
+    rows.append(dict(size=size, quantize="fp8+lm_head", options="decode options", bytes=total,
+                     lm_head_bytes=(head_bf16, head_fp8)))
   if over:
     raise SystemExit(f"over the budget of {max_kernels_per_layer} kernels per layer: " + "; ".join(over))
   return rows

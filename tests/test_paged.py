@@ -135,6 +135,37 @@ def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla
   np.testing.assert_allclose(np.asarray(out)[:, 0], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_programs_compile_with_their_options_or_xlas_defaults_where_unknown():
+  """`compile_lowered` passes the decode programs' XLA options (no split-K GEMMs) to the compiler;
+  an XLA that does not know an option compiles with its defaults; any other error is raised."""
+  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
+
+  class Lowered:  # records what it was compiled with; knows only `known`
+    def __init__(self, known, error="INVALID_ARGUMENT: No such compile option: '{}'"):
+      self.known, self.error, self.calls = known, error, []
+
+    def compile(self, compiler_options=None):
+      self.calls.append(compiler_options)
+      unknown = [k for k in compiler_options or {} if k not in self.known]
+      if unknown:
+        raise RuntimeError(self.error.format(unknown[0]))
+      return "compiled"
+
+  assert DECODE_COMPILER_OPTIONS == {"xla_gpu_experimental_force_split_k": 1}
+  lowered = Lowered(known=set(DECODE_COMPILER_OPTIONS))
+  assert compile_lowered(lowered, DECODE_COMPILER_OPTIONS) == "compiled"
+  assert lowered.calls == [DECODE_COMPILER_OPTIONS]
+  older = Lowered(known=set())
+  assert compile_lowered(older, DECODE_COMPILER_OPTIONS) == "compiled"
+  assert older.calls == [DECODE_COMPILER_OPTIONS, None]
+  broken = Lowered(known=set(), error="RESOURCE_EXHAUSTED: out of memory compiling {}")
+  with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+    compile_lowered(broken, DECODE_COMPILER_OPTIONS)
+  # jax's own compiler takes the option on this backend (the CPU's ignores a GPU option)
+  real = jax.jit(lambda x: x @ x).lower(jax.ShapeDtypeStruct((8, 8), jnp.float32))
+  assert float(compile_lowered(real, DECODE_COMPILER_OPTIONS)(jnp.eye(8))[0, 0]) == 1.0
+
+
 @pytest.mark.parametrize("implementation", ["reduce", "dot"])
 def test_blocked_attention_equals_dense_attention(implementation):
   """Ragged rows: 7 positions over two blocks (prompt 5 + response 2 in separate blocks, as the engine
