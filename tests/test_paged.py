@@ -96,14 +96,16 @@ def test_kernel_bytes_count_each_live_block_of_each_head_once():
   assert kernel_bytes(**shapes) == 768 + 2048 + 256
 
 
-def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla_form():
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla_form(scaled):
   """`write_and_attend` with the Pallas kernel (interpret mode; the key's RoPE and the write inside the
   kernel, k and v read from channels 3 and 1 of a [B, KV, 4, D] projection output, the new token
   attended from registers) against the XLA form (`rope_rotate`, `write_token` scatters, then 'dot'):
   the same pools (the values bit for bit, the keys up to one fp32 rounding of the rotation) and the
   same outputs up to fp32 summation order. Row 1 is idle (no entries, writes to the trash block 9, gets zeros); rows 0 and 3 share
   prompt blocks and write into their own response blocks (the last listed position), whose stale
-  contents must not be read."""
+  contents must not be read. scaled: kv is an fp8 GEMM's fp32 product with row and column scales
+  (`fp8.apply_scales` inside the kernel, as the XLA form applies them)."""
   from llamarl_jax.model.paged_attention import PagedLayer, rope_rotate, write_and_attend
   rng = np.random.RandomState(2)
   k_pool = rng.randn(NB, BS, KV, D).astype(np.float32)
@@ -117,9 +119,16 @@ def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla
   row, block, length = (jnp.array(c, jnp.int32) for c in zip(*entries))
   write_block, write_offset = jnp.array([6, 9, 4, 5], jnp.int32), jnp.array([1, 0, 2, 2], jnp.int32)
   layer = PagedLayer(jnp.asarray(k_pool), jnp.asarray(v_pool), write_block, write_offset, row, block, length)
+  kv_scales = None
+  if scaled:
+    kv_scales = (jnp.asarray(rng.uniform(0.5, 2, 4).astype(np.float32)),
+                 jnp.asarray(rng.uniform(0.5, 2, (KV, 4, D)).astype(np.float32)))
   args = (jnp.asarray(q), jnp.asarray(kv), (3, 1), cos, sin, layer)
-  out, ck, cv = write_and_attend(*args, implementation="pallas")
-  ref_out, ref_k, ref_v = write_and_attend(*args, implementation="dot")
+  out, ck, cv = write_and_attend(*args, implementation="pallas", kv_scales=kv_scales)
+  ref_out, ref_k, ref_v = write_and_attend(*args, implementation="dot", kv_scales=kv_scales)
+  if scaled:
+    from llamarl_jax.model.fp8 import apply_scales
+    kv = np.asarray(apply_scales(jnp.asarray(kv), *kv_scales, jnp.float32))
   written = np.zeros((NB, BS), bool)
   written[np.asarray(write_block), np.asarray(write_offset)] = True
   np.testing.assert_array_equal(np.asarray(ck)[~written], k_pool[~written])  # nothing else touched

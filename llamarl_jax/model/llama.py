@@ -429,9 +429,9 @@ class Attention(nnx.Module):
     attention within each (`segment_attention`). lora: `LoraLayer` adapters of this block's projections (the trainer's
     unmerged LoRA forward), or None."""
     dt, c = x.dtype, self.config
-    qkv = None  # the fused projection's output [B, T, KV, G + 2, D], where k and v are read as they lie
+    source = None  # where the fused projection's k and v lie (`_fused_qkv`)
     if self.fused:
-      q, k, v, qkv = self._fused_qkv(x, lora)
+      q, k, v, source = self._fused_qkv(x, lora)
     else:
       proj = functools.partial(jnp.einsum, "bte,ehd->bthd")
       q = with_lora(dense(x, self, "wq", proj), x, "wq", lora)
@@ -444,12 +444,16 @@ class Attention(nnx.Module):
     scale = rope_attention_factor(c)
     if isinstance(layer_cache, PagedLayer):  # the slot engine's decode step over pages: k rotated with its write
       cos, sin = rope_cos_sin(positions[:, 0], inv_freq, scale)  # [B, D]
-      if qkv is not None and not c.qk_norm:
-        kv, channels = qkv[:, 0], (qkv.shape[3] - 2, qkv.shape[3] - 1)
+      kv_scales = None
+      if source is not None and not c.qk_norm:  # k and v read from the projection's output as they lie
+        kv, scales = source
+        kv, channels = kv[:, 0], (kv.shape[3] - 2, kv.shape[3] - 1)
+        kv_scales = None if scales is None else (scales[0][:, 0], scales[1])
       else:
         kv, channels = jnp.stack([k[:, 0], v[:, 0]], axis=2), (0, 1)
       q = rope_rotate(q, cos[:, None, None, :], sin[:, None, None, :])
-      out, ck, cv = write_and_attend(q, kv, channels, cos.astype(dt), sin.astype(dt), layer_cache)
+      out, ck, cv = write_and_attend(q, kv, channels, cos.astype(dt), sin.astype(dt), layer_cache,
+                                     kv_scales=kv_scales)
       B, T, H, D = out.shape
       return dense(out.reshape(B, T, H * D), self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), (ck, cv)
     q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
@@ -477,17 +481,25 @@ class Attention(nnx.Module):
     return with_lora(dense(out, self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), out, "wo", lora), new_cache
 
   def _fused_qkv(self, x, lora):
-    """q `[B, T, H, D]`, k, v `[B, T, KV, D]` from one GEMM of x `[B, T, E]` with wqkv, and that GEMM's
-    output `[B, T, KV, G + 2, D]` (bias added) they are slices of."""
+    """q `[B, T, H, D]`, k, v `[B, T, KV, D]` from one GEMM of x `[B, T, E]` with wqkv, and where they
+    lie: (that GEMM's output `[B, T, KV, G + 2, D]` (bias added), None), or with fp8 weights and no
+    bias (its fp32 product, (row scales `[B, T]`, column scales `[KV, G + 2, D]`)) (`fp8.dense_unscaled`)."""
     if lora is not None:
       raise ValueError("LoRA adapters apply to the unfused projections (the trainer's layout); merge them "
                        "(lora.merge_adapters) before fusing (model.serving.serving_params)")
     dt = x.dtype
-    qkv = dense(x, self, "wqkv", functools.partial(jnp.einsum, "bte,ekgd->btkgd"))  # [B, T, KV, G + 2, D]
-    if self.config.qkv_bias:
-      qkv = qkv + self.bqkv[...].astype(dt)
+    w_scale = getattr(self, "wqkv" + fp8_lib.SCALE, None)
+    if w_scale is not None and not self.config.qkv_bias:
+      y, sx = fp8_lib.dense_unscaled(x, self.wqkv[...])
+      qkv = fp8_lib.apply_scales(y, sx, w_scale[...], dt)  # `dense`'s result  [B, T, KV, G + 2, D]
+      source = (y, (sx, w_scale[...]))
+    else:
+      qkv = dense(x, self, "wqkv", functools.partial(jnp.einsum, "bte,ekgd->btkgd"))  # [B, T, KV, G + 2, D]
+      if self.config.qkv_bias:
+        qkv = qkv + self.bqkv[...].astype(dt)
+      source = (qkv, None)
     B, T, KV, G2, D = qkv.shape
-    return qkv[:, :, :, :G2 - 2].reshape(B, T, KV * (G2 - 2), D), qkv[:, :, :, G2 - 2], qkv[:, :, :, G2 - 1], qkv
+    return qkv[:, :, :, :G2 - 2].reshape(B, T, KV * (G2 - 2), D), qkv[:, :, :, G2 - 2], qkv[:, :, :, G2 - 1], source
 
 
 class MLP(nnx.Module):

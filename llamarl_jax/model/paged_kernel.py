@@ -36,25 +36,35 @@ NEG = -0.7 * float(np.finfo(np.float32).max)  # a finite "minus infinity" for th
 
 
 def _kernel(start_ref, count_ref, block_ref, len_ref, q_ref, k_ref, v_ref, *refs, per_step: int, scale: float,
-            write: bool):
+            write: bool, scaled: bool):
   """One (row, KV head): q_ref [Gp, D]; k_ref, v_ref [NB, bs, D] (this head's slice of the pools);
   start_ref, count_ref [] the row's first entry and entry count; block_ref, len_ref [TBp] (the entry
   list, padded so that `per_step` entries past any start stay in bounds); then o_ref [Gp, D].
   write: refs are (write block [], write offset [], new key before RoPE [D], new value [D], cos [D],
-  sin [D], o_ref, k out, v out (the pools, aliased)): the key is rotated (`llama.apply_rope`'s
+  sin [D], [scaled: the row's scale [], the key's and the value's column scales [D] each], o_ref, k
+  out, v out (the pools, aliased)): the key is rotated (`llama.apply_rope`'s
   rotate-half, in the key's dtype), key and value are stored at (write block, write offset), that
   position is left out of the blocks' reads (whatever they see of the store) and the new token is
   attended from registers instead, after the listed blocks; a row with no entries (idle) attends to
   nothing."""
   if write:
-    wb_ref, wo_ref, kn_ref, vn_ref, cos_ref, sin_ref, o_ref, k_out_ref, v_out_ref = refs
+    wb_ref, wo_ref, kn_ref, vn_ref, cos_ref, sin_ref, *refs = refs
+    if scaled:  # kv is an fp8 GEMM's fp32 product: its row scale and the key's / value's column scales
+      sx_ref, ks_ref, vs_ref, *refs = refs
+    o_ref, k_out_ref, v_out_ref = refs
     wb, wo = wb_ref[...], wo_ref[...]
     half = kn_ref.shape[0] // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-    k1, k2 = kn_ref[lo], kn_ref[hi]
+    dt = cos_ref.dtype  # the compute dtype
+    if scaled:  # `fp8.apply_scales`: (y * row) * column, then the compute dtype
+      sx = sx_ref[...]
+      k1, k2 = ((kn_ref[lo] * sx) * ks_ref[lo]).astype(dt), ((kn_ref[hi] * sx) * ks_ref[hi]).astype(dt)
+      v_new = ((vn_ref[...] * sx) * vs_ref[...]).astype(dt).astype(v_out_ref.dtype)  # [D]
+    else:
+      k1, k2 = kn_ref[lo], kn_ref[hi]
+      v_new = vn_ref[...].astype(v_out_ref.dtype)  # [D]
     k_lo = (k1 * cos_ref[lo] + (-k2) * sin_ref[lo]).astype(k_out_ref.dtype)  # [D/2] each
     k_hi = (k2 * cos_ref[hi] + k1 * sin_ref[hi]).astype(k_out_ref.dtype)
-    v_new = vn_ref[...].astype(v_out_ref.dtype)  # [D]
     k_out_ref[wb, wo, lo] = k_lo
     k_out_ref[wb, wo, hi] = k_hi
     v_out_ref[wb, wo] = v_new
@@ -124,7 +134,7 @@ def row_spans(entry_row: Array, num_rows: int) -> Array:
 
 @functools.partial(jax.jit, static_argnames=("per_step", "interpret", "num_warps", "channels"))
 def paged_decode_attention_kernel(q: Array, k_pool: Array, v_pool: Array, entry_row: Array, entry_block: Array,
-                                  entry_len: Array, new=None, *, channels: tuple[int, int] = (0, 1),
+                                  entry_len: Array, new=None, kv_scales=None, *, channels: tuple[int, int] = (0, 1),
                                   per_step: int = 4, interpret: bool = False, num_warps: int = 4):
   """`paged_attention.paged_decode_attention` as one Pallas kernel (see the module docstring).
 
@@ -137,7 +147,9 @@ def paged_decode_attention_kernel(q: Array, k_pool: Array, v_pool: Array, entry_
   dtype) and value (channel `channels[1]`) stored at (write_block, write_offset) of the pools
   (updated in place: aliased) and attended; the entries must list that position (as
   `paged_decode_attention`'s do after the write). kv may be the fused Q/K/V projection's output as
-  it is (no copy of k or v is made). Returns (out, k_pool, v_pool) then.
+  it is (no copy of k or v is made). Returns (out, k_pool, v_pool) then. kv_scales: (row `[B]`,
+  column `[KV, C, D]`) where kv is an fp8 GEMM's fp32 product (`fp8.dense_unscaled`): k and v are
+  `fp8.apply_scales` of it in cos' dtype.
   """
   B, _, H, D = q.shape
   NB, bs, KV, _ = k_pool.shape
@@ -176,14 +188,19 @@ def paged_decode_attention_kernel(q: Array, k_pool: Array, v_pool: Array, entry_
                  pl.BlockSpec((None, None, None, D), lambda r, h: (r, h, k_at, 0)),  # the row's new key, this head
                  pl.BlockSpec((None, None, None, D), lambda r, h: (r, h, v_at, 0)),  # and value
                  pl.BlockSpec((None, D), lambda r, h: (r, 0)), pl.BlockSpec((None, D), lambda r, h: (r, 0))]
-    args += [write_block.astype(jnp.int32), write_offset.astype(jnp.int32), kv, kv, cos.astype(kv.dtype),
-             sin.astype(kv.dtype)]
+    args += [write_block.astype(jnp.int32), write_offset.astype(jnp.int32), kv, kv, cos, sin]
+    if kv_scales is not None:
+      row_scale, col_scale = kv_scales
+      in_specs += [row, pl.BlockSpec((None, None, D), lambda r, h: (h, k_at, 0)),
+                   pl.BlockSpec((None, None, D), lambda r, h: (h, v_at, 0))]
+      args += [row_scale.astype(jnp.float32), col_scale.astype(jnp.float32), col_scale.astype(jnp.float32)]
     out_specs = [head, pool, pool]
     out_shape = [out_shape, jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
                  jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
     aliases = {5: 1, 6: 2}  # the pools, updated in place
   out = pl.pallas_call(
-      functools.partial(_kernel, per_step=per_step, scale=1.0 / math.sqrt(D), write=new is not None),
+      functools.partial(_kernel, per_step=per_step, scale=1.0 / math.sqrt(D), write=new is not None,
+                        scaled=kv_scales is not None),
       grid=(B, KV), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
       interpret=interpret, compiler_params=compiler_params, cost_estimate=cost,
       name=f"paged_decode_attention_bs{bs}_p{per_step}",
