@@ -21,14 +21,18 @@ attached (`bench_generate --bytes_target h100`; needs JAX's CUDA plugin), for bf
 with XLA's default GEMMs ("xla defaults": split-K, each GEMM's fp32 partial sums written and summed
 by the next kernel) and with the decode programs' options (`slot_programs.DECODE_COMPILER_OPTIONS`,
 what the engine compiles). Bytes: `decode_step_cost`'s (XLA's cost analysis of the GPU's fusions,
-gathers and scatters charged what they touch); kernels: `paged.kernel_counts`, per layer = all of
-them / layers. --max_kernels_per_layer N exits with an error when a row compiled with the decode
-programs' options launches more (the check of the kernel budget; a CPU-only install cannot run it).
+gathers and scatters charged what they touch); kernels: `paged.kernel_counts`, "kernels / layers"
+all of them over the layers, "per layer" a decoder layer's own (the step's count minus the count of
+the same step with one layer, over the other layers). "lm_head fp8 too": the fp8 step's bytes with
+the lm_head's bytes as an fp8 GEMM instead of the generator dtype's (the lm_head compiled alone both
+ways; the generator keeps it in its dtype). --max_kernels_per_layer N exits with an error when a
+decoder layer launches more (the check of the kernel budget; a CPU-only install cannot run it).
 
     python scripts/bench_fp8.py --step_costs 1b,8b --max_kernels_per_layer 18
 """
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -58,29 +62,37 @@ def block_dequantized(w, n_in, block=128):
 
 
 def lm_head_bytes(config, slots, mesh):
-  """Bytes of the lm_head alone (hidden states `[slots, E]` -> fp32 logits `[slots, vocab]`) compiled
-  for `mesh`'s device: as the generator computes it (generator dtype) and as an fp8 GEMM (the
-  weight per vocabulary column and the rows per token, `model.fp8`'s scheme). Returns (bf16, fp8)."""
+  """Bytes of the lm_head and a greedy sampler's passes over its logits (hidden states `[slots, E]` ->
+  fp32 logits `[slots, vocab]` -> argmax, logsumexp) compiled for `mesh`'s device with the decode
+  programs' options: with the lm_head as the generator computes it (generator dtype) and as an fp8
+  GEMM (the weight per vocabulary column, the rows per token: `model.fp8`'s scheme). Returns (bf16,
+  fp8)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from llamarl_jax.generation import paged
+  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
   from llamarl_jax.model import fp8
 
   E, V, dt = config.hidden_size, config.vocab_size, jnp.dtype(config.dtype)
   repl = NamedSharding(mesh, P())
 
+  # the logits' consumers as greedy decoding has them (the token, its log-prob's normaliser): the
+  # fp8 product's scales fuse into them as they do in the step
+  sample = lambda logits: (jnp.argmax(logits, axis=-1), jax.nn.logsumexp(logits, axis=-1))
+
   def quantized(x, w, scale):
     xq, sx = fp8.quantize_rows(x)
-    return jax.lax.dot_general(xq, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) * sx * scale
+    return sample(jax.lax.dot_general(xq, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                  * sx * scale)
 
-  plain = lambda x, w: jnp.einsum("be,ev->bv", x, w, preferred_element_type=jnp.float32)
+  plain = lambda x, w: sample(jnp.einsum("be,ev->bv", x, w, preferred_element_type=jnp.float32))
   x = jax.ShapeDtypeStruct((slots, E), dt)
   out = []
   for f, args in ((plain, (x, jax.ShapeDtypeStruct((E, V), dt))),
                   (quantized, (x, jax.ShapeDtypeStruct((E, V), fp8.FP8), jax.ShapeDtypeStruct((V,), jnp.float32)))):
-    compiled = jax.jit(f, in_shardings=repl, out_shardings=repl).lower(*args).compile()
+    compiled = compile_lowered(jax.jit(f, in_shardings=repl, out_shardings=repl).lower(*args), DECODE_COMPILER_OPTIONS)
     out.append(paged.compiled_bytes_accessed(compiled)[0])
   return tuple(out)
 
@@ -103,8 +115,8 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
   print(f"# one decode step compiled for an H100 (no GPU attached), {slots} slots, live lengths mean "
         f"{live.mean():.0f}, jax {jax.__version__}; decode options {DECODE_COMPILER_OPTIONS}")
   print("| shapes | weights | GEMMs compiled with | bytes / step | fp8 / bf16 | ideal (weights + live KV) | "
-        "kernels (GEMMs) | kernels / layers |")
-  print("|---|---|---|---|---|---|---|---|")
+        "kernels (GEMMs) | kernels / layers | per layer |")
+  print("|---|---|---|---|---|---|---|---|---|")
   rows, over = [], []
   for size in sizes:
     config = config_from_hf(bench_generate.hf_config(size).to_dict(), dtype=jax.numpy.bfloat16)
@@ -115,12 +127,17 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
         programs = SlotPrograms(config, sampler, num_slots=slots, pad_id=0, max_prompt_len=Pm, chunk_steps=16,
                                 sampling=SamplingParams(temperature=0, max_new_tokens=T - Pm), kv_block_size=16)
         c = programs.decode_step_cost(prompt, live - prompt, compiler_options=options)
-        per_layer = c["kernels"]["total"] / config.num_layers
+        # a layer's kernels: the step's minus the same step's with one layer, over the other layers
+        one = dataclasses.replace(config, num_layers=1)
+        c1 = SlotPrograms(one, Sampler(one, mesh, quantize=quantize), num_slots=slots, pad_id=0, max_prompt_len=Pm,
+                          chunk_steps=16, sampling=SamplingParams(temperature=0, max_new_tokens=T - Pm),
+                          kv_block_size=16).decode_step_cost(prompt, live - prompt, compiler_options=options)
+        per_layer = (c["kernels"]["total"] - c1["kernels"]["total"]) / (config.num_layers - 1)
         ratio = "" if quantize is None else f"{c['bytes'] / bf16[label]:.2f}x"
         bf16.setdefault(label, c["bytes"])
         print(f"| {size} | {quantize or 'bf16'} | {label} | {c['bytes'] / 1e9:.3f} GB | {ratio} | "
-              f"{c['ideal'] / 1e9:.3f} GB | {c['kernels']['total']} ({c['kernels']['gemm']}) | {per_layer:.1f} |",
-              flush=True)
+              f"{c['ideal'] / 1e9:.3f} GB | {c['kernels']['total']} ({c['kernels']['gemm']}) | "
+              f"{c['kernels']['total'] / config.num_layers:.1f} | {per_layer:.1f} |", flush=True)
         rows.append(dict(size=size, quantize=quantize, options=label, bytes=c["bytes"], ideal=c["ideal"],
                          kernels=c["kernels"], kernels_per_layer=per_layer))
         if options is None and max_kernels_per_layer is not None and per_layer > max_kernels_per_layer:
@@ -129,7 +146,7 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
     total = rows[-1]["bytes"] - head_bf16 + head_fp8
     print(f"| {size} | fp8, lm_head fp8 too (the lm_head compiled alone: {head_bf16 / 1e9:.3f} -> "
           f"{head_fp8 / 1e9:.3f} GB) | decode options | {total / 1e9:.3f} GB | {total / bf16['decode options']:.2f}x "
-          f"| | | |", flush=True)
+          f"| | | | |", flush=True)
     rows.append(dict(size=size, quantize="fp8+lm_head", options="decode options", bytes=total,
                      lm_head_bytes=(head_bf16, head_fp8)))
   if over:

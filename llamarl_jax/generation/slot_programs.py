@@ -57,10 +57,11 @@ Array = jax.Array
 # XLA options a decode program compiles with. A decode GEMM has one row per slot (M <= a few hundred)
 # and a long contraction; XLA's GPU compiler splits such a GEMM's contraction over thread blocks
 # (split-K) and writes each block's fp32 partial sums to memory for a second pass to add: at 1B
-# shapes, 64 slots, ~0.5 GB per step, as much as a quarter of the fp8 layers' weights
+# shapes, 64 slots, compiled for an H100, 0.53 GB per step, more than half the fp8 layers' weights
 # (BENCHMARKS.md, "Kernels and bytes of a decode step"). Without split-K the GEMM writes its result
-# in the output dtype once and the residual add fuses with the next norm. A GPU option: the CPU
-# compiler ignores it; an XLA that lacks it compiles with its defaults (`compile_lowered`).
+# once and the residual add fuses with the next norm. A GPU option (the CPU compiler ignores it;
+# an XLA that lacks it compiles with its defaults, `compile_lowered`); on a GPU the autotuner then
+# picks tiles without split-K (its speed there is not measured yet).
 DECODE_COMPILER_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
 
 

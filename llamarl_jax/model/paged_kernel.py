@@ -8,6 +8,12 @@ state (running max, normaliser, weighted values) in registers and writes only th
 step reads each live block of each KV head once and nothing block-sized is written. Entries past a
 row's count (the bucket's padding) are never read.
 
+The decode step's call (`paged_attention.write_and_attend`) also does the step's KV write: the
+program rotates its row's new key (RoPE), stores key and value into the pools (aliased: in place)
+and attends to the new token from registers, so a layer's attention is this kernel alone (no scatter
+kernels, no copy of k and v: they are read from the Q/K/V projection's output where they lie, an
+fp8 GEMM's fp32 product with its scales applied here).
+
 Entry list: the one `paged_attention` documents, with one more requirement: each row's entries are
 contiguous and rows appear in increasing order (`paged.live_entries` lists them so); padding entries
 (row >= B) come last. The XLA forms take any order.
