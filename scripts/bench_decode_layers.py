@@ -76,6 +76,7 @@ def step_cost(programs, weight_layout, prompt, n_gen, scanned: bool) -> dict:
 
   from llamarl_jax.generation import paged
   from llamarl_jax.generation.paged import KVPages
+  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
   from llamarl_jax.model.llama import prepare_params
 
   if not scanned:
@@ -99,7 +100,7 @@ def step_cost(programs, weight_layout, prompt, n_gen, scanned: bool) -> dict:
   lowered = jax.jit(step, donate_argnums=(1, 2), in_shardings=repl, out_shardings=repl).lower(
       params, cache, state, jax.ShapeDtypeStruct((), jnp.int32))
   t0 = time.perf_counter()
-  compiled = lowered.compile()
+  compiled = compile_lowered(lowered, DECODE_COMPILER_OPTIONS)
   compile_s = time.perf_counter() - t0
   text = compiled.as_text()
   xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
@@ -138,6 +139,7 @@ def main(argv=None):
 
   from scripts import bench_generate
   from llamarl_jax.generation import Sampler, SamplingParams
+  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
   from llamarl_jax.generation.slot_programs import SlotPrograms
   from llamarl_jax.model.llama import HF_LAYOUT, ModelConfig
 
@@ -187,7 +189,7 @@ def main(argv=None):
       t0 = time.perf_counter()
       lowered = p.lower(key)
       t1 = time.perf_counter()
-      lowered.compile()
+      compile_lowered(lowered, DECODE_COMPILER_OPTIONS)
       seconds = time.perf_counter() - t1
       rows.append(dict(layout=layout_name, program=list(map(str, key)), trace_s=t1 - t0, compile_s=seconds))
       print(f"| {layout_name} | {seconds:.1f} (traced in {t1 - t0:.1f}) |", flush=True)

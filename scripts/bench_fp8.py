@@ -14,9 +14,25 @@ where a block's own scale helps most.
 
     python scripts/bench_fp8.py --size 50m
     python scripts/bench_fp8.py --size 50m --outliers 1.0
+
+--step_costs 1b,8b: one decode step of the slot engine (every one of --slots slots running, prompts
+<= 128, live lengths 100..500: `bench_generate --bytes`' rows) compiled for an H100 with no GPU
+attached (`bench_generate --bytes_target h100`; needs JAX's CUDA plugin), for bf16 and fp8 weights,
+with XLA's default GEMMs ("xla defaults": split-K, each GEMM's fp32 partial sums written and summed
+by the next kernel) and with the decode programs' options (`slot_programs.DECODE_COMPILER_OPTIONS`,
+what the engine compiles). Bytes: `decode_step_cost`'s (XLA's cost analysis of the GPU's fusions,
+gathers and scatters charged what they touch); kernels: `paged.kernel_counts`, "kernels / layers"
+all of them over the layers, "per layer" a decoder layer's own (the step's count minus the count of
+the same step with one layer, over the other layers). "lm_head fp8 too": the fp8 step's bytes with
+the lm_head's bytes as an fp8 GEMM instead of the generator dtype's (the lm_head compiled alone both
+ways; the generator keeps it in its dtype). --max_kernels_per_layer N exits with an error when a
+decoder layer launches more (the check of the kernel budget; a CPU-only install cannot run it).
+
+    python scripts/bench_fp8.py --step_costs 1b,8b --max_kernels_per_layer 16   # 2026-11-28: 10.5 bf16, 15.1 fp8
 """
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -45,13 +61,113 @@ def block_dequantized(w, n_in, block=128):
   return back.reshape(shape), kb * mb
 
 
+def lm_head_bytes(config, slots, mesh):
+  """Bytes of the lm_head and a greedy sampler's passes over its logits (hidden states `[slots, E]` ->
+  fp32 logits `[slots, vocab]` -> argmax, logsumexp) compiled for `mesh`'s device with the decode
+  programs' options: with the lm_head as the generator computes it (generator dtype) and as an fp8
+  GEMM (the weight per vocabulary column, the rows per token: `model.fp8`'s scheme). Returns (bf16,
+  fp8)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from llamarl_jax.generation import paged
+  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
+  from llamarl_jax.model import fp8
+
+  E, V, dt = config.hidden_size, config.vocab_size, jnp.dtype(config.dtype)
+  repl = NamedSharding(mesh, P())
+
+  # the logits' consumers as greedy decoding has them (the token, its log-prob's normaliser): the
+  # fp8 product's scales fuse into them as they do in the step
+  sample = lambda logits: (jnp.argmax(logits, axis=-1), jax.nn.logsumexp(logits, axis=-1))
+
+  def quantized(x, w, scale):
+    xq, sx = fp8.quantize_rows(x)
+    return sample(jax.lax.dot_general(xq, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                  * sx * scale)
+
+  plain = lambda x, w: sample(jnp.einsum("be,ev->bv", x, w, preferred_element_type=jnp.float32))
+  x = jax.ShapeDtypeStruct((slots, E), dt)
+  out = []
+  for f, args in ((plain, (x, jax.ShapeDtypeStruct((E, V), dt))),
+                  (quantized, (x, jax.ShapeDtypeStruct((E, V), fp8.FP8), jax.ShapeDtypeStruct((V,), jnp.float32)))):
+    compiled = compile_lowered(jax.jit(f, in_shardings=repl, out_shardings=repl).lower(*args), DECODE_COMPILER_OPTIONS)
+    out.append(paged.compiled_bytes_accessed(compiled)[0])
+  return tuple(out)
+
+
+def step_costs(sizes, slots=64, max_kernels_per_layer=None):
+  """The --step_costs table (see the module docstring); returns its rows as dicts."""
+  import jax
+  import numpy as np
+
+  import bench_generate
+  from llamarl_jax.generation import Sampler, SamplingParams
+  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, SlotPrograms
+  from llamarl_jax.model.hf import config_from_hf
+
+  mesh = bench_generate.target_mesh("h100")
+  T, Pm = 2048, 128  # bench_generate --bytes' cache and prompt limit
+  rng = np.random.RandomState(0)
+  live = rng.randint(100, 501, slots)
+  prompt = np.minimum(rng.randint(Pm // 4, Pm + 1, slots), live - 1)
+  print(f"# one decode step compiled for an H100 (no GPU attached), {slots} slots, live lengths mean "
+        f"{live.mean():.0f}, jax {jax.__version__}; decode options {DECODE_COMPILER_OPTIONS}")
+  print("| shapes | weights | GEMMs compiled with | bytes / step | fp8 / bf16 | ideal (weights + live KV) | "
+        "kernels (GEMMs) | kernels / layers | per layer |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  rows, over = [], []
+  for size in sizes:
+    config = config_from_hf(bench_generate.hf_config(size).to_dict(), dtype=jax.numpy.bfloat16)
+    bf16 = {}
+    for options, label in (({}, "xla defaults"), (None, "decode options")):
+      for quantize in (None, "fp8"):
+        sampler = Sampler(config, mesh, quantize=quantize)
+        programs = SlotPrograms(config, sampler, num_slots=slots, pad_id=0, max_prompt_len=Pm, chunk_steps=16,
+                                sampling=SamplingParams(temperature=0, max_new_tokens=T - Pm), kv_block_size=16)
+        c = programs.decode_step_cost(prompt, live - prompt, compiler_options=options)
+        # a layer's kernels: the step's minus the same step's with one layer, over the other layers
+        one = dataclasses.replace(config, num_layers=1)
+        c1 = SlotPrograms(one, Sampler(one, mesh, quantize=quantize), num_slots=slots, pad_id=0, max_prompt_len=Pm,
+                          chunk_steps=16, sampling=SamplingParams(temperature=0, max_new_tokens=T - Pm),
+                          kv_block_size=16).decode_step_cost(prompt, live - prompt, compiler_options=options)
+        per_layer = (c["kernels"]["total"] - c1["kernels"]["total"]) / (config.num_layers - 1)
+        ratio = "" if quantize is None else f"{c['bytes'] / bf16[label]:.2f}x"
+        bf16.setdefault(label, c["bytes"])
+        print(f"| {size} | {quantize or 'bf16'} | {label} | {c['bytes'] / 1e9:.3f} GB | {ratio} | "
+              f"{c['ideal'] / 1e9:.3f} GB | {c['kernels']['total']} ({c['kernels']['gemm']}) | "
+              f"{c['kernels']['total'] / config.num_layers:.1f} | {per_layer:.1f} |", flush=True)
+        rows.append(dict(size=size, quantize=quantize, options=label, bytes=c["bytes"], ideal=c["ideal"],
+                         kernels=c["kernels"], kernels_per_layer=per_layer))
+        if options is None and max_kernels_per_layer is not None and per_layer > max_kernels_per_layer:
+          over.append(f"{size} {quantize or 'bf16'}: {per_layer:.1f} kernels per layer")
+    head_bf16, head_fp8 = lm_head_bytes(config, slots, mesh)
+    total = rows[-1]["bytes"] - head_bf16 + head_fp8
+    print(f"| {size} | fp8, lm_head fp8 too (the lm_head compiled alone: {head_bf16 / 1e9:.3f} -> "
+          f"{head_fp8 / 1e9:.3f} GB) | decode options | {total / 1e9:.3f} GB | {total / bf16['decode options']:.2f}x "
+          f"| | | | |", flush=True)
+    rows.append(dict(size=size, quantize="fp8+lm_head", options="decode options", bytes=total,
+                     lm_head_bytes=(head_bf16, head_fp8)))
+  if over:
+    raise SystemExit(f"over the budget of {max_kernels_per_layer} kernels per layer: " + "; ".join(over))
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--size", default="50m", help="a bench_generate size (5m, 50m, 400m, 1b, 8b)")
   parser.add_argument("--outliers", type=float, default=0.0, help="log-normal spread of input-row magnitudes")
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq", type=int, default=64)
+  parser.add_argument("--step_costs", default=None, help="sizes (e.g. 1b,8b): the decode step's bytes and kernels "
+                      "compiled for an H100, bf16 vs fp8 (see above)")
+  parser.add_argument("--slots", type=int, default=64, help="--step_costs: slots")
+  parser.add_argument("--max_kernels_per_layer", type=float, default=None,
+                      help="--step_costs: fail when a row with the decode options launches more per layer")
   args = parser.parse_args(argv)
+  if args.step_costs:
+    return step_costs(args.step_costs.split(","), args.slots, args.max_kernels_per_layer)
 
   import jax
   import jax.numpy as jnp

@@ -145,6 +145,15 @@ def test_bench_generate_bytes_target_without_the_cuda_plugin_names_the_fix():
     _load("bench_generate").main(["--bytes", "--bytes_target", "h100", "--sizes", "5m", "--slots", "8"])
 
 
+def test_bench_fp8_step_costs_without_the_cuda_plugin_names_the_fix():
+  """--step_costs compiles for an H100: without JAX's CUDA plugin it stops with the install lines."""
+  import jax
+  if "cuda" in (jax.config.jax_platforms or "") or jax.default_backend() == "gpu":
+    pytest.skip("a CUDA backend is configured here")
+  with pytest.raises(SystemExit, match="jax-cuda12-plugin"):
+    _load("bench_fp8").main(["--step_costs", "5m", "--slots", "8"])
+
+
 def test_ideal_utilization_refills_every_freed_slot_at_the_next_step():
   """Hand-counted: 2 slots, responses of 5, 2, 2, 2 tokens hold a slot 4, 1, 1, 1 steps: 4 steps,
   7 busy slot-steps of 8 (the last step has one busy slot); prompts waited during steps 1-2 (both

@@ -87,10 +87,92 @@ def test_pallas_kernel_equals_the_xla_forms_and_the_dense_reference(per_step):
 
 def test_kernel_bytes_count_each_live_block_of_each_head_once():
   """Hand count: 3 live entries of 4 positions x 2 KV heads x head dim 8 in bf16, k and v: 768 bytes;
-  q and the output padded to 16 rows per KV head (G = 2): 2 x 2 rows x 2 heads x 16 x 8 x 2 = 2048."""
+  q and the output padded to 16 rows per KV head (G = 2): 2 x 2 rows x 2 heads x 16 x 8 x 2 = 2048;
+  the decode step's write: each row's new key and value read and stored, 4 x 2 rows x 2 heads x 8 x 2
+  = 256."""
   from llamarl_jax.model.paged_kernel import kernel_bytes
-  assert kernel_bytes(num_rows=2, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, live_entries=3,
-                      itemsize=2) == 768 + 2048
+  shapes = dict(num_rows=2, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, live_entries=3, itemsize=2)
+  assert kernel_bytes(**shapes, write=False) == 768 + 2048
+  assert kernel_bytes(**shapes) == 768 + 2048 + 256
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla_form(scaled):
+  """`write_and_attend` with the Pallas kernel (interpret mode; the key's RoPE and the write inside the
+  kernel, k and v read from channels 3 and 1 of a [B, KV, 4, D] projection output, the new token
+  attended from registers) against the XLA form (`rope_rotate`, `write_token` scatters, then 'dot'):
+  the same pools (the values bit for bit, the keys up to one fp32 rounding of the rotation) and the
+  same outputs up to fp32 summation order. Row 1 is idle (no entries, writes to the trash block 9, gets zeros); rows 0 and 3 share
+  prompt blocks and write into their own response blocks (the last listed position), whose stale
+  contents must not be read. scaled: kv is an fp8 GEMM's fp32 product with row and column scales
+  (`fp8.apply_scales` inside the kernel, as the XLA form applies them)."""
+  from llamarl_jax.model.paged_attention import PagedLayer, rope_rotate, write_and_attend
+  rng = np.random.RandomState(2)
+  k_pool = rng.randn(NB, BS, KV, D).astype(np.float32)
+  v_pool = rng.randn(NB, BS, KV, D).astype(np.float32)
+  q = (3 * rng.randn(4, 1, H, D)).astype(np.float32)
+  kv = rng.randn(4, KV, 4, D).astype(np.float32)
+  angles = rng.uniform(0, 6, (4, D // 2)).astype(np.float32)
+  cos, sin = (jnp.asarray(np.concatenate([f(angles)] * 2, axis=-1)) for f in (np.cos, np.sin))
+  rows = {0: [(2, 4), (3, 1), (6, 2)], 1: [], 2: [(7, 4), (8, 4), (4, 3)], 3: [(2, 4), (3, 1), (5, 3)]}
+  entries = [(r, b, n) for r in range(4) for b, n in rows[r]] + [(4, 9, 0)] * 3
+  row, block, length = (jnp.array(c, jnp.int32) for c in zip(*entries))
+  write_block, write_offset = jnp.array([6, 9, 4, 5], jnp.int32), jnp.array([1, 0, 2, 2], jnp.int32)
+  layer = PagedLayer(jnp.asarray(k_pool), jnp.asarray(v_pool), write_block, write_offset, row, block, length)
+  kv_scales = None
+  if scaled:
+    kv_scales = (jnp.asarray(rng.uniform(0.5, 2, 4).astype(np.float32)),
+                 jnp.asarray(rng.uniform(0.5, 2, (KV, 4, D)).astype(np.float32)))
+  args = (jnp.asarray(q), jnp.asarray(kv), (3, 1), cos, sin, layer)
+  out, ck, cv = write_and_attend(*args, implementation="pallas", kv_scales=kv_scales)
+  ref_out, ref_k, ref_v = write_and_attend(*args, implementation="dot", kv_scales=kv_scales)
+  if scaled:
+    from llamarl_jax.model.fp8 import apply_scales
+    kv = np.asarray(apply_scales(jnp.asarray(kv), *kv_scales, jnp.float32))
+  written = np.zeros((NB, BS), bool)
+  written[np.asarray(write_block), np.asarray(write_offset)] = True
+  np.testing.assert_array_equal(np.asarray(ck)[~written], k_pool[~written])  # nothing else touched
+  np.testing.assert_array_equal(np.asarray(cv), np.asarray(ref_v))
+  # the rotated key: the same fp32 products and sums, the kernel's on half vectors (1 ulp apart at most)
+  np.testing.assert_allclose(np.asarray(ck), np.asarray(ref_k), rtol=3e-7, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(ck)[6, 1], np.asarray(rope_rotate(kv[0, :, 3], cos[0], sin[0])),
+                             rtol=3e-7, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(cv)[4, 2], kv[2, :, 1])
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(out)[1], 0.0)
+  expected = numpy_attention(q, np.asarray(ref_k), np.asarray(ref_v), rows)
+  np.testing.assert_allclose(np.asarray(out)[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_programs_compile_with_their_options_or_xlas_defaults_where_unknown():
+  """`compile_lowered` passes the decode programs' XLA options (no split-K GEMMs) to the compiler;
+  an XLA that does not know an option compiles with its defaults; any other error is raised."""
+  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
+
+  class Lowered:  # records what it was compiled with; knows only `known`
+    def __init__(self, known, error="INVALID_ARGUMENT: No such compile option: '{}'"):
+      self.known, self.error, self.calls = known, error, []
+
+    def compile(self, compiler_options=None):
+      self.calls.append(compiler_options)
+      unknown = [k for k in compiler_options or {} if k not in self.known]
+      if unknown:
+        raise RuntimeError(self.error.format(unknown[0]))
+      return "compiled"
+
+  assert DECODE_COMPILER_OPTIONS == {"xla_gpu_experimental_force_split_k": 1}
+  lowered = Lowered(known=set(DECODE_COMPILER_OPTIONS))
+  assert compile_lowered(lowered, DECODE_COMPILER_OPTIONS) == "compiled"
+  assert lowered.calls == [DECODE_COMPILER_OPTIONS]
+  older = Lowered(known=set())
+  assert compile_lowered(older, DECODE_COMPILER_OPTIONS) == "compiled"
+  assert older.calls == [DECODE_COMPILER_OPTIONS, None]
+  broken = Lowered(known=set(), error="RESOURCE_EXHAUSTED: out of memory compiling {}")
+  with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+    compile_lowered(broken, DECODE_COMPILER_OPTIONS)
+  # jax's own compiler takes the option on this backend (the CPU's ignores a GPU option)
+  real = jax.jit(lambda x: x @ x).lower(jax.ShapeDtypeStruct((8, 8), jnp.float32))
+  assert float(compile_lowered(real, DECODE_COMPILER_OPTIONS)(jnp.eye(8))[0, 0]) == 1.0
 
 
 @pytest.mark.parametrize("implementation", ["reduce", "dot"])

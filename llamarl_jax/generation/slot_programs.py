@@ -54,6 +54,29 @@ from llamarl_jax.model.paged_attention import PagedKVCache
 
 Array = jax.Array
 
+# XLA options a decode program compiles with. A decode GEMM has one row per slot (M <= a few hundred)
+# and a long contraction; XLA's GPU compiler splits such a GEMM's contraction over thread blocks
+# (split-K) and writes each block's fp32 partial sums to memory for a second pass to add: at 1B
+# shapes, 64 slots, compiled for an H100, 0.53 GB per step, more than half the fp8 layers' weights
+# (BENCHMARKS.md, "Kernels and bytes of a decode step"). Without split-K the GEMM writes its result
+# once and the residual add fuses with the next norm. A GPU option (the CPU compiler ignores it;
+# an XLA that lacks it compiles with its defaults, `compile_lowered`); on a GPU the autotuner then
+# picks tiles without split-K (its speed there is not measured yet).
+DECODE_COMPILER_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
+
+
+def compile_lowered(lowered, options: dict | None = None):
+  """`lowered.compile(compiler_options=options)`; where this XLA does not know one of the options
+  (they are experimental flags that may move between versions), compiled with its defaults."""
+  if not options:
+    return lowered.compile()
+  try:
+    return lowered.compile(compiler_options=options)
+  except Exception as e:  # jax raises XlaRuntimeError / JaxRuntimeError: "No such compile option: ..."
+    if "No such compile option" not in str(e):
+      raise
+    return lowered.compile()
+
 
 @flax.struct.dataclass
 class SlotState:
@@ -320,7 +343,7 @@ class SlotPrograms:
 
       def build(item):
         t = time.perf_counter()
-        exe = item[1].compile()
+        exe = compile_lowered(item[1], DECODE_COMPILER_OPTIONS if item[0][0] == "decode" else None)
         return item[0], exe, time.perf_counter() - t
 
       workers = max(1, min(len(lowered), os.cpu_count() or 1))
@@ -602,8 +625,8 @@ class SlotPrograms:
 
   # -- cost of one decode step (bench_generate --bytes, tests) ----------------------------------------
 
-  def decode_step_cost(self, prompt_lens, n_gen, *, layout: str = "paged",
-                       num_entries: int | None = None) -> dict[str, float]:
+  def decode_step_cost(self, prompt_lens, n_gen, *, layout: str = "paged", num_entries: int | None = None,
+                       compiler_options: dict | None = None) -> dict[str, float]:
     """XLA's cost analysis of ONE decode step, lowered and compiled from abstract shapes (nothing
     allocated), next to the ideal bytes (`paged.ideal_step_bytes`: weights + live KV).
 
@@ -611,7 +634,8 @@ class SlotPrograms:
     response tokens sampled; the step attends to L + n_gen positions (its live length).
     layout: 'paged' (this engine: the step lists `num_entries` blocks, default the program set's
     smallest entry count that holds the live blocks) or 'dense' (a `[S, Pm + R]` cache per layer,
-    attention over all of it).
+    attention over all of it). compiler_options: XLA's, default the decode programs'
+    (`DECODE_COMPILER_OPTIONS`); {} compiles with XLA's defaults.
     Returns {'bytes', 'xla_bytes', 'overcount', 'kernel_bytes', 'library_bytes', 'ideal', 'weights',
     'layer_weights' (the decoder layers' parameters as the step holds them: fp8 + scales with an fp8
     generator), 'kv', 'ratio',
@@ -668,7 +692,7 @@ class SlotPrograms:
                       out_shardings=(cache_sharding, self.state_sharding)).lower(
                           params, cache, state, jax.ShapeDtypeStruct((), jnp.int32))
     t0 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = compile_lowered(lowered, DECODE_COMPILER_OPTIONS if compiler_options is None else compiler_options)
     compile_s = time.perf_counter() - t0
     xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
     text = compiled.as_text()  # megabytes for a 1B step: read once

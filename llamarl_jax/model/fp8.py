@@ -61,6 +61,14 @@ def dense(x: Array, w: Array, scale: Array) -> Array:
   """x `[..., K]` times fp8 w `[*in, *out]` (prod(in) = K) with per-output-channel `scale` `[*out]`:
   x quantised per row to fp8, one fp8 x fp8 dot accumulated in fp32, then scaled by x's row scales
   and w's column scales. Returns `[..., *out]` in x's dtype."""
+  y, sx = dense_unscaled(x, w)
+  return apply_scales(y, sx, scale, x.dtype)
+
+
+def dense_unscaled(x: Array, w: Array) -> tuple[Array, Array]:
+  """`dense`'s product before its scales: (y fp32 `[..., *out]`, x's row scales fp32 `[...]`), with
+  dense(x, w, scale) == apply_scales(y, row scales, scale, x.dtype). A consumer that reads the fp32
+  product itself (the paged decode kernel's keys and values) scales it where it reads it."""
   K, lead = x.shape[-1], x.shape[:-1]
   n_in, size = 0, 1
   while size < K:
@@ -73,8 +81,13 @@ def dense(x: Array, w: Array, scale: Array) -> Array:
   # f8e4m3fn x f8e4m3fn -> fp32, the scales outside the dot: a GPU compiles it as an fp8 GEMM, a CPU
   # converts both operands to fp32 (exactly: e4m3 has 4 significant bits) and runs an fp32 dot
   y = jax.lax.dot_general(xq, w.reshape(K, -1), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-  y = y * sx * scale.reshape(1, -1)
-  return y.astype(x.dtype).reshape(*lead, *out)
+  return y.reshape(*lead, *out), sx.reshape(lead)
+
+
+def apply_scales(y: Array, row_scale: Array, scale: Array, dtype) -> Array:
+  """y `[..., *out]` fp32 times the row scales `[...]`, then the column scales `[*out]`, in `dtype`."""
+  rows = row_scale.reshape(*row_scale.shape, *([1] * scale.ndim))
+  return (y * rows * scale).astype(dtype)
 
 
 def projections(layer: dict):

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llamarl_jax.model import fp8 as fp8_lib
-from llamarl_jax.model.paged_attention import PagedKVCache, PagedLayer, paged_decode_attention, write_token
+from llamarl_jax.model.paged_attention import PagedKVCache, PagedLayer, rope_rotate, write_and_attend
 
 Array = jax.Array
 
@@ -244,14 +244,17 @@ def rope_attention_factor(config: ModelConfig) -> float:
   return mscale(1.0)
 
 
+def rope_cos_sin(positions: Array, inv_freq: Array, scale: float = 1.0) -> tuple[Array, Array]:
+  """fp32 cos, sin `[*positions.shape, D]` of RoPE at `positions`, times `scale`."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
 def apply_rope(x: Array, positions: Array, inv_freq: Array, scale: float = 1.0) -> Array:
   """Rotate-half RoPE (HF convention). x `[B, T, H, D]`, positions `[B, T]`; cos, sin times `scale`."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)).astype(x.dtype)
+  cos, sin = rope_cos_sin(positions, inv_freq, scale)
+  return rope_rotate(x, cos[:, :, None, :], sin[:, :, None, :])
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, scale=None) -> nnx.Param:
@@ -417,7 +420,7 @@ class Attention(nnx.Module):
   def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla", lora=None):
     """x `[B, T, E]`; mask `[B, T, S]` bool; layer_cache None, (k, v, index), or a `PagedLayer`
     (one token per row, mask unused: the new key/value is written to its page and attention reads
-    the listed live blocks, `paged_decode_attention`).
+    the listed live blocks, `paged_attention.write_and_attend`).
 
     With `lengths` `[B]` (and mask None, no cache) the rows are right-padded sequences from position
     0: causal attention with per-row lengths by `jax.nn.dot_product_attention(implementation=...)`,
@@ -426,8 +429,9 @@ class Attention(nnx.Module):
     attention within each (`segment_attention`). lora: `LoraLayer` adapters of this block's projections (the trainer's
     unmerged LoRA forward), or None."""
     dt, c = x.dtype, self.config
+    source = None  # where the fused projection's k and v lie (`_fused_qkv`)
     if self.fused:
-      q, k, v = self._fused_qkv(x, lora)
+      q, k, v, source = self._fused_qkv(x, lora)
     else:
       proj = functools.partial(jnp.einsum, "bte,ehd->bthd")
       q = with_lora(dense(x, self, "wq", proj), x, "wq", lora)
@@ -438,15 +442,22 @@ class Attention(nnx.Module):
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     scale = rope_attention_factor(c)
-    q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
-    new_cache = None
-    if isinstance(layer_cache, PagedLayer):  # the slot engine's decode step over pages
-      pc = layer_cache
-      ck = write_token(pc.k, k[:, 0], pc.write_block, pc.write_offset)
-      cv = write_token(pc.v, v[:, 0], pc.write_block, pc.write_offset)
-      out = paged_decode_attention(q, ck, cv, pc.entry_row, pc.entry_block, pc.entry_len)
+    if isinstance(layer_cache, PagedLayer):  # the slot engine's decode step over pages: k rotated with its write
+      cos, sin = rope_cos_sin(positions[:, 0], inv_freq, scale)  # [B, D]
+      kv_scales = None
+      if source is not None and not c.qk_norm:  # k and v read from the projection's output as they lie
+        kv, scales = source
+        kv, channels = kv[:, 0], (kv.shape[3] - 2, kv.shape[3] - 1)
+        kv_scales = None if scales is None else (scales[0][:, 0], scales[1])
+      else:
+        kv, channels = jnp.stack([k[:, 0], v[:, 0]], axis=2), (0, 1)
+      q = rope_rotate(q, cos[:, None, None, :], sin[:, None, None, :])
+      out, ck, cv = write_and_attend(q, kv, channels, cos.astype(dt), sin.astype(dt), layer_cache,
+                                     kv_scales=kv_scales)
       B, T, H, D = out.shape
       return dense(out.reshape(B, T, H * D), self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), (ck, cv)
+    q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
+    new_cache = None
     if layer_cache is not None:
       ck, cv, index = layer_cache
       if index.ndim == 0:  # one write slot shared by every row
@@ -470,16 +481,25 @@ class Attention(nnx.Module):
     return with_lora(dense(out, self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), out, "wo", lora), new_cache
 
   def _fused_qkv(self, x, lora):
-    """q `[B, T, H, D]`, k, v `[B, T, KV, D]` from one GEMM of x `[B, T, E]` with wqkv."""
+    """q `[B, T, H, D]`, k, v `[B, T, KV, D]` from one GEMM of x `[B, T, E]` with wqkv, and where they
+    lie: (that GEMM's output `[B, T, KV, G + 2, D]` (bias added), None), or with fp8 weights and no
+    bias (its fp32 product, (row scales `[B, T]`, column scales `[KV, G + 2, D]`)) (`fp8.dense_unscaled`)."""
     if lora is not None:
       raise ValueError("LoRA adapters apply to the unfused projections (the trainer's layout); merge them "
                        "(lora.merge_adapters) before fusing (model.serving.serving_params)")
     dt = x.dtype
-    qkv = dense(x, self, "wqkv", functools.partial(jnp.einsum, "bte,ekgd->btkgd"))  # [B, T, KV, G + 2, D]
-    if self.config.qkv_bias:
-      qkv = qkv + self.bqkv[...].astype(dt)
+    w_scale = getattr(self, "wqkv" + fp8_lib.SCALE, None)
+    if w_scale is not None and not self.config.qkv_bias:
+      y, sx = fp8_lib.dense_unscaled(x, self.wqkv[...])
+      qkv = fp8_lib.apply_scales(y, sx, w_scale[...], dt)  # `dense`'s result  [B, T, KV, G + 2, D]
+      source = (y, (sx, w_scale[...]))
+    else:
+      qkv = dense(x, self, "wqkv", functools.partial(jnp.einsum, "bte,ekgd->btkgd"))  # [B, T, KV, G + 2, D]
+      if self.config.qkv_bias:
+        qkv = qkv + self.bqkv[...].astype(dt)
+      source = (qkv, None)
     B, T, KV, G2, D = qkv.shape
-    return qkv[:, :, :, :G2 - 2].reshape(B, T, KV * (G2 - 2), D), qkv[:, :, :, G2 - 2], qkv[:, :, :, G2 - 1]
+    return qkv[:, :, :, :G2 - 2].reshape(B, T, KV * (G2 - 2), D), qkv[:, :, :, G2 - 2], qkv[:, :, :, G2 - 1], source
 
 
 class MLP(nnx.Module):

@@ -192,6 +192,42 @@ def paged_decode_attention(q: Array, k_pool: Array, v_pool: Array, entry_row: Ar
   return out.reshape(B, 1, H, D).astype(q.dtype)
 
 
+def rope_rotate(x: Array, cos: Array, sin: Array) -> Array:
+  """Rotate-half RoPE (HF convention) of x `[..., D]` with cos, sin broadcastable to it, in x's dtype:
+  x * cos + concat(-x2, x1) * sin (`llama.apply_rope`'s math)."""
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)).astype(x.dtype)
+
+
+def write_and_attend(q: Array, kv: Array, channels: tuple[int, int], cos: Array, sin: Array, layer: PagedLayer,
+                     implementation: str = "auto", kv_scales=None) -> tuple[Array, Array, Array]:
+  """One decode step's attention of a layer. q `[B, 1, H, D]` (after RoPE); kv `[B, KV, C, D]`: each
+  row's new key (channel `channels[0]`, before RoPE) and value (`channels[1]`), e.g. the fused Q/K/V
+  projection's output as it is; cos, sin `[B, D]` (the rows' RoPE, `llama.rope_cos_sin`). The key is
+  rotated (`rope_rotate`), key and value are written at (layer.write_block, layer.write_offset)
+  (`write_token`), then q attends over the row's listed blocks, the new position included
+  (`paged_decode_attention`). Returns (out `[B, 1, H, D]`, k pool, v pool). The 'pallas' form does
+  it in one kernel (`paged_kernel`: rotation and write inside it, no scatter kernels, kv read where it
+  lies; the new token's score in the same fp32 math, added to the online softmax last: summation
+  order only). kv_scales: (row `[B]`, column `[KV, C, D]`) where kv is an fp8 GEMM's fp32 product
+  (`fp8.dense_unscaled`): k and v are `fp8.apply_scales` of it in cos' dtype."""
+  k_at, v_at = channels
+  if resolve_paged_implementation(implementation) == "pallas":
+    from llamarl_jax.model.paged_kernel import paged_decode_attention_kernel
+    new = (kv, cos, sin, layer.write_block, layer.write_offset)
+    return paged_decode_attention_kernel(q, layer.k, layer.v, layer.entry_row, layer.entry_block, layer.entry_len,
+                                         new, kv_scales, channels=(k_at, v_at), interpret=_platform() == "cpu")
+  if kv_scales is not None:
+    from llamarl_jax.model.fp8 import apply_scales
+    kv = apply_scales(kv, kv_scales[0], kv_scales[1], cos.dtype)
+  k = rope_rotate(kv[:, :, k_at], cos[:, None], sin[:, None])
+  ck = write_token(layer.k, k, layer.write_block, layer.write_offset)
+  cv = write_token(layer.v, kv[:, :, v_at], layer.write_block, layer.write_offset)
+  out = paged_decode_attention(q, ck, cv, layer.entry_row, layer.entry_block, layer.entry_len, implementation)
+  return out, ck, cv
+
+
 def paged_attention_reference(q: Array, k_pool: Array, v_pool: Array, entry_row: Array, entry_block: Array,
                               entry_len: Array) -> Array:
   """The same attention the dense way (tests): each row's listed positions copied into a dense

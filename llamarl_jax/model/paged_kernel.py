@@ -8,6 +8,12 @@ state (running max, normaliser, weighted values) in registers and writes only th
 step reads each live block of each KV head once and nothing block-sized is written. Entries past a
 row's count (the bucket's padding) are never read.
 
+The decode step's call (`paged_attention.write_and_attend`) also does the step's KV write: the
+program rotates its row's new key (RoPE), stores key and value into the pools (aliased: in place)
+and attends to the new token from registers, so a layer's attention is this kernel alone (no scatter
+kernels, no copy of k and v: they are read from the Q/K/V projection's output where they lie, an
+fp8 GEMM's fp32 product with its scales applied here).
+
 Entry list: the one `paged_attention` documents, with one more requirement: each row's entries are
 contiguous and rows appear in increasing order (`paged.live_entries` lists them so); padding entries
 (row >= B) come last. The XLA forms take any order.
@@ -35,10 +41,41 @@ Array = jax.Array
 NEG = -0.7 * float(np.finfo(np.float32).max)  # a finite "minus infinity" for the running maximum
 
 
-def _kernel(start_ref, count_ref, block_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, per_step: int, scale: float):
+def _kernel(start_ref, count_ref, block_ref, len_ref, q_ref, k_ref, v_ref, *refs, per_step: int, scale: float,
+            write: bool, scaled: bool):
   """One (row, KV head): q_ref [Gp, D]; k_ref, v_ref [NB, bs, D] (this head's slice of the pools);
   start_ref, count_ref [] the row's first entry and entry count; block_ref, len_ref [TBp] (the entry
-  list, padded so that `per_step` entries past any start stay in bounds); o_ref [Gp, D]."""
+  list, padded so that `per_step` entries past any start stay in bounds); then o_ref [Gp, D].
+  write: refs are (write block [], write offset [], new key before RoPE [D], new value [D], cos [D],
+  sin [D], [scaled: the row's scale [], the key's and the value's column scales [D] each], o_ref, k
+  out, v out (the pools, aliased)): the key is rotated (`llama.apply_rope`'s
+  rotate-half, in the key's dtype), key and value are stored at (write block, write offset), that
+  position is left out of the blocks' reads (whatever they see of the store) and the new token is
+  attended from registers instead, after the listed blocks; a row with no entries (idle) attends to
+  nothing."""
+  if write:
+    wb_ref, wo_ref, kn_ref, vn_ref, cos_ref, sin_ref, *refs = refs
+    if scaled:  # kv is an fp8 GEMM's fp32 product: its row scale and the key's / value's column scales
+      sx_ref, ks_ref, vs_ref, *refs = refs
+    o_ref, k_out_ref, v_out_ref = refs
+    wb, wo = wb_ref[...], wo_ref[...]
+    half = kn_ref.shape[0] // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    dt = cos_ref.dtype  # the compute dtype
+    if scaled:  # `fp8.apply_scales`: (y * row) * column, then the compute dtype
+      sx = sx_ref[...]
+      k1, k2 = ((kn_ref[lo] * sx) * ks_ref[lo]).astype(dt), ((kn_ref[hi] * sx) * ks_ref[hi]).astype(dt)
+      v_new = ((vn_ref[...] * sx) * vs_ref[...]).astype(dt).astype(v_out_ref.dtype)  # [D]
+    else:
+      k1, k2 = kn_ref[lo], kn_ref[hi]
+      v_new = vn_ref[...].astype(v_out_ref.dtype)  # [D]
+    k_lo = (k1 * cos_ref[lo] + (-k2) * sin_ref[lo]).astype(k_out_ref.dtype)  # [D/2] each
+    k_hi = (k2 * cos_ref[hi] + k1 * sin_ref[hi]).astype(k_out_ref.dtype)
+    k_out_ref[wb, wo, lo] = k_lo
+    k_out_ref[wb, wo, hi] = k_hi
+    v_out_ref[wb, wo] = v_new
+  else:
+    o_ref, = refs
   start, count = start_ref[...], count_ref[...]
   bs = k_ref.shape[1]
   q = q_ref[...].astype(jnp.float32) * scale  # [Gp, D]
@@ -54,7 +91,10 @@ def _kernel(start_ref, count_ref, block_ref, len_ref, q_ref, k_ref, v_ref, o_ref
     lens = jnp.where(i * per_step + offsets < count, len_ref[pl.ds(first, per_step)], 0)  # the row's only
     k = k_ref[blocks].reshape(width, D).astype(jnp.float32)  # [P * bs, D]
     v = v_ref[blocks].reshape(width, D).astype(jnp.float32)
-    valid = (positions[None, :] < lens[:, None]).reshape(1, width)
+    live = positions[None, :] < lens[:, None]  # [P, bs]
+    if write:  # the new token's position: attended from registers below
+      live = live & ~((blocks[:, None] == wb) & (positions[None, :] == wo))
+    valid = live.reshape(1, width)
     s = jnp.where(valid, jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                              preferred_element_type=jnp.float32), NEG)  # [Gp, P * bs]
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -64,18 +104,30 @@ def _kernel(start_ref, count_ref, block_ref, len_ref, q_ref, k_ref, v_ref, o_ref
     return o, m_new, alpha * l + jnp.sum(p, axis=1)
 
   init = (jnp.zeros((Gp, D), jnp.float32), jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32))
-  o, _, l = jax.lax.fori_loop(0, (count + per_step - 1) // per_step, body, init)
+  o, m, l = jax.lax.fori_loop(0, (count + per_step - 1) // per_step, body, init)
+  if write:  # one more online-softmax step: the new token (a running row always has entries)
+    s = (jnp.sum((q_ref[:, lo].astype(jnp.float32) * scale) * k_lo.astype(jnp.float32)[None, :], axis=1)
+         + jnp.sum((q_ref[:, hi].astype(jnp.float32) * scale) * k_hi.astype(jnp.float32)[None, :], axis=1))  # [Gp]
+    vf = v_new.astype(jnp.float32)
+    m_new = jnp.maximum(m, s)
+    alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
+    running = count > 0
+    o = jnp.where(running, alpha[:, None] * o + p[:, None] * vf[None, :], o)
+    l = jnp.where(running, alpha * l + p, l)
   o_ref[...] = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
 
 
 def kernel_bytes(*, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 live_entries: int, itemsize: int) -> int:
+                 live_entries: int, itemsize: int, write: bool = True) -> int:
   """Bytes one call of the kernel moves, counted from its structure (XLA's cost analysis does not see
   inside a custom call): every live entry's block of every KV head read once for k and once for v,
-  q read and the output written ([rows, KV, Gp, D] each); the entry list and spans are ints."""
+  q read and the output written ([rows, KV, Gp, D] each); with `write` (the decode step's call) each
+  row's new key and value read and stored ([rows, KV, D] each, twice); the entry list and spans are
+  ints."""
   Gp = max(16, pl.next_power_of_2(num_heads // num_kv_heads))
   kv = 2 * live_entries * block_size * num_kv_heads * head_dim * itemsize
-  return int(kv + 2 * num_rows * num_kv_heads * Gp * head_dim * itemsize)
+  new = 4 * num_rows * num_kv_heads * head_dim * itemsize if write else 0
+  return int(kv + new + 2 * num_rows * num_kv_heads * Gp * head_dim * itemsize)
 
 
 def row_spans(entry_row: Array, num_rows: int) -> Array:
@@ -86,15 +138,24 @@ def row_spans(entry_row: Array, num_rows: int) -> Array:
   return jnp.stack([jnp.cumsum(count) - count, count], axis=1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("per_step", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("per_step", "interpret", "num_warps", "channels"))
 def paged_decode_attention_kernel(q: Array, k_pool: Array, v_pool: Array, entry_row: Array, entry_block: Array,
-                                  entry_len: Array, *, per_step: int = 4, interpret: bool = False,
-                                  num_warps: int = 4) -> Array:
+                                  entry_len: Array, new=None, kv_scales=None, *, channels: tuple[int, int] = (0, 1),
+                                  per_step: int = 4, interpret: bool = False, num_warps: int = 4):
   """`paged_attention.paged_decode_attention` as one Pallas kernel (see the module docstring).
 
   q `[B, 1, H, D]`; k_pool, v_pool `[NB, bs, KV, D]`; entry_* int32 `[TB]`, row-contiguous and
   row-ascending. per_step: blocks per loop step (a power of two; per_step x bs positions at a time).
   Returns `[B, 1, H, D]` in q's dtype. interpret: run the kernel with JAX ops (any backend).
+  new: (kv `[B, KV, C, D]`, cos, sin `[B, D]`, write_block, write_offset int32 `[B]`): the decode
+  step's write in the same kernel (`paged_attention.write_and_attend`, no scatter kernels): each
+  row's new key (channel `channels[0]` of kv, before RoPE; cos, sin `llama.rope_cos_sin`'s in its
+  dtype) and value (channel `channels[1]`) stored at (write_block, write_offset) of the pools
+  (updated in place: aliased) and attended; the entries must list that position (as
+  `paged_decode_attention`'s do after the write). kv may be the fused Q/K/V projection's output as
+  it is (no copy of k or v is made). Returns (out, k_pool, v_pool) then. kv_scales: (row `[B]`,
+  column `[KV, C, D]`) where kv is an fp8 GEMM's fp32 product (`fp8.dense_unscaled`): k and v are
+  `fp8.apply_scales` of it in cos' dtype.
   """
   B, _, H, D = q.shape
   NB, bs, KV, _ = k_pool.shape
@@ -118,21 +179,39 @@ def paged_decode_attention_kernel(q: Array, k_pool: Array, v_pool: Array, entry_
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
     compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+  row = pl.BlockSpec((None,), lambda r, h: (r,))  # one int per row
+  pool = pl.BlockSpec((NB, bs, None, D), lambda r, h: (0, 0, h, 0))  # a pool, this KV head
+  head = pl.BlockSpec((None, None, Gp, D), lambda r, h: (r, h, 0, 0))  # [Gp, D] of the row's head group
+  in_specs = [row, row,  # the row's first entry and entry count
+              pl.BlockSpec((TBp,), lambda r, h: (0,)), pl.BlockSpec((TBp,), lambda r, h: (0,)),  # entry blocks, lengths
+              head, pool, pool]
+  out_specs, out_shape = head, jax.ShapeDtypeStruct((B, KV, Gp, D), q.dtype)
+  args, aliases = [starts, counts, blocks, lens, qg, k_pool, v_pool], {}
+  if new is not None:
+    kv, cos, sin, write_block, write_offset = new
+    k_at, v_at = channels
+    in_specs += [row, row,
+                 pl.BlockSpec((None, None, None, D), lambda r, h: (r, h, k_at, 0)),  # the row's new key, this head
+                 pl.BlockSpec((None, None, None, D), lambda r, h: (r, h, v_at, 0)),  # and value
+                 pl.BlockSpec((None, D), lambda r, h: (r, 0)), pl.BlockSpec((None, D), lambda r, h: (r, 0))]
+    args += [write_block.astype(jnp.int32), write_offset.astype(jnp.int32), kv, kv, cos, sin]
+    if kv_scales is not None:
+      row_scale, col_scale = kv_scales
+      in_specs += [row, pl.BlockSpec((None, None, D), lambda r, h: (h, k_at, 0)),
+                   pl.BlockSpec((None, None, D), lambda r, h: (h, v_at, 0))]
+      args += [row_scale.astype(jnp.float32), col_scale.astype(jnp.float32), col_scale.astype(jnp.float32)]
+    out_specs = [head, pool, pool]
+    out_shape = [out_shape, jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+                 jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
+    aliases = {5: 1, 6: 2}  # the pools, updated in place
   out = pl.pallas_call(
-      functools.partial(_kernel, per_step=per_step, scale=1.0 / math.sqrt(D)),
-      grid=(B, KV),
-      in_specs=[
-          pl.BlockSpec((None,), lambda r, h: (r,)),  # the row's first entry
-          pl.BlockSpec((None,), lambda r, h: (r,)),  # the row's entry count
-          pl.BlockSpec((TBp,), lambda r, h: (0,)),  # entry blocks
-          pl.BlockSpec((TBp,), lambda r, h: (0,)),  # entry lengths
-          pl.BlockSpec((None, None, Gp, D), lambda r, h: (r, h, 0, 0)),  # q of the row's head group
-          pl.BlockSpec((NB, bs, None, D), lambda r, h: (0, 0, h, 0)),  # k pool, this KV head
-          pl.BlockSpec((NB, bs, None, D), lambda r, h: (0, 0, h, 0)),  # v pool, this KV head
-      ],
-      out_specs=pl.BlockSpec((None, None, Gp, D), lambda r, h: (r, h, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, KV, Gp, D), q.dtype),
+      functools.partial(_kernel, per_step=per_step, scale=1.0 / math.sqrt(D), write=new is not None,
+                        scaled=kv_scales is not None),
+      grid=(B, KV), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
       interpret=interpret, compiler_params=compiler_params, cost_estimate=cost,
       name=f"paged_decode_attention_bs{bs}_p{per_step}",
-  )(starts, counts, blocks, lens, qg, k_pool, v_pool)
-  return out[:, :, :G].reshape(B, 1, H, D)
+  )(*args)
+  if new is None:
+    return out[:, :, :G].reshape(B, 1, H, D)
+  out, k_pool, v_pool = out
+  return out[:, :, :G].reshape(B, 1, H, D), k_pool, v_pool
