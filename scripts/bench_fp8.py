@@ -12,8 +12,8 @@ and the bytes the scales add. `--outliers S` multiplies each projection's input 
 exp(S * N(0, 1)) first (input channels of very different magnitude, as trained LLMs have), the case
 where a block's own scale helps most.
 
-    python scripts/bench_fp8.py --size 50m
-    python scripts/bench_fp8.py --size 50m --outliers 1.0
+    python -m scripts.bench_fp8 --size 50m
+    python -m scripts.bench_fp8 --size 50m --outliers 1.0
 
 --step_costs 1b,8b: one decode step of the slot engine (every one of --slots slots running, prompts
 <= 128, live lengths 100..500: `bench_generate --bytes`' rows) compiled for an H100 with no GPU
@@ -28,16 +28,12 @@ the lm_head's bytes as an fp8 GEMM instead of the generator dtype's (the lm_head
 ways; the generator keeps it in its dtype). --max_kernels_per_layer N exits with an error when a
 decoder layer launches more (the check of the kernel budget; a CPU-only install cannot run it).
 
-    python scripts/bench_fp8.py --step_costs 1b,8b --max_kernels_per_layer 16   # 2026-11-28: 10.5 bf16, 15.1 fp8
+    python -m scripts.bench_fp8 --step_costs 1b,8b --max_kernels_per_layer 16   # 2026-11-28: 10.5 bf16, 15.1 fp8
 """
 
 import argparse
 import dataclasses
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def block_dequantized(w, n_in, block=128):
@@ -102,7 +98,7 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
   import jax
   import numpy as np
 
-  import bench_generate
+  from scripts import bench_generate
   from llamarl_jax.generation import Sampler, SamplingParams
   from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, SlotPrograms
   from llamarl_jax.model.hf import config_from_hf
@@ -173,7 +169,7 @@ def main(argv=None):
   import jax.numpy as jnp
   import numpy as np
 
-  import bench_generate
+  from scripts import bench_generate
   from llamarl_jax.generation import Sampler
   from llamarl_jax.model import fp8
   from llamarl_jax.model.llama import ModelConfig, abstract_model, init_model, merge_params, split_params
