@@ -27,6 +27,7 @@ RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": "tp",
     "norm": None,
+    "expert": None,  # MoE experts: replicated over the mesh (each device holds every expert)
 }
 
 

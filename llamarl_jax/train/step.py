@@ -140,13 +140,19 @@ def policy_loss(spec: StepSpec, logprobs_of, compute, frozen, ref_compute, mb, m
   if kw.get("aggregation") == "seq_sum_norm" and kw.get("loss_norm_constant") is None:
     kw["loss_norm_constant"] = response_len  # the loss's default, the batch's R, not a cut microbatch's
   policy, lora = (compute, None) if frozen is None else (frozen, compute)
+  routed = spec.model.num_experts > 0  # a MoE policy: its routing trace for the load-balancing loss
   out = logprobs_of(policy, remat=spec.remat, with_entropy=spec.with_entropy, lora=lora,
                     lora_scale=spec.lora_scale, lora_dropout=0.0 if key is None else spec.lora.dropout,
-                    dropout_key=key)
+                    dropout_key=key, **({"with_routing": True} if routed else {}))
+  out, trace = out if routed else (out, None)
   logprobs, kw["entropy"] = out if spec.with_entropy else (out, None)
   if ref_compute is not None:
     kw["ref_logprobs"] = jax.lax.stop_gradient(logprobs_of(ref_compute))
   loss, metrics = spec.loss(logprobs, mb["behaviour_logprobs"], mb["advantages"], mask, **kw)
+  if trace is not None:  # + router_aux_loss_coef x transformers' load-balancing loss of this forward
+    aux = trace.aux_loss()
+    loss = loss + spec.model.router_aux_loss_coef * aux
+    metrics = {**metrics, "loss/moe_aux": aux}
   share = loss_share(mask, totals, kw.get("aggregation", "token_mean"))
   return loss * share, (share, metrics, logprobs)
 

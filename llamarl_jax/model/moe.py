@@ -1,0 +1,96 @@
+"""Mixture-of-experts math (Qwen3-MoE): top-k routing, capacity-free grouped expert matmuls, and the
+load-balancing auxiliary loss. Pure functions; `model.llama.MoE` holds the parameters.
+
+Routing (as transformers' `Qwen3MoeTopKRouter`): router logits `x @ router` in the compute dtype,
+softmax in fp32, the top-k probabilities (renormalised to sum to 1 when `norm_topk_prob`) weight the
+chosen experts' outputs. Each token's k choices are one row each of a `[tokens * k, embed]` array
+sorted by expert, and every expert's SwiGLU runs over its contiguous rows with `jax.lax.ragged_dot`
+(a grouped matmul over group sizes: no capacity, no dropped tokens, no padding per expert).
+
+Routing replay: given `replay` indices `[..., k]` (the experts another forward chose), those experts
+are used instead of this forward's top-k, weighted by this forward's router probabilities of them
+(so the router's weights still get gradients for the replayed choices).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class RouterStats:
+  """One MoE layer's routing, for the auxiliary loss and for replay / disagreement metrics.
+
+  topk `[B, T, k]` int32: the experts each token was sent to; counts `[experts]` fp32: how many of
+  the (masked) tokens' top-k choices went to each expert (this forward's own top-k, replay or not);
+  prob_sum `[experts]` fp32: the sum over (masked) tokens of the router's probabilities."""
+
+  topk: Array
+  counts: Array
+  prob_sum: Array
+
+
+def route(x: Array, router: Array, k: int, norm_topk_prob: bool, replay: Array | None = None):
+  """x `[N, E]`, router `[E, X]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int32, probs
+  `[N, X]` fp32, own top-k `[N, k]` int32). With `replay` `[N, k]` the experts are those, weighted
+  by their probabilities under this router."""
+  logits = x @ router.astype(x.dtype)
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  top_p, top_i = jax.lax.top_k(probs, k)
+  if replay is not None:
+    top_i = replay.astype(jnp.int32)
+    top_p = jnp.take_along_axis(probs, top_i, axis=-1)
+  if norm_topk_prob:
+    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+  own = top_i if replay is None else jax.lax.top_k(probs, k)[1]
+  return top_p.astype(x.dtype), top_i.astype(jnp.int32), probs, own.astype(jnp.int32)
+
+
+def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Array) -> Array:
+  """Sum over each token's k experts of weight * SwiGLU_expert(x), by grouped matmuls.
+
+  x `[N, E]`; experts, weights `[N, k]`; gate_up: (w_gate, w_up) `[X, E, F]` each, or the serving
+  layout's fused w_gate_up `[X, E, 2, F]` (one grouped matmul of 2F columns); w_down `[X, F, E]` ->
+  `[N, E]`. The N * k (token, choice) rows are sorted by expert (stable), each expert's rows multiply
+  its own weights (`jax.lax.ragged_dot` with the experts' row counts as group sizes), and the rows
+  return to token order to be weighted and summed over the k choices."""
+  N, k = experts.shape
+  X = w_down.shape[0]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  rows = jnp.take(x, order // k, axis=0)  # [N * k, E], sorted by expert
+  sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
+  dt = x.dtype
+  if isinstance(gate_up, (tuple, list)):
+    gate = jax.lax.ragged_dot(rows, gate_up[0].astype(dt), sizes)
+    up = jax.lax.ragged_dot(rows, gate_up[1].astype(dt), sizes)
+  else:
+    _, E, _, F = gate_up.shape
+    both = jax.lax.ragged_dot(rows, gate_up.reshape(X, E, 2 * F).astype(dt), sizes)
+    gate, up = both[:, :F], both[:, F:]
+  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dt), sizes)  # [N * k, E]
+  out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
+  return jnp.sum(out.reshape(N, k, -1) * weights[..., None], axis=1)
+
+
+def router_stats(topk: Array, probs: Array, num_experts: int, token_mask: Array | None) -> tuple[Array, Array]:
+  """(counts `[X]`, prob_sum `[X]`) over tokens with token_mask `[N]` (all when None): `RouterStats`."""
+  w = jnp.ones(topk.shape[0], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
+  counts = jnp.zeros(num_experts, jnp.float32).at[topk.reshape(-1)].add(jnp.repeat(w, topk.shape[1]))
+  return counts, jnp.sum(probs * w[:, None], axis=0)
+
+
+def load_balancing_loss(counts: Array, prob_sum: Array, num_tokens: Array) -> Array:
+  """Switch-Transformer load-balancing loss over MoE layers, transformers' `load_balancing_loss_func`:
+  num_experts * sum_e f_e * P_e, where f_e is the share of (layer, token) top-k choices sent to expert
+  e and P_e its mean router probability, both averaged over all MoE layers' tokens together.
+
+  counts, prob_sum `[layers, X]` (`RouterStats` of each MoE layer); num_tokens: tokens per layer."""
+  total = counts.shape[0] * num_tokens
+  f = jnp.sum(counts, axis=0) / total
+  p = jnp.sum(prob_sum, axis=0) / total
+  return counts.shape[1] * jnp.sum(f * p)

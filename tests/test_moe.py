@@ -1,0 +1,219 @@
+"""Qwen3-MoE against transformers' `Qwen3MoeForCausalLM` on the same weights.
+
+Tolerance: fp32 on both sides, as `test_model.py` (1e-4 absolute on logits of magnitude ~1: only
+summation order differs). Routing is discrete: the tiny models' routers are N(0, 1/hidden)
+(`conftest.tiny_hf_model`), so top-k margins are far above fp32 rounding and both sides choose the
+same experts; a wrong expert, weight or normalisation moves logits by ~0.1.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from llamarl_jax.model import load_hf_checkpoint, save_hf_checkpoint
+from llamarl_jax.model.llama import prepare_params, scan_hidden_states, split_params
+
+# name: overrides of conftest's tiny Qwen3-MoE (2 layers, 4 experts, top-2, all layers sparse)
+CONFIGS = {
+    "all_sparse": {},
+    "norm_topk": {"norm_topk_prob": True, "num_experts_per_tok": 3},
+    "mlp_only_layers": {"num_hidden_layers": 3, "mlp_only_layers": [1]},  # sparse, dense, sparse
+    "sparse_step": {"num_hidden_layers": 4, "decoder_sparse_step": 2, "tie_word_embeddings": True},  # dense, sparse x2
+}
+
+
+@nnx.jit
+def run(model, tokens, positions, attention_mask):
+  return model(tokens, positions=positions, attention_mask=attention_mask)
+
+
+def right_padded(lengths, vocab, seed):
+  rng = np.random.RandomState(seed)
+  T = max(lengths)
+  tokens = np.zeros((len(lengths), T), np.int64)
+  mask = np.zeros((len(lengths), T), np.int64)
+  for i, n in enumerate(lengths):
+    tokens[i, :n] = rng.randint(1, vocab, n)
+    mask[i, :n] = 1
+  return tokens, mask
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_match_transformers(make_hf_model, name):
+  """The model's forward (layers unrolled) and the trainer's (`scan_hidden_states`: layers under scan,
+  one scan per run of dense or sparse layers) both equal transformers' logits at every real position."""
+  ref, path = make_hf_model(family="qwen3_moe", **CONFIGS[name])
+  config, model = load_hf_checkpoint(path)
+  assert config.model_type == "qwen3_moe" and config.num_experts == 4
+  assert config.moe_layers == tuple(i for i, layer in enumerate(ref.model.layers) if hasattr(layer.mlp, "experts"))
+  tokens, mask = right_padded([20, 13, 6], config.vocab_size, seed=1)
+  with torch.no_grad():
+    want = ref(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.numpy()
+  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  ours = np.asarray(run(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)))
+  valid = mask.astype(bool)
+  np.testing.assert_allclose(ours[valid], want[valid], atol=1e-4, rtol=0)
+
+  prepared = prepare_params(split_params(model)[1], config.dtype)
+  hidden = jax.jit(lambda p, t, n: scan_hidden_states(config, p, t, n))(prepared, jnp.asarray(tokens),
+                                                                       jnp.asarray(mask.sum(1)))
+  scanned = np.asarray(model.logits(hidden))
+  np.testing.assert_allclose(scanned[valid], want[valid], atol=1e-4, rtol=0)
+
+
+def test_aux_loss_matches_transformers(make_hf_model):
+  """The load-balancing loss of the trainer's forward over right-padded rows (padding excluded) equals
+  transformers' `aux_loss` (output_router_logits, the same attention mask), and the routing trace
+  records transformers' top-k experts of every real token in every sparse layer."""
+  ref, path = make_hf_model(family="qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+  config, model = load_hf_checkpoint(path)
+  tokens, mask = right_padded([20, 13, 6], config.vocab_size, seed=2)
+  with torch.no_grad():
+    out = ref(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
+  prepared = prepare_params(split_params(model)[1], config.dtype)
+  _, trace = jax.jit(lambda p, t, n: scan_hidden_states(config, p, t, n, with_routing=True))(
+      prepared, jnp.asarray(tokens), jnp.asarray(mask.sum(1)))
+  assert trace.topk.shape == (3, 20, 2, 2) and trace.counts.shape == (2, 4)
+  np.testing.assert_allclose(float(trace.aux_loss()), float(out.aux_loss), rtol=1e-5)
+  valid = mask.reshape(-1).astype(bool)
+  for j, logits in enumerate(out.router_logits):  # [B * T, experts] per sparse layer
+    want = torch.topk(logits, 2, dim=-1).indices.numpy()[valid]
+    got = np.asarray(trace.topk[:, :, j]).reshape(-1, 2)[valid]
+    np.testing.assert_array_equal(np.sort(got, -1), np.sort(want, -1))
+
+
+@pytest.mark.parametrize("name", ["mlp_only_layers", "sparse_step"])
+def test_round_trip_through_transformers(make_hf_model, tmp_path, name):
+  """Export -> transformers loads Qwen3MoeForCausalLM with the same config and logits -> we load it
+  back bit-equal."""
+  import transformers
+
+  ref, path = make_hf_model(family="qwen3_moe", **CONFIGS[name])
+  config, model = load_hf_checkpoint(path)
+  out = save_hf_checkpoint(model, config, tmp_path / "export")
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
+  for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                "mlp_only_layers", "norm_topk_prob"):
+    assert getattr(reloaded.config, field) == getattr(ref.config, field), field
+  tokens = np.random.RandomState(3).randint(0, config.vocab_size, (2, 11))
+  with torch.no_grad():
+    np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.numpy(),
+                                  ref(torch.tensor(tokens)).logits.numpy())
+  config2, model2 = load_hf_checkpoint(out)
+  assert config2 == config
+  for a, b in zip(jax.tree.leaves(split_params(model)[1]), jax.tree.leaves(split_params(model2)[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_train_step_adds_the_load_balancing_loss(make_hf_model):
+  """A MoE trainer step reports `loss/moe_aux` equal to transformers' aux_loss over the step's rows
+  (prompt then response from position 0, padding excluded) and its total loss is the NLL plus
+  router_aux_loss_coef times it (fp32: 1e-5 relative)."""
+  import functools
+
+  from llamarl_jax import losses
+  from llamarl_jax.config import OptimizerConfig
+  from llamarl_jax.generation.rollout import trainer_layout
+  from llamarl_jax.model.logprobs import token_logprobs
+  from llamarl_jax.train import StepSpec, init_state, train_step
+
+  ref, path = make_hf_model(family="qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1], router_aux_loss_coef=0.5)
+  config, model = load_hf_checkpoint(path)
+  assert config.router_aux_loss_coef == 0.5
+  rng = np.random.RandomState(4)
+  B, P, R = 3, 5, 6
+  pm = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], np.int32)
+  rm = np.array([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]], np.int32)
+  batch = {"prompt_tokens": rng.randint(1, config.vocab_size, (B, P)).astype(np.int32) * pm, "prompt_mask": pm,
+           "response_tokens": rng.randint(1, config.vocab_size, (B, R)).astype(np.int32) * rm, "response_mask": rm,
+           "behaviour_logprobs": np.zeros((B, R), np.float32), "advantages": np.zeros(B, np.float32),
+           "token_versions": np.full((B, R), -1, np.int32)}
+  graphdef, params = split_params(model)
+  spec = StepSpec(model=config, loss=losses.nll_loss, optimizer=OptimizerConfig(lr=1e-3), logprob_chunk=None,
+                  mismatch=False)
+  _, metrics = jax.jit(functools.partial(train_step, spec))(init_state(params, spec.tx), batch)
+
+  tokens, lengths, _ = trainer_layout(*(jnp.asarray(batch[k]) for k in ("prompt_tokens", "prompt_mask",
+                                                                        "response_tokens", "response_mask")))
+  mask = (np.arange(tokens.shape[1])[None] < np.asarray(lengths)[:, None]).astype(np.int64)
+  with torch.no_grad():
+    want_aux = float(ref(torch.tensor(np.asarray(tokens), dtype=torch.long), attention_mask=torch.tensor(mask),
+                         output_router_logits=True).aux_loss)
+  lp = token_logprobs(graphdef, params, *(batch[k] for k in ("prompt_tokens", "prompt_mask", "response_tokens",
+                                                             "response_mask")))
+  nll = -float(jnp.sum(lp)) / rm.sum()
+  assert float(metrics["loss/moe_aux"]) == pytest.approx(want_aux, rel=1e-5)
+  assert float(metrics["loss/total"]) == pytest.approx(nll + 0.5 * want_aux, rel=1e-5)
+
+
+# -- decoding ------------------------------------------------------------------------------------
+
+
+def test_static_sampler_and_slot_engine_greedy_equal_transformers_generate(make_hf_model):
+  """Greedy decoding of a tiny Qwen3-MoE (sparse, dense, sparse layers) equals transformers'
+  `generate` token for token, in the static sampler (left-padded batch, KV cache; behaviour
+  log-probs equal to the full forward's within 1e-4) and in the paged slot engine (prompts in
+  different buckets, KV blocks of 4). Both serve the fused gate/up experts (`model.serving`)."""
+  from test_engine import hf_greedy
+  from test_sampler import R, assert_greedy_matches_transformers
+
+  from llamarl_jax.generation import Sampler, SamplingParams
+  from llamarl_jax.generation.engine import SlotEngine
+
+  ref, path = make_hf_model(family="qwen3_moe", vocab_size=68, num_hidden_layers=3, mlp_only_layers=[1])
+  config, model = load_hf_checkpoint(path)
+  rng = np.random.RandomState(0)
+  prompts = [rng.randint(3, 68, n).tolist() for n in (5, 11, 3)]
+  assert_greedy_matches_transformers(ref, model, Sampler(config, batch_multiple=8), prompts)
+
+  eng = SlotEngine(config, lanes=3, sampling=SamplingParams(temperature=0, max_new_tokens=R), max_prompt_len=16,
+                   chunk_steps=2, prompt_buckets=(8, 16), kv_block_size=4)
+  eng.swap(model, 0)
+  eng.submit(prompts, tags=[0, 1, 2])
+  groups = eng.run()
+  expected = hf_greedy(ref, prompts)
+  assert sorted(g.tag for g in groups) == [0, 1, 2]
+  for g in groups:
+    np.testing.assert_array_equal(g.tokens[0], expected[g.tag])
+
+
+def tiny_moe_config():
+  """A tiny Qwen3-MoE of our own (sparse, dense, sparse layers; 4 experts, top-2)."""
+  from llamarl_jax.model.llama import ModelConfig
+
+  return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                     head_dim=8, max_position_embeddings=64, rope_theta=10000.0, model_type="qwen3_moe",
+                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,))
+
+
+@pytest.mark.devices(8)
+def test_push_between_meshes_is_exact():
+  """The weight push moves MoE weights like any other: trainer fsdp=4 -> generator tp=4 (experts'
+  widths over tp), fp32 bit-exact, bf16 the cast of each value; the router and experts arrive on the
+  generator's shardings."""
+  from llamarl_jax import parallel
+  from llamarl_jax.executors.weight_sync import WeightSync
+  from llamarl_jax.model.llama import abstract_model
+
+  config = tiny_moe_config()
+  trainer_mesh, gen_mesh = parallel.make_meshes(trainer_fsdp=4, generator_tp=4)
+  abstract = abstract_model(config)
+  _, shapes = split_params(abstract)
+  axes = parallel.logical_axes(abstract)
+  rng = np.random.default_rng(0)
+  host = jax.tree.map(lambda s: rng.standard_normal(s.shape, dtype=np.float32), shapes)
+  params = jax.device_put(host, parallel.param_shardings(shapes, axes, trainer_mesh))
+  gen_shardings = parallel.param_shardings(shapes, axes, gen_mesh)
+  assert gen_shardings["layers"][0]["mlp"]["w_gate"].spec == jax.sharding.PartitionSpec(None, None, "tp")
+  for dtype in (jnp.float32, jnp.bfloat16):
+    sync = WeightSync(gen_shardings, dtype=dtype)
+    sync.push(params, version=1)
+    gen, _ = sync.latest()
+    for (path, t), g, sh in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(gen),
+                                jax.tree.leaves(gen_shardings)):
+      assert g.sharding == sh, path
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(t).astype(dtype))
