@@ -191,16 +191,19 @@ def tiny_moe_config():
 
 
 @pytest.mark.devices(8)
-def test_push_between_meshes_is_exact():
+@pytest.mark.parametrize("trainer,generator", [({"trainer_fsdp": 4}, {"generator_tp": 4}),
+                                               ({"trainer_fsdp": 2, "trainer_expert": 2},
+                                                {"generator_expert": 2, "generator_tp": 2})])
+def test_push_between_meshes_is_exact(trainer, generator):
   """The weight push moves MoE weights like any other: trainer fsdp=4 -> generator tp=4 (experts'
-  widths over tp), fp32 bit-exact, bf16 the cast of each value; the router and experts arrive on the
-  generator's shardings."""
+  widths over tp), and between expert-sharded meshes (fsdp=2 x expert=2 -> expert=2 x tp=2); fp32
+  bit-exact, bf16 the cast of each value; the router and experts arrive on the generator's shardings."""
   from llamarl_jax import parallel
   from llamarl_jax.executors.weight_sync import WeightSync
   from llamarl_jax.model.llama import abstract_model
 
   config = tiny_moe_config()
-  trainer_mesh, gen_mesh = parallel.make_meshes(trainer_fsdp=4, generator_tp=4)
+  trainer_mesh, gen_mesh = parallel.make_meshes(**trainer, **generator)
   abstract = abstract_model(config)
   _, shapes = split_params(abstract)
   axes = parallel.logical_axes(abstract)
@@ -208,7 +211,8 @@ def test_push_between_meshes_is_exact():
   host = jax.tree.map(lambda s: rng.standard_normal(s.shape, dtype=np.float32), shapes)
   params = jax.device_put(host, parallel.param_shardings(shapes, axes, trainer_mesh))
   gen_shardings = parallel.param_shardings(shapes, axes, gen_mesh)
-  assert gen_shardings["layers"][0]["mlp"]["w_gate"].spec == jax.sharding.PartitionSpec(None, None, "tp")
+  want = ("expert" if "generator_expert" in generator else None, None, "tp")
+  assert gen_shardings["layers"][0]["mlp"]["w_gate"].spec == jax.sharding.PartitionSpec(*want)
   for dtype in (jnp.float32, jnp.bfloat16):
     sync = WeightSync(gen_shardings, dtype=dtype)
     sync.push(params, version=1)
@@ -217,3 +221,49 @@ def test_push_between_meshes_is_exact():
                                 jax.tree.leaves(gen_shardings)):
       assert g.sharding == sh, path
       np.testing.assert_array_equal(np.asarray(g), np.asarray(t).astype(dtype))
+
+
+# -- expert parallelism --------------------------------------------------------------------------
+
+
+def moe_params(config, seed=0):
+  """Host params of `config`, numpy-filled (N(0, 1/fan_in) matrices, unit norm scales)."""
+  from llamarl_jax.model.llama import abstract_model
+
+  _, shapes = split_params(abstract_model(config))
+  rng = np.random.RandomState(seed)
+  fan_in = lambda s: s.shape[-2] if len(s.shape) == 3 else s.shape[0]
+  return jax.tree.map(lambda s: (np.ones(s.shape) if len(s.shape) == 1 else
+                                 rng.normal(0, 1 / np.sqrt(fan_in(s)), s.shape)).astype(np.float32), shapes)
+
+
+@pytest.mark.devices(8)
+def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
+  """3 AIPO steps (+ the load-balancing loss) on fsdp=2 x expert=2 x tp=2 give the one-device run's
+  losses, gradient norms (1e-5 relative) and params (1e-5 absolute: fp32, only summation order
+  differs); the experts are sharded over `expert`, each device computing its own. Both runs take 2
+  microbatches: the load-balancing loss is each forward's own (as transformers'), not linear in rows."""
+  from test_trainer import LOSS_KW, OPT, rows_batch
+
+  from llamarl_jax import parallel
+  from llamarl_jax.executors.trainer import TrainerExecutor
+
+  config = tiny_moe_config().replace(router_aux_loss_coef=0.01)
+  params = moe_params(config)
+  rng = np.random.RandomState(1)
+  batch = rows_batch(rng, rng.randint(1, 7, 8), np.r_[8, rng.randint(1, 9, 7)], 6, 8)
+  runs = {}
+  for name, mesh in (("one", parallel.make_mesh(jax.devices()[:1])),
+                     ("ep", parallel.make_mesh(jax.devices()[:8], fsdp=2, expert=2, tp=2))):
+    trainer = TrainerExecutor(config, mesh, params, optimizer=OPT, loss_kwargs=LOSS_KW, microbatches=2)
+    runs[name] = ([trainer.step(batch) for _ in range(3)], jax.device_get(trainer.params))
+    if name == "ep":
+      spec = trainer.params["layers"][0]["mlp"]["w_gate"].sharding.spec
+      assert spec[0] == "expert", spec
+  (m1, p1), (m2, p2) = runs["one"], runs["ep"]
+  for a, b in zip(m1, m2):
+    for key in ("loss/total", "loss/moe_aux", "train/grad_norm"):
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
+  assert m1[0]["loss/moe_aux"] > 0
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p1), jax.tree.leaves(p2)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))

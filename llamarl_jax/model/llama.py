@@ -568,7 +568,8 @@ class MoE(nnx.Module):
     flat = x.reshape(B * T, E)
     weights, experts, probs, own = moe_lib.route(flat, self.router[...], k, c.norm_topk_prob, replay)
     gate_up = self.w_gate_up[...] if self.fused else (self.w_gate[...], self.w_up[...])
-    out = moe_lib.grouped_swiglu(flat, experts, weights, gate_up, self.w_down[...])
+    mesh = None if routing is None else routing.mesh
+    out = moe_lib.grouped_swiglu(flat, experts, weights, gate_up, self.w_down[...], mesh)
     mask = None if routing is None or routing.token_mask is None else routing.token_mask.reshape(B * T)
     counts, prob_sum = moe_lib.router_stats(own, probs, c.num_experts, mask)
     return out.reshape(B, T, E), moe_lib.RouterStats(topk=own.reshape(B, T, k), counts=counts, prob_sum=prob_sum)
@@ -578,10 +579,12 @@ class MoE(nnx.Module):
 class Routing:
   """What a MoE forward is told about routing. token_mask `[B, T]` (1 = a real token, counted in the
   load-balancing statistics) or None (all); replay `[B, T, k]` int32: the experts each token must use
-  in one layer (routing replay), or None (the layer's own top-k)."""
+  in one layer (routing replay), or None (the layer's own top-k). mesh: the mesh whose `expert` axis
+  holds the experts (expert parallelism, `moe.grouped_swiglu`), or None."""
 
   token_mask: Array | None = None
   replay: Array | None = None
+  mesh: Any = flax.struct.field(pytree_node=False, default=None)
 
 
 def _layer_routing(replay: Array | None, j: int) -> Routing | None:
@@ -865,7 +868,7 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
                        attention: str = "xla", remat="none", scan_layers: bool = True,
                        lora: dict | None = None, lora_scale: float = 1.0, lora_dropout: float = 0.0,
                        dropout_key: Array | None = None, positions: Array | None = None,
-                       replay: Array | None = None, with_routing: bool = False):
+                       replay: Array | None = None, with_routing: bool = False, mesh=None):
   """Final-norm hidden states `[B, T, E]` of right-padded rows, the layers under `lax.scan`.
 
   prepared: `prepare_params(params, config.dtype)`. tokens `[B, T]`: each row's sequence from
@@ -882,7 +885,8 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
   "layers" stacked), added unmerged to the projections they adapt, times `lora_scale` (alpha / rank),
   their inputs dropped out with probability `lora_dropout` from `dropout_key` (a key per layer).
   MoE models: replay `[B, T, moe layers, k]` int32 replays those experts (`model.moe`); with
-  `with_routing=True` the result is (hidden, `MoeTrace`) (the trace None for a dense model).
+  `with_routing=True` the result is (hidden, `MoeTrace`) (the trace None for a dense model); mesh:
+  the trainer's mesh, whose `expert` axis (if > 1) computes the experts in parallel (`moe.grouped_swiglu`).
   """
   dt = jnp.dtype(config.dtype)
   B, T = tokens.shape
@@ -902,7 +906,7 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
     def layer(x, xs):
       layer_params, layer_lora, layer_key, layer_replay = xs
       adapters = None if layer_lora is None else LoraLayer(layer_lora, lora_scale, layer_key, lora_dropout)
-      routing = Routing(token_mask=token_mask, replay=layer_replay)
+      routing = Routing(token_mask=token_mask, replay=layer_replay, mesh=mesh)
       x, _, stats = nnx.merge(graphdef, layer_params)(x, positions, inv_freq, None, None, lengths, attention,
                                                       adapters, routing)
       return x, stats

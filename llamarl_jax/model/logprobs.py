@@ -37,7 +37,7 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
                     attention: str = "xla", logprob_chunk: int | None = None, width: int | None = None,
                     scan_layers: bool = True, lora: dict | None = None, lora_scale: float = 1.0,
                     lora_dropout: float = 0.0, dropout_key: Array | None = None, replay: Array | None = None,
-                    with_routing: bool = False):
+                    with_routing: bool = False, mesh=None):
   """`token_logprobs` on params already prepared (`prepare_params`: cast, layers stacked).
 
   One forward over the rows of `trainer_layout` (real prompt tokens from position 0, then the
@@ -50,8 +50,8 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
   response up to its last valid token <= width, as `group_by_length` guarantees): positions past it
   are padding and are cut off. scan_layers, lora (prepared adapters), lora_scale, lora_dropout,
   dropout_key: see `scan_hidden_states`. MoE models: replay `[B, width, moe layers, k]` (experts per
-  position of the forward's rows) and with_routing (the result is then (result, `llama.MoeTrace`)):
-  see `scan_hidden_states`.
+  position of the forward's rows), with_routing (the result is then (result, `llama.MoeTrace`)) and
+  mesh (expert parallelism): see `scan_hidden_states`.
   """
   tokens, lengths, predict = trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask)
   if width is not None:
@@ -60,7 +60,7 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
   hidden = scan_hidden_states(config, prepared, tokens, lengths, attention=attention, remat=remat,
                               scan_layers=scan_layers, lora=lora, lora_scale=lora_scale,
                               lora_dropout=lora_dropout, dropout_key=dropout_key, replay=replay,
-                              with_routing=with_routing)
+                              with_routing=with_routing, mesh=mesh)
   hidden, trace = hidden if with_routing else (hidden, None)
   hidden = jnp.take_along_axis(hidden, predict[..., None], axis=1)  # [B, R, E]
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), response_tokens,
@@ -76,7 +76,7 @@ def packed_logprobs(config: ModelConfig, prepared, tokens: Array, positions: Arr
                     targets: Array, *, temperature: float = 1.0, remat="none", with_entropy: bool = False,
                     attention: str = "xla", logprob_chunk: int | None = None, scan_layers: bool = True,
                     lora: dict | None = None, lora_scale: float = 1.0, lora_dropout: float = 0.0,
-                    dropout_key: Array | None = None, with_routing: bool = False):
+                    dropout_key: Array | None = None, with_routing: bool = False, mesh=None):
   """Log-probs `[N, T]` (fp32) of `targets` `[N, T]` at every position of packed rows.
 
   tokens, positions `[N, T]` and `segments` (`llama.Segments`): rows each holding several sequences
@@ -89,7 +89,7 @@ def packed_logprobs(config: ModelConfig, prepared, tokens: Array, positions: Arr
   hidden = scan_hidden_states(config, prepared, tokens, segments, attention=attention, remat=remat,
                               scan_layers=scan_layers, lora=lora, lora_scale=lora_scale,
                               lora_dropout=lora_dropout, dropout_key=dropout_key, positions=positions,
-                              with_routing=with_routing)
+                              with_routing=with_routing, mesh=mesh)
   hidden, trace = hidden if with_routing else (hidden, None)
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), targets,
                                              temperature=temperature, chunk=logprob_chunk,

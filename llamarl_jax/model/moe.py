@@ -50,20 +50,46 @@ def route(x: Array, router: Array, k: int, norm_topk_prob: bool, replay: Array |
   return top_p.astype(x.dtype), top_i.astype(jnp.int32), probs, own.astype(jnp.int32)
 
 
-def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Array) -> Array:
+def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Array, mesh=None) -> Array:
   """Sum over each token's k experts of weight * SwiGLU_expert(x), by grouped matmuls.
 
   x `[N, E]`; experts, weights `[N, k]`; gate_up: (w_gate, w_up) `[X, E, F]` each, or the serving
   layout's fused w_gate_up `[X, E, 2, F]` (one grouped matmul of 2F columns); w_down `[X, F, E]` ->
   `[N, E]`. The N * k (token, choice) rows are sorted by expert (stable), each expert's rows multiply
   its own weights (`jax.lax.ragged_dot` with the experts' row counts as group sizes), and the rows
-  return to token order to be weighted and summed over the k choices."""
+  return to token order to be weighted and summed over the k choices.
+
+  mesh: with an `expert` axis of size > 1 (expert parallelism) each device of that axis holds
+  X / expert experts and computes them for its tokens (rows routed elsewhere fall outside every group:
+  no work, zero output); the partial sums add up over the axis (`psum`). The batch axes (`data`,
+  `fsdp`) stay manual too, so sorting and grouping are per device, never across the batch."""
+  if mesh is None or mesh.shape.get("expert", 1) == 1:
+    return _local_swiglu(x, experts, weights, gate_up, w_down, 0)
+  from jax.sharding import PartitionSpec as P
+
+  rows = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1) or None
+  tok, exp = P(rows), P("expert")
+
+  def body(x, experts, weights, gate_up, w_down):
+    first = jax.lax.axis_index("expert") * w_down.shape[0]
+    return jax.lax.psum(_local_swiglu(x, experts, weights, gate_up, w_down, first), "expert")
+
+  gate_spec = (exp, exp) if isinstance(gate_up, (tuple, list)) else exp
+  return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp), out_specs=tok,
+                       axis_names={"expert", *(rows or ())}, check_vma=False)(
+                           x, experts, weights, tuple(gate_up) if isinstance(gate_up, list) else gate_up, w_down)
+
+
+def _local_swiglu(x, experts, weights, gate_up, w_down, first):
+  """`grouped_swiglu` over the experts `first .. first + X - 1` held here (X = w_down.shape[0]); the
+  other experts' choices contribute 0."""
   N, k = experts.shape
   X = w_down.shape[0]
-  flat = experts.reshape(-1)
+  local = (experts >= first) & (experts < first + X)
+  flat = jnp.where(local, experts - first, X).reshape(-1)  # X: routed to another device, sorted last
   order = jnp.argsort(flat, stable=True)
   rows = jnp.take(x, order // k, axis=0)  # [N * k, E], sorted by expert
-  sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
+  sizes = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)
   dt = x.dtype
   if isinstance(gate_up, (tuple, list)):
     gate = jax.lax.ragged_dot(rows, gate_up[0].astype(dt), sizes)
@@ -74,6 +100,7 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
     gate, up = both[:, :F], both[:, F:]
   out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dt), sizes)  # [N * k, E]
   out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
+  weights = jnp.where(local, weights, jnp.zeros((), weights.dtype))
   return jnp.sum(out.reshape(N, k, -1) * weights[..., None], axis=1)
 
 

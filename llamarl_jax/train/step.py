@@ -162,7 +162,7 @@ def _padded_loss(compute, spec, frozen, ref_compute, mb, totals, width, response
   logprobs_of = lambda params, **kw: policy_logprobs(
       spec.model, params, mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"], mb["response_mask"],
       temperature=spec.temperature, attention=spec.attention, logprob_chunk=spec.logprob_chunk, width=width,
-      scan_layers=spec.scan_layers, **kw)
+      scan_layers=spec.scan_layers, mesh=spec.mesh, **kw)
   return policy_loss(spec, logprobs_of, compute, frozen, ref_compute, mb, mb["response_mask"], totals, response_len,
                      key)
 
