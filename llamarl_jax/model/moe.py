@@ -9,7 +9,8 @@ sorted by expert, and every expert's SwiGLU runs over its contiguous rows with `
 
 Routing replay: given `replay` indices `[..., k]` (the experts another forward chose), those experts
 are used instead of this forward's top-k, weighted by this forward's router probabilities of them
-(so the router's weights still get gradients for the replayed choices).
+(so the router's weights still get gradients for the replayed choices); a token whose replay row
+holds -1 keeps its own top-k.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def route(x: Array, router: Array, k: int, norm_topk_prob: bool, replay: Array |
   logits = x @ router.astype(x.dtype)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   top_p, top_i = jax.lax.top_k(probs, k)
-  if replay is not None:
-    top_i = replay.astype(jnp.int32)
+  if replay is not None:  # a row of -1 (nothing recorded there): this router's own choice
+    replay = replay.astype(jnp.int32)
+    top_i = jnp.where(jnp.any(replay < 0, axis=-1, keepdims=True), top_i, replay)
     top_p = jnp.take_along_axis(probs, top_i, axis=-1)
   if norm_topk_prob:
     top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
@@ -121,3 +123,11 @@ def load_balancing_loss(counts: Array, prob_sum: Array, num_tokens: Array) -> Ar
   f = jnp.sum(counts, axis=0) / total
   p = jnp.sum(prob_sum, axis=0) / total
   return counts.shape[1] * jnp.sum(f * p)
+
+
+def routing_disagreement(a: Array, b: Array, mask: Array) -> Array:
+  """The fraction of (token, MoE layer) pairs whose top-k expert sets differ between two routings
+  a, b `[B, T, layers, k]` over tokens with mask `[B, T]` > 0 (order within the k ignored)."""
+  differ = jnp.any(jnp.sort(a, axis=-1) != jnp.sort(b, axis=-1), axis=-1)  # [B, T, layers]
+  w = (mask > 0)[..., None].astype(jnp.float32)
+  return jnp.sum(differ * w) / jnp.maximum(jnp.sum(w) * 1.0, 1.0)
