@@ -272,16 +272,11 @@ def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
 # -- routing replay ------------------------------------------------------------------------------
 
 
-def test_routing_replay_gives_the_trainer_the_bf16_generators_routing():
-  """A bf16 static sampler records each position's experts; an fp32 trainer forward that replays them
-  gives log-probs within bf16 rounding of the behaviour log-probs (max 0.06 measured, bound 0.1),
-  while without replay the forward routes some (token, layer) pairs differently (2.9% measured here,
-  reported by `routing_disagreement`, not hidden) and those tokens' log-probs move far more (0.76
-  measured, > 0.3 asserted). Experts are scaled x3 so that a different expert changes the output."""
+@pytest.fixture(scope="module")
+def bf16_rollout():
+  """(config, fp32 params, batch): 8 rows sampled by a bf16 static sampler of a tiny Qwen3-MoE whose
+  experts are scaled x3 (a different expert changes the output) and router x0.01, its routing recorded."""
   from llamarl_jax.generation import Sampler, SamplingParams
-  from llamarl_jax.generation.rollout import routing_in_trainer_layout, trainer_layout
-  from llamarl_jax.model import moe
-  from llamarl_jax.model.logprobs import policy_logprobs
 
   config = tiny_moe_config()
   params = moe_params(config)
@@ -292,6 +287,25 @@ def test_routing_replay_gives_the_trainer_the_bf16_generators_routing():
   prompts = [rng.randint(3, 64, n).tolist() for n in (5, 9, 3, 7)]
   batch = Sampler(config.replace(dtype="bfloat16", param_dtype="bfloat16"), batch_multiple=8).generate(
       gen_params, prompts, SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1))
+  return config, params, batch
+
+
+# the share of recorded (token, MoE layer) pairs an fp32 forward routes differently from the bf16
+# generator in `bf16_rollout` (measured; `test_routing_replay_...` asserts it)
+DISAGREEMENT = 0.028846154
+
+
+def test_routing_replay_gives_the_trainer_the_bf16_generators_routing(bf16_rollout):
+  """A bf16 static sampler records each position's experts; an fp32 trainer forward that replays them
+  gives log-probs within bf16 rounding of the behaviour log-probs (max 0.06 measured, bound 0.1),
+  while without replay the forward routes some (token, layer) pairs differently (2.9% measured here,
+  reported by `routing_disagreement`, not hidden) and those tokens' log-probs move far more (0.76
+  measured, > 0.3 asserted)."""
+  from llamarl_jax.generation.rollout import routing_in_trainer_layout, trainer_layout
+  from llamarl_jax.model import moe
+  from llamarl_jax.model.logprobs import policy_logprobs
+
+  config, params, batch = bf16_rollout
   P = batch.prompt_tokens.shape[1]
   assert batch.routing.shape == (8, P + 8, 2, 2)
   routing = np.asarray(batch.routing)
@@ -306,9 +320,36 @@ def test_routing_replay_gives_the_trainer_the_bf16_generators_routing():
   _, lengths, _ = trainer_layout(batch.prompt_tokens, batch.prompt_mask, batch.response_tokens, batch.response_mask)
   recorded = (np.arange(replay.shape[1])[None] < np.asarray(lengths)[:, None]) & (np.asarray(replay) >= 0).all((2, 3))
   disagreement = float(moe.routing_disagreement(trace_free.topk, replay, recorded))
-  assert 0.01 < disagreement < 0.2
+  assert disagreement == pytest.approx(DISAGREEMENT, rel=1e-5)
   assert float(moe.routing_disagreement(trace_replay.topk, replay, recorded)) == disagreement  # own top-k, logged
   mask = np.asarray(batch.response_mask) > 0
   gap = lambda lp: np.abs(np.asarray(lp) - np.asarray(batch.behaviour_logprobs))[mask]
   assert gap(lp_replay).max() < 0.1
   assert gap(lp_free).max() > 0.3
+
+
+def test_train_step_replays_routing_and_logs_the_disagreement(bf16_rollout):
+  """The trainer's step on the bf16 rollout, with and without `routing_replay`: both log
+  `moe/routing_disagreement` (the same 2.9% of recorded pairs: the trainer's own top-k against the
+  generator's), and replay cuts the trainer-generator mismatch (`rollout_corr/kl_k3`) by more than
+  half (routing flips are most of this tiny model's gap)."""
+  import functools
+
+  from llamarl_jax import losses
+  from llamarl_jax.config import OptimizerConfig
+  from llamarl_jax.train import StepSpec, init_state, train_step
+
+  config, params, batch = bf16_rollout
+  arrays = {"prompt_tokens": batch.prompt_tokens, "prompt_mask": batch.prompt_mask,
+            "response_tokens": batch.response_tokens, "response_mask": batch.response_mask,
+            "behaviour_logprobs": batch.behaviour_logprobs, "advantages": jnp.tile(jnp.array([1.0, -1.0]), 4),
+            "token_versions": batch.token_versions, "routing": batch.routing}
+  metrics = {}
+  for replay_on in (False, True):
+    spec = StepSpec(model=config, loss=losses.aipo_loss, optimizer=OptimizerConfig(lr=1e-3), logprob_chunk=None,
+                    loss_kwargs={"rho_max": 2.0}, routing_replay=replay_on)
+    _, metrics[replay_on] = jax.jit(functools.partial(train_step, spec))(init_state(params, spec.tx), arrays)
+  for m in metrics.values():
+    assert float(m["moe/routing_disagreement"]) == pytest.approx(DISAGREEMENT, rel=1e-5)
+  kl = lambda m: float(m["rollout_corr/kl_k3"])
+  assert kl(metrics[True]) < 0.5 * kl(metrics[False])
