@@ -353,3 +353,17 @@ def test_train_step_replays_routing_and_logs_the_disagreement(bf16_rollout):
     assert float(m["moe/routing_disagreement"]) == pytest.approx(DISAGREEMENT, rel=1e-5)
   kl = lambda m: float(m["rollout_corr/kl_k3"])
   assert kl(metrics[True]) < 0.5 * kl(metrics[False])
+
+
+def test_bad_moe_configs_are_refused_with_the_field_named():
+  """A qwen3_moe config.json without its expert fields, and a ModelConfig with more experts per token
+  than experts, are refused naming what is wrong."""
+  from llamarl_jax.model.hf import CheckpointError, config_from_hf
+  from llamarl_jax.model.llama import ModelConfig
+
+  hf = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_experts_per_tok=2)
+  with pytest.raises(CheckpointError, match=r"missing field\(s\) \['num_experts', 'moe_intermediate_size'\]"):
+    config_from_hf(hf)
+  with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) <= num_experts \(4\)"):
+    ModelConfig(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8)
