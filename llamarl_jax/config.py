@@ -116,8 +116,11 @@ class MeshConfig(_Validated):
   colocated: bool = False
   reward_dp: int = 0
   reward_tp: int = 1
+  trainer_expert: int = 1    # a MoE model's experts sharded over this many devices (`parallel`'s `expert` axis)
+  generator_expert: int = 1
   RULES: ClassVar = {**{k: at_least(1) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp",
-                                                 "reward_tp")}, "reward_dp": int_at_least(0)}
+                                                 "reward_tp", "trainer_expert", "generator_expert")},
+                     "reward_dp": int_at_least(0)}
 
 
 @dataclass(frozen=True)
@@ -558,7 +561,7 @@ SECTIONS = {"mesh": MeshConfig, "rollout": RolloutConfig, "generator": Generator
 
 FLAT_KEYS: dict[str, tuple[str, str]] = {
     **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated",
-                                "reward_dp", "reward_tp")},
+                                "reward_dp", "reward_tp", "trainer_expert", "generator_expert")},
     **{k: ("rollout", k) for k in ("prompts_per_step", "samples_per_prompt", "temperature", "top_p", "top_k",
                                    "max_new_tokens", "advantage_estimator", "seed", "overlong", "dynamic_sampling")},
     "generator_engine": ("generator", "engine"), "engine_slots": ("generator", "slots"),

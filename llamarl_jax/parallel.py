@@ -1,7 +1,10 @@
 """Meshes and logical-axis sharding rules (FSDP x TP), nanodo style.
 
-Every mesh has the axes `("data", "fsdp", "tp")` (sizes may be 1), so one rule table serves the
-trainer (fsdp x tp) and the generator (data x tp): an axis of size 1 shards nothing. Parameters carry
+Every mesh has the axes `("data", "fsdp", "expert", "tp")` (sizes may be 1), so one rule table serves
+the trainer (fsdp x expert x tp) and the generator (data x expert x tp): an axis of size 1 shards
+nothing. `expert` holds a mixture of experts' experts (`model.moe`: each device computes its own
+experts for the tokens it sees, the results summed over the axis); dense weights and batches are
+replicated over it. Parameters carry
 logical axis names (see `llamarl_jax.model.llama`); `RULES` maps them to mesh axes. A dimension not
 divisible by its mesh axis is replicated instead (tiny test models on 4 devices, odd vocab sizes).
 """
@@ -15,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tp")
+MESH_AXES = ("data", "fsdp", "expert", "tp")
 BATCH_AXES = ("data", "fsdp")
 
 # logical axis -> mesh axis (None = replicated)
@@ -27,31 +30,35 @@ RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": "tp",
     "norm": None,
+    "expert": "expert",  # MoE experts
 }
 
 
-def make_mesh(devices: Sequence[jax.Device], *, data: int = 1, fsdp: int = 1, tp: int = 1) -> Mesh:
-  """A `(data, fsdp, tp)` mesh over exactly `data * fsdp * tp` of `devices` (tp innermost)."""
-  n = data * fsdp * tp
+def make_mesh(devices: Sequence[jax.Device], *, data: int = 1, fsdp: int = 1, tp: int = 1, expert: int = 1) -> Mesh:
+  """A `(data, fsdp, expert, tp)` mesh over exactly `data * fsdp * expert * tp` of `devices` (tp innermost)."""
+  n = data * fsdp * expert * tp
   if n != len(devices):
-    raise ValueError(f"mesh data={data} x fsdp={fsdp} x tp={tp} = {n} devices, but got {len(devices)}")
-  return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp, tp), MESH_AXES)
+    raise ValueError(f"mesh data={data} x fsdp={fsdp} x expert={expert} x tp={tp} = {n} devices, but got "
+                     f"{len(devices)}")
+  return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp, expert, tp), MESH_AXES)
 
 
 def make_meshes(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int = 1,
                 generator_tp: int = 1, colocated: bool = False, reward_dp: int = 0, reward_tp: int = 1,
+                trainer_expert: int = 1, generator_expert: int = 1,
                 devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh]:
   """Split `jax.devices()` into disjoint (trainer, generator) meshes.
 
-  The trainer takes the first `trainer_fsdp * trainer_tp` devices, the generator the next
-  `generator_dp * generator_tp`. With `colocated=True` both roles share one mesh over the trainer's
-  devices: the generator mesh is the same devices reshaped to `(generator_dp, 1, generator_tp)`.
+  The trainer takes the first `trainer_fsdp * trainer_expert * trainer_tp` devices, the generator the
+  next `generator_dp * generator_expert * generator_tp`. With `colocated=True` both roles share one
+  mesh over the trainer's devices: the generator mesh is the same devices reshaped to
+  `(generator_dp, 1, generator_expert, generator_tp)`.
   reward_dp * reward_tp devices after those are the reward model's (`make_reward_mesh`); they are
   counted here so that a layout that does not fit fails at once.
   """
   devices = list(jax.devices() if devices is None else devices)
-  n_train = trainer_fsdp * trainer_tp
-  n_gen = generator_dp * generator_tp
+  n_train = trainer_fsdp * trainer_expert * trainer_tp
+  n_gen = generator_dp * generator_expert * generator_tp
   n_reward = reward_dp * reward_tp
   if n_reward and (n_train if colocated else n_train + n_gen) + n_reward > len(devices):
     raise ValueError(
@@ -60,24 +67,25 @@ def make_meshes(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int
         "MeshConfig.reward_dp / reward_tp, or set reward_dp = 0 to run the reward model on the generator's devices")
   if colocated:
     if n_gen != n_train:
-      raise ValueError(f"colocated mode needs generator_dp*generator_tp ({n_gen}) == "
-                       f"trainer_fsdp*trainer_tp ({n_train})")
+      raise ValueError(f"colocated mode needs generator_dp*generator_expert*generator_tp ({n_gen}) == "
+                       f"trainer_fsdp*trainer_expert*trainer_tp ({n_train})")
     if n_train > len(devices):
       raise ValueError(f"colocated mesh needs {n_train} devices, only {len(devices)} available")
     shared = devices[:n_train]
-    return (make_mesh(shared, fsdp=trainer_fsdp, tp=trainer_tp),
-            make_mesh(shared, data=generator_dp, tp=generator_tp))
+    return (make_mesh(shared, fsdp=trainer_fsdp, expert=trainer_expert, tp=trainer_tp),
+            make_mesh(shared, data=generator_dp, expert=generator_expert, tp=generator_tp))
   if n_train + n_gen > len(devices):
     raise ValueError(
         f"trainer ({trainer_fsdp}x{trainer_tp}={n_train}) + generator ({generator_dp}x{generator_tp}="
         f"{n_gen}) need {n_train + n_gen} devices, only {len(devices)} available; reduce the meshes, "
         "use colocated=True, or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N")
-  return (make_mesh(devices[:n_train], fsdp=trainer_fsdp, tp=trainer_tp),
-          make_mesh(devices[n_train:n_train + n_gen], data=generator_dp, tp=generator_tp))
+  return (make_mesh(devices[:n_train], fsdp=trainer_fsdp, expert=trainer_expert, tp=trainer_tp),
+          make_mesh(devices[n_train:n_train + n_gen], data=generator_dp, expert=generator_expert, tp=generator_tp))
 
 
 def make_reward_mesh(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int = 1,
                      generator_tp: int = 1, colocated: bool = False, reward_dp: int = 0, reward_tp: int = 1,
+                     trainer_expert: int = 1, generator_expert: int = 1,
                      devices: Sequence[jax.Device] | None = None) -> Mesh | None:
   """The reward model's own `(reward_dp, 1, reward_tp)` mesh over the devices after the trainer's and
   the generator's (the same arguments as `make_meshes`); None when reward_dp = 0 (the reward model
@@ -85,7 +93,7 @@ def make_reward_mesh(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp
   if not reward_dp:
     return None
   devices = list(jax.devices() if devices is None else devices)
-  start = trainer_fsdp * trainer_tp + (0 if colocated else generator_dp * generator_tp)
+  start = trainer_fsdp * trainer_expert * trainer_tp + (0 if colocated else generator_dp * generator_expert * generator_tp)
   n = reward_dp * reward_tp
   if start + n > len(devices):
     raise ValueError(f"the reward mesh needs devices {start}..{start + n - 1}, only {len(devices)} available; "

@@ -54,7 +54,7 @@ class ScannedModel:
       lp, k, v = xs
       plan = PagedLayer(k, v, pages.write_block, pages.write_offset, pages.entry_row, pages.entry_block,
                         pages.entry_len)
-      x, (k, v) = nnx.merge(self.block, lp)(x, positions, inv_freq, None, plan)
+      x, (k, v), _ = nnx.merge(self.block, lp)(x, positions, inv_freq, None, plan)
       return x, (k, v)
 
     x, (k, v) = jax.lax.scan(layer, x, (p["layers"], pages.k, pages.v))

@@ -78,7 +78,10 @@ def mesh_at_most(*, data=1, fsdp=1, tp=1):
 
 
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+# a tiny Qwen3-MoE: 4 experts of width 16, 2 per token, the experts in every layer unless overridden
+MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                    mlp_only_layers=[], norm_topk_prob=False)
 
 
 def tiny_hf_config(family="llama", **overrides):
@@ -88,8 +91,10 @@ def tiny_hf_config(family="llama", **overrides):
   kw = dict(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-  if family == "qwen3":
+  if family in ("qwen3", "qwen3_moe"):
     kw["head_dim"] = 8  # Qwen3 states head_dim; = hidden / heads unless overridden
+  if family == "qwen3_moe":
+    kw.update(MOE_DEFAULTS)
   kw.update(overrides)
   return getattr(transformers, HF_CLASSES[family][0])(**kw)
 
@@ -98,7 +103,9 @@ def tiny_hf_model(family="llama", seed=0, **overrides):
   """A random transformers causal LM of `family`, fp32, eval mode.
 
   transformers initialises biases to 0 and norm scales to 1, which would hide a missing or misplaced
-  bias or norm; here they are random too (biases ~ N(0, 0.1), norm scales ~ 1 + N(0, 0.1)).
+  bias or norm; here they are random too (biases ~ N(0, 0.1), norm scales ~ 1 + N(0, 0.1)). A MoE
+  router's weights are N(0, 1 / hidden) (transformers' N(0, 0.02) routes nearly uniformly, which
+  would hide a wrong routing weight).
   """
   import torch
   import transformers
@@ -111,6 +118,8 @@ def tiny_hf_model(family="llama", seed=0, **overrides):
         p.normal_(0.0, 0.1)
       elif "norm" in name:
         p.copy_(1.0 + 0.1 * torch.randn_like(p))
+      elif name.endswith("mlp.gate.weight"):
+        p.normal_(0.0, p.shape[1] ** -0.5)
   return model
 
 

@@ -245,10 +245,14 @@ def test_sharded_logits_equal_single_device(make_hf_model, family, fsdp, tp):
 def test_make_meshes_disjoint_and_colocated():
   trainer, generator = parallel.make_meshes(trainer_fsdp=2, trainer_tp=2, generator_dp=2, generator_tp=2)
   assert set(trainer.devices.flat).isdisjoint(generator.devices.flat)
-  assert dict(trainer.shape) == {"data": 1, "fsdp": 2, "tp": 2}
-  assert dict(generator.shape) == {"data": 2, "fsdp": 1, "tp": 2}
+  assert dict(trainer.shape) == {"data": 1, "fsdp": 2, "expert": 1, "tp": 2}
+  assert dict(generator.shape) == {"data": 2, "fsdp": 1, "expert": 1, "tp": 2}
   t, g = parallel.make_meshes(trainer_fsdp=4, generator_dp=2, generator_tp=2, colocated=True)
   assert set(t.devices.flat) == set(g.devices.flat)
+  t, g = parallel.make_meshes(trainer_fsdp=2, trainer_expert=2, generator_expert=2, generator_tp=2)
+  assert dict(t.shape) == {"data": 1, "fsdp": 2, "expert": 2, "tp": 1}
+  assert dict(g.shape) == {"data": 1, "fsdp": 1, "expert": 2, "tp": 2}
+  assert set(t.devices.flat).isdisjoint(g.devices.flat)
 
 
 def test_make_meshes_names_the_devices_it_needs():

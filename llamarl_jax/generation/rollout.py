@@ -30,6 +30,11 @@ class RolloutBatch:
                                     differ within a row when the slot engine swapped weights
                                     mid-sequence); = policy_version where response_mask is 0, so
                                     token_versions.min(-1) == policy_version
+  routing             int32 [B, P + R, moe layers, k]  or None: a MoE generator's experts at each
+                                    position of [prompt | response] (the static sampler records them;
+                                    response position t: token t as the input that predicts t + 1,
+                                    -1 where no forward ran); the trainer can replay them
+                                    (`routing_in_trainer_layout`, `model.moe`)
   """
 
   prompt_tokens: jax.Array
@@ -42,6 +47,7 @@ class RolloutBatch:
   group_ids: jax.Array
   policy_version: jax.Array
   token_versions: jax.Array
+  routing: jax.Array | None = None
 
   @property
   def batch_size(self) -> int:
@@ -120,3 +126,19 @@ def trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask):
   tokens = jnp.where(i < lengths[:, None], tokens, 0)
   predict = jnp.maximum(p_len - 1 + t, 0).astype(jnp.int32)
   return tokens, lengths, predict
+
+
+def routing_in_trainer_layout(prompt_mask, routing):
+  """A `RolloutBatch.routing` `[B, P + R, moe layers, k]` (the sampler's [prompt | response] layout)
+  moved to `trainer_layout`'s rows: real prompt positions first, then the response; -1 (no replay:
+  the trainer's own top-k) past each row's prompt + response."""
+  B, P = prompt_mask.shape
+  W = routing.shape[1]
+  real = prompt_mask > 0
+  order = jnp.argsort(~real, axis=1, stable=True)
+  prompt_first = jnp.concatenate([order, jnp.broadcast_to(jnp.arange(P, W), (B, W - P))], axis=1)  # [B, W]
+  p_len = jnp.sum(real, axis=1).astype(jnp.int32)[:, None]
+  i = jnp.arange(W, dtype=jnp.int32)[None]
+  src = jnp.take_along_axis(prompt_first, jnp.clip(jnp.where(i < p_len, i, P + i - p_len), 0, W - 1), axis=1)
+  out = jnp.take_along_axis(routing, src[:, :, None, None], axis=1)
+  return jnp.where((i < p_len + W - P)[:, :, None, None], out, -1)

@@ -327,9 +327,10 @@ class Sampler:
     key_bits, temperature, top_p, stop_ids, num_real = scalars
     rng = jax.random.wrap_key_data(key_bits, impl=jax.random.key_impl(rng))
 
-    cache, first_token, first_logprob = prefill(params, tokens_d, mask_d, rng, temperature, top_p)
-    out_tokens, logprobs, lengths, finish, steps, _ = decode(
+    cache, first_token, first_logprob, *prompt_routing = prefill(params, tokens_d, mask_d, rng, temperature, top_p)
+    out_tokens, logprobs, lengths, finish, steps, _, *response_routing = decode(
         params, cache, first_token, first_logprob, mask_d, num_real, rng, temperature, top_p, stop_ids)
+    routing = jnp.concatenate(prompt_routing + response_routing, axis=1) if prompt_routing else None
     self.last_decode_steps = steps
 
     B = tokens.shape[0]
@@ -341,7 +342,8 @@ class Sampler:
         response_mask=response_mask, behaviour_logprobs=logprobs, lengths=lengths,
         finish_reason=finish, group_ids=put(group_ids, self._batch1),
         policy_version=put(np.full(B, policy_version, np.int32), self._batch1),
-        token_versions=put(np.full((B, sampling.max_new_tokens), policy_version, np.int32), self._batch2))
+        token_versions=put(np.full((B, sampling.max_new_tokens), policy_version, np.int32), self._batch2),
+        routing=routing)
     if n_rows < B:  # drop the rows that only padded the batch to the mesh
       batch = jax.tree.map(lambda x: x[:n_rows], batch)
     return batch
@@ -408,14 +410,15 @@ class Sampler:
       b1, b2, repl = self._batch1, self._batch2, self._repl
       cache_sh = KVCache(k=(self.cache_sharding,) * self.config.num_layers,
                          v=(self.cache_sharding,) * self.config.num_layers, index=repl)
+      routed = (b2,) if self.config.num_experts else ()  # a MoE model's experts per position
       prefill = jax.jit(
           lambda *a: self._prefill(static, *a),
           in_shardings=(self.param_shardings, b2, b2, repl, repl, repl),
-          out_shardings=(cache_sh, b1, b1))
+          out_shardings=(cache_sh, b1, b1, *routed))
       decode = jax.jit(
           lambda *a: self._decode(static, *a),
           in_shardings=(self.param_shardings, cache_sh, b1, b1, b2, repl, repl, repl, repl, repl),
-          out_shardings=(b2, b2, b1, b1, repl, cache_sh),
+          out_shardings=(b2, b2, b1, b1, repl, cache_sh, *routed),
           donate_argnums=(1,))  # the loop updates the donated cache in place (returned, aliased)
       self._fns[static] = (prefill, decode)
     return self._fns[static]
@@ -438,17 +441,20 @@ class Sampler:
         cache, KVCache(k=(self.cache_sharding,) * self.config.num_layers,
                        v=(self.cache_sharding,) * self.config.num_layers, index=self._repl))
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
-    x, cache = model.hidden_states(tokens, positions, cache, self._cache_mask(prompt_mask, static.max_new_tokens))
+    x, cache, routing = model.routed_hidden_states(tokens, positions, cache,
+                                                   self._cache_mask(prompt_mask, static.max_new_tokens))
     logits = model.logits(x[:, -1])  # only the last position's logits are needed
     token, logprob = self._sample(static, jax.random.fold_in(key, 0), logits, temperature, top_p)
-    return cache, token, logprob
+    return (cache, token, logprob) + (() if routing is None else (routing,))
 
   def _decode(self, static: _Static, params, cache, first_token, first_logprob, prompt_mask, num_real,
               key, temperature, top_p, stop_ids):
     """The on-device decode loop.
 
     Returns tokens [B, R], logprobs [B, R], lengths [B], finish [B], the number of loop steps run,
-    and the final cache (returned so the donated input buffer is reused in place, not copied).
+    and the final cache (returned so the donated input buffer is reused in place, not copied); a MoE
+    model also the experts of each response token as an input `[B, R, moe layers, k]` (-1 where
+    none ran: the last token, rows already done).
     """
     self.num_traces += 1
     model = merge_params(self.graphdef, params)
@@ -465,15 +471,21 @@ class Sampler:
     logprobs = jnp.zeros((B, R), jnp.float32).at[:, 0].set(jnp.where(real, first_logprob, 0.0))
     lengths = real.astype(jnp.int32)
     done = stopped | ~real
+    c = self.config
+    n_moe = len(c.moe_layers)
+    routing = jnp.full((B, R, n_moe, c.num_experts_per_tok), -1, jnp.int32) if n_moe else None
 
     def cond(state):
       t, _, _, done, *_ = state
       return (t < R) & ~jnp.all(done)
 
     def body(state):
-      t, cache, prev, done, stopped, lengths, tokens, logprobs = state
+      t, cache, prev, done, stopped, lengths, tokens, logprobs, routing = state
       positions = (prompt_len + t - 1)[:, None]  # the previous token sits at position len + t - 1
-      x, cache = model.hidden_states(prev[:, None], positions, cache, cache_mask)
+      x, cache, topk = model.routed_hidden_states(prev[:, None], positions, cache, cache_mask)
+      if routing is not None:  # the experts of response token t - 1 as this step's input
+        routing = jax.lax.dynamic_update_slice(routing, jnp.where(done[:, None, None, None], -1, topk),
+                                               (0, t - 1, 0, 0))
       token, logprob = self._sample(static, jax.random.fold_in(key, t), model.logits(x[:, 0]),
                                     temperature, top_p)
       token = jnp.where(done, self.pad_id, token)
@@ -482,9 +494,9 @@ class Sampler:
       logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, t))
       lengths = lengths + (~done).astype(jnp.int32)
       new_stop = ~done & is_stop(token)
-      return t + 1, cache, token, done | new_stop, stopped | new_stop, lengths, tokens, logprobs
+      return t + 1, cache, token, done | new_stop, stopped | new_stop, lengths, tokens, logprobs, routing
 
-    state = (jnp.int32(1), cache, token, done, stopped, lengths, tokens, logprobs)
-    steps, cache, _, _, stopped, lengths, tokens, logprobs = jax.lax.while_loop(cond, body, state)
+    state = (jnp.int32(1), cache, token, done, stopped, lengths, tokens, logprobs, routing)
+    steps, cache, _, _, stopped, lengths, tokens, logprobs, routing = jax.lax.while_loop(cond, body, state)
     finish = jnp.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(jnp.int32)
-    return tokens, logprobs, lengths, finish, steps, cache
+    return (tokens, logprobs, lengths, finish, steps, cache) + (() if routing is None else (routing,))

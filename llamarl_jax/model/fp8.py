@@ -108,6 +108,9 @@ def quantize_params(params: dict, dtype=None) -> dict:
   out = {k: jax.tree.map(cast, v) for k, v in params.items() if k != "layers"}
   layers = {}
   for i, layer in params["layers"].items():
+    if "router" in layer.get("mlp", {}):
+      raise ValueError(f"layer {i} is a mixture of experts, which the fp8 generator does not quantise; serve a "
+                       "MoE model in its compute dtype (GeneratorConfig.quantize = None)")
     new = jax.tree.map(cast, layer)
     for m, name, n_in in projections(layer):
       new[m][name], new[m][name + SCALE] = quantize_weight(layer[m][name], n_in)

@@ -1,11 +1,13 @@
 """Hugging Face checkpoints in and out: `config.json` + `*.safetensors` <-> our `Llama`.
 
 Families (`llamarl_jax.model.llama.FAMILIES`, chosen by config.json's `model_type`): Llama 3 / 3.1 /
-3.2 (`LlamaForCausalLM`), Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`), Qwen3 dense (`Qwen3ForCausalLM`).
-Each family's `*ForSequenceClassification` too (`LlamaForSequenceClassification`, ...: the decoder with
-a `score` head `[num_labels, hidden]`, no bias, instead of `lm_head`; `ModelConfig.num_labels`), the
-format of reward models. Anything else (MoE, sliding-window attention, other RoPE scalings) is refused
-with the field named.
+3.2 (`LlamaForCausalLM`), Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`), Qwen3 dense (`Qwen3ForCausalLM`),
+Qwen3-MoE (`Qwen3MoeForCausalLM`: per sparse layer a router `mlp.gate` and one tensor per expert and
+projection, `mlp.experts.{e}.{gate,up,down}_proj`, stacked into `[experts, ...]` arrays here). Each
+family's `*ForSequenceClassification` too (`LlamaForSequenceClassification`, ...: the decoder with a
+`score` head `[num_labels, hidden]`, no bias, instead of `lm_head`; `ModelConfig.num_labels`), the
+format of reward models. Anything else (other MoE families, sliding-window attention, other RoPE
+scalings) is refused with the field named.
 
 Loading reads one tensor at a time (lazily, via `safe_open`) and places it straight onto its
 sharding, so a large model never exists as a full replicated host copy. Saving writes a directory
@@ -93,7 +95,7 @@ def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
   model_type = hf.get("model_type")
   if model_type not in FAMILIES:
     raise CheckpointError(f"{source}: model_type {model_type!r} is not supported; supported: {_SUPPORTED_NAMES} "
-                          "(dense decoders only: no MoE, no sliding window)")
+                          "(no other MoE families, no sliding window)")
   family = FAMILIES[model_type]
   archs = hf.get("architectures") or [family.architecture]
   classifier = family.architecture.replace("ForCausalLM", "ForSequenceClassification")
@@ -105,7 +107,8 @@ def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
     num_labels = len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels", 2)
   # Llama's attention_bias adds a bias to o_proj too, and Qwen3's to q, k, v and o: we have neither.
   # (Qwen2's q/k/v bias is part of the architecture; its config has no such field.)
-  flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}.get(model_type, ())
+  flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",),
+           "qwen3_moe": ("attention_bias",)}.get(model_type, ())
   for field in flags:
     if hf.get(field, False):
       raise CheckpointError(f"{source}: field {field}={hf[field]!r} is not supported for model_type "
@@ -119,7 +122,19 @@ def config_from_hf(hf: dict, *, source: str = "config.json", dtype=jnp.float32,
   if missing:
     raise CheckpointError(f"{source}: missing required field(s) {missing}")
   param_dtype = jnp.dtype(dtype).name
+  moe = {}
+  if model_type == "qwen3_moe":
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    missing = [k for k, v in (("num_experts", num_experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", hf.get("moe_intermediate_size"))) if v is None]
+    if missing:
+      raise CheckpointError(f"{source}: model_type 'qwen3_moe' is missing field(s) {missing}")
+    moe = dict(num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
+               moe_intermediate_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+               decoder_sparse_step=hf.get("decoder_sparse_step", 1), mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+               router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
   return ModelConfig(
+      **moe,
       vocab_size=hf["vocab_size"],
       hidden_size=hf["hidden_size"],
       intermediate_size=hf["intermediate_size"],
@@ -173,8 +188,13 @@ def config_to_hf(config: ModelConfig, *, torch_dtype: str = "float32", bos_token
   else:  # qwen2 / qwen3: full attention in every layer
     hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers,
               layer_types=["full_attention"] * config.num_layers)
-    if config.model_type == "qwen3":
+    if config.model_type in ("qwen3", "qwen3_moe"):
       hf.update(attention_bias=False)
+    if config.model_type == "qwen3_moe":
+      hf.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers),
+                router_aux_loss_coef=config.router_aux_loss_coef, output_router_logits=False)
   return hf
 
 
@@ -205,12 +225,23 @@ def _tensor_map(config: ModelConfig) -> dict[tuple, tuple[str, Callable, Callabl
     if config.qk_norm:
       for ours in ("q_norm", "k_norm"):
         m[("layers", i, "attn", ours, "scale")] = (p + f"self_attn.{ours}.weight", lambda w: w, lambda w: w)
-    m[("layers", i, "mlp", "w_gate")] = (p + "mlp.gate_proj.weight", t, t)
-    m[("layers", i, "mlp", "w_up")] = (p + "mlp.up_proj.weight", t, t)
-    m[("layers", i, "mlp", "w_down")] = (p + "mlp.down_proj.weight", t, t)
+    if config.is_moe_layer(i):  # router [experts, embed]; expert e's projections one tensor each
+      m[("layers", i, "mlp", "router")] = (p + "mlp.gate.weight", t, t)
+      for ours, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        names = tuple(p + f"mlp.experts.{e}.{name}.weight" for e in range(config.num_experts))
+        m[("layers", i, "mlp", ours)] = (names, lambda ws: np.stack([t(w) for w in ws]), lambda w: [t(x) for x in w])
+    else:
+      m[("layers", i, "mlp", "w_gate")] = (p + "mlp.gate_proj.weight", t, t)
+      m[("layers", i, "mlp", "w_up")] = (p + "mlp.up_proj.weight", t, t)
+      m[("layers", i, "mlp", "w_down")] = (p + "mlp.down_proj.weight", t, t)
     m[("layers", i, "attn_norm", "scale")] = (p + "input_layernorm.weight", lambda w: w, lambda w: w)
     m[("layers", i, "mlp_norm", "scale")] = (p + "post_attention_layernorm.weight", lambda w: w, lambda w: w)
   return m
+
+
+def _names(name: str | tuple[str, ...]) -> tuple[str, ...]:
+  """The HF tensor names of one of our parameters (several for stacked experts)."""
+  return name if isinstance(name, tuple) else (name,)
 
 
 def _get(tree, path):
@@ -267,14 +298,14 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, compute_dt
   axes = parallel.logical_axes(abstract)
   shardings = None if mesh is None else parallel.param_shardings(shapes, axes, mesh, rules)
   tmap = _tensor_map(config)
-  expected = {name for name, *_ in tmap.values()}
+  expected = {n for name, *_ in tmap.values() for n in _names(name)}
   if config.tie_word_embeddings and not config.num_labels:
     expected.add("lm_head.weight")  # may or may not be stored; ignored when tied
   unexpected = sorted(n for n in files if n not in expected and "rotary_emb" not in n)
   if unexpected:
     raise CheckpointError(f"{path}: unexpected tensors {unexpected[:5]}{'...' if len(unexpected) > 5 else ''} "
                           "(does config.json match the weights?)")
-  missing = sorted(name for name, *_ in tmap.values() if name not in files)
+  missing = sorted(n for name, *_ in tmap.values() for n in _names(name) if n not in files)
   if missing:
     raise CheckpointError(f"{path}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
@@ -282,17 +313,20 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, compute_dt
   handles: dict[Path, Any] = {}
   try:
     for our_path, (name, to_ours, _) in tmap.items():
-      if files[name] not in handles:
-        handles[files[name]] = safe_open(files[name], framework="np")
-      f = handles[files[name]]
-      raw = f.get_tensor(name)
+      raws = []
+      for n in _names(name):
+        if files[n] not in handles:
+          handles[files[n]] = safe_open(files[n], framework="np")
+        raws.append(handles[files[n]].get_tensor(n))
+      raw = raws if isinstance(name, tuple) else raws[0]
       want = _get(shapes, our_path)
       try:
         value = to_ours(raw)
       except ValueError:
-        value = raw
+        value = np.zeros(0)
       if value.shape != want.shape:
-        raise CheckpointError(f"{files[name].name}: tensor {name} has shape {raw.shape}, which does not "
+        first = _names(name)[0]
+        raise CheckpointError(f"{files[first].name}: tensor {first} has shape {raws[0].shape}, which does not "
                               f"fit {want.shape} (our layout) implied by config.json")
       value = value.astype(want.dtype)
       sharding = None if shardings is None else _get(shardings, our_path)
@@ -321,7 +355,9 @@ def save_hf_checkpoint(model: Llama, config: ModelConfig, path: str | os.PathLik
   out_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
   tensors: dict[str, np.ndarray] = {}
   for our_path, (name, _, to_hf) in _tensor_map(config).items():
-    tensors[name] = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(_get(params, our_path)))).astype(out_dtype))
+    value = to_hf(np.asarray(jax.device_get(_get(params, our_path))))
+    for n, v in zip(_names(name), value if isinstance(name, tuple) else [value]):
+      tensors[n] = np.ascontiguousarray(v.astype(out_dtype))
   hf_config = config_to_hf(config, torch_dtype=out_dtype.name)
   if tokenizer is not None:
     hf_config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

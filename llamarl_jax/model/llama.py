@@ -1,4 +1,4 @@
-"""Llama 3 / 3.1 / 3.2 and the dense Qwen2 / Qwen2.5 / Qwen3 families in Flax NNX.
+"""Llama 3 / 3.1 / 3.2, the dense Qwen2 / Qwen2.5 / Qwen3 families and Qwen3-MoE in Flax NNX.
 
 One config dataclass, one model file (gpt-fast style). The families share one decoder and differ in
 two switches of the attention block, chosen by `ModelConfig.model_type` (see `FAMILIES`):
@@ -6,6 +6,8 @@ two switches of the attention block, chosen by `ModelConfig.model_type` (see `FA
   qwen2   + a bias on the q, k and v projections (Qwen2 and Qwen2.5)
   qwen3   + RMSNorm over each q and k head (its own `[head_dim]` scale) before RoPE; no bias.
           `head_dim` is explicit and may differ from hidden_size / num_heads.
+  qwen3_moe  qwen3 whose sparse layers (`ModelConfig.is_moe_layer`) replace the MLP by experts
+          (`MoE`: a router and `num_experts` SwiGLU experts, top-k routing, `model.moe`).
 Every parameter carries a `logical_axes` metadata tuple (`vocab`, `embed`, `heads`, `kv_heads`,
 `head_dim`, `mlp`, `norm`) that `llamarl_jax.parallel` maps onto mesh axes (fsdp, tp).
 
@@ -16,6 +18,8 @@ Weight layouts (ours, einsum-friendly; `hf.py` converts from/to the HF `[out, in
   q_norm     [head_dim]                    k_norm [head_dim]                 (qwen3 only)
   wo         [heads, head_dim, embed]
   w_gate     [embed, mlp]   w_up [embed, mlp]   w_down [mlp, embed]
+  MoE layer: router [embed, experts]; w_gate, w_up [expert, embed, mlp]; w_down [expert, mlp, embed]
+             (logical axis `expert` for the experts; `mlp` is moe_intermediate_size there)
   lm_head    [embed, vocab]  (absent when embeddings are tied, and with a score head)
   score      [embed, num_labels]  (a score head, `num_labels` >= 1, instead of lm_head: HF's
              `*ForSequenceClassification`, no bias; with one label a reward model or a critic)
@@ -52,6 +56,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llamarl_jax.model import fp8 as fp8_lib
+from llamarl_jax.model import moe as moe_lib
 from llamarl_jax.model.paged_attention import PagedKVCache, PagedLayer, rope_rotate, write_and_attend
 
 Array = jax.Array
@@ -70,6 +75,7 @@ FAMILIES = types.MappingProxyType({  # HF config.json `model_type` -> Family (re
     "llama": Family("LlamaForCausalLM", qkv_bias=False, qk_norm=False),
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
     "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True),
 })
 
 
@@ -97,6 +103,17 @@ class ModelConfig:
   # The head: 0 = the causal LM's lm_head (logits over the vocabulary); n >= 1 = a score head of n
   # outputs per position (HF `*ForSequenceClassification`; num_labels = 1: a reward model or critic).
   num_labels: int = 0
+  # Mixture of experts (qwen3_moe; HF's names): layer i is sparse when num_experts > 0, i is not in
+  # mlp_only_layers and (i + 1) % decoder_sparse_step == 0; a sparse layer's MLP is num_experts SwiGLU
+  # experts of moe_intermediate_size, num_experts_per_tok of them per token (`model.moe`), the others
+  # are dense MLPs of intermediate_size. router_aux_loss_coef: the load-balancing loss's weight.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  router_aux_loss_coef: float = 0.0
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype (activations, matmuls, KV cache)
 
@@ -112,6 +129,15 @@ class ModelConfig:
       raise ValueError(f"model_type {self.model_type!r} is not a supported family; supported: {sorted(FAMILIES)}")
     if self.num_labels < 0:
       raise ValueError(f"num_labels must be 0 (a causal LM) or >= 1 (a score head), got {self.num_labels}")
+    object.__setattr__(self, "mlp_only_layers", tuple(sorted(int(i) for i in self.mlp_only_layers)))
+    if self.num_experts:
+      if self.model_type != "qwen3_moe":
+        raise ValueError(f"num_experts={self.num_experts} needs model_type 'qwen3_moe' (got {self.model_type!r})")
+      if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+        raise ValueError(f"a MoE config needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                         f"({self.num_experts}) and moe_intermediate_size >= 1 (got {self.moe_intermediate_size})")
+      if self.decoder_sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
 
   @property
   def family(self) -> Family:
@@ -131,6 +157,14 @@ class ModelConfig:
   def qk_norm(self) -> bool:
     return self.family.qk_norm
 
+  def is_moe_layer(self, i: int) -> bool:
+    """Whether layer i's MLP is the experts (transformers' Qwen3MoeDecoderLayer rule)."""
+    return bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
   @property
   def rope_scaling_dict(self) -> dict | None:
     return None if self.rope_scaling is None else dict(self.rope_scaling)
@@ -142,9 +176,11 @@ class ModelConfig:
     d, f, v, L, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers, self.head_dim
     qkv_out = hd * (self.num_heads + 2 * self.num_kv_heads)
     attn = d * qkv_out + self.num_heads * hd * d + self.qkv_bias * qkv_out + self.qk_norm * 2 * hd
-    per_layer = attn + 3 * d * f + 2 * d
+    n_moe = len(self.moe_layers)
+    per_layer = attn + 2 * d
+    moe = n_moe * (d * self.num_experts + 3 * d * self.moe_intermediate_size * self.num_experts)
     head = d * self.num_labels if self.num_labels else (0 if self.tie_word_embeddings else v * d)
-    return L * per_layer + v * d + head + d
+    return L * per_layer + (L - n_moe) * 3 * d * f + moe + v * d + head + d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,20 +562,80 @@ class MLP(nnx.Module):
     return with_lora(dense(h, self, "w_down", jnp.matmul), h, "w_down", lora)
 
 
+class MoE(nnx.Module):
+  """A sparse layer's MLP (Qwen3-MoE): a router `[embed, experts]` and `num_experts` SwiGLU experts,
+  w_gate, w_up `[experts, embed, moe_mlp]` (the serving layout: w_gate_up `[experts, embed, 2,
+  moe_mlp]`), w_down `[experts, moe_mlp, embed]` (`model.moe`)."""
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
+    d, f, X, pd = config.hidden_size, config.moe_intermediate_size, config.num_experts, jnp.dtype(config.param_dtype)
+    self.config, self.fused = config, fused
+    self.router = _param(rngs, (d, X), ("embed", None), pd, 1 / math.sqrt(d))
+    if fused:
+      self.w_gate_up = _param(rngs, (X, d, 2, f), ("expert", "embed", None, "mlp"), pd, 1 / math.sqrt(d))
+    else:
+      self.w_gate = _param(rngs, (X, d, f), ("expert", "embed", "mlp"), pd, 1 / math.sqrt(d))
+      self.w_up = _param(rngs, (X, d, f), ("expert", "embed", "mlp"), pd, 1 / math.sqrt(d))
+    self.w_down = _param(rngs, (X, f, d), ("expert", "mlp", "embed"), pd, 1 / math.sqrt(f))
+
+  def __call__(self, x, routing: "Routing | None" = None):
+    """x `[B, T, E]` -> (`[B, T, E]`, `moe.RouterStats`); routing: the tokens counted in the
+    statistics and the experts to replay (`Routing`), or None (every token, no replay)."""
+    c = self.config
+    B, T, E = x.shape
+    k = c.num_experts_per_tok
+    replay = None if routing is None or routing.replay is None else routing.replay.reshape(B * T, k)
+    flat = x.reshape(B * T, E)
+    weights, experts, probs, own = moe_lib.route(flat, self.router[...], k, c.norm_topk_prob, replay)
+    gate_up = self.w_gate_up[...] if self.fused else (self.w_gate[...], self.w_up[...])
+    mesh = None if routing is None else routing.mesh
+    out = moe_lib.grouped_swiglu(flat, experts, weights, gate_up, self.w_down[...], mesh)
+    mask = None if routing is None or routing.token_mask is None else routing.token_mask.reshape(B * T)
+    counts, prob_sum = moe_lib.router_stats(own, probs, c.num_experts, mask)
+    return out.reshape(B, T, E), moe_lib.RouterStats(topk=own.reshape(B, T, k), counts=counts, prob_sum=prob_sum)
+
+
+@flax.struct.dataclass
+class Routing:
+  """What a MoE forward is told about routing. token_mask `[B, T]` (1 = a real token, counted in the
+  load-balancing statistics) or None (all); replay `[B, T, k]` int32: the experts each token must use
+  in one layer (routing replay), or None (the layer's own top-k). mesh: the mesh whose `expert` axis
+  holds the experts (expert parallelism, `moe.grouped_swiglu`), or None."""
+
+  token_mask: Array | None = None
+  replay: Array | None = None
+  mesh: Any = flax.struct.field(pytree_node=False, default=None)
+
+
+def _layer_routing(replay: Array | None, j: int) -> Routing | None:
+  """The `Routing` of the j-th MoE layer given replay `[B, T, moe layers, k]` (or None)."""
+  return None if replay is None else Routing(replay=replay[:, :, j])
+
+
 class Block(nnx.Module):
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layout: WeightLayout = HF_LAYOUT):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layout: WeightLayout = HF_LAYOUT, moe: bool = False):
     pd = jnp.dtype(config.param_dtype)
     self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
     self.attn = Attention(config, rngs, layout.fused_qkv, layout.fp8)
     self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
-    self.mlp = MLP(config, rngs, layout.fused_mlp, layout.fp8)
+    if moe and layout.fp8:
+      raise ValueError("an fp8 generator (WeightLayout.fp8) does not quantise MoE experts; serve a MoE model in "
+                       "its compute dtype (GeneratorConfig.quantize = None)")
+    self.mlp = MoE(config, rngs, layout.fused_mlp) if moe else MLP(config, rngs, layout.fused_mlp, layout.fp8)
 
-  def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla", lora=None):
+  def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla", lora=None,
+               routing=None):
+    """-> (x, new layer cache or None, `moe.RouterStats` of a MoE layer or None)."""
     attn_lora, mlp_lora = (None, None) if lora is None else (lora.part("attn"), lora.part("mlp"))
     h, new_cache = self.attn(self.attn_norm(x), positions, inv_freq, mask, layer_cache, lengths, implementation,
                              attn_lora)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x), mlp_lora), new_cache
+    if isinstance(self.mlp, MoE):
+      if lora is not None and lora.weights.get("mlp"):
+        raise ValueError("LoRA adapters of MoE experts are not supported; adapt the attention projections only")
+      out, stats = self.mlp(self.mlp_norm(x), routing)
+      return x + out, new_cache, stats
+    return x + self.mlp(self.mlp_norm(x), mlp_lora), new_cache, None
 
 
 class Llama(nnx.Module):
@@ -558,7 +654,7 @@ class Llama(nnx.Module):
     self.config, self.layout = config, layout
     pd = jnp.dtype(config.param_dtype)
     self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd, 0.02)
-    self.layers = nnx.List([Block(config, rngs, layout) for _ in range(config.num_layers)])
+    self.layers = nnx.List([Block(config, rngs, layout, config.is_moe_layer(i)) for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
     if config.num_labels:
       self.score = _param(rngs, (config.hidden_size, config.num_labels), ("embed", None), pd)
@@ -567,11 +663,18 @@ class Llama(nnx.Module):
 
   def hidden_states(self, tokens, positions=None, cache=None, attention_mask=None, remat=False):
     """Final-norm hidden states `[B, T, E]` (and the new cache); the shared trunk of `__call__`."""
+    x, new_cache, _ = self.routed_hidden_states(tokens, positions, cache, attention_mask, remat)
+    return x, new_cache
+
+  def routed_hidden_states(self, tokens, positions=None, cache=None, attention_mask=None, remat=False, replay=None):
+    """`hidden_states` and the experts each token was routed to: (x `[B, T, E]`, new cache or None,
+    topk `[B, T, moe layers, k]` int32, or None for a dense model). replay `[B, T, moe layers, k]`:
+    the experts to use instead of each MoE layer's own top-k (routing replay; `model.moe`)."""
     c = self.config
     dt = jnp.dtype(c.dtype)
     B, T = tokens.shape
     if isinstance(cache, PagedKVCache):
-      return self._paged_hidden_states(tokens, positions, cache)
+      return self._paged_hidden_states(tokens, positions, cache, replay)
     offset = 0 if cache is None else cache.index
     if cache is not None and cache.index.ndim == 1:  # a write slot per row: offsets [B, 1]
       offset = cache.index[:, None]
@@ -588,40 +691,46 @@ class Llama(nnx.Module):
     inv_freq = rope_frequencies(c)
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
 
-    def run_block(block, x, layer_cache):
-      return block(x, positions, inv_freq, mask, layer_cache)
+    def run_block(block, x, layer_cache, routing):
+      return block(x, positions, inv_freq, mask, layer_cache, routing=routing)
 
     if remat:
       run_block = nnx.remat(run_block)
-    new_k, new_v = [], []
+    new_k, new_v, topk = [], [], []
     for i, block in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
-      x, kv = run_block(block, x, layer_cache)
+      x, kv, stats = run_block(block, x, layer_cache, _layer_routing(replay, len(topk)) if c.is_moe_layer(i) else None)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])
+      if stats is not None:
+        topk.append(stats.topk)
     x = self.final_norm(x)
     new_cache = None
     if cache is not None:
       new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), index=cache.index + T)
-    return x, new_cache
+    return x, new_cache, (jnp.stack(topk, axis=2) if topk else None)
 
-  def _paged_hidden_states(self, tokens, positions, cache: PagedKVCache):
+  def _paged_hidden_states(self, tokens, positions, cache: PagedKVCache, replay=None):
     """One decode step over a paged cache: tokens, positions `[B, 1]` (positions required: a row's
-    RoPE position is not implied by where its pages are). Returns `[B, 1, E]` and the cache with the
-    new keys/values written."""
+    RoPE position is not implied by where its pages are). Returns `[B, 1, E]`, the cache with the
+    new keys/values written, and the routing (`routed_hidden_states`)."""
     if tokens.shape[1] != 1 or positions is None:
       raise ValueError(f"a paged cache takes one token per row with explicit positions; got tokens "
                        f"{tokens.shape}, positions {None if positions is None else positions.shape}")
     dt = jnp.dtype(self.config.dtype)
     inv_freq = rope_frequencies(self.config)
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
-    new_k, new_v = [], []
+    new_k, new_v, topk = [], [], []
     for i, block in enumerate(self.layers):
-      x, (k, v) = block(x, positions, inv_freq, None, cache.layer(i))
+      routing = _layer_routing(replay, len(topk)) if self.config.is_moe_layer(i) else None
+      x, (k, v), stats = block(x, positions, inv_freq, None, cache.layer(i), routing=routing)
       new_k.append(k)
       new_v.append(v)
-    return self.final_norm(x), cache.replace(k=tuple(new_k), v=tuple(new_v))
+      if stats is not None:
+        topk.append(stats.topk)
+    return (self.final_norm(x), cache.replace(k=tuple(new_k), v=tuple(new_v)),
+            jnp.stack(topk, axis=2) if topk else None)
 
   def logits(self, x: Array) -> Array:
     """Project hidden states `[..., E]` through the head: fp32 logits `[..., vocab]`, or with a score
@@ -706,35 +815,80 @@ def remat_policy(remat) -> str:
   return remat
 
 
+def layer_runs(layers: dict) -> list[tuple[int, int]]:
+  """Maximal runs `[(start, stop), ...]` of consecutive layers with the same parameter structure and
+  shapes: one run for a dense model or a MoE model whose every layer is sparse, several when dense
+  and sparse layers alternate (`decoder_sparse_step`, `mlp_only_layers`). `layers`: {i: layer tree}."""
+  sig = lambda t: (jax.tree.structure(t), tuple(getattr(x, "shape", None) for x in jax.tree.leaves(t)))
+  runs, start = [], 0
+  for i in range(1, len(layers) + 1):
+    if i == len(layers) or sig(layers[i]) != sig(layers[start]):
+      runs.append((start, i))
+      start = i
+  return runs
+
+
+def _stack(layers, runs, f):
+  """{i: tree} -> one stacked tree (a single run) or a tuple of stacked trees, one per run."""
+  stacked = tuple(jax.tree.map(lambda *xs: jnp.stack([f(x) for x in xs]), *[layers[i] for i in range(a, b)])
+                  for a, b in runs)
+  return stacked[0] if len(stacked) == 1 else stacked
+
+
 def prepare_params(params: dict, dtype) -> dict:
   """The trainer's compute copy of `params` (the `split_params` dict): every leaf cast to `dtype` and
-  the per-layer dicts stacked on a leading `[num_layers]` axis under "layers". Differentiable: the
+  the per-layer dicts stacked on a leading `[num_layers]` axis under "layers" (a tuple of such stacks,
+  one per `layer_runs` run, when layers of different structure alternate). Differentiable: the
   gradient w.r.t. the result maps back with `unstack_layers` (and a cast)."""
   dtype = jnp.dtype(dtype)
   layers = params["layers"]
-  per_layer = [layers[i] for i in range(len(layers))]
   out = {k: jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items() if k != "layers"}
-  out["layers"] = jax.tree.map(lambda *xs: jnp.stack([x.astype(dtype) for x in xs]), *per_layer)
+  out["layers"] = _stack(layers, layer_runs(layers), lambda x: x.astype(dtype))
   return out
+
+
+def stacked_runs(layers) -> tuple:
+  """`prepare_params`' "layers" as a tuple of stacked runs (one element for a single run)."""
+  return layers if isinstance(layers, tuple) else (layers,)
 
 
 def unstack_layers(prepared: dict) -> dict:
   """Inverse layout of `prepare_params` (dtypes unchanged): "layers" back to {0: ..., 1: ...}."""
-  num_layers = jax.tree.leaves(prepared["layers"])[0].shape[0]
   out = {k: v for k, v in prepared.items() if k != "layers"}
-  out["layers"] = {i: jax.tree.map(lambda x: x[i], prepared["layers"]) for i in range(num_layers)}
+  out["layers"], i = {}, 0
+  for run in stacked_runs(prepared["layers"]):
+    for j in range(jax.tree.leaves(run)[0].shape[0]):
+      out["layers"][i] = jax.tree.map(lambda x: x[j], run)
+      i += 1
   return out
 
 
 @functools.lru_cache(maxsize=None)
-def _block_graphdef(config: ModelConfig):
-  return nnx.split(nnx.eval_shape(lambda: Block(config, nnx.Rngs(0))))[0]
+def _block_graphdef(config: ModelConfig, moe: bool = False):
+  return nnx.split(nnx.eval_shape(lambda: Block(config, nnx.Rngs(0), moe=moe)))[0]
+
+
+@flax.struct.dataclass
+class MoeTrace:
+  """The routing of a MoE forward, over its MoE layers in order: topk `[B, T, moe layers, k]` int32
+  (each token's experts), counts and prob_sum `[moe layers, experts]` (`moe.RouterStats`, over the
+  real tokens), num_tokens: the real tokens counted (`moe.load_balancing_loss`'s denominator)."""
+
+  topk: Array
+  counts: Array
+  prob_sum: Array
+  num_tokens: Array
+
+  def aux_loss(self) -> Array:
+    """transformers' load-balancing loss (`moe.load_balancing_loss`) of this forward."""
+    return moe_lib.load_balancing_loss(self.counts, self.prob_sum, self.num_tokens)
 
 
 def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengths: Array, *,
                        attention: str = "xla", remat="none", scan_layers: bool = True,
                        lora: dict | None = None, lora_scale: float = 1.0, lora_dropout: float = 0.0,
-                       dropout_key: Array | None = None, positions: Array | None = None) -> Array:
+                       dropout_key: Array | None = None, positions: Array | None = None,
+                       replay: Array | None = None, with_routing: bool = False, mesh=None):
   """Final-norm hidden states `[B, T, E]` of right-padded rows, the layers under `lax.scan`.
 
   prepared: `prepare_params(params, config.dtype)`. tokens `[B, T]`: each row's sequence from
@@ -745,39 +899,74 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
   scan_layers=False unrolls the scan (the same program, one copy per layer): compile time grows with
   depth, but a small model on a CPU steps faster unrolled (the main job's trainer step: BENCHMARKS.md),
   XLA:CPU's loop over stacked layers costing more than the layers themselves.
-  The same math as `Llama.hidden_states` (the same Block code runs on each layer's slice).
+  The same math as `Llama.hidden_states` (the same Block code runs on each layer's slice); layers of
+  different structure (dense and MoE) run as consecutive scans, one per `layer_runs` run.
   lora: LoRA adapters in the layout `prepare_params` gives (`model.lora.init_adapters`' tree with
   "layers" stacked), added unmerged to the projections they adapt, times `lora_scale` (alpha / rank),
   their inputs dropped out with probability `lora_dropout` from `dropout_key` (a key per layer).
+  MoE models: replay `[B, T, moe layers, k]` int32 replays those experts (`model.moe`); with
+  `with_routing=True` the result is (hidden, `MoeTrace`) (the trace None for a dense model); mesh:
+  the trainer's mesh, whose `expert` axis (if > 1) computes the experts in parallel (`moe.grouped_swiglu`).
   """
   dt = jnp.dtype(config.dtype)
   B, T = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   inv_freq = rope_frequencies(config)
-  graphdef = _block_graphdef(config)
-  if not isinstance(lengths, Segments):
+  if isinstance(lengths, Segments):
+    token_mask = lengths.ids > 0
+  else:
     lengths = lengths.astype(jnp.int32)
+    token_mask = jnp.arange(T)[None, :] < lengths[:, None]
+  runs = stacked_runs(prepared["layers"])
+  if lora is not None and len(runs) > 1:
+    raise ValueError("LoRA adapters need layers of one structure; this model alternates dense and MoE layers")
 
-  def layer(x, xs):
-    layer_params, layer_lora, layer_key = xs
-    adapters = None if layer_lora is None else LoraLayer(layer_lora, lora_scale, layer_key, lora_dropout)
-    x, _ = nnx.merge(graphdef, layer_params)(x, positions, inv_freq, None, None, lengths, attention, adapters)
-    return x, None
+  def make_layer(graphdef):
+    def layer(x, xs):
+      layer_params, layer_lora, layer_key, layer_replay = xs
+      adapters = None if layer_lora is None else LoraLayer(layer_lora, lora_scale, layer_key, lora_dropout)
+      routing = Routing(token_mask=token_mask, replay=layer_replay, mesh=mesh)
+      x, _, stats = nnx.merge(graphdef, layer_params)(x, positions, inv_freq, None, None, lengths, attention,
+                                                      adapters, routing)
+      return x, stats
 
-  policy = remat_policy(remat)
-  if policy == "full":
-    layer = jax.checkpoint(layer, prevent_cse=False)
-  elif policy == "matmuls":
-    layer = jax.checkpoint(layer, prevent_cse=False,
-                           policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    policy = remat_policy(remat)
+    if policy == "full":
+      layer = jax.checkpoint(layer, prevent_cse=False)
+    elif policy == "matmuls":
+      layer = jax.checkpoint(layer, prevent_cse=False,
+                             policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return layer
+
   x = jnp.take(prepared["embed"], tokens, axis=0).astype(dt)
   keys = None
   if lora is not None and lora_dropout > 0 and dropout_key is not None:
     keys = jax.random.split(dropout_key, config.num_layers)
-  x, _ = jax.lax.scan(layer, x, (prepared["layers"], None if lora is None else lora["layers"], keys),
-                      unroll=not scan_layers)
-  return rms_norm(x, prepared["final_norm"]["scale"], config.rms_norm_eps)
+  traces, start, moe_index = [], 0, 0
+  for run in runs:
+    n = jax.tree.leaves(run)[0].shape[0]
+    moe = config.is_moe_layer(start)
+    run_replay = None
+    if moe and replay is not None:  # [B, T, moe layers, k] -> this run's [n, B, T, k]
+      run_replay = jnp.moveaxis(replay[:, :, moe_index:moe_index + n], 2, 0).astype(jnp.int32)
+    run_keys = None if keys is None else keys[start:start + n]
+    run_lora = None if lora is None else lora["layers"]
+    x, stats = jax.lax.scan(make_layer(_block_graphdef(config, moe)), x, (run, run_lora, run_keys, run_replay),
+                            unroll=not scan_layers)
+    if stats is not None:
+      traces.append(stats)
+      moe_index += n
+    start += n
+  x = rms_norm(x, prepared["final_norm"]["scale"], config.rms_norm_eps)
+  if not with_routing:
+    return x
+  if not traces:
+    return x, None
+  cat = lambda name: jnp.concatenate([getattr(t, name) for t in traces], axis=0)
+  trace = MoeTrace(topk=jnp.moveaxis(cat("topk"), 0, 2), counts=cat("counts"), prob_sum=cat("prob_sum"),
+                   num_tokens=jnp.sum(token_mask.astype(jnp.float32)))
+  return x, trace
 
 
 def lm_head_weight(config: ModelConfig, prepared: dict) -> Array:

@@ -36,7 +36,8 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
                     response_mask, *, temperature: float = 1.0, remat="none", with_entropy: bool = False,
                     attention: str = "xla", logprob_chunk: int | None = None, width: int | None = None,
                     scan_layers: bool = True, lora: dict | None = None, lora_scale: float = 1.0,
-                    lora_dropout: float = 0.0, dropout_key: Array | None = None):
+                    lora_dropout: float = 0.0, dropout_key: Array | None = None, replay: Array | None = None,
+                    with_routing: bool = False, mesh=None):
   """`token_logprobs` on params already prepared (`prepare_params`: cast, layers stacked).
 
   One forward over the rows of `trainer_layout` (real prompt tokens from position 0, then the
@@ -48,7 +49,9 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
   width: the forward's sequence length, at most P + R (default: P + R). Every row must fit (prompt +
   response up to its last valid token <= width, as `group_by_length` guarantees): positions past it
   are padding and are cut off. scan_layers, lora (prepared adapters), lora_scale, lora_dropout,
-  dropout_key: see `scan_hidden_states`.
+  dropout_key: see `scan_hidden_states`. MoE models: replay `[B, width, moe layers, k]` (experts per
+  position of the forward's rows), with_routing (the result is then (result, `llama.MoeTrace`)) and
+  mesh (expert parallelism): see `scan_hidden_states`.
   """
   tokens, lengths, predict = trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask)
   if width is not None:
@@ -56,35 +59,40 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
     predict = jnp.minimum(predict, width - 1)  # only masked response positions point past the width
   hidden = scan_hidden_states(config, prepared, tokens, lengths, attention=attention, remat=remat,
                               scan_layers=scan_layers, lora=lora, lora_scale=lora_scale,
-                              lora_dropout=lora_dropout, dropout_key=dropout_key)
+                              lora_dropout=lora_dropout, dropout_key=dropout_key, replay=replay,
+                              with_routing=with_routing, mesh=mesh)
+  hidden, trace = hidden if with_routing else (hidden, None)
   hidden = jnp.take_along_axis(hidden, predict[..., None], axis=1)  # [B, R, E]
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), response_tokens,
                                              temperature=temperature, chunk=logprob_chunk,
                                              with_entropy=with_entropy)
   valid = response_mask.astype(bool)
   logprobs = jnp.where(valid, logprobs, 0.0)
-  if not with_entropy:
-    return logprobs
-  return logprobs, jnp.where(valid, entropy, 0.0)
+  out = (logprobs, jnp.where(valid, entropy, 0.0)) if with_entropy else logprobs
+  return (out, trace) if with_routing else out
 
 
 def packed_logprobs(config: ModelConfig, prepared, tokens: Array, positions: Array, segments: Segments,
                     targets: Array, *, temperature: float = 1.0, remat="none", with_entropy: bool = False,
                     attention: str = "xla", logprob_chunk: int | None = None, scan_layers: bool = True,
                     lora: dict | None = None, lora_scale: float = 1.0, lora_dropout: float = 0.0,
-                    dropout_key: Array | None = None):
+                    dropout_key: Array | None = None, with_routing: bool = False, mesh=None):
   """Log-probs `[N, T]` (fp32) of `targets` `[N, T]` at every position of packed rows.
 
   tokens, positions `[N, T]` and `segments` (`llama.Segments`): rows each holding several sequences
   end to end, positions restarting at 0 in each; attention never crosses a sequence. targets[n, t]
   is the token the state at t predicts (the next token of its sequence; anything where unused: the
   caller masks). The lm_head runs over all N * T positions, `logprob_chunk` at a time. Returns
-  (logprobs, entropy) with `with_entropy`, else logprobs; the other arguments as `policy_logprobs`.
+  (logprobs, entropy) with `with_entropy`, else logprobs (and a `llama.MoeTrace` after them with
+  `with_routing`); the other arguments as `policy_logprobs`.
   """
   hidden = scan_hidden_states(config, prepared, tokens, segments, attention=attention, remat=remat,
                               scan_layers=scan_layers, lora=lora, lora_scale=lora_scale,
-                              lora_dropout=lora_dropout, dropout_key=dropout_key, positions=positions)
+                              lora_dropout=lora_dropout, dropout_key=dropout_key, positions=positions,
+                              with_routing=with_routing, mesh=mesh)
+  hidden, trace = hidden if with_routing else (hidden, None)
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), targets,
                                              temperature=temperature, chunk=logprob_chunk,
                                              with_entropy=with_entropy)
-  return (logprobs, entropy) if with_entropy else logprobs
+  out = (logprobs, entropy) if with_entropy else logprobs
+  return (out, trace) if with_routing else out

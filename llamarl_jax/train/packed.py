@@ -78,9 +78,11 @@ def _packed_loss(compute, spec, frozen, ref_compute, batch, index, row_bin, mb_p
   def logprobs_of(params, **kw):
     out = packed_logprobs(spec.model, params, mb_packed["tokens"], mb_packed["positions"], segments,
                           mb_packed["targets"], temperature=spec.temperature, attention=spec.attention,
-                          logprob_chunk=spec.logprob_chunk, scan_layers=spec.scan_layers, **kw)
+                          logprob_chunk=spec.logprob_chunk, scan_layers=spec.scan_layers, mesh=spec.mesh, **kw)
+    out, trace = out if kw.get("with_routing") else (out, None)
     gather = lambda x: jnp.where(valid, jnp.take(x.reshape(-1), index), 0.0)
-    return tuple(gather(x) for x in out) if isinstance(out, tuple) else gather(out)
+    out = tuple(gather(x) for x in out) if isinstance(out, tuple) else gather(out)
+    return (out, trace) if kw.get("with_routing") else out
 
   return policy_loss(spec, logprobs_of, compute, frozen, ref_compute, batch, mask, totals,
                      batch["response_tokens"].shape[1], key)

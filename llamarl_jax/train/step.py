@@ -31,8 +31,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import losses, mismatch, parallel
 from llamarl_jax.config import LoraConfig, OptimizerConfig
-from llamarl_jax.generation.rollout import trainer_layout
+from llamarl_jax.generation.rollout import routing_in_trainer_layout, trainer_layout
 from llamarl_jax.model import lora as lora_lib
+from llamarl_jax.model import moe as moe_lib
 from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, ModelConfig, prepare_params, unstack_layers
 from llamarl_jax.model.logprobs import policy_logprobs
 from llamarl_jax.train.metrics import combine_metrics, loss_share, valid_counts
@@ -53,7 +54,8 @@ class StepSpec:
   seed, step and microbatch); mismatch: report the trainer-generator mismatch metrics;
   tokens_per_microbatch: a packed row's tokens (`train.packed`). mesh and the shardings (None: no
   constraints): the trained params' (`param_shardings`), their compute layout's, the whole model's
-  compute layout's (base, reference)."""
+  compute layout's (base, reference). routing_replay: a MoE policy's forward uses the experts the
+  generator recorded (the batch's "routing", `RolloutBatch.routing`; `model.moe`)."""
   model: ModelConfig
   loss: Callable[..., tuple[Array, dict[str, Array]]]
   optimizer: OptimizerConfig
@@ -68,6 +70,7 @@ class StepSpec:
   lora_seed: int = 0
   mismatch: bool = True
   tokens_per_microbatch: int | None = None
+  routing_replay: bool = False
   mesh: Mesh | None = None
   param_shardings: Any = None
   compute_shardings: Any = None
@@ -128,37 +131,61 @@ def dropout_key(spec: StepSpec, step, microbatch):
   return jax.random.fold_in(jax.random.fold_in(jax.random.key(spec.lora_seed), step), microbatch)
 
 
-def policy_loss(spec: StepSpec, logprobs_of, compute, frozen, ref_compute, mb, mask, totals, response_len, key):
+def policy_loss(spec: StepSpec, logprobs_of, compute, frozen, ref_compute, mb, mask, totals, response_len, key,
+                recorded=None):
   """This microbatch's share of the full-batch loss, and (share, metrics, log-probs `[rows, R]`).
 
   logprobs_of(params, **forward options): the microbatch's log-probs `[rows, R]` (masked to 0) under
   prepared `params`; compute / ref_compute: prepared params (with LoRA, compute is the adapters and
   frozen the base); mb: the batch fields the loss reads (`behaviour_logprobs`, `advantages`); mask:
   the tokens the loss sees; response_len: the batch's padded response length R (the default
-  `seq_sum_norm` constant, whatever the microbatch's width); key: LoRA dropout's (or None)."""
+  `seq_sum_norm` constant, whatever the microbatch's width); key: LoRA dropout's (or None); recorded:
+  the generator's routing in the forward's layout `[rows, T, moe layers, k]` (-1: none), or None."""
   kw = dict(spec.loss_kwargs)
   if kw.get("aggregation") == "seq_sum_norm" and kw.get("loss_norm_constant") is None:
     kw["loss_norm_constant"] = response_len  # the loss's default, the batch's R, not a cut microbatch's
   policy, lora = (compute, None) if frozen is None else (frozen, compute)
+  routed = spec.model.num_experts > 0  # a MoE policy: its routing trace for the load-balancing loss
   out = logprobs_of(policy, remat=spec.remat, with_entropy=spec.with_entropy, lora=lora,
                     lora_scale=spec.lora_scale, lora_dropout=0.0 if key is None else spec.lora.dropout,
-                    dropout_key=key)
+                    dropout_key=key, **({"with_routing": True} if routed else {}))
+  out, trace = out if routed else (out, None)
   logprobs, kw["entropy"] = out if spec.with_entropy else (out, None)
   if ref_compute is not None:
     kw["ref_logprobs"] = jax.lax.stop_gradient(logprobs_of(ref_compute))
   loss, metrics = spec.loss(logprobs, mb["behaviour_logprobs"], mb["advantages"], mask, **kw)
+  if trace is not None:  # + router_aux_loss_coef x transformers' load-balancing loss of this forward
+    aux = trace.aux_loss()
+    loss = loss + spec.model.router_aux_loss_coef * aux
+    metrics = {**metrics, "loss/moe_aux": aux}
+    if recorded is not None:
+      seen = jnp.all(recorded >= 0, axis=(2, 3)) & (jnp.arange(recorded.shape[1])[None] < trace.topk.shape[1])
+      metrics["moe/routing_disagreement"] = moe_lib.routing_disagreement(trace.topk[:, :recorded.shape[1]],
+                                                                         recorded, seen)
   share = loss_share(mask, totals, kw.get("aggregation", "token_mean"))
   return loss * share, (share, metrics, logprobs)
 
 
 def _padded_loss(compute, spec, frozen, ref_compute, mb, totals, width, response_len, key):
-  """`policy_loss` of a padded microbatch (rows of `trainer_layout`, `width` positions; None: P + R)."""
-  logprobs_of = lambda params, **kw: policy_logprobs(
-      spec.model, params, mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"], mb["response_mask"],
-      temperature=spec.temperature, attention=spec.attention, logprob_chunk=spec.logprob_chunk, width=width,
-      scan_layers=spec.scan_layers, **kw)
+  """`policy_loss` of a padded microbatch (rows of `trainer_layout`, `width` positions; None: P + R).
+  With the generator's routing in the batch ("routing"), the policy's forward replays it
+  (`spec.routing_replay`) or not, and `moe/routing_disagreement` reports the share of recorded
+  (token, MoE layer) pairs whose top-k the trainer's router chose differently."""
+  recorded = None
+  if "routing" in mb:
+    recorded = routing_in_trainer_layout(mb["prompt_mask"], mb["routing"])
+    T = mb["prompt_tokens"].shape[1] + mb["response_tokens"].shape[1]
+    recorded = recorded[:, :T if width is None else min(width, T)]
+  replay = recorded if spec.routing_replay else None
+
+  def logprobs_of(params, **kw):
+    return policy_logprobs(
+        spec.model, params, mb["prompt_tokens"], mb["prompt_mask"], mb["response_tokens"], mb["response_mask"],
+        temperature=spec.temperature, attention=spec.attention, logprob_chunk=spec.logprob_chunk, width=width,
+        scan_layers=spec.scan_layers, mesh=spec.mesh, **({"replay": replay} if "with_routing" in kw else {}), **kw)
+
   return policy_loss(spec, logprobs_of, compute, frozen, ref_compute, mb, mb["response_mask"], totals, response_len,
-                     key)
+                     key, recorded)
 
 
 def accumulate(spec: StepSpec, compute, frozen, ref_compute, grads, mb, totals, width=None, key=None):
