@@ -67,7 +67,8 @@ def main(argv=None):
     from scripts import bench_generate
 
     m = run.mesh
-    n = m.trainer_fsdp * m.trainer_tp + (0 if m.colocated else m.generator_dp * m.generator_tp) + m.reward_dp * m.reward_tp
+    n = (m.trainer_fsdp * m.trainer_expert * m.trainer_tp + m.reward_dp * m.reward_tp
+         + (0 if m.colocated else m.generator_dp * m.generator_expert * m.generator_tp))
     devices = bench_generate.target_devices(args.target, n)
     meshes = parallel.make_meshes(**dataclasses.asdict(m), devices=devices)
     capacity = target_capacity(args.target)
