@@ -34,7 +34,8 @@ from llamarl_jax.train.step import StepSpec, train_step
 
 gin.external_configurable(ModelConfig, "ModelConfig")
 gin.external_configurable(PromptSource, "PromptSource")
-for _cls in (*cfg.SECTIONS.values(), cfg.OptimizerConfig, cfg.OverlongShaping, cfg.DynamicSampling, cfg.LoraConfig):
+for _cls in (*cfg.SECTIONS.values(), cfg.OptimizerConfig, cfg.OverlongShaping, cfg.DynamicSampling, cfg.LoraConfig,
+             cfg.CriticConfig):
   gin.external_configurable(_cls, _cls.__name__)
 
 

@@ -668,6 +668,32 @@ def mis_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask
   return total, metrics
 
 
+def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
+               clip: float | None = None) -> tuple[Array, dict[str, Array]]:
+  """The critic's regression loss (PPO's value loss, clipped as in verl / OpenRLHF): token mean over
+  `mask` of 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = old + clip(V - old, -clip, clip).
+
+  values `[B, T]`: the critic's V(s_t) being trained; old_values `[B, T]`: the values the returns were
+  computed from (a constant: the critic before this step's updates); returns `[B, T]`: GAE's targets
+  R_t = A_t + V_t (a constant); mask: the tokens that count. clip None: no clipping, 0.5 * (V - R)^2.
+  Returns (loss, metrics): critic/vf_loss, critic/vf_clipfrac (tokens where the clipped error is the
+  larger), critic/vpred_mean, critic/num_tokens."""
+  valid = jnp.asarray(mask) != 0
+  values = _as_float(values)
+  old, target = jax.lax.stop_gradient(_as_float(old_values)), jax.lax.stop_gradient(_as_float(returns))
+  unclipped = jnp.square(values - target)
+  if clip is None:
+    per_token, clipped_more = unclipped, jnp.zeros_like(valid)
+  else:
+    _check_positive("clip", clip)
+    clipped = jnp.square(old + jnp.clip(values - old, -clip, clip) - target)
+    per_token, clipped_more = jnp.maximum(unclipped, clipped), clipped > unclipped
+  loss = 0.5 * masked_mean(per_token, valid)
+  metrics = {"critic/vf_loss": loss, "critic/vf_clipfrac": masked_mean(clipped_more, valid),
+             "critic/vpred_mean": masked_mean(values, valid), "critic/num_tokens": jnp.sum(valid)}
+  return loss, {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+
+
 def nll_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
              aggregation: str = "token_mean", loss_norm_constant: float | None = None, ref_logprobs=None,
              entropy=None) -> tuple[Array, dict[str, Array]]:

@@ -196,7 +196,9 @@ def accumulate(spec: StepSpec, compute, frozen, ref_compute, grads, mb, totals, 
   R = mb["response_tokens"].shape[1]
   trimmed = mb
   if width is not None and width < R:
-    trimmed = {**mb, **{k: mb[k][:, :width] for k in ("response_tokens", "response_mask", "behaviour_logprobs")}}
+    cut = ("response_tokens", "response_mask", "behaviour_logprobs") + (("advantages",) if mb["advantages"].ndim == 2
+                                                                          else ())  # per-token advantages
+    trimmed = {**mb, **{k: mb[k][:, :width] for k in cut}}
   grad_fn = jax.value_and_grad(_padded_loss, has_aux=True)
   (loss_part, (share, metrics, logprobs)), g = grad_fn(compute, spec, frozen, ref_compute, trimmed, totals, width,
                                                        R, key)
