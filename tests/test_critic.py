@@ -103,14 +103,14 @@ def test_the_loss_receives_gae_of_the_critics_values():
   critic = CriticConfig(gamma=0.9, lam=0.8, whiten=True)
   trainer = TrainerExecutor(CONFIG, parallel.make_mesh(jax.devices()[:1]), policy, critic=critic,
                             optimizer=OptimizerConfig(lr=1e-3))
-  trainer.critic_state = trainer._place_critic(split_params(critic_model)[1])
+  trainer.critic.state = trainer.critic.place(split_params(critic_model)[1])
   batch = random_batch(0)
-  fed, _ = trainer._critic_step(trainer._put_batch(batch), batch)
+  fed, _ = trainer.critic.step(trainer._put_batch(batch), batch.rewards)
   want_adv, want_ret = reference_advantages(critic_model, batch, 0.9, 0.8)
   np.testing.assert_allclose(np.asarray(fed["advantages"]), want_adv, rtol=1e-5, atol=1e-5)
   # the returns the critic regresses on: GAE's, from the values before this step's critic update
-  _, returns, _, _ = trainer._critic_advantages(split_params(critic_model)[1], trainer._put_batch(batch),
-                                                jnp.asarray(batch.rewards))
+  _, returns, _, _ = trainer.critic.advantages(split_params(critic_model)[1], trainer._put_batch(batch),
+                                               jnp.asarray(batch.rewards))
   np.testing.assert_allclose(np.asarray(returns), want_ret, rtol=1e-5, atol=1e-5)
 
 
@@ -151,7 +151,7 @@ def full_run(tmp_path_factory):
   c = controller(run_dir)
   try:
     steps = c.run(4)
-    final = jax.tree.map(np.asarray, c.trainer.critic_state.params)
+    final = jax.tree.map(np.asarray, c.trainer.critic.state.params)
   finally:
     c.close()
   return run_dir, steps, final
@@ -182,7 +182,7 @@ def test_ppo_critic_run_resumes_exactly(full_run, tmp_path):
   try:
     assert resumed.restore_checkpoint() == 2
     rest = resumed.run(2)
-    got = jax.tree.map(np.asarray, resumed.trainer.critic_state.params)
+    got = jax.tree.map(np.asarray, resumed.trainer.critic.state.params)
   finally:
     resumed.close()
   for a, b in zip(steps[2:], rest):

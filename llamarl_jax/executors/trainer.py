@@ -27,11 +27,11 @@ from jax.sharding import Mesh
 
 from llamarl_jax import losses, mismatch, parallel
 from llamarl_jax.config import CriticConfig, LoraConfig, OptimizerConfig
+from llamarl_jax.executors.critic import CriticExecutor
 from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, ModelConfig, remat_policy, resolve_attention
 from llamarl_jax.model.logprobs import policy_logprobs, token_logprobs  # noqa: F401  (the trainer's forward)
-from llamarl_jax.train import critic as critic_lib
 from llamarl_jax.train import step as steps
 from llamarl_jax.train.layout import group_by_length, pack_rows, width_bucket  # noqa: F401
 from llamarl_jax.train.packed import PLAN_FIELDS, check_token_budget, packed_train_step
@@ -65,9 +65,9 @@ class TrainerExecutor:
   compute dtype; reference_is_initial: `load_params` replaces it too. lora: a `LoraConfig`: `params`
   become the frozen base (in `base_dtype`), the adapters (`adapters`, or initialised from
   `lora_seed`) are trained. `params` returns the live trained arrays (the next `step` donates them);
-  `policy_params()` is the whole policy. critic: a `CriticConfig`: a value model (`critic_state`, a
-  `train.critic.CriticState`) from `critic.path` or from `params` with a fresh head, on this mesh;
-  each `step` takes the rows' rewards (`ScoredBatch.rewards`) to GAE advantages with it.
+  `policy_params()` is the whole policy. critic: a `CriticConfig`: a value model (`self.critic`, an
+  `executors.critic.CriticExecutor`) from `critic.path` or from `params` with a fresh head, on this
+  mesh; each `step` takes the rows' rewards (`ScoredBatch.rewards`) to GAE advantages with it.
   """
 
   def __init__(self, config: ModelConfig, mesh: Mesh, params: Any, *,
@@ -145,58 +145,15 @@ class TrainerExecutor:
     self._apply_step = jax.jit(functools.partial(steps.apply_grouped, self.spec), donate_argnums=(0,),
                                out_shardings=(trained_sh, repl))
     self._microbatch_index = None  # [M] replicated int32 scalars, made at the first grouped step
-    self.critic_config, self.critic_state = critic, None
-    if critic is not None:
-      self._init_critic_programs(critic, params, rules)
+    if critic is not None and self.pack:
+      raise ValueError("a critic trains on the padded or length-grouped layout; pack=True is not supported with it")
+    self.critic = None if critic is None else CriticExecutor(
+        critic, config, mesh, batch_shardings=self.placement.batch, microbatches=self.microbatches,
+        attention=self.attention, scan_layers=self.spec.scan_layers, rules=rules, params=params, abstract=self.abstract)
+    self._next_step = jax.jit(lambda step: step + 1, out_shardings=repl)
     self._merge = None if lora is None else jax.jit(
         lambda base, adapters: lora_lib.merge_adapters(base, adapters, self.spec.lora_scale, jnp.float32),
         out_shardings=self.model_shardings)
-
-  def _init_critic_programs(self, critic: CriticConfig, params, rules) -> None:
-    """The critic's placement, its state (unless abstract) and its two programs: advantages, update."""
-    if self.pack:
-      raise ValueError("a critic trains on the padded or length-grouped layout; pack=True is not supported with it")
-    if critic.path:
-      from llamarl_jax.model import hf
-      from llamarl_jax.model.llama import split_params
-
-      model_config, model = hf.load_hf_checkpoint(critic.path)
-      if model_config.num_labels != 1:
-        raise ValueError(f"CriticConfig.path {critic.path}: a critic is a *ForSequenceClassification checkpoint "
-                         f"with one label, got {model_config.architecture} with num_labels = {model_config.num_labels}")
-      if model_config.vocab_size != self.config.vocab_size:
-        raise ValueError(f"CriticConfig.path {critic.path}: its vocabulary ({model_config.vocab_size}) is not the "
-                         f"policy's ({self.config.vocab_size}); the critic reads the policy's tokens")
-      model_config = model_config.replace(dtype=self.config.dtype)
-      initial = None if self.abstract else split_params(model)[1]
-    else:
-      model_config = critic_lib.critic_config(self.config)
-      initial = None if self.abstract else critic_lib.params_from_policy(params)
-    tx = make_optimizer(critic.optimizer)
-    cpl = self.critic_placement = make_placement(model_config, self.mesh, tx, rules=rules)
-    self.critic_spec = critic_lib.CriticSpec(model=model_config, critic=critic, microbatches=self.microbatches,
-                                             attention=self.attention, scan_layers=self.spec.scan_layers,
-                                             mesh=self.mesh, compute_shardings=cpl.compute)
-    self._critic_from_policy = not critic.path
-    if initial is not None:
-      self.critic_state = self._place_critic(initial)
-    repl, rows, tokens = self._replicated, parallel.batch_sharding(self.mesh, 1), parallel.batch_sharding(self.mesh, 2)
-    state_sh = critic_lib.CriticState(params=cpl.params, opt_state=cpl.trained.opt_state, updates=repl)
-    self._critic_advantages = jax.jit(functools.partial(critic_lib.critic_advantages, self.critic_spec),
-                                      in_shardings=(cpl.params, self.placement.batch, rows),
-                                      out_shardings=(tokens, tokens, tokens, repl))
-    self._critic_update = jax.jit(functools.partial(critic_lib.critic_update, self.critic_spec), donate_argnums=(0,),
-                                  in_shardings=(state_sh, self.placement.batch, tokens, tokens),
-                                  out_shardings=(state_sh, repl))
-    self._next_step = jax.jit(lambda step: step + 1, out_shardings=repl)
-
-  def _place_critic(self, params) -> critic_lib.CriticState:
-    """A fresh critic state (step 0, a new optimizer state) of `params` on the critic's shardings."""
-    cpl = self.critic_placement
-    placed = place(params, jnp.float32, cpl.params, "a critic of the critic's ModelConfig")
-    tx = make_optimizer(self.critic_config.optimizer)
-    return critic_lib.CriticState(params=placed, opt_state=jax.jit(tx.init, out_shardings=cpl.trained.opt_state)(placed),
-                                  updates=jax.device_put(jnp.zeros((), jnp.int32), self._replicated))
 
   # state
 
@@ -236,8 +193,8 @@ class TrainerExecutor:
           params=self._place(lora_lib.init_adapters(self.config, self.lora, self.spec.lora_seed), jnp.float32))
     if self.state.ref is not None and self.reference_is_initial:
       self.state = self.state.replace(ref=self._place(params, jnp.dtype(self.config.dtype), self.model_shardings))
-    if self.critic_state is not None and self._critic_from_policy:  # a critic of the new policy, fresh head
-      self.critic_state = self._place_critic(critic_lib.params_from_policy(params))
+    if self.critic is not None:
+      self.critic.policy_loaded(params)
 
   def state_dict(self) -> dict:
     """Checkpointable state (arrays): params, opt_state, step, skipped_nonfinite, and ref_params /
@@ -245,9 +202,8 @@ class TrainerExecutor:
     s = self.state
     out = {"params": s.params, "opt_state": s.opt_state, "step": s.step, "skipped_nonfinite": s.skipped}
     out.update({k: v for k, v in (("ref_params", s.ref), ("base_params", s.base)) if v is not None})
-    if self.critic_state is not None:
-      c = self.critic_state
-      out["critic"] = {"params": c.params, "opt_state": c.opt_state, "updates": c.updates}
+    if self.critic is not None:
+      out["critic"] = self.critic.state_dict()
     return out
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -262,16 +218,8 @@ class TrainerExecutor:
       s = s.replace(ref=self._place(state["ref_params"], jnp.dtype(self.config.dtype), self.model_shardings))
     if s.base is not None and "base_params" in state:
       s = s.replace(base=self._place(state["base_params"], self.base_dtype, self.model_shardings))
-    if self.critic_state is not None:
-      if "critic" not in state:
-        raise ValueError("this trainer has a critic but the state holds none (a checkpoint of a run without "
-                         "TrainConfig.critic); resume with the same TrainConfig.critic as the saved run")
-      c, cpl = state["critic"], self.critic_placement
-      opt = jax.tree.unflatten(jax.tree.structure(self.critic_state.opt_state), jax.tree.leaves(c["opt_state"]))
-      self.critic_state = critic_lib.CriticState(
-          params=place(c["params"], jnp.float32, cpl.params, "a critic of the critic's ModelConfig"),
-          opt_state=jax.device_put(opt, cpl.trained.opt_state, may_alias=False),
-          updates=jax.device_put(jnp.asarray(c["updates"], jnp.int32), self._replicated))
+    if self.critic is not None:
+      self.critic.load_state_dict(state.get("critic"))
     self.state = s
 
   # the step
@@ -300,9 +248,9 @@ class TrainerExecutor:
     start = time.perf_counter()
     arrays, frozen, layout_padding = self._put_batch(batch), (self.state.base, self.state.ref), None
     critic_metrics = {}
-    if self.critic_state is not None:
-      arrays, critic_metrics = self._critic_step(arrays, batch)
-      if self.num_steps < self.critic_config.warmup_steps:  # critic warm-up: the policy keeps its weights
+    if self.critic is not None:
+      arrays, critic_metrics = self.critic.step(arrays, batch.rewards)
+      if self.num_steps < self.critic.config.warmup_steps:  # critic warm-up: the policy keeps its weights
         self.state = self.state.replace(step=self._next_step(self.state.step))
         return self._finish_metrics({**critic_metrics, "train/step": self.state.step,
                                      "train/policy_updated": jnp.float32(0.0)}, None, start)
@@ -318,7 +266,7 @@ class TrainerExecutor:
     else:
       trained, metrics = self._train_step(self.state.trained, frozen, arrays)
     self.state = trained.replace(base=frozen[0], ref=frozen[1])
-    if self.critic_state is not None:
+    if self.critic is not None:
       metrics = {**metrics, **critic_metrics, "train/policy_updated": jnp.float32(1.0)}
     return self._finish_metrics(metrics, layout_padding, start)
 
@@ -330,25 +278,6 @@ class TrainerExecutor:
     self.busy_seconds += elapsed
     metrics["time/train_step"] = elapsed
     return metrics
-
-  def _critic_step(self, arrays: dict[str, Array], batch: ScoredBatch):
-    """The critic's values of the batch (the current critic: before this step's updates) -> GAE
-    advantages `[B, R]` in place of the per-row ones, then `updates_per_step` critic updates. Returns
-    the arrays for the policy's step and the critic's metrics (the first update's loss: the value loss
-    of rows the critic has not trained on yet)."""
-    if batch.rewards is None:
-      raise ValueError("a trainer with a critic needs each row's reward (ScoredBatch.rewards), got None; "
-                       "score the batch (executors.scoring) before training it")
-    rewards = jax.device_put(np.asarray(batch.rewards, np.float32), parallel.batch_sharding(self.mesh, 1))
-    advantages, returns, values, metrics = self._critic_advantages(self.critic_state.params, arrays, rewards)
-    arrays = {**arrays, "advantages": advantages}
-    for i in range(self.critic_config.updates_per_step):
-      self.critic_state, update_metrics = self._critic_update(self.critic_state, arrays, values, returns)
-      if i == 0:
-        metrics = {**metrics, **update_metrics}
-      else:
-        metrics["critic/vf_loss_last"] = update_metrics["critic/vf_loss"]
-    return arrays, metrics
 
   def _grouped_step(self, batch: dict[str, Array]):
     """Lengths to the host, `group_by_length`, then prepare, one accumulation call per microbatch (at
