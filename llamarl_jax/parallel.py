@@ -43,6 +43,17 @@ def make_mesh(devices: Sequence[jax.Device], *, data: int = 1, fsdp: int = 1, tp
   return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp, expert, tp), MESH_AXES)
 
 
+def device_counts(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int = 1, generator_tp: int = 1,
+                  colocated: bool = False, reward_dp: int = 0, reward_tp: int = 1, trainer_expert: int = 1,
+                  generator_expert: int = 1) -> tuple[int, int, int, int]:
+  """(trainer, generator, reward model, all) devices of a layout (`MeshConfig`'s fields): colocated,
+  the generator's are the trainer's and count once in all."""
+  n_train = trainer_fsdp * trainer_expert * trainer_tp
+  n_gen = generator_dp * generator_expert * generator_tp
+  n_reward = reward_dp * reward_tp
+  return n_train, n_gen, n_reward, n_train + (0 if colocated else n_gen) + n_reward
+
+
 def make_meshes(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int = 1,
                 generator_tp: int = 1, colocated: bool = False, reward_dp: int = 0, reward_tp: int = 1,
                 trainer_expert: int = 1, generator_expert: int = 1,
@@ -57,10 +68,11 @@ def make_meshes(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int
   counted here so that a layout that does not fit fails at once.
   """
   devices = list(jax.devices() if devices is None else devices)
-  n_train = trainer_fsdp * trainer_expert * trainer_tp
-  n_gen = generator_dp * generator_expert * generator_tp
-  n_reward = reward_dp * reward_tp
-  if n_reward and (n_train if colocated else n_train + n_gen) + n_reward > len(devices):
+  n_train, n_gen, n_reward, n_all = device_counts(
+      trainer_fsdp=trainer_fsdp, trainer_tp=trainer_tp, generator_dp=generator_dp, generator_tp=generator_tp,
+      colocated=colocated, reward_dp=reward_dp, reward_tp=reward_tp, trainer_expert=trainer_expert,
+      generator_expert=generator_expert)
+  if n_reward and n_all > len(devices):
     raise ValueError(
         f"the reward model's {reward_dp}x{reward_tp} devices come after the trainer's and the generator's "
         f"({n_train if colocated else n_train + n_gen}), but only {len(devices)} devices are available; reduce "
@@ -93,9 +105,11 @@ def make_reward_mesh(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp
   if not reward_dp:
     return None
   devices = list(jax.devices() if devices is None else devices)
-  start = trainer_fsdp * trainer_expert * trainer_tp + (0 if colocated else generator_dp * generator_expert * generator_tp)
-  n = reward_dp * reward_tp
-  if start + n > len(devices):
+  *_, n, end = device_counts(trainer_fsdp=trainer_fsdp, trainer_tp=trainer_tp, generator_dp=generator_dp,
+                             generator_tp=generator_tp, colocated=colocated, reward_dp=reward_dp, reward_tp=reward_tp,
+                             trainer_expert=trainer_expert, generator_expert=generator_expert)
+  start = end - n
+  if end > len(devices):
     raise ValueError(f"the reward mesh needs devices {start}..{start + n - 1}, only {len(devices)} available; "
                      "reduce MeshConfig.reward_dp / reward_tp, or set reward_dp = 0 (the generator's devices)")
   return make_mesh(devices[start:start + n], data=reward_dp, tp=reward_tp)

@@ -67,9 +67,7 @@ def main(argv=None):
     from scripts import bench_generate
 
     m = run.mesh
-    n = (m.trainer_fsdp * m.trainer_expert * m.trainer_tp + m.reward_dp * m.reward_tp
-         + (0 if m.colocated else m.generator_dp * m.generator_expert * m.generator_tp))
-    devices = bench_generate.target_devices(args.target, n)
+    devices = bench_generate.target_devices(args.target, parallel.device_counts(**dataclasses.asdict(m))[3])
     meshes = parallel.make_meshes(**dataclasses.asdict(m), devices=devices)
     capacity = target_capacity(args.target)
     kw = dict(mesh=meshes[0], capacity=capacity, limit=memory_plan.target_limit(capacity),

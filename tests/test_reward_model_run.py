@@ -72,6 +72,10 @@ def test_reward_mesh_takes_the_devices_after_the_trainer_and_the_generator():
   assert parallel.make_reward_mesh(**{**layout, "colocated": True, "generator_dp": 2}).devices.flatten().tolist() == \
       devices[2:6]
   assert parallel.make_reward_mesh(**{**layout, "reward_dp": 0}) is None
+  counts = {k: v for k, v in layout.items() if k != "devices"}
+  assert parallel.device_counts(**counts) == (2, 2, 4, 8)
+  assert parallel.device_counts(**counts, colocated=True) == (2, 2, 4, 6)
+  assert parallel.device_counts(**counts, trainer_expert=2, generator_expert=2) == (4, 4, 4, 12)
   with pytest.raises(ValueError, match="the reward model's 3x2 devices come after"):
     parallel.make_meshes(**{**layout, "reward_dp": 3})
 
