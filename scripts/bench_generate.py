@@ -119,7 +119,7 @@ def target_devices(target, n):
   try:
     topology = topologies.get_topology_desc(target, "cuda", target_config=text, topology=f"1x1x{n}")
   except Exception as e:  # no CUDA plugin: "topology not implemented for cuda", or its import errors
-    raise SystemExit(f"--bytes_target {target}: {type(e).__name__}: {e}\n{CUDA_PLUGIN_HELP}") from e
+    raise SystemExit(f"compiling for {target} ({n} devices): {type(e).__name__}: {e}\n{CUDA_PLUGIN_HELP}") from e
   return list(topology.devices)
 
 
