@@ -154,6 +154,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def local_value(x: jax.Array) -> np.ndarray:
+  """A replicated array's value from this process's own copy (also when the mesh spans processes)."""
+  return np.asarray(x.addressable_data(0))
+
+
 def batch_divisor(mesh: Mesh) -> int:
   """The batch dimension must be a multiple of this to shard over `data` x `fsdp`."""
   return mesh.shape["data"] * mesh.shape["fsdp"]

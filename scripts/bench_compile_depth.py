@@ -8,7 +8,7 @@ two checkouts compare directly:
   PYTHONPATH=. JAX_PLATFORMS=cpu python scripts/bench_compile_depth.py 4 16 32
 """
 import sys, time, jax, jax.numpy as jnp
-from llamarl_jax.executors.trainer import token_logprobs
+from llamarl_jax.model.logprobs import token_logprobs
 from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
 for L in map(int, sys.argv[1:]):
   c = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=L, num_heads=4,

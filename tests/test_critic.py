@@ -16,6 +16,7 @@ from llamarl_jax.config import ConfigError, CriticConfig, OptimizerConfig, run_c
 from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
 from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.train.placement import put_batch
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,11 +106,11 @@ def test_the_loss_receives_gae_of_the_critics_values():
                             optimizer=OptimizerConfig(lr=1e-3))
   trainer.critic.state = trainer.critic.place(split_params(critic_model)[1])
   batch = random_batch(0)
-  fed, _ = trainer.critic.step(trainer._put_batch(batch), batch.rewards)
+  fed, _ = trainer.critic.step(put_batch(trainer.placement, batch, trainer.microbatches), batch.rewards)
   want_adv, want_ret = reference_advantages(critic_model, batch, 0.9, 0.8)
   np.testing.assert_allclose(np.asarray(fed["advantages"]), want_adv, rtol=1e-5, atol=1e-5)
   # the returns the critic regresses on: GAE's, from the values before this step's critic update
-  _, returns, _, _ = trainer.critic.advantages(split_params(critic_model)[1], trainer._put_batch(batch),
+  _, returns, _, _ = trainer.critic.advantages(split_params(critic_model)[1], put_batch(trainer.placement, batch, trainer.microbatches),
                                                jnp.asarray(batch.rewards))
   np.testing.assert_allclose(np.asarray(returns), want_ret, rtol=1e-5, atol=1e-5)
 

@@ -16,10 +16,11 @@ from llamarl_jax.config import MAX_TOOL_TIMEOUT_S, STEP_MARGIN_S, ConfigError, E
 from llamarl_jax.envs import SingleTurn, ToolEnvironment, Transition, calc, make_environment, run_episodes, turn_seed
 from llamarl_jax.envs.base import ToolCall
 from llamarl_jax.envs.episodes import EnvironmentFailed, ToolSteps, _bucket
-from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor, token_logprobs
+from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch, ScoredBatch
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.logprobs import token_logprobs
 from llamarl_jax.tokenizer import make_char_tokenizer
 
 TOK = make_char_tokenizer()

@@ -19,11 +19,12 @@ from flax import nnx
 from conftest import mesh_at_most
 from llamarl_jax import parallel
 from llamarl_jax.config import LoraConfig, OptimizerConfig
-from llamarl_jax.executors.trainer import TrainerExecutor, policy_logprobs
+from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.executors.weight_sync import WeightSync, tree_bytes
 from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.llama import Llama, ModelConfig, prepare_params, split_params
+from llamarl_jax.model.logprobs import policy_logprobs
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                      num_kv_heads=2, max_position_embeddings=64, rope_theta=10000.0)

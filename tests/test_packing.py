@@ -119,7 +119,7 @@ def test_packed_step_equals_padded_step(case, params):
   other = make_batch(45)  # 6 bins, against batch 7's 4
   assert pack_rows(trainer_lengths(other), TOKENS, shards).bins != plan.bins
   assert np.isfinite(trainer.step(other)["loss/total"])
-  assert trainer._packed_step._cache_size() == 1 and trainer.trace_count == 2
+  assert trainer.programs.packed_step._cache_size() == 1 and trainer.trace_count == 2
 
 
 def test_pack_needs_a_token_budget_that_holds_a_row(params):

@@ -27,11 +27,13 @@ from flax import nnx
 from conftest import mesh_at_most
 from sequence_layout import sequence_layout
 from llamarl_jax import parallel
-from llamarl_jax.executors.trainer import (OptimizerConfig, TrainerExecutor, group_by_length, lr_schedule,
-                                           make_optimizer, token_logprobs, width_bucket)
+from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
 from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
 from llamarl_jax.mismatch import MISMATCH_LAGS
 from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
+from llamarl_jax.model.logprobs import token_logprobs
+from llamarl_jax.train.layout import group_by_length, width_bucket
+from llamarl_jax.train.state import lr_schedule, make_optimizer
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                      num_kv_heads=2, max_position_embeddings=64, rope_theta=10000.0)
@@ -322,7 +324,7 @@ def test_compiles_once_across_new_batches(shared_trainer):
   for seed in range(3):
     shared_trainer.step(make_batch(20 + seed))  # new tokens and lengths, same [B, P] / [B, R] bucket
   assert shared_trainer.trace_count == 1
-  assert shared_trainer._train_step._cache_size() == 1
+  assert shared_trainer.programs.train_step._cache_size() == 1
 
 
 def test_state_dict_roundtrip_resumes_identically(shared_trainer):
@@ -500,9 +502,10 @@ def test_grouped_compiles_one_program_per_width(grouped_runs):
     widths |= set(group_by_length(trainer_rows(new), M, LONG_P + LONG_R).widths)
     assert len(widths) == seen + new_widths
     trainer.step(new)
-    assert trainer._accumulate_step._cache_size() == len(widths)
+    assert trainer.programs.accumulate_step._cache_size() == len(widths)
   rungs = {width_bucket(n, LONG_P + LONG_R) for n in range(1, LONG_P + LONG_R + 1)}
   assert widths <= rungs and len(rungs) == 18
-  assert [f._cache_size() for f in (trainer._row_lengths, trainer._prepare_step, trainer._apply_step)] == [1, 1, 1]
+  programs = trainer.programs
+  assert [f._cache_size() for f in (programs.row_lengths, programs.prepare_step, programs.apply_step)] == [1, 1, 1]
   assert trainer.trace_count == 3 + len(widths)
-  assert trainer._train_step._cache_size() == 0  # the fused step is not used
+  assert trainer.programs.train_step._cache_size() == 0  # the fused step is not used

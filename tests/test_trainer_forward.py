@@ -19,13 +19,14 @@ import pytest
 import torch
 
 from llamarl_jax import parallel
-from llamarl_jax.executors.trainer import TrainerExecutor, token_logprobs
+from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.generation import Sampler, SamplingParams
 from llamarl_jax.generation.rollout import trainer_layout
 from llamarl_jax.model import load_hf_checkpoint, split_params
 from llamarl_jax.model.llama import (ModelConfig, abstract_model, chunked_token_logprobs, lm_head_weight,
                                      prepare_params, remat_policy, resolve_attention, scan_hidden_states,
                                      unstack_layers)
+from llamarl_jax.model.logprobs import token_logprobs
 
 logprobs_fn = jax.jit(token_logprobs, static_argnums=0,
                       static_argnames=("remat", "with_entropy", "attention", "logprob_chunk"))

@@ -1,42 +1,35 @@
 """The trainer executor: holds a `TrainState` on the trainer mesh and runs the pure step functions of
-`llamarl_jax.train` on it (LlamaRL's trainer); each program jitted with explicit shardings, the
-trained state donated. `step(batch)` puts the batch's rows over `data` x `fsdp` and runs one layout:
-
-  padded (default):  one program, `train_step`: every microbatch at the batch's width P + R;
-  group_by_length:   the rows' lengths to the host (one `[B]` transfer), `group_by_length`, then
-                     prepare, one accumulation per microbatch at its width (a program per width), apply;
-  pack:              the lengths to the host, `pack_rows` into rows of `tokens_per_microbatch` tokens,
-                     then one program, `packed_train_step`, whatever the lengths.
-
-All three give the same loss, gradient and metrics (up to fp32 summation order). With `lora`, what
-is trained is LoRA adapters on a frozen base held in `base_dtype`. With `critic` (a `CriticConfig`), a
-value model trained beside the policy on the same mesh (`train.critic`) gives each step's rows
-token-level GAE advantages before the policy's step, then takes its own optimizer steps.
+`llamarl_jax.train` on it (LlamaRL's trainer). It places the state (`train.placement`: initial,
+loaded, restored from a checkpoint) and each batch (rows over `data` x `fsdp`), and calls the step's
+programs (`train.programs.TrainPrograms`: jitted with explicit shardings, the trained state donated)
+in the run's layout: padded (default), `group_by_length`, or `pack` into `tokens_per_microbatch`-token
+rows; all three give the same loss, gradient and metrics (up to fp32 summation order). With `lora`,
+what is trained is LoRA adapters on a frozen base held in `base_dtype`. With `critic` (a
+`CriticConfig`), a value model trained beside the policy on the same mesh (`executors.critic`) gives
+each step's rows token-level GAE advantages before the policy's step, then takes its own optimizer
+steps.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from llamarl_jax import losses, mismatch, parallel
 from llamarl_jax.config import CriticConfig, LoraConfig, OptimizerConfig
 from llamarl_jax.executors.critic import CriticExecutor
-from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch
+from llamarl_jax.generation.rollout import ScoredBatch
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, ModelConfig, remat_policy, resolve_attention
-from llamarl_jax.model.logprobs import policy_logprobs, token_logprobs  # noqa: F401  (the trainer's forward)
-from llamarl_jax.train import step as steps
-from llamarl_jax.train.layout import group_by_length, pack_rows, width_bucket  # noqa: F401
-from llamarl_jax.train.packed import PLAN_FIELDS, check_token_budget, packed_train_step
-from llamarl_jax.train.placement import abstract_state, batch_arrays, make_placement, place
-from llamarl_jax.train.state import TrainState, lr_schedule, make_optimizer  # noqa: F401
+from llamarl_jax.train.placement import (abstract_state, initial_state, make_placement, place, place_trained,
+                                         put_batch, restore_state)
+from llamarl_jax.train.programs import TrainPrograms
+from llamarl_jax.train.state import make_optimizer, state_dict
+from llamarl_jax.train.step import StepSpec
 
 Array = jax.Array
 
@@ -101,8 +94,7 @@ class TrainerExecutor:
     self.busy_seconds = 0.0
     tx = make_optimizer(self.optimizer_config)
     pl = self.placement = make_placement(config, mesh, tx, lora=lora, rules=rules)
-    self.model_shardings, self.param_shardings, self._replicated = pl.model, pl.params, pl.replicated
-    self.spec = steps.StepSpec(
+    self.spec = StepSpec(
         model=config, loss=losses.get_loss(loss, trainer=True), optimizer=self.optimizer_config,
         loss_kwargs=loss_kwargs, microbatches=microbatches, temperature=self.temperature, attention=self.attention,
         logprob_chunk=logprob_chunk, remat=self.remat, scan_layers=bool(scan_layers), lora=lora, lora_seed=lora_seed,
@@ -115,130 +107,69 @@ class TrainerExecutor:
       self.state = abstract_state(pl, tx, base_dtype=None if lora is None else self.base_dtype,
                                   ref_dtype=None if ref_params is None else compute_dtype)
     else:
-      base = None if lora is None else self._place(params, self.base_dtype, pl.model)
       trained = params if lora is None else (lora_lib.init_adapters(config, lora, lora_seed) if adapters is None
                                              else adapters)
-      trained = self._place(trained, jnp.float32)
-      ref = None if ref_params is None else self._place(ref_params, compute_dtype, pl.model)
-      zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), pl.replicated)
-      self.state = TrainState(params=trained, opt_state=jax.jit(tx.init, out_shardings=pl.trained.opt_state)(trained),
-                              step=zero(), skipped=zero(), base=base, ref=ref)
-
-    # the programs: the trained state donated, the frozen parts (base, ref) passed beside it
-    repl, trained_sh = pl.replicated, pl.trained
-    frozen_sh = (None if lora is None else pl.model, None if ref_params is None else pl.model)
-    with_frozen = lambda fn: lambda trained, frozen, *a: fn(self.spec, trained.replace(base=frozen[0], ref=frozen[1]), *a)
-    trained_only = lambda fn: lambda *a: (lambda state, metrics: (state.trained, metrics))(*fn(*a))
-    self._train_step = jax.jit(trained_only(with_frozen(steps.train_step)), donate_argnums=(0,),
-                               in_shardings=(trained_sh, frozen_sh, pl.batch), out_shardings=(trained_sh, repl))
-    self._packed_step = jax.jit(trained_only(with_frozen(packed_train_step)), donate_argnums=(0,),
-                                in_shardings=(trained_sh, frozen_sh, pl.batch, repl), out_shardings=(trained_sh, repl))
-    # the rows' lengths (grouped and packed layouts), a function of its own (a jit cache is per
-    # function: `trace_count` counts this trainer's programs only)
-    self._row_lengths = jax.jit(lambda batch: steps.row_lengths(batch), out_shardings=repl)
-    # grouped by length: the fused step's parts as separate programs (see `_grouped_step`)
-    self._prepare_step = jax.jit(with_frozen(steps.prepare_grouped), out_shardings=(
-        pl.compute, frozen_sh[0] and pl.model_compute, frozen_sh[1] and pl.model_compute, pl.micro, repl, pl.compute))
-    self._accumulate_step = jax.jit(functools.partial(steps.accumulate_microbatch, self.spec),
-                                    static_argnames=("width",), donate_argnums=(3,),
-                                    out_shardings=(pl.compute, (repl, repl, repl, parallel.batch_sharding(mesh, 2))))
-    self._apply_step = jax.jit(functools.partial(steps.apply_grouped, self.spec), donate_argnums=(0,),
-                               out_shardings=(trained_sh, repl))
-    self._microbatch_index = None  # [M] replicated int32 scalars, made at the first grouped step
+      self.state = initial_state(pl, tx, trained, base=None if lora is None else params, base_dtype=self.base_dtype,
+                                 ref=ref_params, ref_dtype=compute_dtype)
+    self.programs = TrainPrograms(self.spec, pl, group_by_length=self.group_by_length, with_base=lora is not None,
+                                  with_ref=ref_params is not None)
     if critic is not None and self.pack:
       raise ValueError("a critic trains on the padded or length-grouped layout; pack=True is not supported with it")
     self.critic = None if critic is None else CriticExecutor(
-        critic, config, mesh, batch_shardings=self.placement.batch, microbatches=self.microbatches,
+        critic, config, mesh, batch_shardings=pl.batch, microbatches=self.microbatches,
         attention=self.attention, scan_layers=self.spec.scan_layers, rules=rules, params=params, abstract=self.abstract)
-    self._next_step = jax.jit(lambda step: step + 1, out_shardings=repl)
-    self._merge = None if lora is None else jax.jit(
-        lambda base, adapters: lora_lib.merge_adapters(base, adapters, self.spec.lora_scale, jnp.float32),
-        out_shardings=self.model_shardings)
 
   # state
-
-  def _place(self, params, dtype, shardings=None) -> Any:
-    """`placement.place` onto `shardings` (default: the trained params')."""
-    if shardings is None:
-      return place(params, dtype, self.param_shardings,
-                   "LoRA adapters for this LoraConfig" if self.lora else "the model's structure for this ModelConfig")
-    return place(params, dtype, shardings)
 
   params = property(lambda self: self.state.params, doc="The trained fp32 params (or LoRA adapters): live buffers.")
   base_params = property(lambda self: self.state.base, doc="A LoRA policy's frozen base (None without LoRA).")
   opt_state = property(lambda self: self.state.opt_state)
   ref_params = property(lambda self: self.state.ref)
-  num_steps = property(lambda self: int(_local_value(self.state.step)))
-
-  @property
-  def trace_count(self) -> int:
-    """Train-step programs compiled so far (the jit caches' entries, never a counter bumped under trace)."""
-    return sum(f._cache_size() for f in (self._train_step, self._packed_step, self._row_lengths, self._prepare_step,
-                                         self._accumulate_step, self._apply_step))
+  num_steps = property(lambda self: int(parallel.local_value(self.state.step)))
+  trace_count = property(lambda self: self.programs.trace_count, doc=TrainPrograms.trace_count.__doc__)
 
   def policy_params(self) -> Any:
     """The whole policy's fp32 params: the masters (live buffers), or a new merged copy with LoRA."""
-    return self.state.params if self.lora is None else self._merge(self.state.base, self.state.params)
+    return self.state.params if self.lora is None else self.programs.merge(self.state.base, self.state.params)
 
   def load_params(self, params: Any) -> None:
     """Make `params` (the whole model's) the policy, keeping the optimizer state. With LoRA they become
     the frozen base and the adapters restart from their initial value; with `reference_is_initial`
     they become the KL reference too; a critic started from the policy restarts from them (fresh head
     and optimizer state)."""
+    pl = self.placement
     if self.lora is None:
-      self.state = self.state.replace(params=self._place(params, jnp.float32))
+      self.state = self.state.replace(params=place_trained(pl, params))
     else:
       self.state = self.state.replace(
-          base=self._place(params, self.base_dtype, self.model_shardings),
-          params=self._place(lora_lib.init_adapters(self.config, self.lora, self.spec.lora_seed), jnp.float32))
+          base=place(params, self.base_dtype, pl.model),
+          params=place_trained(pl, lora_lib.init_adapters(self.config, self.lora, self.spec.lora_seed)))
     if self.state.ref is not None and self.reference_is_initial:
-      self.state = self.state.replace(ref=self._place(params, jnp.dtype(self.config.dtype), self.model_shardings))
+      self.state = self.state.replace(ref=place(params, jnp.dtype(self.config.dtype), pl.model))
     if self.critic is not None:
       self.critic.policy_loaded(params)
 
   def state_dict(self) -> dict:
-    """Checkpointable state (arrays): params, opt_state, step, skipped_nonfinite, and ref_params /
-    base_params when there are."""
-    s = self.state
-    out = {"params": s.params, "opt_state": s.opt_state, "step": s.step, "skipped_nonfinite": s.skipped}
-    out.update({k: v for k, v in (("ref_params", s.ref), ("base_params", s.base)) if v is not None})
+    """Checkpointable state (arrays): `train.state.state_dict`'s, and the critic's under "critic"."""
+    out = state_dict(self.state)
     if self.critic is not None:
       out["critic"] = self.critic.state_dict()
     return out
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
     """Inverse of `state_dict` (arrays from host or devices are copied onto the trainer shardings)."""
-    s, repl = self.state, self._replicated
-    opt_state = jax.tree.unflatten(jax.tree.structure(s.opt_state), jax.tree.leaves(state["opt_state"]))
-    s = s.replace(params=self._place(state["params"], jnp.float32),
-                  opt_state=jax.device_put(opt_state, self.placement.trained.opt_state, may_alias=False),
-                  step=jax.device_put(jnp.asarray(state["step"], jnp.int32), repl),
-                  skipped=jax.device_put(jnp.asarray(state.get("skipped_nonfinite", 0), jnp.int32), repl))
-    if s.ref is not None and "ref_params" in state:
-      s = s.replace(ref=self._place(state["ref_params"], jnp.dtype(self.config.dtype), self.model_shardings))
-    if s.base is not None and "base_params" in state:
-      s = s.replace(base=self._place(state["base_params"], self.base_dtype, self.model_shardings))
+    restored = restore_state(self.placement, self.state, state, base_dtype=self.base_dtype,
+                             ref_dtype=jnp.dtype(self.config.dtype))
     if self.critic is not None:
       self.critic.load_state_dict(state.get("critic"))
-    self.state = s
+    self.state = restored
 
   # the step
 
   def lower_step(self, batch_size: int, prompt_len: int, resp_len: int):
     """The train step (packed with `pack`, else the fused padded step: a grouped step's worst case)
     lowered for `self.platform` from abstract shapes (`jax.stages.Lowered`). Nothing is allocated."""
-    self._check_batch_size(batch_size)
-    batch = {k: jax.ShapeDtypeStruct((batch_size,) if k == "advantages" else
-                                     (batch_size, prompt_len if k.startswith("prompt") else resp_len),
-                                     TRAIN_FIELDS[k], sharding=self.placement.batch[k]) for k in TRAIN_FIELDS}
-    shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    args = [*jax.tree.map(shape_of, (self.state.trained, (self.state.base, self.state.ref))), batch]
-    if self.pack:
-      args.append({**{k: jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=self._replicated) for k in PLAN_FIELDS},
-                   "microbatches": jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)})
-    own = self.platform == self.mesh.devices.flat[0].platform  # else a target topology compiled for here
-    fn = self._packed_step if self.pack else self._train_step
-    return fn.trace(*args).lower(lowering_platforms=None if own else (self.platform,))
+    return self.programs.lower(self.state, batch_size, prompt_len, resp_len, self.platform)
 
   def step(self, batch: ScoredBatch) -> dict[str, float]:
     """One optimizer step on `batch` (host numpy or device arrays); returns scalar metrics."""
@@ -246,71 +177,23 @@ class TrainerExecutor:
       raise RuntimeError("this TrainerExecutor was built from abstract params (shapes only): it can "
                          "`lower_step` but not `step`; pass real params to train")
     start = time.perf_counter()
-    arrays, frozen, layout_padding = self._put_batch(batch), (self.state.base, self.state.ref), None
-    critic_metrics = {}
+    arrays, critic_metrics = put_batch(self.placement, batch, self.microbatches), {}
     if self.critic is not None:
       arrays, critic_metrics = self.critic.step(arrays, batch.rewards)
       if self.num_steps < self.critic.config.warmup_steps:  # critic warm-up: the policy keeps its weights
-        self.state = self.state.replace(step=self._next_step(self.state.step))
+        self.state = self.state.replace(step=self.programs.next_step(self.state.step))
         return self._finish_metrics({**critic_metrics, "train/step": self.state.step,
                                      "train/policy_updated": jnp.float32(0.0)}, None, start)
-    if self.group_by_length:
-      trained, metrics, layout_padding = self._grouped_step(arrays)
-    elif self.pack:
-      check_token_budget(arrays["prompt_tokens"].shape[1], arrays["response_tokens"].shape[1],
-                         self.spec.tokens_per_microbatch)
-      plan = pack_rows(_local_value(self._row_lengths(arrays)), self.spec.tokens_per_microbatch, self.spec.shards)
-      plan_arrays = {**{k: getattr(plan, k) for k in PLAN_FIELDS}, "microbatches": np.int32(plan.microbatches)}
-      trained, metrics = self._packed_step(self.state.trained, frozen, arrays,
-                                           jax.device_put(plan_arrays, self._replicated))
-    else:
-      trained, metrics = self._train_step(self.state.trained, frozen, arrays)
-    self.state = trained.replace(base=frozen[0], ref=frozen[1])
-    if self.critic is not None:
-      metrics = {**metrics, **critic_metrics, "train/policy_updated": jnp.float32(1.0)}
-    return self._finish_metrics(metrics, layout_padding, start)
+      critic_metrics["train/policy_updated"] = jnp.float32(1.0)
+    self.state, metrics, layout_padding = self.programs.run(self.state, arrays)
+    return self._finish_metrics({**metrics, **critic_metrics}, layout_padding, start)
 
   def _finish_metrics(self, metrics, layout_padding, start) -> dict[str, float]:
-    metrics = mismatch.drop_empty_lags({k: float(_local_value(v)) for k, v in metrics.items()})  # waits
+    """The device metrics as floats (waits for the step), the host's padding fraction, the step time."""
+    metrics = mismatch.drop_empty_lags({k: float(parallel.local_value(v)) for k, v in metrics.items()})
     if layout_padding is not None:
       metrics["train/padding_fraction"] = layout_padding
     elapsed = time.perf_counter() - start
     self.busy_seconds += elapsed
     metrics["time/train_step"] = elapsed
     return metrics
-
-  def _grouped_step(self, batch: dict[str, Array]):
-    """Lengths to the host, `group_by_length`, then prepare, one accumulation call per microbatch (at
-    its width) and apply. Returns the next trained state, the device metrics and the padding fraction."""
-    groups = group_by_length(_local_value(self._row_lengths(batch)), self.microbatches,
-                             batch["prompt_tokens"].shape[1] + batch["response_tokens"].shape[1])
-    if self._microbatch_index is None:
-      self._microbatch_index = [jax.device_put(np.int32(m), self._replicated) for m in range(self.microbatches)]
-    order = jax.device_put(groups.order, self._replicated)
-    compute, frozen, ref_compute, micro, totals, grads = self._prepare_step(
-        self.state.trained, (self.state.base, self.state.ref), batch, order)
-    outs = []
-    for index, width in zip(self._microbatch_index, groups.widths):
-      grads, out = self._accumulate_step(compute, frozen, ref_compute, grads, micro, index, totals, self.state.step,
-                                         width=width)
-      outs.append(out)
-    del compute, frozen, ref_compute
-    trained, metrics = self._apply_step(self.state.trained, grads, outs, micro)
-    return trained, metrics, groups.padding_fraction
-
-  def _check_batch_size(self, B: int) -> None:
-    multiple = self.microbatches * parallel.batch_divisor(self.mesh)
-    if B % multiple:
-      raise ValueError(f"batch size {B} must be a multiple of microbatches ({self.microbatches}) x "
-                       f"data*fsdp ({parallel.batch_divisor(self.mesh)}) = {multiple}; pad the batch "
-                       "with rows whose response_mask is 0")
-
-  def _put_batch(self, batch: ScoredBatch) -> dict[str, Array]:
-    arrays = batch_arrays(batch)
-    self._check_batch_size(arrays["prompt_tokens"].shape[0])
-    return jax.device_put(arrays, self.placement.batch)
-
-
-def _local_value(x: Array) -> np.ndarray:
-  """A replicated array's value from this process's own copy (also when the mesh spans processes)."""
-  return np.asarray(x.addressable_data(0))

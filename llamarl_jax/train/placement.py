@@ -1,4 +1,5 @@
-"""Where a `TrainState` and a batch live on the trainer mesh: shardings, placement, abstract states.
+"""Where a `TrainState` and a batch live on the trainer mesh: shardings, placement (initial, restored
+and abstract states, batches).
 
 Params are fp32 masters sharded by `parallel.RULES` (FSDP over `fsdp`, TP over `tp` when the mesh has
 tp > 1); the optimizer state follows its params; the step's compute copy (`prepare_params`: layers
@@ -31,7 +32,8 @@ class Placement:
   """Shardings of a trainer's state and batches. model: the whole model's (the LoRA base, the KL
   reference); params: the trained params' (the model's, or LoRA adapters'); trained: a `TrainState`
   of shardings without its frozen parts; compute / model_compute: `prepare_params`' layouts of
-  params / model; batch: each `TRAIN_FIELDS` array's; micro: the same split `[M, B/M, ...]`."""
+  params / model; batch: each `TRAIN_FIELDS` array's; micro: the same split `[M, B/M, ...]`; lora:
+  the `LoraConfig` whose adapters are the trained params (None: the model's params are)."""
   mesh: Mesh
   model: Any
   params: Any
@@ -43,6 +45,7 @@ class Placement:
   replicated: NamedSharding
   model_shapes: Any  # fp32 ShapeDtypeStructs of the model's params
   param_shapes: Any  # ... of the trained params
+  lora: LoraConfig | None = None
 
 
 def stacked_shardings(shardings, mesh: Mesh):
@@ -72,7 +75,7 @@ def make_placement(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransforma
       compute=stacked_shardings(param_sh, mesh), model_compute=stacked_shardings(model_sh, mesh),
       batch={k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in TRAIN_FIELDS},
       micro={k: NamedSharding(mesh, P(None, parallel.BATCH_AXES, *[None] * (k != "advantages"))) for k in TRAIN_FIELDS},
-      replicated=repl, model_shapes=model_shapes, param_shapes=shapes)
+      replicated=repl, model_shapes=model_shapes, param_shapes=shapes, lora=lora)
 
 
 def place(tree, dtype, shardings, what: str = "the model's structure for this ModelConfig") -> Any:
@@ -86,6 +89,44 @@ def place(tree, dtype, shardings, what: str = "the model's structure for this Mo
   return jax.device_put(jax.tree.map(cast, tree), shardings)
 
 
+def place_trained(placement: Placement, tree) -> Any:
+  """`tree` (the model's params, or LoRA adapters with `placement.lora`) copied in fp32 onto the trained
+  params' shardings."""
+  what = "LoRA adapters for this LoraConfig" if placement.lora else "the model's structure for this ModelConfig"
+  return place(tree, jnp.float32, placement.params, what)
+
+
+def initial_state(placement: Placement, tx: optax.GradientTransformation, trained, *, base=None, base_dtype=None,
+                  ref=None, ref_dtype=None) -> TrainState:
+  """A step-0 `TrainState` on `placement`: `trained` (`place_trained`) with a fresh optimizer state; a
+  LoRA policy's frozen `base` in `base_dtype` and the KL reference `ref` in `ref_dtype` (each None:
+  none) on the whole model's shardings."""
+  base = None if base is None else place(base, base_dtype, placement.model)
+  trained = place_trained(placement, trained)
+  ref = None if ref is None else place(ref, ref_dtype, placement.model)
+  zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), placement.replicated)
+  opt_state = jax.jit(tx.init, out_shardings=placement.trained.opt_state)(trained)
+  return TrainState(params=trained, opt_state=opt_state, step=zero(), skipped=zero(), base=base, ref=ref)
+
+
+def restore_state(placement: Placement, state: TrainState, saved: Mapping[str, Any], *, base_dtype,
+                  ref_dtype) -> TrainState:
+  """`state` with the arrays of a `state.state_dict` (`saved`: host or device arrays) copied onto
+  `placement`: params, optimizer state (its leaves in `state.opt_state`'s structure), step, skipped
+  steps, and the reference / LoRA base where `state` holds one and `saved` has it."""
+  repl = placement.replicated
+  opt_state = jax.tree.unflatten(jax.tree.structure(state.opt_state), jax.tree.leaves(saved["opt_state"]))
+  state = state.replace(params=place_trained(placement, saved["params"]),
+                        opt_state=jax.device_put(opt_state, placement.trained.opt_state, may_alias=False),
+                        step=jax.device_put(jnp.asarray(saved["step"], jnp.int32), repl),
+                        skipped=jax.device_put(jnp.asarray(saved.get("skipped_nonfinite", 0), jnp.int32), repl))
+  if state.ref is not None and "ref_params" in saved:
+    state = state.replace(ref=place(saved["ref_params"], ref_dtype, placement.model))
+  if state.base is not None and "base_params" in saved:
+    state = state.replace(base=place(saved["base_params"], base_dtype, placement.model))
+  return state
+
+
 def abstract_state(placement: Placement, tx, *, base_dtype=None, ref_dtype=None) -> TrainState:
   """A `TrainState` of sharded `ShapeDtypeStruct`s (fp32 params; a base in `base_dtype` / a reference
   in `ref_dtype` when given): what `lower_step` lowers from, nothing allocated."""
@@ -96,6 +137,29 @@ def abstract_state(placement: Placement, tx, *, base_dtype=None, ref_dtype=None)
                     opt_state=jax.tree.map(sds(None), jax.eval_shape(tx.init, placement.param_shapes),
                                            placement.trained.opt_state),
                     step=scalar, skipped=scalar, base=frozen(base_dtype), ref=frozen(ref_dtype))
+
+
+def abstract_batch(placement: Placement, batch_size: int, prompt_len: int, resp_len: int) -> dict:
+  """The `TRAIN_FIELDS` of a `[batch_size]` batch as sharded `ShapeDtypeStruct`s (what `lower` takes)."""
+  shape = lambda k: ((batch_size,) if k == "advantages" else
+                     (batch_size, prompt_len if k.startswith("prompt") else resp_len))
+  return {k: jax.ShapeDtypeStruct(shape(k), dtype, sharding=placement.batch[k]) for k, dtype in TRAIN_FIELDS.items()}
+
+
+def check_batch_size(mesh: Mesh, microbatches: int, batch_size: int) -> None:
+  """A batch splits into `microbatches` slices, each over `data` x `fsdp`; else a clear error."""
+  multiple = microbatches * parallel.batch_divisor(mesh)
+  if batch_size % multiple:
+    raise ValueError(f"batch size {batch_size} must be a multiple of microbatches ({microbatches}) x "
+                     f"data*fsdp ({parallel.batch_divisor(mesh)}) = {multiple}; pad the batch "
+                     "with rows whose response_mask is 0")
+
+
+def put_batch(placement: Placement, batch: ScoredBatch, microbatches: int) -> dict:
+  """`batch_arrays` of `batch`, its size checked (`check_batch_size`), its rows put over `data` x `fsdp`."""
+  arrays = batch_arrays(batch)
+  check_batch_size(placement.mesh, microbatches, arrays["prompt_tokens"].shape[0])
+  return jax.device_put(arrays, placement.batch)
 
 
 def batch_arrays(batch: ScoredBatch) -> dict:

@@ -48,6 +48,14 @@ def init_state(params, tx: optax.GradientTransformation, *, base=None, ref=None)
   return TrainState(params=params, opt_state=tx.init(params), step=zero, skipped=zero, base=base, ref=ref)
 
 
+def state_dict(state: TrainState) -> dict:
+  """A state's checkpointable arrays: params, opt_state, step, skipped_nonfinite, and ref_params /
+  base_params when it holds them (`placement.restore_state` puts them back)."""
+  out = {"params": state.params, "opt_state": state.opt_state, "step": state.step, "skipped_nonfinite": state.skipped}
+  out.update({k: v for k, v in (("ref_params", state.ref), ("base_params", state.base)) if v is not None})
+  return out
+
+
 def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   """Learning rate as a function of the number of updates already applied (see `OptimizerConfig`)."""
 

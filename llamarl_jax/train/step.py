@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from llamarl_jax import losses, mismatch, parallel
+from llamarl_jax import mismatch, parallel
 from llamarl_jax.config import LoraConfig, OptimizerConfig
 from llamarl_jax.generation.rollout import routing_in_trainer_layout, trainer_layout
 from llamarl_jax.model import lora as lora_lib

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llamarl_jax.executors.trainer import token_logprobs
+from llamarl_jax.model.logprobs import token_logprobs
 from llamarl_jax.generation import SamplingParams
 from llamarl_jax.generation.engine import SlotEngine
 from llamarl_jax.mismatch import mismatch_metrics
