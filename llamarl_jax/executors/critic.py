@@ -19,7 +19,7 @@ from llamarl_jax import parallel
 from llamarl_jax.config import CriticConfig
 from llamarl_jax.model.llama import ModelConfig
 from llamarl_jax.train import critic as critic_lib
-from llamarl_jax.train.placement import make_placement, place
+from llamarl_jax.train.placement import init_opt_state, make_placement, place, place_opt_state
 from llamarl_jax.train.state import make_optimizer
 
 Array = jax.Array
@@ -68,7 +68,7 @@ class CriticExecutor:
     cpl = self.placement
     placed = place(params, jnp.float32, cpl.params, "a critic of the critic's ModelConfig")
     tx = make_optimizer(self.config.optimizer)
-    return critic_lib.CriticState(params=placed, opt_state=jax.jit(tx.init, out_shardings=cpl.trained.opt_state)(placed),
+    return critic_lib.CriticState(params=placed, opt_state=init_opt_state(cpl, tx, placed),
                                   updates=jax.device_put(jnp.zeros((), jnp.int32), self.repl))
 
   def policy_loaded(self, params) -> None:
@@ -86,10 +86,9 @@ class CriticExecutor:
       raise ValueError("this trainer has a critic but the state holds none (a checkpoint of a run without "
                        "TrainConfig.critic); resume with the same TrainConfig.critic as the saved run")
     cpl = self.placement
-    opt = jax.tree.unflatten(jax.tree.structure(self.state.opt_state), jax.tree.leaves(state["opt_state"]))
     self.state = critic_lib.CriticState(
         params=place(state["params"], jnp.float32, cpl.params, "a critic of the critic's ModelConfig"),
-        opt_state=jax.device_put(opt, cpl.trained.opt_state, may_alias=False),
+        opt_state=place_opt_state(cpl, self.state.opt_state, state["opt_state"]),
         updates=jax.device_put(jnp.asarray(state["updates"], jnp.int32), self.repl))
 
   def step(self, arrays: dict[str, Array], rewards) -> tuple[dict[str, Array], dict]:

@@ -54,7 +54,7 @@ class TrainerExecutor:
   `jax.ShapeDtypeStruct`s: an abstract trainer that can only `lower_step`). loss / loss_kwargs: a name
   in `losses.TRAINER_LOSSES` and its settings. microbatches: gradient-accumulation slices (B a multiple
   of microbatches * data * fsdp). group_by_length / pack + tokens_per_microbatch: the step's layout
-  (module docstring). ref_params: a frozen reference policy for a KL penalty (`kl_coef`), in the
+  (`train.programs`). ref_params: a frozen reference policy for a KL penalty (`kl_coef`), in the
   compute dtype; reference_is_initial: `load_params` replaces it too. lora: a `LoraConfig`: `params`
   become the frozen base (in `base_dtype`), the adapters (`adapters`, or initialised from
   `lora_seed`) are trained. `params` returns the live trained arrays (the next `step` donates them);
@@ -84,6 +84,8 @@ class TrainerExecutor:
       raise ValueError(f"pack=True takes its microbatches from the token budget: it needs tokens_per_microbatch >= 1 "
                        f"(got {tokens_per_microbatch}), microbatches = 1 (got {microbatches}) and group_by_length off "
                        f"(got {group_by_length})")
+    if critic is not None and pack:
+      raise ValueError("a critic trains on the padded or length-grouped layout; pack=True is not supported with it")
     self.config, self.mesh, self.lora, self.base_dtype = config, mesh, lora, jnp.dtype(base_dtype)
     self.optimizer_config = optimizer or OptimizerConfig()
     self.microbatches, self.group_by_length, self.pack = microbatches, bool(group_by_length), bool(pack)
@@ -113,8 +115,6 @@ class TrainerExecutor:
                                  ref=ref_params, ref_dtype=compute_dtype)
     self.programs = TrainPrograms(self.spec, pl, group_by_length=self.group_by_length, with_base=lora is not None,
                                   with_ref=ref_params is not None)
-    if critic is not None and self.pack:
-      raise ValueError("a critic trains on the padded or length-grouped layout; pack=True is not supported with it")
     self.critic = None if critic is None else CriticExecutor(
         critic, config, mesh, batch_shardings=pl.batch, microbatches=self.microbatches,
         attention=self.attention, scan_layers=self.spec.scan_layers, rules=rules, params=params, abstract=self.abstract)

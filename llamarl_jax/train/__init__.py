@@ -1,4 +1,5 @@
-"""The trainer as pure functions over a `TrainState` (see `step` and `packed`)."""
+"""The trainer as pure functions over a `TrainState` (`step`, `packed`), placed on a mesh (`placement`)
+and jitted there with explicit shardings (`programs`)."""
 
 from llamarl_jax.train.layout import LengthGroups, PackPlan, group_by_length, pack_rows, width_bucket
 from llamarl_jax.train.packed import packed_train_step

@@ -96,6 +96,18 @@ def place_trained(placement: Placement, tree) -> Any:
   return place(tree, jnp.float32, placement.params, what)
 
 
+def init_opt_state(placement: Placement, tx: optax.GradientTransformation, params) -> Any:
+  """`tx`'s fresh state of the placed `params`, on the optimizer state's shardings."""
+  return jax.jit(tx.init, out_shardings=placement.trained.opt_state)(params)
+
+
+def place_opt_state(placement: Placement, like, saved) -> Any:
+  """A saved optimizer state's leaves (host or device) in the structure of `like`, copied onto the
+  optimizer state's shardings."""
+  opt_state = jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(saved))
+  return jax.device_put(opt_state, placement.trained.opt_state, may_alias=False)
+
+
 def initial_state(placement: Placement, tx: optax.GradientTransformation, trained, *, base=None, base_dtype=None,
                   ref=None, ref_dtype=None) -> TrainState:
   """A step-0 `TrainState` on `placement`: `trained` (`place_trained`) with a fresh optimizer state; a
@@ -105,8 +117,8 @@ def initial_state(placement: Placement, tx: optax.GradientTransformation, traine
   trained = place_trained(placement, trained)
   ref = None if ref is None else place(ref, ref_dtype, placement.model)
   zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), placement.replicated)
-  opt_state = jax.jit(tx.init, out_shardings=placement.trained.opt_state)(trained)
-  return TrainState(params=trained, opt_state=opt_state, step=zero(), skipped=zero(), base=base, ref=ref)
+  return TrainState(params=trained, opt_state=init_opt_state(placement, tx, trained), step=zero(), skipped=zero(),
+                    base=base, ref=ref)
 
 
 def restore_state(placement: Placement, state: TrainState, saved: Mapping[str, Any], *, base_dtype,
@@ -115,9 +127,8 @@ def restore_state(placement: Placement, state: TrainState, saved: Mapping[str, A
   `placement`: params, optimizer state (its leaves in `state.opt_state`'s structure), step, skipped
   steps, and the reference / LoRA base where `state` holds one and `saved` has it."""
   repl = placement.replicated
-  opt_state = jax.tree.unflatten(jax.tree.structure(state.opt_state), jax.tree.leaves(saved["opt_state"]))
   state = state.replace(params=place_trained(placement, saved["params"]),
-                        opt_state=jax.device_put(opt_state, placement.trained.opt_state, may_alias=False),
+                        opt_state=place_opt_state(placement, state.opt_state, saved["opt_state"]),
                         step=jax.device_put(jnp.asarray(saved["step"], jnp.int32), repl),
                         skipped=jax.device_put(jnp.asarray(saved.get("skipped_nonfinite", 0), jnp.int32), repl))
   if state.ref is not None and "ref_params" in saved:
