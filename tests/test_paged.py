@@ -364,3 +364,26 @@ def test_decode_step_cost_refuses_the_interpreted_kernel():
                           chunk_steps=8, pad_id=0, paged_attention="pallas")
   with pytest.raises(ValueError, match="interpret mode.*bytes_target h100"):
     programs.decode_step_cost(np.full(4, 8), np.full(4, 8))
+
+
+# Two Pallas (Triton) calls as a GPU's optimized HLO has them: an fp8 activation kernel and another.
+_PALLAS_HLO = """HloModule m
+
+ENTRY %main (x: bf16[64,2048], y: f32[64,2048], k: bf16[100,16,64]) -> bf16[64,2048] {
+  %x = bf16[64,2048]{1,0} parameter(0)
+  %y = f32[64,2048]{1,0} parameter(1)
+  %k = bf16[100,16,64]{2,1,0} parameter(2)
+  %pallas_call.1 = (bf16[64,2048]{1,0}, f8e4m3fn[64,2048]{1,0}, f32[64]{0}) custom-call(%x, %y), custom_call_target="__gpu$xla.gpu.triton", backend_config={grid_x = 64 : i32, name = "fp8_add_rms_norm_quantize", num_warps = 4 : i32}
+  %pallas_call.2 = bf16[64,64]{1,0} custom-call(%k), custom_call_target="__gpu$xla.gpu.triton", backend_config={grid_x = 64 : i32, name = "paged_decode_attention_bs16_p4", num_warps = 4 : i32}
+  ROOT %get-tuple-element.1 = bf16[64,2048]{1,0} get-tuple-element(%pallas_call.1), index=0
+}
+"""
+
+
+def test_pallas_call_bytes_charges_the_named_kernels_their_operands_and_results():
+  """The norm kernel reads x (bf16) and y (f32) [64, 2048] and writes [64, 2048] bf16 and fp8 and 64
+  fp32 scales: 64 x 2048 x (2 + 4 + 2 + 1) + 256 bytes; the attention kernel is not named, so not
+  counted (its pools' reads are `kernel_bytes`')."""
+  from llamarl_jax.model.fp8_kernels import KERNEL_NAMES
+  assert paged.pallas_call_bytes(_PALLAS_HLO, KERNEL_NAMES) == 64 * 2048 * 9 + 256
+  assert paged.pallas_call_bytes(_PALLAS_HLO, ("other",)) == 0

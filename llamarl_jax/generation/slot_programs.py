@@ -646,7 +646,8 @@ class SlotPrograms:
     (`paged.fused_index_overcount`: the generic analysis charges the whole KV pool per gather and
     per token write, and the embedding table per lookup), and adds the Pallas kernel's reads where
     the step uses it (`paged_kernel.kernel_bytes`, counted from its structure: XLA's analysis sees
-    a custom call as nothing), and the operands and outputs of library GEMMs (cuBLAS custom calls,
+    a custom call as nothing) and the fp8 activation kernels' operands and results (`fp8_kernels`,
+    `paged.pallas_call_bytes`), and the operands and outputs of library GEMMs (cuBLAS custom calls,
     `paged.library_call_bytes`); 'ratio' = bytes / ideal.
     """
     prompt_lens, n_gen = np.asarray(prompt_lens, np.int64), np.asarray(n_gen, np.int64)
@@ -709,6 +710,9 @@ class SlotPrograms:
       kernel = c.num_layers * kernel_bytes(num_rows=S, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                            head_dim=c.head_dim, block_size=self.layout.block_size,
                                            live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize)
+    if generic:  # the fp8 activation kernels (`fp8_kernels`): each reads its operands, writes its results
+      from llamarl_jax.model.fp8_kernels import KERNEL_NAMES
+      kernel += float(paged.pallas_call_bytes(text, KERNEL_NAMES))
     total = xla_bytes - over + kernel + library
     return {"bytes": total, "xla_bytes": xla_bytes, "overcount": over, "kernel_bytes": kernel, "library_bytes": library,
             "ideal": ideal["total"], "weights": ideal["weights"], "layer_weights": float(layer_weights), "kv": ideal["kv"],

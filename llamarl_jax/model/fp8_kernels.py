@@ -116,7 +116,9 @@ def _swiglu_kernel(y_ref, row_ref, col_ref, q_out, s_out, *, dtype):
   r = row_ref[...]
   gate = ((y_ref[0] * r) * col_ref[0]).astype(dtype)  # `fp8.apply_scales` of each half
   up = ((y_ref[1] * r) * col_ref[1]).astype(dtype)
-  q_out[...], s_out[...] = _quantize(jax.nn.silu(gate) * up)
+  g = gate.astype(jnp.float32)  # `jax.nn.silu` (x * sigmoid(x)) with its products in fp32 (Triton
+  silu = (g * jax.nn.sigmoid(g)).astype(dtype)  # has no bfloat16 division), rounded to dtype as XLA's is
+  q_out[...], s_out[...] = _quantize(silu * up)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "num_warps"))

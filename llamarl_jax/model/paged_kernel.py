@@ -138,10 +138,11 @@ def row_spans(entry_row: Array, num_rows: int) -> Array:
   return jnp.stack([jnp.cumsum(count) - count, count], axis=1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("per_step", "interpret", "num_warps", "channels"))
+@functools.partial(jax.jit, static_argnames=("per_step", "interpret", "num_warps", "channels", "quantize_out"))
 def paged_decode_attention_kernel(q: Array, k_pool: Array, v_pool: Array, entry_row: Array, entry_block: Array,
                                   entry_len: Array, new=None, kv_scales=None, *, channels: tuple[int, int] = (0, 1),
-                                  per_step: int = 4, interpret: bool = False, num_warps: int = 4):
+                                  per_step: int = 4, interpret: bool = False, num_warps: int = 4,
+                                  quantize_out: bool = False):
   """`paged_attention.paged_decode_attention` as one Pallas kernel (see the module docstring).
 
   q `[B, 1, H, D]`; k_pool, v_pool `[NB, bs, KV, D]`; entry_* int32 `[TB]`, row-contiguous and
@@ -155,7 +156,8 @@ def paged_decode_attention_kernel(q: Array, k_pool: Array, v_pool: Array, entry_
   `paged_decode_attention`'s do after the write). kv may be the fused Q/K/V projection's output as
   it is (no copy of k or v is made). Returns (out, k_pool, v_pool) then. kv_scales: (row `[B]`,
   column `[KV, C, D]`) where kv is an fp8 GEMM's fp32 product (`fp8.dense_unscaled`): k and v are
-  `fp8.apply_scales` of it in cos' dtype.
+  `fp8.apply_scales` of it in cos' dtype. quantize_out: out is `fp8.Rows` `[B, 1, H * D]` instead,
+  quantised per row by a second kernel reading the padded output (`fp8_kernels.quantize_heads`).
   """
   B, _, H, D = q.shape
   NB, bs, KV, _ = k_pool.shape
@@ -211,7 +213,11 @@ def paged_decode_attention_kernel(q: Array, k_pool: Array, v_pool: Array, entry_
       interpret=interpret, compiler_params=compiler_params, cost_estimate=cost,
       name=f"paged_decode_attention_bs{bs}_p{per_step}",
   )(*args)
-  if new is None:
-    return out[:, :, :G].reshape(B, 1, H, D)
-  out, k_pool, v_pool = out
-  return out[:, :, :G].reshape(B, 1, H, D), k_pool, v_pool
+  pools = () if new is None else out[1:]
+  out = out if new is None else out[0]
+  if quantize_out:
+    from llamarl_jax.model.fp8_kernels import quantize_heads
+    out = quantize_heads(out, G, interpret=interpret)
+  else:
+    out = out[:, :, :G].reshape(B, 1, H, D)
+  return (out, *pools) if new is not None else out
