@@ -200,6 +200,7 @@ class SlotPrograms:
                max_insert: int | None = None, prefill_tokens: int = 1024, prompt_bucket_count: int = 3,
                recompute: bool = False):
     self.config, self.graphdef, self.pad_id = config, sampler.graphdef, int(pad_id)
+    self.weight_layout = sampler.layout
     self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
     self.R, self.max_prompt_len = sampling.max_new_tokens, max_prompt_len
     self.layout = PageLayout(num_slots, max_prompt_len, self.R, int(kv_block_size))
@@ -707,9 +708,16 @@ class SlotPrograms:
       from llamarl_jax.model.paged_kernel import kernel_bytes
       c = self.config
       live = int(np.sum(-(-prompt_lens // self.layout.block_size) + -(-n_gen // self.layout.block_size)))
+      G, layout = c.num_heads // c.num_kv_heads, self.weight_layout
+      # q, k and v read from the fused projection's output (`llama.Attention`'s paged step: q too for a
+      # power-of-two group), an fp8 GEMM's fp32 product with fp8 weights
+      source = None
+      if layout.fused_qkv and not c.qk_norm and G & (G - 1) == 0:
+        source = 4 if layout.fp8 and not c.qkv_bias else jnp.dtype(c.dtype).itemsize
       kernel = c.num_layers * kernel_bytes(num_rows=S, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                            head_dim=c.head_dim, block_size=self.layout.block_size,
-                                           live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize)
+                                           live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize,
+                                           source_itemsize=source)
     if generic:  # the fp8 activation kernels (`fp8_kernels`): each reads its operands, writes its results
       from llamarl_jax.model.fp8_kernels import KERNEL_NAMES
       kernel += float(paged.pallas_call_bytes(text, KERNEL_NAMES))

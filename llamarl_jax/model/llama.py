@@ -488,16 +488,20 @@ class Attention(nnx.Module):
     scale = rope_attention_factor(c)
     if isinstance(layer_cache, PagedLayer):  # the slot engine's decode step over pages: k rotated with its write
       cos, sin = rope_cos_sin(positions[:, 0], inv_freq, scale)  # [B, D]
-      kv_scales = None
+      kv_scales, q_group = None, None
       if source is not None and not c.qk_norm:  # k and v read from the projection's output as they lie
         kv, scales = source
         kv, channels = kv[:, 0], (kv.shape[3] - 2, kv.shape[3] - 1)
         kv_scales = None if scales is None else (scales[0][:, 0], scales[1])
+        group = kv.shape[2] - 2
+        if group & (group - 1) == 0:  # and q (a power-of-two group: the Pallas kernel's loads)
+          q, q_group = None, group
       else:
         kv, channels = jnp.stack([k[:, 0], v[:, 0]], axis=2), (0, 1)
-      q = rope_rotate(q, cos[:, None, None, :], sin[:, None, None, :])
+      if q_group is None:
+        q = rope_rotate(q, cos[:, None, None, :], sin[:, None, None, :])
       out, ck, cv = write_and_attend(q, kv, channels, cos.astype(dt), sin.astype(dt), layer_cache,
-                                     kv_scales=kv_scales, quantize_out=rows_in)
+                                     kv_scales=kv_scales, quantize_out=rows_in, q_group=q_group)
       if rows_in:  # out: `fp8.Rows` [B, 1, H * D]
         return fp8_lib.Product(*fp8_lib.dense_unscaled(out, self.wo[...]), self.wo_scale[...]), (ck, cv)
       B, T, H, D = out.shape

@@ -205,8 +205,9 @@ def rope_rotate(x: Array, cos: Array, sin: Array) -> Array:
   return (x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)).astype(x.dtype)
 
 
-def write_and_attend(q: Array, kv: Array, channels: tuple[int, int], cos: Array, sin: Array, layer: PagedLayer,
-                     implementation: str = "auto", kv_scales=None, quantize_out: bool = False):
+def write_and_attend(q: Array | None, kv: Array, channels: tuple[int, int], cos: Array, sin: Array, layer: PagedLayer,
+                     implementation: str = "auto", kv_scales=None, quantize_out: bool = False,
+                     q_group: int | None = None):
   """One decode step's attention of a layer. q `[B, 1, H, D]` (after RoPE); kv `[B, KV, C, D]`: each
   row's new key (channel `channels[0]`, before RoPE) and value (`channels[1]`), e.g. the fused Q/K/V
   projection's output as it is; cos, sin `[B, D]` (the rows' RoPE, `llama.rope_cos_sin`). The key is
@@ -218,17 +219,22 @@ def write_and_attend(q: Array, kv: Array, channels: tuple[int, int], cos: Array,
   order only). kv_scales: (row `[B]`, column `[KV, C, D]`) where kv is an fp8 GEMM's fp32 product
   (`fp8.dense_unscaled`): k and v are `fp8.apply_scales` of it in cos' dtype. quantize_out: out
   is `fp8.Rows` `[B, 1, H * D]`, quantised per row (`fp8.quantize_rows`; after the Pallas kernel
-  `fp8_kernels.quantize_heads`, which reads its padded output as it lies)."""
+  `fp8_kernels.quantize_heads`, which reads the kernel's output as it lies). q_group: q is None and
+  the queries are kv's channels [0, q_group) of each KV head, before RoPE (the fused projection's
+  output as it lies): rotated as the key is (the Pallas kernel reads them from kv itself)."""
   k_at, v_at = channels
   if resolve_paged_implementation(implementation) == "pallas":
     from llamarl_jax.model.paged_kernel import paged_decode_attention_kernel
     new = (kv, cos, sin, layer.write_block, layer.write_offset)
     return paged_decode_attention_kernel(q, layer.k, layer.v, layer.entry_row, layer.entry_block, layer.entry_len,
                                          new, kv_scales, channels=(k_at, v_at), interpret=interpret_kernels(),
-                                         quantize_out=quantize_out)
+                                         quantize_out=quantize_out, q_group=q_group)
   if kv_scales is not None:
     from llamarl_jax.model.fp8 import apply_scales
     kv = apply_scales(kv, kv_scales[0], kv_scales[1], cos.dtype)
+  if q_group is not None:
+    B, KV, _, D = kv.shape
+    q = rope_rotate(kv[:, :, :q_group].reshape(B, 1, KV * q_group, D), cos[:, None, None], sin[:, None, None])
   k = rope_rotate(kv[:, :, k_at], cos[:, None], sin[:, None])
   ck = write_token(layer.k, k, layer.write_block, layer.write_offset)
   cv = write_token(layer.v, kv[:, :, v_at], layer.write_block, layer.write_offset)
