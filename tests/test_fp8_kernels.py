@@ -11,6 +11,7 @@ default `xla_allow_excess_precision`: both sides alike). A GPU's Triton reductio
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from llamarl_jax.model import fp8, fp8_kernels
 from llamarl_jax.model.fp8 import Product
@@ -50,9 +51,10 @@ def test_add_rms_norm_quantize_is_the_residual_add_norm_and_quantise():
   assert_rows_equal(rows0, values, scale[..., 0])
 
 
-def test_swiglu_quantize_is_silu_gate_times_up_then_quantise():
+@pytest.mark.parametrize("F", [128, 7 * 32])  # one chunk; 7 chunks of 32 (8B's 14336 is 7 x 2048)
+def test_swiglu_quantize_is_silu_gate_times_up_then_quantise(F):
   rng = np.random.RandomState(1)
-  B, F = 6, 128
+  B = 6
   gate_up = product(rng, (B, 1, 2, F), (2, F))
   rows = fp8_kernels.swiglu_quantize(gate_up, BF16, interpret=True)
 
@@ -96,7 +98,8 @@ def test_dense_takes_rows_quantised_before_it():
   np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(fp8.dense(x, w, s), np.float32))
 
 
-def test_supported_sizes_are_powers_of_two():
+def test_supported_sizes_are_powers_of_two_or_few_chunks():
   assert fp8_kernels.supported(2048, 8192, 32, 8, 64)  # 1B
-  assert not fp8_kernels.supported(4096, 14336, 32, 8, 128)  # 8B's MLP width (7 x 2048)
-  assert not fp8_kernels.supported(896, 4864, 14, 2, 64)  # Qwen2.5-0.5B
+  assert fp8_kernels.supported(4096, 14336, 32, 8, 128)  # 8B: its MLP row in 7 chunks of 2048
+  assert not fp8_kernels.supported(896, 4864, 14, 2, 64)  # Qwen2.5-0.5B: hidden 7 x 128, group 7
+  assert not fp8_kernels.supported(2048, 17 * 256, 32, 8, 64)  # 17 chunks

@@ -36,10 +36,20 @@ def _pow2(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
 
+def _chunk(width: int) -> int:
+  """The largest power of two dividing `width`: `swiglu_quantize` loads a row in chunks of it."""
+  return width & -width
+
+
+MAX_CHUNKS = 16  # `swiglu_quantize` holds a row's chunks in registers: at most this many
+
+
 def supported(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-  """Whether the kernels take a model of these sizes: every row they load (hidden, intermediate,
-  heads x head_dim) and the head group (heads / KV heads) a power of two."""
-  return all(_pow2(n) for n in (hidden, intermediate, num_heads * head_dim, num_heads // num_kv_heads, head_dim))
+  """Whether the kernels take a model of these sizes: the rows the norm and the attention output's
+  kernels load (hidden, heads x head_dim) and the head group (heads / KV heads) powers of two, the
+  MLP's row (intermediate) at most `MAX_CHUNKS` power-of-two chunks (8B's 14336: 7 x 2048)."""
+  return (all(_pow2(n) for n in (hidden, num_heads * head_dim, num_heads // num_kv_heads, head_dim))
+          and intermediate // _chunk(intermediate) <= MAX_CHUNKS)
 
 
 def _quantize(h: Array) -> tuple[Array, Array]:
@@ -112,24 +122,39 @@ def add_rms_norm_quantize(x: Array, norm_scale: Array, delta: Product | None, *,
   return x_new, Rows(q.reshape(x.shape), s.reshape(lead))
 
 
-def _swiglu_kernel(y_ref, row_ref, col_ref, q_out, s_out, *, dtype):
+def _swiglu_kernel(y_ref, row_ref, col_ref, q_out, s_out, *, dtype, chunk: int):
   r = row_ref[...]
-  gate = ((y_ref[0] * r) * col_ref[0]).astype(dtype)  # `fp8.apply_scales` of each half
-  up = ((y_ref[1] * r) * col_ref[1]).astype(dtype)
-  g = gate.astype(jnp.float32)  # `jax.nn.silu` (x * sigmoid(x)) with its products in fp32 (Triton
-  silu = (g * jax.nn.sigmoid(g)).astype(dtype)  # has no bfloat16 division), rounded to dtype as XLA's is
-  q_out[...], s_out[...] = _quantize(silu * up)
+  hs = []
+  for c in range(y_ref.shape[1] // chunk):  # the row in power-of-two chunks, all held (one read)
+    at = pl.ds(c * chunk, chunk)
+    gate = ((y_ref[0, at] * r) * col_ref[0, at]).astype(dtype)  # `fp8.apply_scales` of each half
+    up = ((y_ref[1, at] * r) * col_ref[1, at]).astype(dtype)
+    g = gate.astype(jnp.float32)  # `jax.nn.silu` (x * sigmoid(x)) with its products in fp32 (Triton
+    silu = (g * jax.nn.sigmoid(g)).astype(dtype)  # has no bfloat16 division), rounded to dtype as XLA's is
+    hs.append((silu * up).astype(jnp.float32))
+  if len(hs) == 1:
+    q_out[...], s_out[...] = _quantize(hs[0])
+    return
+  amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h)) for h in hs])
+  scale = amax / fp8.E4M3_MAX  # `_quantize` over the whole row (a max: the same in any order)
+  scale = jnp.where(scale == 0, 1.0, scale)
+  for c, h in enumerate(hs):
+    q_out[pl.ds(c * chunk, chunk)] = (h / scale).astype(fp8.FP8)
+  s_out[...] = scale
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "num_warps"))
 def swiglu_quantize(gate_up: Product, dtype, *, interpret: bool = False, num_warps: int = 8) -> Rows:
   """gate_up: the fused gate/up GEMM's product, y `[..., 2, F]` (gate then up); its value in `dtype`
   -> `Rows` of silu(gate) * up `[..., F]` quantised per row (`llama.MLP`'s SwiGLU, then
-  `fp8.quantize_rows`), in one kernel."""
+  `fp8.quantize_rows`), in one kernel: F in power-of-two chunks (`_chunk`), at most `MAX_CHUNKS`."""
   lead, F = gate_up.y.shape[:-2], gate_up.y.shape[-1]
+  if F // _chunk(F) > MAX_CHUNKS:
+    raise ValueError(f"swiglu_quantize takes rows of at most {MAX_CHUNKS} power-of-two chunks; {F} is "
+                     f"{F // _chunk(F)} x {_chunk(F)}")
   N = gate_up.y.size // (2 * F)
   q, s = pl.pallas_call(
-      functools.partial(_swiglu_kernel, dtype=jnp.dtype(dtype)), grid=(N,),
+      functools.partial(_swiglu_kernel, dtype=jnp.dtype(dtype), chunk=_chunk(F)), grid=(N,),
       in_specs=[pl.BlockSpec((None, 2, F), lambda r: (r, 0, 0)), _ROW, _whole((2, F))],
       out_specs=[_row_spec(F), _ROW],
       out_shape=[jax.ShapeDtypeStruct((N, F), fp8.FP8), jax.ShapeDtypeStruct((N,), jnp.float32)],
