@@ -9,19 +9,21 @@ in registers and writes the fp8 row and its scale:
   add_rms_norm_quantize   residual + an fp8 GEMM's product (its scales applied, `fp8.apply_scales`),
                           RMSNorm, quantise: the residual stream and the next GEMM's input
   swiglu_quantize         the fused gate/up GEMM's product -> silu(gate) * up, quantise
-  quantize_heads          the paged attention kernel's padded output `[B, KV, Gp, D]` -> its first G
-                          rows of each head group, quantised per row
+  quantize_heads          the paged attention kernel's output `[B, KV, G or Gp, D]` -> its first G
+                          rows of each head group (the padding never read), quantised per row
 
 The arithmetic is the plain path's op for op (`llama.rms_norm`, `jax.nn.silu`, `fp8.quantize_rows`,
 the same dtypes and rounding points): in Pallas' interpret mode (the CPU) the results are the plain
-path's; a GPU's Triton reductions (the norm's mean, the amax) sum in another order. One program per
-row; Triton loads need power-of-two sizes, so the kernels take rows whose width (and the head group
-G) is a power of two (`supported`).
+path's compiled as one program (XLA may keep a bfloat16 intermediate in fp32 there, and does alike
+for both); a GPU's Triton reductions (the norm's mean) sum in another order. One program per row;
+Triton loads need power-of-two sizes: the norm's and the attention output's rows and the head group
+G are powers of two, the SwiGLU's row a few power-of-two chunks (`supported`).
 """
 
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

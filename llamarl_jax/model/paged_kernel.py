@@ -12,7 +12,9 @@ The decode step's call (`paged_attention.write_and_attend`) also does the step's
 program rotates its row's new key (RoPE), stores key and value into the pools (aliased: in place)
 and attends to the new token from registers, so a layer's attention is this kernel alone (no scatter
 kernels, no copy of k and v: they are read from the Q/K/V projection's output where they lie, an
-fp8 GEMM's fp32 product with its scales applied here).
+fp8 GEMM's fp32 product with its scales applied here). With `q_group` the queries are read there too,
+rotated and padded to 16 rows in the kernel, and the output is written unpadded (a power-of-two
+group): no kernel before or after it for q or the output.
 
 Entry list: the one `paged_attention` documents, with one more requirement: each row's entries are
 contiguous and rows appear in increasing order (`paged.live_entries` lists them so); padding entries
