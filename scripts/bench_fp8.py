@@ -28,7 +28,7 @@ the lm_head's bytes as an fp8 GEMM instead of the generator dtype's (the lm_head
 ways; the generator keeps it in its dtype). --max_kernels_per_layer N exits with an error when a
 decoder layer launches more (the check of the kernel budget; a CPU-only install cannot run it).
 
-    python -m scripts.bench_fp8 --step_costs 1b,8b --max_kernels_per_layer 16   # 2026-11-28: 10.5 bf16, 15.1 fp8
+    python -m scripts.bench_fp8 --step_costs 1b,8b --max_kernels_per_layer 10   # 2026-11-28: 8.5 bf16, 9.0 fp8
 """
 
 import argparse

@@ -174,6 +174,29 @@ def test_the_slot_engine_samples_what_the_fp8_sampler_samples(sampler, params, p
   assert np.abs(lp_a - lp_b)[mask & ~pre].max() > 1e-2  # the versions really differ
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_the_fused_fp8_decode_samples_what_the_fp8_sampler_samples(model_type, sampler, params, prompts):
+  """The paged decode step with the Pallas attention and fp8 weights makes each fp8 GEMM's input in
+  one kernel (`Block.decode_fp8`, `fp8_kernels`; Pallas interpret mode here), the attention kernel
+  reading q from the Q/K/V GEMM's output (with Qwen2's bias; Qwen3's q/k norms: q given): the
+  static fp8 sampler's tokens and log-probs (1e-5: fp32 summation order, as the unfused engine)."""
+  from llamarl_jax.model.paged_attention import target_platform
+  config = CONFIG if model_type == "llama" else tiny(model_type)
+  if model_type != "llama":
+    params, sampler = random_params(config), Sampler(config, quantize="fp8", batch_multiple=8)
+  eng = SlotEngine(config, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+                   kv_block_size=4, quantize="fp8", paged_attention="pallas")
+  with target_platform("cpu", "pallas"):
+    assert abstract_model(config, eng.sampler.layout).fused_fp8_decode()
+  with target_platform("cpu", "dot"):
+    assert not abstract_model(config, eng.sampler.layout).fused_fp8_decode()
+  static = sampler.generate(params, prompts, SAMPLED)
+  batch = eng.generate(params, prompts, SAMPLED)
+  for name in ("response_tokens", "lengths", "finish_reason"):
+    np.testing.assert_array_equal(getattr(batch, name), np.asarray(getattr(static, name)), err_msg=name)
+  np.testing.assert_allclose(batch.behaviour_logprobs, static.behaviour_logprobs, atol=1e-5, rtol=0)
+
+
 @pytest.mark.devices(4)
 def test_lora_push_merges_then_quantises_on_the_generator(params, prompts):
   """A LoRA push moves the fp32 adapters; the generator merges them into its base and quantises the

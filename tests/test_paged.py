@@ -87,13 +87,16 @@ def test_pallas_kernel_equals_the_xla_forms_and_the_dense_reference(per_step):
 
 def test_kernel_bytes_count_each_live_block_of_each_head_once():
   """Hand count: 3 live entries of 4 positions x 2 KV heads x head dim 8 in bf16, k and v: 768 bytes;
-  q and the output padded to 16 rows per KV head (G = 2): 2 x 2 rows x 2 heads x 16 x 8 x 2 = 2048;
-  the decode step's write: each row's new key and value read and stored, 4 x 2 rows x 2 heads x 8 x 2
-  = 256."""
+  q padded to 16 rows per KV head (G = 2): 2 rows x 2 heads x 16 x 8 x 2 = 1024; the output, G = 2
+  rows (a power of two: unpadded): 2 x 2 x 2 x 8 x 2 = 128; the decode step's write: each row's new
+  key and value read and stored, 4 x 2 rows x 2 heads x 8 x 2 = 256. With q, k and v read from an
+  fp8 GEMM's fp32 product (source_itemsize 4): q's G rows 2 x 2 x 2 x 8 x 4 = 256, the new key and
+  value read 2 x 2 x 2 x 8 x 4 = 256 and stored 128."""
   from llamarl_jax.model.paged_kernel import kernel_bytes
   shapes = dict(num_rows=2, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, live_entries=3, itemsize=2)
-  assert kernel_bytes(**shapes, write=False) == 768 + 2048
-  assert kernel_bytes(**shapes) == 768 + 2048 + 256
+  assert kernel_bytes(**shapes, write=False) == 768 + 1024 + 128
+  assert kernel_bytes(**shapes) == 768 + 1024 + 128 + 256
+  assert kernel_bytes(**shapes, source_itemsize=4) == 768 + 256 + 128 + 256 + 128
 
 
 @pytest.mark.parametrize("scaled", [False, True])
@@ -142,6 +145,49 @@ def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla
   np.testing.assert_array_equal(np.asarray(out)[1], 0.0)
   expected = numpy_attention(q, np.asarray(ref_k), np.asarray(ref_v), rows)
   np.testing.assert_allclose(np.asarray(out)[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_kernel_reads_and_rotates_q_from_the_projection_output(scaled):
+  """`write_and_attend(q_group=4)`: the queries are channels 0..3 of each KV head of a [B, KV, 6, D]
+  fused projection output, before RoPE; the Pallas kernel (interpret mode) rotates and pads them
+  itself and writes its output unpadded (G = 4). Against the XLA form given q rotated by
+  `rope_rotate` outside: the same outputs and pools up to fp32 summation order (2e-6, as above);
+  the quantised output (`quantize_out`, `fp8_kernels.quantize_heads`) de-quantised is the output
+  within e4m3's rounding (3 mantissa bits: 2^-4 relative; asserted 2^-3)."""
+  from llamarl_jax.model.fp8 import apply_scales
+  from llamarl_jax.model.paged_attention import PagedLayer, rope_rotate, write_and_attend
+  G = 4
+  rng = np.random.RandomState(3)
+  k_pool = jnp.asarray(rng.randn(NB, BS, KV, D).astype(np.float32))
+  v_pool = jnp.asarray(rng.randn(NB, BS, KV, D).astype(np.float32))
+  kv = jnp.asarray(rng.randn(4, KV, G + 2, D).astype(np.float32))
+  angles = rng.uniform(0, 6, (4, D // 2)).astype(np.float32)
+  cos, sin = (jnp.asarray(np.concatenate([f(angles)] * 2, axis=-1)) for f in (np.cos, np.sin))
+  rows = {0: [(2, 4), (3, 1), (6, 2)], 1: [], 2: [(7, 4), (8, 4), (4, 3)], 3: [(2, 4), (3, 1), (5, 3)]}
+  entries = [(r, b, n) for r in range(4) for b, n in rows[r]] + [(4, 9, 0)] * 3
+  row, block, length = (jnp.array(c, jnp.int32) for c in zip(*entries))
+  layer = PagedLayer(k_pool, v_pool, jnp.array([6, 9, 4, 5], jnp.int32), jnp.array([1, 0, 2, 2], jnp.int32),
+                     row, block, length)
+  kv_scales = None
+  scaled_kv = kv
+  if scaled:
+    kv_scales = (jnp.asarray(rng.uniform(0.5, 2, 4).astype(np.float32)),
+                 jnp.asarray(rng.uniform(0.5, 2, (KV, G + 2, D)).astype(np.float32)))
+    scaled_kv = apply_scales(kv, *kv_scales, jnp.float32)
+  q = rope_rotate(scaled_kv[:, :, :G].reshape(4, 1, KV * G, D), cos[:, None, None], sin[:, None, None])
+  channels = (G, G + 1)
+  out, ck, cv = write_and_attend(None, kv, channels, cos, sin, layer, "pallas", kv_scales, q_group=G)
+  ref_out, ref_k, ref_v = write_and_attend(q, kv, channels, cos, sin, layer, "dot", kv_scales)
+  assert out.shape == (4, 1, KV * G, D)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-6, atol=2e-6)
+  np.testing.assert_allclose(np.asarray(ck), np.asarray(ref_k), rtol=3e-7, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(cv), np.asarray(ref_v))
+  rows_out = write_and_attend(None, kv, channels, cos, sin, layer, "pallas", kv_scales, quantize_out=True,
+                              q_group=G)[0]
+  np.testing.assert_allclose(np.asarray(rows_out.values, np.float32) * np.asarray(rows_out.scale)[..., None],
+                             np.asarray(ref_out).reshape(4, 1, KV * G * D), rtol=2 ** -3, atol=1e-6)
 
 
 def test_decode_programs_compile_with_their_options_or_xlas_defaults_where_unknown():
@@ -364,3 +410,26 @@ def test_decode_step_cost_refuses_the_interpreted_kernel():
                           chunk_steps=8, pad_id=0, paged_attention="pallas")
   with pytest.raises(ValueError, match="interpret mode.*bytes_target h100"):
     programs.decode_step_cost(np.full(4, 8), np.full(4, 8))
+
+
+# Two Pallas (Triton) calls as a GPU's optimized HLO has them: an fp8 activation kernel and another.
+_PALLAS_HLO = """HloModule m
+
+ENTRY %main (x: bf16[64,2048], y: f32[64,2048], k: bf16[100,16,64]) -> bf16[64,2048] {
+  %x = bf16[64,2048]{1,0} parameter(0)
+  %y = f32[64,2048]{1,0} parameter(1)
+  %k = bf16[100,16,64]{2,1,0} parameter(2)
+  %pallas_call.1 = (bf16[64,2048]{1,0}, f8e4m3fn[64,2048]{1,0}, f32[64]{0}) custom-call(%x, %y), custom_call_target="__gpu$xla.gpu.triton", backend_config={grid_x = 64 : i32, name = "fp8_add_rms_norm_quantize", num_warps = 4 : i32}
+  %pallas_call.2 = bf16[64,64]{1,0} custom-call(%k), custom_call_target="__gpu$xla.gpu.triton", backend_config={grid_x = 64 : i32, name = "paged_decode_attention_bs16_p4", num_warps = 4 : i32}
+  ROOT %get-tuple-element.1 = bf16[64,2048]{1,0} get-tuple-element(%pallas_call.1), index=0
+}
+"""
+
+
+def test_pallas_call_bytes_charges_the_named_kernels_their_operands_and_results():
+  """The norm kernel reads x (bf16) and y (f32) [64, 2048] and writes [64, 2048] bf16 and fp8 and 64
+  fp32 scales: 64 x 2048 x (2 + 4 + 2 + 1) + 256 bytes; the attention kernel is not named, so not
+  counted (its pools' reads are `kernel_bytes`')."""
+  from llamarl_jax.model.fp8_kernels import KERNEL_NAMES
+  assert paged.pallas_call_bytes(_PALLAS_HLO, KERNEL_NAMES) == 64 * 2048 * 9 + 256
+  assert paged.pallas_call_bytes(_PALLAS_HLO, ("other",)) == 0

@@ -303,6 +303,25 @@ def library_call_bytes(hlo_text: str, targets: tuple[str, ...] = LIBRARY_CALLS) 
   return total
 
 
+def pallas_call_bytes(hlo_text: str, names: tuple[str, ...]) -> int:
+  """Bytes of the Pallas (Triton) calls in a compiled module's text whose kernel is named one of
+  `names` (`pallas_call(name=...)`), which XLA's generic `HloCostAnalysis` charges nothing: each
+  call's operands plus its results, what a kernel that reads each input once and writes each output
+  once moves (the fp8 activation kernels, `fp8_kernels`; not the paged attention kernel, which reads
+  only the live blocks of its pools: `paged_kernel.kernel_bytes`)."""
+  total = 0
+  for body in _parse_hlo(hlo_text).values():
+    for shape, op, ops, _, rest in body.values():
+      if op != "custom-call" or 'custom_call_target="__gpu$xla.gpu.triton"' not in rest:
+        continue
+      name = re.search(r'name = "([^"]+)"', rest)
+      if not name or name.group(1) not in names:
+        continue
+      results = sum(_array_bytes(f"{d}[{dims}]") for d, dims in re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]", shape))
+      total += results + sum(_array_bytes(body[o][0]) for o in ops if o in body)
+  return total
+
+
 # entry-computation instructions that launch no kernel on a GPU (bookkeeping, views, constants)
 NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
                        "partition-id", "replica-id", "add-dependency"})

@@ -200,6 +200,7 @@ class SlotPrograms:
                max_insert: int | None = None, prefill_tokens: int = 1024, prompt_bucket_count: int = 3,
                recompute: bool = False):
     self.config, self.graphdef, self.pad_id = config, sampler.graphdef, int(pad_id)
+    self.weight_layout = sampler.layout
     self.num_slots, self.sampling, self.chunk_steps = num_slots, sampling, int(chunk_steps)
     self.R, self.max_prompt_len = sampling.max_new_tokens, max_prompt_len
     self.layout = PageLayout(num_slots, max_prompt_len, self.R, int(kv_block_size))
@@ -646,7 +647,8 @@ class SlotPrograms:
     (`paged.fused_index_overcount`: the generic analysis charges the whole KV pool per gather and
     per token write, and the embedding table per lookup), and adds the Pallas kernel's reads where
     the step uses it (`paged_kernel.kernel_bytes`, counted from its structure: XLA's analysis sees
-    a custom call as nothing), and the operands and outputs of library GEMMs (cuBLAS custom calls,
+    a custom call as nothing) and the fp8 activation kernels' operands and results (`fp8_kernels`,
+    `paged.pallas_call_bytes`), and the operands and outputs of library GEMMs (cuBLAS custom calls,
     `paged.library_call_bytes`); 'ratio' = bytes / ideal.
     """
     prompt_lens, n_gen = np.asarray(prompt_lens, np.int64), np.asarray(n_gen, np.int64)
@@ -706,9 +708,19 @@ class SlotPrograms:
       from llamarl_jax.model.paged_kernel import kernel_bytes
       c = self.config
       live = int(np.sum(-(-prompt_lens // self.layout.block_size) + -(-n_gen // self.layout.block_size)))
+      G, layout = c.num_heads // c.num_kv_heads, self.weight_layout
+      # q, k and v read from the fused projection's output (`llama.Attention`'s paged step: q too for a
+      # power-of-two group), an fp8 GEMM's fp32 product with fp8 weights
+      source = None
+      if layout.fused_qkv and not c.qk_norm and G & (G - 1) == 0:
+        source = 4 if layout.fp8 and not c.qkv_bias else jnp.dtype(c.dtype).itemsize
       kernel = c.num_layers * kernel_bytes(num_rows=S, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                            head_dim=c.head_dim, block_size=self.layout.block_size,
-                                           live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize)
+                                           live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize,
+                                           source_itemsize=source)
+    if generic:  # the fp8 activation kernels (`fp8_kernels`): each reads its operands, writes its results
+      from llamarl_jax.model.fp8_kernels import KERNEL_NAMES
+      kernel += float(paged.pallas_call_bytes(text, KERNEL_NAMES))
     total = xla_bytes - over + kernel + library
     return {"bytes": total, "xla_bytes": xla_bytes, "overcount": over, "kernel_bytes": kernel, "library_bytes": library,
             "ideal": ideal["total"], "weights": ideal["weights"], "layer_weights": float(layer_weights), "kv": ideal["kv"],

@@ -25,6 +25,8 @@ fp32, exactly, so it computes the numbers a GPU does up to the GEMM's summation 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -38,6 +40,26 @@ E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 INPUT_AXES = {"attn": {"wq": 1, "wk": 1, "wv": 1, "wqkv": 1, "wo": 2},
               "mlp": {"w_gate": 1, "w_up": 1, "w_gate_up": 1, "w_down": 1}}
 SCALE = "_scale"  # w's scale is the leaf `w + SCALE` beside it
+
+
+class Rows(NamedTuple):
+  """Activations quantised per row: values float8_e4m3fn `[..., K]`, scales fp32 `[...]` (x ~=
+  values * scale[..., None]); an input `dense` takes as it is."""
+
+  values: Array
+  scale: Array
+
+
+class Product(NamedTuple):
+  """An fp8 GEMM's result before its scales (`dense_unscaled`): y fp32 `[..., *out]`, the input's
+  row scales `[...]`, the weight's column scales `[*out]`; its value is `apply_scales`."""
+
+  y: Array
+  row: Array
+  col: Array
+
+  def value(self, dtype) -> Array:
+    return apply_scales(self.y, self.row, self.col, dtype)
 
 
 def quantize_weight(w: Array, n_in: int) -> tuple[Array, Array]:
@@ -57,27 +79,29 @@ def quantize_rows(x: Array) -> tuple[Array, Array]:
   return (xf / scale).astype(FP8), scale
 
 
-def dense(x: Array, w: Array, scale: Array) -> Array:
+def dense(x: Array | Rows, w: Array, scale: Array, dtype=None) -> Array:
   """x `[..., K]` times fp8 w `[*in, *out]` (prod(in) = K) with per-output-channel `scale` `[*out]`:
-  x quantised per row to fp8, one fp8 x fp8 dot accumulated in fp32, then scaled by x's row scales
-  and w's column scales. Returns `[..., *out]` in x's dtype."""
+  x quantised per row to fp8 (or given so, `Rows`), one fp8 x fp8 dot accumulated in fp32, then
+  scaled by x's row scales and w's column scales. Returns `[..., *out]` in `dtype` (default x's)."""
   y, sx = dense_unscaled(x, w)
-  return apply_scales(y, sx, scale, x.dtype)
+  return apply_scales(y, sx, scale, x.dtype if dtype is None else dtype)
 
 
-def dense_unscaled(x: Array, w: Array) -> tuple[Array, Array]:
+def dense_unscaled(x: Array | Rows, w: Array) -> tuple[Array, Array]:
   """`dense`'s product before its scales: (y fp32 `[..., *out]`, x's row scales fp32 `[...]`), with
   dense(x, w, scale) == apply_scales(y, row scales, scale, x.dtype). A consumer that reads the fp32
-  product itself (the paged decode kernel's keys and values) scales it where it reads it."""
-  K, lead = x.shape[-1], x.shape[:-1]
+  product itself (the paged decode kernel's keys and values) scales it where it reads it. x: an
+  array (quantised here, `quantize_rows`) or `Rows` already quantised (`fp8_kernels`)."""
+  given = isinstance(x, Rows)
+  K, lead = (x.values if given else x).shape[-1], (x.values if given else x).shape[:-1]
   n_in, size = 0, 1
   while size < K:
     size *= w.shape[n_in]
     n_in += 1
   if size != K:
-    raise ValueError(f"fp8 weight {w.shape} has no leading axes of {K} inputs (x {x.shape})")
+    raise ValueError(f"fp8 weight {w.shape} has no leading axes of {K} inputs (x {(*lead, K)})")
   out = w.shape[n_in:]
-  xq, sx = quantize_rows(x.reshape(-1, K))
+  xq, sx = (x.values.reshape(-1, K), x.scale.reshape(-1, 1)) if given else quantize_rows(x.reshape(-1, K))
   # f8e4m3fn x f8e4m3fn -> fp32, the scales outside the dot: a GPU compiles it as an fp8 GEMM, a CPU
   # converts both operands to fp32 (exactly: e4m3 has 4 significant bits) and runs an fp32 dot
   y = jax.lax.dot_general(xq, w.reshape(K, -1), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)

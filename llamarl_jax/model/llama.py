@@ -56,7 +56,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llamarl_jax.model import fp8 as fp8_lib
+from llamarl_jax.model import fp8_kernels
 from llamarl_jax.model import moe as moe_lib
+from llamarl_jax.model import paged_attention
 from llamarl_jax.model.paged_attention import PagedKVCache, PagedLayer, rope_rotate, write_and_attend
 
 Array = jax.Array
@@ -313,13 +315,14 @@ def _projection(module: nnx.Module, name: str, rngs: nnx.Rngs, shape, axes, dtyp
   setattr(module, name + fp8_lib.SCALE, nnx.Param(w_scale, logical_axes=tuple(axes[n_in:])))
 
 
-def dense(x: Array, module: nnx.Module, name: str, plain) -> Array:
+def dense(x: Array | fp8_lib.Rows, module: nnx.Module, name: str, plain, dtype=None) -> Array:
   """Projection `name` of `module` applied to x `[..., K]`: `plain(x, w)` with w cast to x's dtype,
-  or, where the projection is fp8 (a `name_scale` beside it), the fp8 product `model.fp8.dense`."""
+  or, where the projection is fp8 (a `name_scale` beside it), the fp8 product `model.fp8.dense` in
+  `dtype` (default x's; x may be `fp8.Rows`, quantised before)."""
   w = getattr(module, name)[...]
   scale = getattr(module, name + fp8_lib.SCALE, None)
   if scale is not None:
-    return fp8_lib.dense(x, w, scale[...])
+    return fp8_lib.dense(x, w, scale[...], dtype)
   return plain(x, w.astype(x.dtype))
 
 
@@ -463,16 +466,21 @@ class Attention(nnx.Module):
     the form cuDNN's fused kernel takes ('cudnn'), or XLA's ('xla'). Outputs past a row's length
     are not meaningful. With `lengths` a `Segments`, each row packs several sequences: causal
     attention within each (`segment_attention`). lora: `LoraLayer` adapters of this block's projections (the trainer's
-    unmerged LoRA forward), or None."""
-    dt, c = x.dtype, self.config
+    unmerged LoRA forward), or None.
+
+    x may be `fp8.Rows` (fp8 weights, a `PagedLayer`: `Block.decode_fp8`): x quantised before, and
+    the output is the O projection's `fp8.Product` (its scales not applied), its input quantised by
+    `fp8_kernels.quantize_heads` where the attention is the Pallas kernel."""
+    rows_in = isinstance(x, fp8_lib.Rows)
+    dt, c = (jnp.dtype(self.config.dtype) if rows_in else x.dtype), self.config
     source = None  # where the fused projection's k and v lie (`_fused_qkv`)
     if self.fused:
-      q, k, v, source = self._fused_qkv(x, lora)
+      q, k, v, source = self._fused_qkv(x, lora, dt)
     else:
       proj = functools.partial(jnp.einsum, "bte,ehd->bthd")
-      q = with_lora(dense(x, self, "wq", proj), x, "wq", lora)
-      k = with_lora(dense(x, self, "wk", proj), x, "wk", lora)
-      v = with_lora(dense(x, self, "wv", proj), x, "wv", lora)
+      q = with_lora(dense(x, self, "wq", proj, dt), x, "wq", lora)
+      k = with_lora(dense(x, self, "wk", proj, dt), x, "wk", lora)
+      v = with_lora(dense(x, self, "wv", proj, dt), x, "wv", lora)
       if c.qkv_bias:
         q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if c.qk_norm:
@@ -480,16 +488,22 @@ class Attention(nnx.Module):
     scale = rope_attention_factor(c)
     if isinstance(layer_cache, PagedLayer):  # the slot engine's decode step over pages: k rotated with its write
       cos, sin = rope_cos_sin(positions[:, 0], inv_freq, scale)  # [B, D]
-      kv_scales = None
+      kv_scales, q_group = None, None
       if source is not None and not c.qk_norm:  # k and v read from the projection's output as they lie
         kv, scales = source
         kv, channels = kv[:, 0], (kv.shape[3] - 2, kv.shape[3] - 1)
         kv_scales = None if scales is None else (scales[0][:, 0], scales[1])
+        group = kv.shape[2] - 2
+        if group & (group - 1) == 0:  # and q (a power-of-two group: the Pallas kernel's loads)
+          q, q_group = None, group
       else:
         kv, channels = jnp.stack([k[:, 0], v[:, 0]], axis=2), (0, 1)
-      q = rope_rotate(q, cos[:, None, None, :], sin[:, None, None, :])
+      if q_group is None:
+        q = rope_rotate(q, cos[:, None, None, :], sin[:, None, None, :])
       out, ck, cv = write_and_attend(q, kv, channels, cos.astype(dt), sin.astype(dt), layer_cache,
-                                     kv_scales=kv_scales)
+                                     kv_scales=kv_scales, quantize_out=rows_in, q_group=q_group)
+      if rows_in:  # out: `fp8.Rows` [B, 1, H * D]
+        return fp8_lib.Product(*fp8_lib.dense_unscaled(out, self.wo[...]), self.wo_scale[...]), (ck, cv)
       B, T, H, D = out.shape
       return dense(out.reshape(B, T, H * D), self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), (ck, cv)
     q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
@@ -516,21 +530,20 @@ class Attention(nnx.Module):
     out = out.reshape(B, T, H * D)
     return with_lora(dense(out, self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), out, "wo", lora), new_cache
 
-  def _fused_qkv(self, x, lora):
+  def _fused_qkv(self, x, lora, dt):
     """q `[B, T, H, D]`, k, v `[B, T, KV, D]` from one GEMM of x `[B, T, E]` with wqkv, and where they
     lie: (that GEMM's output `[B, T, KV, G + 2, D]` (bias added), None), or with fp8 weights and no
     bias (its fp32 product, (row scales `[B, T]`, column scales `[KV, G + 2, D]`)) (`fp8.dense_unscaled`)."""
     if lora is not None:
       raise ValueError("LoRA adapters apply to the unfused projections (the trainer's layout); merge them "
                        "(lora.merge_adapters) before fusing (model.serving.serving_params)")
-    dt = x.dtype
     w_scale = getattr(self, "wqkv" + fp8_lib.SCALE, None)
     if w_scale is not None and not self.config.qkv_bias:
       y, sx = fp8_lib.dense_unscaled(x, self.wqkv[...])
       qkv = fp8_lib.apply_scales(y, sx, w_scale[...], dt)  # `dense`'s result  [B, T, KV, G + 2, D]
       source = (y, (sx, w_scale[...]))
     else:
-      qkv = dense(x, self, "wqkv", functools.partial(jnp.einsum, "bte,ekgd->btkgd"))  # [B, T, KV, G + 2, D]
+      qkv = dense(x, self, "wqkv", functools.partial(jnp.einsum, "bte,ekgd->btkgd"), dt)  # [B, T, KV, G + 2, D]
       if self.config.qkv_bias:
         qkv = qkv + self.bqkv[...].astype(dt)
       source = (qkv, None)
@@ -560,6 +573,14 @@ class MLP(nnx.Module):
     gate = with_lora(dense(x, self, "w_gate", jnp.matmul), x, "w_gate", lora)
     h = jax.nn.silu(gate) * with_lora(dense(x, self, "w_up", jnp.matmul), x, "w_up", lora)
     return with_lora(dense(h, self, "w_down", jnp.matmul), h, "w_down", lora)
+
+  def decode_fp8(self, x: fp8_lib.Rows, dtype, interpret: bool) -> fp8_lib.Product:
+    """`__call__` of the fused fp8 layout on x quantised before (`fp8.Rows` `[B, T, E]`), the SwiGLU
+    and its quantise in one kernel (`fp8_kernels.swiglu_quantize`, silu and product in `dtype`);
+    returns the down projection's `fp8.Product` `[B, T, E]` (its scales not applied)."""
+    gate_up = fp8_lib.Product(*fp8_lib.dense_unscaled(x, self.w_gate_up[...]), self.w_gate_up_scale[...])
+    h = fp8_kernels.swiglu_quantize(gate_up, dtype, interpret=interpret)
+    return fp8_lib.Product(*fp8_lib.dense_unscaled(h, self.w_down[...]), self.w_down_scale[...])
 
 
 class MoE(nnx.Module):
@@ -636,6 +657,20 @@ class Block(nnx.Module):
       out, stats = self.mlp(self.mlp_norm(x), routing)
       return x + out, new_cache, stats
     return x + self.mlp(self.mlp_norm(x), mlp_lora), new_cache, None
+
+  def decode_fp8(self, x: Array, pending: fp8_lib.Product | None, positions, inv_freq, layer: PagedLayer,
+                 interpret: bool):
+    """`__call__`'s decode step over a paged cache with fp8 weights in the fused layout, each fp8
+    GEMM's input made by one kernel (`fp8_kernels`): the residual add, the norm and the quantise;
+    the SwiGLU and its quantise; the attention output's quantise. x `[B, 1, E]`: the residual stream
+    without `pending`, the previous layer's down projection (`fp8.Product`, added by this layer's
+    first kernel; None for the first layer). Returns (x, pending) likewise after this layer (x +
+    pending is `__call__`'s output) and the new (k, v) pools."""
+    eps, dt = self.attn_norm.eps, x.dtype
+    x, rows = fp8_kernels.add_rms_norm_quantize(x, self.attn_norm.scale[...], pending, eps=eps, interpret=interpret)
+    o, new_cache = self.attn(rows, positions, inv_freq, None, layer)
+    x, rows = fp8_kernels.add_rms_norm_quantize(x, self.mlp_norm.scale[...], o, eps=eps, interpret=interpret)
+    return x, self.mlp.decode_fp8(rows, dt, interpret), new_cache
 
 
 class Llama(nnx.Module):
@@ -722,15 +757,32 @@ class Llama(nnx.Module):
     inv_freq = rope_frequencies(self.config)
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
     new_k, new_v, topk = [], [], []
+    fused, pending = self.fused_fp8_decode(), None
+    interpret = paged_attention.interpret_kernels()
     for i, block in enumerate(self.layers):
-      routing = _layer_routing(replay, len(topk)) if self.config.is_moe_layer(i) else None
-      x, (k, v), stats = block(x, positions, inv_freq, None, cache.layer(i), routing=routing)
+      if fused:
+        x, pending, (k, v) = block.decode_fp8(x, pending, positions, inv_freq, cache.layer(i), interpret)
+      else:
+        routing = _layer_routing(replay, len(topk)) if self.config.is_moe_layer(i) else None
+        x, (k, v), stats = block(x, positions, inv_freq, None, cache.layer(i), routing=routing)
+        if stats is not None:
+          topk.append(stats.topk)
       new_k.append(k)
       new_v.append(v)
-      if stats is not None:
-        topk.append(stats.topk)
+    if pending is not None:
+      x = x + pending.value(dt)
     return (self.final_norm(x), cache.replace(k=tuple(new_k), v=tuple(new_v)),
             jnp.stack(topk, axis=2) if topk else None)
+
+  def fused_fp8_decode(self) -> bool:
+    """Whether the paged decode step runs `Block.decode_fp8` (each fp8 GEMM's input made by one
+    kernel, `fp8_kernels`): fp8 weights in the fused serving layout, the Pallas paged attention
+    (`paged_attention.resolve_paged_implementation`: one unsharded device), sizes the kernels take
+    (`fp8_kernels.supported`)."""
+    c, layout = self.config, self.layout
+    return (layout.fp8 and layout.fused_qkv and layout.fused_mlp and not c.moe_layers
+            and paged_attention.resolve_paged_implementation() == "pallas"
+            and fp8_kernels.supported(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim))
 
   def logits(self, x: Array) -> Array:
     """Project hidden states `[..., E]` through the head: fp32 logits `[..., vocab]`, or with a score

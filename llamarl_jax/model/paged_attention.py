@@ -133,6 +133,11 @@ def _platform(platform: str | None = None) -> str:
   return platform or _TARGET_PLATFORM.get() or jax.default_backend()
 
 
+def interpret_kernels() -> bool:
+  """Whether Pallas kernels traced now run in Pallas' interpret mode: the program is for the CPU."""
+  return _platform() == "cpu"
+
+
 def resolve_paged_implementation(implementation: str = "auto", platform: str | None = None) -> str:
   """'reduce', 'dot' or 'pallas' (see the module docstring); 'auto' is `target_platform`'s choice if
   it made one, else 'dot' on the CPU, 'reduce' elsewhere (platform: this argument, else
@@ -200,8 +205,9 @@ def rope_rotate(x: Array, cos: Array, sin: Array) -> Array:
   return (x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)).astype(x.dtype)
 
 
-def write_and_attend(q: Array, kv: Array, channels: tuple[int, int], cos: Array, sin: Array, layer: PagedLayer,
-                     implementation: str = "auto", kv_scales=None) -> tuple[Array, Array, Array]:
+def write_and_attend(q: Array | None, kv: Array, channels: tuple[int, int], cos: Array, sin: Array, layer: PagedLayer,
+                     implementation: str = "auto", kv_scales=None, quantize_out: bool = False,
+                     q_group: int | None = None):
   """One decode step's attention of a layer. q `[B, 1, H, D]` (after RoPE); kv `[B, KV, C, D]`: each
   row's new key (channel `channels[0]`, before RoPE) and value (`channels[1]`), e.g. the fused Q/K/V
   projection's output as it is; cos, sin `[B, D]` (the rows' RoPE, `llama.rope_cos_sin`). The key is
@@ -211,20 +217,33 @@ def write_and_attend(q: Array, kv: Array, channels: tuple[int, int], cos: Array,
   it in one kernel (`paged_kernel`: rotation and write inside it, no scatter kernels, kv read where it
   lies; the new token's score in the same fp32 math, added to the online softmax last: summation
   order only). kv_scales: (row `[B]`, column `[KV, C, D]`) where kv is an fp8 GEMM's fp32 product
-  (`fp8.dense_unscaled`): k and v are `fp8.apply_scales` of it in cos' dtype."""
+  (`fp8.dense_unscaled`): k and v are `fp8.apply_scales` of it in cos' dtype. quantize_out: out
+  is `fp8.Rows` `[B, 1, H * D]`, quantised per row (`fp8.quantize_rows`; after the Pallas kernel
+  `fp8_kernels.quantize_heads`, which reads the kernel's output as it lies). q_group: q is None and
+  the queries are kv's channels [0, q_group) of each KV head, before RoPE (the fused projection's
+  output as it lies): rotated as the key is (the Pallas kernel reads them from kv itself)."""
   k_at, v_at = channels
   if resolve_paged_implementation(implementation) == "pallas":
     from llamarl_jax.model.paged_kernel import paged_decode_attention_kernel
     new = (kv, cos, sin, layer.write_block, layer.write_offset)
     return paged_decode_attention_kernel(q, layer.k, layer.v, layer.entry_row, layer.entry_block, layer.entry_len,
-                                         new, kv_scales, channels=(k_at, v_at), interpret=_platform() == "cpu")
+                                         new, kv_scales, channels=(k_at, v_at), interpret=interpret_kernels(),
+                                         quantize_out=quantize_out, q_group=q_group)
   if kv_scales is not None:
     from llamarl_jax.model.fp8 import apply_scales
     kv = apply_scales(kv, kv_scales[0], kv_scales[1], cos.dtype)
+  if q_group is not None:
+    B, KV, _, D = kv.shape
+    q = rope_rotate(kv[:, :, :q_group].reshape(B, 1, KV * q_group, D), cos[:, None, None], sin[:, None, None])
   k = rope_rotate(kv[:, :, k_at], cos[:, None], sin[:, None])
   ck = write_token(layer.k, k, layer.write_block, layer.write_offset)
   cv = write_token(layer.v, kv[:, :, v_at], layer.write_block, layer.write_offset)
   out = paged_decode_attention(q, ck, cv, layer.entry_row, layer.entry_block, layer.entry_len, implementation)
+  if quantize_out:
+    from llamarl_jax.model.fp8 import Rows, quantize_rows
+    B, _, H, D = out.shape
+    values, scale = quantize_rows(out.reshape(B, 1, H * D))
+    out = Rows(values, scale[..., 0])
   return out, ck, cv
 
 
