@@ -565,9 +565,11 @@ class RunConfig(_Validated):
     if num_processes > 1 and self.train.critic is not None:
       raise ConfigError("TrainConfig.critic is single-process only (the critic needs each row's reward, which "
                         "a trainer process does not receive); set TrainConfig.critic = None across processes")
-    if num_processes > 1 and self.reward.model_path:
-      raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} is single-process only; across "
-                        "processes score with rule rewards (RewardConfig.model_path = None)")
+    if num_processes > 1 and self.reward.model_path and not self.mesh.reward_dp:
+      raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} with MeshConfig.reward_dp = 0 (the "
+                        "generator's devices) across processes: there the reward model runs in processes of its "
+                        "own; set MeshConfig.reward_dp (and reward_tp) and start the processes that own those "
+                        "devices, or score with rule rewards only (RewardConfig.model_path = None)")
 
   def record(self) -> dict:
     """What a checkpoint records of this config (a resume compares it: checkpoint.RESUMABLE_CHANGES)."""

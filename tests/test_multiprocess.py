@@ -316,3 +316,47 @@ def test_dynamic_sampling_two_processes_give_the_one_process_metrics(tmp_path_fa
   assert any(0 < m["dynamic_sampling/drop_rate"] < 1 for m in one) and any(m["reward/mean"] > 0 for m in one)
   for a, b in zip(one, two):
     assert schedule_metrics(a) == schedule_metrics(b)
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+  """A random tiny LlamaForSequenceClassification over the policy's (character) vocabulary, no tokenizer:
+  it reads the policy's own token rows."""
+  from test_reward_model import tiny_hf_classifier
+
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tokenizer = make_char_tokenizer()
+  path = tmp_path_factory.mktemp("rm") / "rm"
+  tiny_hf_classifier("llama", seed=7, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer)).save_pretrained(path)
+  return path
+
+
+# trainer, generator and reward model on one device each: three processes of one device
+REWARD_PROCESS = ["MeshConfig.trainer_fsdp = 1", "MeshConfig.trainer_tp = 1", "MeshConfig.generator_dp = 1",
+                  "MeshConfig.generator_tp = 1", "MeshConfig.reward_dp = 1",
+                  "RewardConfig.rule_weight = 0.5", "RewardConfig.model_weight = 2.0"]
+
+
+@pytest.mark.devices(8)
+@pytest.mark.timeout(600)  # 1 + 3 interpreters on 2 cores; the launcher's own hard limit is 300 s
+def test_reward_model_in_its_own_process_gives_the_one_process_metrics(reward_model_dir, tmp_path):
+  """Trainer, generator and reward model as three process groups (one process each), 3 steps at lag 1:
+  the generator process publishes each batch's token rows, the reward process scores them on its
+  device, the generator process combines 0.5 x rule + 2 x score. Every per-step metric (the rewards
+  the advantages see, reward_model/score_mean and _std included) equals the one-process run's with
+  the reward model on its own device (tests/test_reward_model_run.py checks that run's rewards
+  against the reward model's own scores of the same rows)."""
+  extra = [f"--gin_param={b}" for b in REWARD_PROCESS + [f"RewardConfig.model_path = '{reward_model_dir}'"]]
+  _train(tmp_path / "one", 3, *extra)
+  status, out = _launch(3, _args(tmp_path / "three", 3, *extra), timeout_s=300)
+  assert status == 0, out
+  assert "roles: 0=trainer, 1=generator, 2=reward" in out
+  one, three = _steps(tmp_path / "one"), _steps(tmp_path / "three")
+  assert len(one) == len(three) == 3
+  for m in three:  # the mean of 0.5 x rule + 2 x score; scores that vary (a model, not a constant)
+    assert m["reward/combined_mean"] == pytest.approx(0.5 * m["reward/mean"] + 2.0 * m["reward_model/score_mean"],
+                                                      abs=1e-5)
+    assert m["reward_model/score_std"] > 0.01
+  for a, b in zip(one, three):
+    assert schedule_metrics(a) == schedule_metrics(b)
