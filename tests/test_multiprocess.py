@@ -360,3 +360,26 @@ def test_reward_model_in_its_own_process_gives_the_one_process_metrics(reward_mo
     assert m["reward_model/score_std"] > 0.01
   for a, b in zip(one, three):
     assert schedule_metrics(a) == schedule_metrics(b)
+
+
+@pytest.mark.timeout(300)  # 3 interpreters on 2 cores; the launcher's own hard limit is 180 s
+def test_a_reward_process_that_fails_stops_every_process_naming_it(tmp_path):
+  """The reward process raises on batch 0 (its model's context, 8 positions, is shorter than every
+  row): it exits 1 with the reward model's error, the trainer and generator processes stop on their
+  own within seconds naming it (no wait for scores that never come), and no step is logged."""
+  from test_reward_model import tiny_hf_classifier
+
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tokenizer = make_char_tokenizer()
+  tiny_hf_classifier("llama", pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
+                     max_position_embeddings=8).save_pretrained(tmp_path / "rm")
+  extra = [f"--gin_param={b}" for b in REWARD_PROCESS + [f"RewardConfig.model_path = '{tmp_path / 'rm'}'"]]
+  t0 = time.monotonic()
+  status, out = _launch(3, _args(tmp_path / "run", 3, *extra), timeout_s=180, fail_fast=False)
+  assert status == 1 and time.monotonic() - t0 < 170, out
+  assert "[launch_local] rank 2 (reward) failed with exit status 1" in out
+  why = (f"failed: RewardModelError: reward model {tmp_path / 'rm'} failed scoring batch 0: ValueError: row 0 has")
+  for rank, role in ((0, "trainer"), (1, "generator")):
+    assert f"[rank {rank}] [llamarl] process {rank} ({role}) stops: process 2 (reward) {why}" in out, out
+  assert not (tmp_path / "run" / "metrics.jsonl").exists() or not _steps(tmp_path / "run")

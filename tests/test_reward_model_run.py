@@ -57,8 +57,10 @@ def test_reward_model_settings_are_flat_keys_and_checked():
     run_config(reward_model_normalize="zscore")
   with pytest.raises(ConfigError, match="RewardConfig.model_path=.* with RolloutConfig.dynamic_sampling"):
     run_config(reward_model_path="/rm", dynamic_sampling=DynamicSampling())
-  with pytest.raises(ConfigError, match="RewardConfig.model_path='/rm' is single-process only"):
+  with pytest.raises(ConfigError, match="RewardConfig.model_path='/rm' with MeshConfig.reward_dp = 0 .* across "
+                                        "processes: there the reward model runs in processes of its own"):
     run_config(reward_model_path="/rm").check_layout(1, num_processes=2)
+  run_config(reward_model_path="/rm", reward_dp=1).check_layout(1, num_processes=3)  # its own processes
   with pytest.raises(ConfigError, match="MeshConfig.reward_dp=2 gives devices to a reward model"):
     run_config(reward_dp=2)
 
@@ -78,6 +80,25 @@ def test_reward_mesh_takes_the_devices_after_the_trainer_and_the_generator():
   assert parallel.device_counts(**counts, trainer_expert=2, generator_expert=2) == (4, 4, 4, 12)
   with pytest.raises(ValueError, match="the reward model's 3x2 devices come after"):
     parallel.make_meshes(**{**layout, "reward_dp": 3})
+
+
+def test_roles_put_the_reward_mesh_in_processes_of_its_own():
+  """derive_roles across processes: the reward mesh's processes are a third role, never shared."""
+  from types import SimpleNamespace
+
+  from llamarl_jax.distributed import derive_roles
+
+  def mesh(*processes):  # a mesh's devices as derive_roles reads them: each device's process_index
+    return SimpleNamespace(devices=np.array([SimpleNamespace(process_index=p) for p in processes], dtype=object))
+
+  roles = derive_roles(mesh(0, 0), mesh(1, 1), 3, reward_mesh=mesh(2, 2))
+  assert (roles.trainer, roles.generator, roles.reward, roles.reward_leader) == ((0,), (1,), (2,), 2)
+  assert roles.describe() == "0=trainer, 1=generator, 2=reward"
+  assert derive_roles(mesh(0), mesh(1), 2).reward == ()
+  with pytest.raises(ValueError, match=r"process\(es\) \[1\] own reward-model devices and trainer or generator"):
+    derive_roles(mesh(0, 0), mesh(1, 1), 2, reward_mesh=mesh(1, 1))
+  with pytest.raises(ValueError, match=r"process\(es\) \[3\] own no trainer, generator or reward-model device"):
+    derive_roles(mesh(0), mesh(1), 4, reward_mesh=mesh(2))
 
 
 @pytest.fixture(scope="module")
