@@ -108,7 +108,8 @@ def field_problems(cls, values: dict[str, Any]) -> list[str]:
 class MeshConfig(_Validated):
   """Device counts of the meshes (`parallel.make_meshes`); colocated: trainer and generator on one mesh,
   taking turns. reward_dp x reward_tp: the reward model's own devices after theirs
-  (`parallel.make_reward_mesh`); reward_dp = 0: it runs on the generator's mesh."""
+  (`parallel.make_reward_mesh`; across processes, those of the reward processes); reward_dp = 0: it
+  runs on the generator's mesh (one process only)."""
   trainer_fsdp: int = 1
   trainer_tp: int = 1
   generator_dp: int = 1
