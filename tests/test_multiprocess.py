@@ -104,6 +104,16 @@ def test_lora_push_moves_the_base_once_then_only_adapters_and_the_generator_merg
     assert f"lora v{version} ok" in out, (version, out)
 
 
+def test_a_reward_model_on_a_mesh_over_two_processes_scores_like_one_device(tmp_path):
+  from test_reward_model import tiny_hf_classifier
+
+  tiny_hf_classifier("llama", seed=3).save_pretrained(tmp_path / "rm")
+  status, out = _launch(2, ["--case", "reward_mesh", "--path", str(tmp_path / "rm")], timeout_s=120,
+                        script=ROOT / "tests" / "multiproc_worker.py")
+  assert status == 0, out
+  assert "[rank 0] reward mesh ok" in out and "[rank 1] reward mesh ok" in out, out
+
+
 @pytest.mark.parametrize("kill,consequence", [(False, False), (True, False), (True, True)])
 def test_a_failed_process_stops_every_other_naming_it(kill, consequence):
   """Process 1 raises (its error is published) or is SIGKILLed (its heartbeats stop: 5 s here):
