@@ -200,7 +200,7 @@ class Controller:
 
     on_step(step, metrics): called after each step (e.g. a held-out evaluation), one process only: the
     generator keeps generating meanwhile, within the lag bound. Across processes every process calls
-    `run` (trainer processes get the metrics, generator processes []); to evaluate between steps,
+    `run` (trainer processes get the metrics, generator and reward processes []); to evaluate between steps,
     call `run` for the steps up to the evaluation, then `evaluate` in every process
     (`experiment.run_with_evals` does; under the 'fixed' schedule the split does not change training).
     """
@@ -327,7 +327,8 @@ class Controller:
     function of (weights, seed). One process: safe between steps while `run` is in progress (the
     weights are converted without being registered in the WeightSync; colocated, it takes its turn).
     Across processes every process calls it, outside `run`: the trainer pushes its weights, the
-    generator processes sample, the generator leader scores, and every process gets the result.
+    generator processes sample, the generator leader scores (rule rewards: the reward model, in its
+    own processes, takes no part), and every process gets the result.
     """
     if samples < 0:
       raise ValueError(f"samples (draws per problem for the sampled pass@1) must be >= 0, got {samples}")

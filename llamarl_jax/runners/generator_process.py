@@ -163,7 +163,12 @@ def _score_share(ex: Executors, config: RunConfig, run_id: int, item: Generated,
   all_rewards = np.asarray(all_rewards, np.float32)
   combined = None
   if rm is not None:
-    model = json.loads(wait_key(mp.kv, run_key(run_id, "rm_scores", item.index), stop, timeout))
+    try:
+      model = json.loads(wait_key(mp.kv, run_key(run_id, "rm_scores", item.index), stop, timeout))
+    except TimeoutError:
+      raise TimeoutError(f"batch {item.index}: no reward-model scores from the reward process(es) "
+                         f"{list(mp.roles.reward)} within ScheduleConfig.step_timeout_s = {timeout:g} s: the reward "
+                         "model is stuck, or slower than that (then raise step_timeout_s)") from None
     combined = rm.combine(item, all_rewards, np.asarray(model["scores"], np.float32))
     total.update(model["metrics"])
   scored, metrics = scored_from_rewards(item, all_rewards, total,

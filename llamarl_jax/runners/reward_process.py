@@ -32,8 +32,15 @@ def run(ex: Executors, state: RunState, config: RunConfig, num_steps: int) -> Ru
   start, run_id = state.step, mp.new_run()
   leader = mp.me == mp.roles.reward_leader
   running = threading.Event()  # never set: a failed peer ends this process (`distributed.FaultWatch`)
+  timeout = config.schedule.step_timeout_s
   for k in range(start, start + num_steps):
-    rows = json.loads(wait_key(mp.kv, run_key(run_id, "rm_rows", k), running, config.schedule.step_timeout_s))
+    try:
+      rows = json.loads(wait_key(mp.kv, run_key(run_id, "rm_rows", k), running, timeout))
+    except TimeoutError:
+      raise TimeoutError(f"batch {k}: no token rows from the generator leader (process "
+                         f"{mp.roles.generator_leader}) within ScheduleConfig.step_timeout_s = {timeout:g} s: "
+                         "generation or training is stuck, or a step is slower than that (then raise "
+                         "step_timeout_s)") from None
     t0 = time.perf_counter()
     scores, metrics = ex.reward_model.score_rows(rows, k)
     ex.mark("reward", t0, time.perf_counter())
