@@ -1,4 +1,4 @@
-"""Many processes: trainer and generator as separate process groups of one jax.distributed job.
+"""Many processes: trainer, generator (and reward model) as separate process groups of one jax.distributed job.
 
 Every multi-process run is real: fresh interpreters started by scripts/launch_local.py (free ports,
 CPU devices per process, a hard `timeout_s` after which the launcher kills the whole job), the
@@ -8,7 +8,10 @@ The equality tests compare per-step metrics (all but timings: `schedule_metrics`
 processes running the same tiny config from the same warm start (rewards not all 0), bit for bit: the 'fixed' version schedule makes each step a
 pure function of (config, seed); the meshes have the same shapes in every layout (trainer fsdp2 x tp2,
 generator dp2 x tp2), so XLA runs the same programs; every cross-device reduction has 2 participants
-(a + b is exact whichever process adds), and fp32 throughout.
+(a + b is exact whichever process adds), and fp32 throughout. The reward-model run (trainer,
+generator and reward model as three processes of one device each) is compared with the one-process
+run on the same three single-device meshes, without a warm start: the reward model's scores make the
+rewards, and so the advantages, differ from 0.
 """
 
 import importlib.util
