@@ -283,3 +283,32 @@ def test_a_stuck_reward_model_times_out_naming_the_reward_executor_and_keeps_eve
     assert c.step == 2 and c.checkpointer.latest_step() == 2
   finally:
     c.close()
+
+
+def test_a_reward_model_without_weights_builds_the_rows_and_combination_of_the_loaded_one(reward_model_dir, tokenizer):
+  """What a generator process holds across processes (`from_config(weights=False)`): no device arrays,
+  and the same token rows and combined rewards as the loaded model's executor, which scores them."""
+  from types import SimpleNamespace
+
+  from llamarl_jax.config import RewardConfig
+  from llamarl_jax.data import PromptExample
+  from llamarl_jax.executors.reward_model import RewardModelExecutor
+
+  reward = RewardConfig(model_path=str(reward_model_dir), rule_weight=0.5, model_weight=2.0, model_normalize="group")
+  loaded = RewardModelExecutor.from_config(reward, tokenizer)
+  rows_only = RewardModelExecutor.from_config(reward, tokenizer, weights=False)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(rows_only.model.params))
+  examples = [PromptExample(prompt=f"Q: {a}+1=? A:", ground_truth=str(a + 1), task="arithmetic", index=a) for a in (3, 7)]
+  prompts = [ex.encode(tokenizer) for ex in examples]
+  width = max(map(len, prompts))
+  prompt_tokens = np.array([[0] * (width - len(p)) + p for p in prompts for _ in range(2)], np.int32)  # left-padded
+  prompt_mask = (np.arange(width)[None] >= width - np.array([len(p) for p in prompts for _ in range(2)])[:, None])
+  responses = np.array([[5, 6, 7, 0], [8, 9, 0, 0], [10, 11, 12, 13], [14, 0, 0, 0]], np.int32)
+  rollout = SimpleNamespace(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask.astype(np.int32),
+                            response_tokens=responses, lengths=np.array([3, 2, 4, 1]), group_ids=np.array([0, 0, 1, 1]))
+  item = SimpleNamespace(index=0, examples=examples, rollout=rollout)
+  rows = rows_only.batch_rows(item)
+  assert rows == loaded.batch_rows(item) and rows[1] == prompts[0] + [8, 9]
+  scores, _ = loaded.score_rows(rows, 0)
+  rule = np.array([1.0, 0.0, 0.0, 1.0], np.float32)
+  np.testing.assert_array_equal(rows_only.combine(item, rule, scores), loaded.score_and_combine(item, rule)[0])
