@@ -108,7 +108,8 @@ def field_problems(cls, values: dict[str, Any]) -> list[str]:
 class MeshConfig(_Validated):
   """Device counts of the meshes (`parallel.make_meshes`); colocated: trainer and generator on one mesh,
   taking turns. reward_dp x reward_tp: the reward model's own devices after theirs
-  (`parallel.make_reward_mesh`); reward_dp = 0: it runs on the generator's mesh."""
+  (`parallel.make_reward_mesh`; across processes, those of the reward processes); reward_dp = 0: it
+  runs on the generator's mesh (one process only)."""
   trainer_fsdp: int = 1
   trainer_tp: int = 1
   generator_dp: int = 1
@@ -565,9 +566,11 @@ class RunConfig(_Validated):
     if num_processes > 1 and self.train.critic is not None:
       raise ConfigError("TrainConfig.critic is single-process only (the critic needs each row's reward, which "
                         "a trainer process does not receive); set TrainConfig.critic = None across processes")
-    if num_processes > 1 and self.reward.model_path:
-      raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} is single-process only; across "
-                        "processes score with rule rewards (RewardConfig.model_path = None)")
+    if num_processes > 1 and self.reward.model_path and not self.mesh.reward_dp:
+      raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} with MeshConfig.reward_dp = 0 (the "
+                        "generator's devices) across processes: there the reward model runs in processes of its "
+                        "own; set MeshConfig.reward_dp (and reward_tp) and start the processes that own those "
+                        "devices, or score with rule rewards only (RewardConfig.model_path = None)")
 
   def record(self) -> dict:
     """What a checkpoint records of this config (a resume compares it: checkpoint.RESUMABLE_CHANGES)."""

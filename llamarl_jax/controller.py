@@ -5,6 +5,7 @@ The Controller owns the parts and the run's state; the loops live in `llamarl_ja
   runners/single_process.py    one process: generator, reward and trainer threads (colocated or not)
   runners/trainer_process.py   a trainer process of a multi-process job
   runners/generator_process.py a generator process of a multi-process job
+  runners/reward_process.py    a reward process of a multi-process job (the reward model's own group)
 
 Each runner takes (Executors, RunState, StepRecorder, RunConfig) and returns the new RunState; the
 version schedule they share (which version generates batch k, its seed, which weights to keep, the
@@ -84,12 +85,14 @@ class Controller:
     self.trainer_mesh, self.generator_mesh = parallel.make_meshes(**dataclasses.asdict(config.mesh))
     enable_persistent_cache()  # on a GPU: a restarted or repeated run loads its programs (`compile_cache`)
     config.check_layout(parallel.batch_divisor(self.trainer_mesh), jax.process_count())
-    # Roles: in one process both; across processes each process builds only its role's executors.
-    self.roles = distributed.derive_roles(self.trainer_mesh, self.generator_mesh)
+    # Roles: in one process all; across processes each process builds only its role's executors.
+    self.reward_mesh = parallel.make_reward_mesh(**dataclasses.asdict(config.mesh))
+    self.roles = distributed.derive_roles(self.trainer_mesh, self.generator_mesh, reward_mesh=self.reward_mesh)
+    multi = jax.process_count() > 1
     self.is_trainer = jax.process_index() in self.roles.trainer
     self.is_generator = jax.process_index() in self.roles.generator
+    self.is_reward = multi and jax.process_index() in self.roles.reward  # a process of the reward model's group
     self.is_main = jax.process_index() == self.roles.trainer_leader  # logs, checkpoints' metadata, summary
-    multi = jax.process_count() > 1
     abstract = abstract_model(model_config)
     axes = parallel.logical_axes(abstract)
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jax.numpy.float32), split_params(abstract)[1])
@@ -120,13 +123,20 @@ class Controller:
       if config.reward.model_path:
         from llamarl_jax.executors.reward_model import RewardModelExecutor
 
-        ex.reward_model = RewardModelExecutor.for_run(config, tokenizer, self.generator_mesh, ex.device_turn)
+        if multi:  # it scores in the reward processes; here: its token rows and the combination
+          ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, weights=False)
+        else:
+          ex.reward_model = RewardModelExecutor.for_run(config, tokenizer, self.generator_mesh, ex.device_turn)
       from llamarl_jax.envs import make_environment
 
       self.env = make_environment(config.env)
       ex.generator = run_generator(self.sampler, tokenizer, prompt_source, self.sampling, config, self.shapes,
                                    device_turn=ex.device_turn if config.mesh.colocated else None,
                                    score=ex.reward.score, env=self.env)
+    if self.is_reward:
+      from llamarl_jax.executors.reward_model import RewardModelExecutor
+
+      ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, mesh=self.reward_mesh)
     if multi:
       from llamarl_jax.multiprocess.protocol import Context, weight_plan
 
@@ -190,11 +200,11 @@ class Controller:
 
     on_step(step, metrics): called after each step (e.g. a held-out evaluation), one process only: the
     generator keeps generating meanwhile, within the lag bound. Across processes every process calls
-    `run` (trainer processes get the metrics, generator processes []); to evaluate between steps,
+    `run` (trainer processes get the metrics, generator and reward processes []); to evaluate between steps,
     call `run` for the steps up to the evaluation, then `evaluate` in every process
     (`experiment.run_with_evals` does; under the 'fixed' schedule the split does not change training).
     """
-    from llamarl_jax.runners import generator_process, single_process, trainer_process
+    from llamarl_jax.runners import generator_process, reward_process, single_process, trainer_process
 
     show = self.progress and self.is_main
     self.recorder.state = None
@@ -217,7 +227,10 @@ class Controller:
       self.state, steps = trainer_process.run(self.ex, self.state, self.recorder, self.config, num_steps,
                                               progress=show)
       return steps
-    self.state = generator_process.run(self.ex, self.state, self.config, num_steps)
+    if self.is_generator:
+      self.state = generator_process.run(self.ex, self.state, self.config, num_steps)
+    else:
+      self.state = reward_process.run(self.ex, self.state, self.config, num_steps)
     return []
 
   # ----------------------------------------------------------------------------------------------
@@ -314,11 +327,12 @@ class Controller:
     function of (weights, seed). One process: safe between steps while `run` is in progress (the
     weights are converted without being registered in the WeightSync; colocated, it takes its turn).
     Across processes every process calls it, outside `run`: the trainer pushes its weights, the
-    generator processes sample, the generator leader scores, and every process gets the result.
+    generator processes sample, the generator leader scores (rule rewards: the reward model, in its
+    own processes, takes no part), and every process gets the result.
     """
     if samples < 0:
       raise ValueError(f"samples (draws per problem for the sampled pass@1) must be >= 0, got {samples}")
-    if self.mp is not None:
+    if self.mp is not None and not self.is_reward:  # the push runs between trainer and generator processes
       params = self.mp.push_weights(self.trainer.params if self.is_trainer else None)
     result = None
     if self.is_generator:

@@ -4,8 +4,8 @@
                     environment (JAX's own cluster detection) when one with > 1 task is present; on
                     CPU it also sets the per-process device count and the cross-process transfer
                     socket. Returns False (and does nothing) for a plain single-process run.
-  Roles             which processes own trainer devices and which own generator devices, derived
-                    from the two meshes; a process owns devices of one role only.
+  Roles             which processes own trainer, generator and reward-model devices, derived from
+                    the meshes; a process owns devices of one role only.
   KVStore           a thin wrapper over the coordination service's key-value store, for small facts
                     (metrics, data positions, failures). It is JAX's private API: only this file
                     touches it, so only this file changes if JAX moves it.
@@ -167,18 +167,24 @@ class KVStore:
 # roles
 
 
-TRAINER, GENERATOR = "trainer", "generator"
+TRAINER, GENERATOR, REWARD = "trainer", "generator", "reward"
 
 
 @dataclasses.dataclass(frozen=True)
 class Roles:
-  """Process ids of each role (sorted). In one process, that process is in both."""
+  """Process ids of each role (sorted). In one process, that process is in every role it has devices of.
+
+  reward: the processes of the reward model's own mesh (`MeshConfig.reward_dp`), empty without one."""
 
   trainer: tuple[int, ...]
   generator: tuple[int, ...]
+  reward: tuple[int, ...] = ()
+
+  def _groups(self):
+    return ((TRAINER, self.trainer), (GENERATOR, self.generator), (REWARD, self.reward))
 
   def of(self, process_id: int) -> str:
-    roles = [r for r, ids in ((TRAINER, self.trainer), (GENERATOR, self.generator)) if process_id in ids]
+    roles = [r for r, ids in self._groups() if process_id in ids]
     return "+".join(roles) or "none"
 
   @property
@@ -189,19 +195,25 @@ class Roles:
   def generator_leader(self) -> int:
     return self.generator[0]
 
+  @property
+  def reward_leader(self) -> int:
+    return self.reward[0]
+
   def describe(self) -> str:
-    return ", ".join(f"{p}={self.of(p)}" for p in sorted(set(self.trainer) | set(self.generator)))
+    return ", ".join(f"{p}={self.of(p)}" for p in sorted(set(self.trainer) | set(self.generator) | set(self.reward)))
 
 
 def mesh_processes(mesh) -> tuple[int, ...]:
   return tuple(sorted({d.process_index for d in mesh.devices.flat}))
 
 
-def derive_roles(trainer_mesh, generator_mesh, num_processes: int | None = None) -> Roles:
-  """The processes owning each mesh's devices. Across processes a process must own devices of one
-  role only and every process must own some; a clear error says which layout rule is broken."""
+def derive_roles(trainer_mesh, generator_mesh, num_processes: int | None = None, reward_mesh=None) -> Roles:
+  """The processes owning each mesh's devices (`reward_mesh`: the reward model's own, or None).
+  Across processes a process must own devices of one role only and every process must own some; a
+  clear error says which layout rule is broken."""
   n = jax.process_count() if num_processes is None else num_processes
-  roles = Roles(mesh_processes(trainer_mesh), mesh_processes(generator_mesh))
+  roles = Roles(mesh_processes(trainer_mesh), mesh_processes(generator_mesh),
+                mesh_processes(reward_mesh) if reward_mesh is not None else ())
   if n == 1:
     return roles
   both = sorted(set(roles.trainer) & set(roles.generator))
@@ -211,11 +223,19 @@ def derive_roles(trainer_mesh, generator_mesh, num_processes: int | None = None)
         f"generator processes {roles.generator}); across processes each process runs one role. Give each "
         "process a whole number of one mesh's devices (devices per process must divide trainer_fsdp*"
         "trainer_tp and generator_dp*generator_tp), and colocated=False")
-  idle = sorted(set(range(n)) - set(roles.trainer) - set(roles.generator))
+  shared = sorted(set(roles.reward) & (set(roles.trainer) | set(roles.generator)))
+  if shared:
+    raise ValueError(
+        f"process(es) {shared} own reward-model devices and trainer or generator devices (reward processes "
+        f"{roles.reward}, trainer {roles.trainer}, generator {roles.generator}); across processes the reward "
+        "model runs in processes of its own: devices per process must divide MeshConfig.reward_dp*reward_tp "
+        "as well as the trainer's and the generator's device counts")
+  idle = sorted(set(range(n)) - set(roles.trainer) - set(roles.generator) - set(roles.reward))
   if idle:
-    raise ValueError(f"process(es) {idle} own no trainer or generator device: the meshes use "
-                     f"{trainer_mesh.devices.size + generator_mesh.devices.size} of the job's "
-                     f"{len(jax.devices())} devices; start fewer processes or give them fewer devices")
+    used = sum(m.devices.size for m in (trainer_mesh, generator_mesh, reward_mesh) if m is not None)
+    raise ValueError(f"process(es) {idle} own no trainer, generator or reward-model device: the meshes use "
+                     f"{used} of the job's {len(jax.devices())} devices; start fewer processes or give them "
+                     "fewer devices")
   return roles
 
 

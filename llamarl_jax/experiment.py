@@ -134,7 +134,8 @@ def process_roles():
   """`distributed.Roles` of this job under the bound config (call after jax.distributed starts)."""
   from llamarl_jax import distributed
 
-  return distributed.derive_roles(*parallel.make_meshes(**mesh_layout()))
+  layout = mesh_layout()
+  return distributed.derive_roles(*parallel.make_meshes(**layout), reward_mesh=parallel.make_reward_mesh(**layout))
 
 
 def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int, env=None):

@@ -88,12 +88,11 @@ def _run(args, experiment, config_check) -> dict:
 
 
 def _config_devices() -> int:
-  """Devices the config's meshes use (trainer + generator; colocated: shared)."""
+  """Devices the config's meshes use (trainer + generator, colocated: shared; + the reward model's own)."""
+  from llamarl_jax import parallel
   from llamarl_jax.experiment import mesh_layout
 
-  m = mesh_layout()
-  n_train, n_gen = m["trainer_fsdp"] * m["trainer_tp"], m["generator_dp"] * m["generator_tp"]
-  return n_train if m["colocated"] else n_train + n_gen
+  return parallel.device_counts(**mesh_layout())[3]
 
 
 def _join_job(args) -> bool:

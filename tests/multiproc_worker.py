@@ -7,6 +7,9 @@
                    C trainer fsdp2 -> generator dp2 (same size).
   --case lora      3 processes: LoRA's push (LoraPlan: the base when it changed, the adapters every time,
                    merged on the generator) over case A's meshes.
+  --case reward_mesh  2 processes x 2 CPU devices: a reward model (--path) on a mesh over both
+                   processes (data across them, tp inside each) scores rows; every process reads every
+                   score, equal to the same model's on one local device.
   --case fault     3 processes: process 1 raises (or, with --kill, kills itself) after start-up; the
                    others must exit EXIT_PEER_FAILED naming it.
 """
@@ -125,6 +128,25 @@ def lora_case() -> None:
     print(f"lora v{version} ok: {plan.last_bytes} bytes", flush=True)
 
 
+def reward_mesh_case(path: str) -> None:
+  import jax
+  import numpy as np
+
+  from llamarl_jax import parallel
+  from llamarl_jax.rewards.reward_model import RewardModel
+
+  mesh = parallel.make_mesh(jax.devices()[:4], data=2, tp=2)
+  assert mesh.is_multi_process
+  rng = np.random.default_rng(0)
+  rows = [rng.integers(1, 60, size=n).tolist() for n in (3, 9, 17, 5, 12)]  # 5 rows: one chunk of 8, padded
+  scores = RewardModel.from_pretrained(path, mesh=mesh).score_tokens(rows)
+  local = RewardModel.from_pretrained(path).score_tokens(rows)  # this process's default device
+  # tp 2 splits the projections' sums: fp32 reordered, ~1e-6
+  np.testing.assert_allclose(scores, local, rtol=1e-5, atol=1e-5)
+  assert np.ptp(scores) > 0.01, scores
+  print(f"reward mesh ok: {np.round(scores, 4).tolist()}", flush=True)
+
+
 def fault_case(kill: bool, consequence: bool = False) -> None:
   """Through `distributed.run_process`, as scripts/train.py runs every process of a job.
 
@@ -152,7 +174,8 @@ def fault_case(kill: bool, consequence: bool = False) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--case", choices=("transfer", "lora", "fault"), required=True)
+  parser.add_argument("--case", choices=("transfer", "lora", "reward_mesh", "fault"), required=True)
+  parser.add_argument("--path", help="reward_mesh: the reward model's directory")
   parser.add_argument("--kill", action="store_true")
   parser.add_argument("--consequence", action="store_true")
   parser.add_argument("--coordinator_address")
@@ -166,8 +189,8 @@ def main() -> None:
 
   distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, cpu_devices=2,
                          transfer_address=args.transfer_address, heartbeat_timeout_s=args.heartbeat_timeout_s)
-  if args.case in ("transfer", "lora"):
-    transfer_case() if args.case == "transfer" else lora_case()
+  if args.case in ("transfer", "lora", "reward_mesh"):
+    {"transfer": transfer_case, "lora": lora_case, "reward_mesh": lambda: reward_mesh_case(args.path)}[args.case]()
     distributed.finish(None)
   else:
     fault_case(args.kill, args.consequence)

@@ -1,4 +1,4 @@
-"""Many processes: trainer and generator as separate process groups of one jax.distributed job.
+"""Many processes: trainer, generator (and reward model) as separate process groups of one jax.distributed job.
 
 Every multi-process run is real: fresh interpreters started by scripts/launch_local.py (free ports,
 CPU devices per process, a hard `timeout_s` after which the launcher kills the whole job), the
@@ -8,7 +8,10 @@ The equality tests compare per-step metrics (all but timings: `schedule_metrics`
 processes running the same tiny config from the same warm start (rewards not all 0), bit for bit: the 'fixed' version schedule makes each step a
 pure function of (config, seed); the meshes have the same shapes in every layout (trainer fsdp2 x tp2,
 generator dp2 x tp2), so XLA runs the same programs; every cross-device reduction has 2 participants
-(a + b is exact whichever process adds), and fp32 throughout.
+(a + b is exact whichever process adds), and fp32 throughout. The reward-model run (trainer,
+generator and reward model as three processes of one device each) is compared with the one-process
+run on the same three single-device meshes, without a warm start: the reward model's scores make the
+rewards, and so the advantages, differ from 0.
 """
 
 import importlib.util
@@ -102,6 +105,16 @@ def test_lora_push_moves_the_base_once_then_only_adapters_and_the_generator_merg
   assert status == 0, out
   for version in range(3):
     assert f"lora v{version} ok" in out, (version, out)
+
+
+def test_a_reward_model_on_a_mesh_over_two_processes_scores_like_one_device(tmp_path):
+  from test_reward_model import tiny_hf_classifier
+
+  tiny_hf_classifier("llama", seed=3).save_pretrained(tmp_path / "rm")
+  status, out = _launch(2, ["--case", "reward_mesh", "--path", str(tmp_path / "rm")], timeout_s=120,
+                        script=ROOT / "tests" / "multiproc_worker.py")
+  assert status == 0, out
+  assert "[rank 0] reward mesh ok" in out and "[rank 1] reward mesh ok" in out, out
 
 
 @pytest.mark.parametrize("kill,consequence", [(False, False), (True, False), (True, True)])
@@ -316,3 +329,70 @@ def test_dynamic_sampling_two_processes_give_the_one_process_metrics(tmp_path_fa
   assert any(0 < m["dynamic_sampling/drop_rate"] < 1 for m in one) and any(m["reward/mean"] > 0 for m in one)
   for a, b in zip(one, two):
     assert schedule_metrics(a) == schedule_metrics(b)
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+  """A random tiny LlamaForSequenceClassification over the policy's (character) vocabulary, no tokenizer:
+  it reads the policy's own token rows."""
+  from test_reward_model import tiny_hf_classifier
+
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tokenizer = make_char_tokenizer()
+  path = tmp_path_factory.mktemp("rm") / "rm"
+  tiny_hf_classifier("llama", seed=7, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer)).save_pretrained(path)
+  return path
+
+
+# trainer, generator and reward model on one device each: three processes of one device
+REWARD_PROCESS = ["MeshConfig.trainer_fsdp = 1", "MeshConfig.trainer_tp = 1", "MeshConfig.generator_dp = 1",
+                  "MeshConfig.generator_tp = 1", "MeshConfig.reward_dp = 1",
+                  "RewardConfig.rule_weight = 0.5", "RewardConfig.model_weight = 2.0"]
+
+
+@pytest.mark.devices(8)
+@pytest.mark.timeout(600)  # 1 + 3 interpreters on 2 cores; the launcher's own hard limit is 300 s
+def test_reward_model_in_its_own_process_gives_the_one_process_metrics(reward_model_dir, tmp_path):
+  """Trainer, generator and reward model as three process groups (one process each), 3 steps at lag 1:
+  the generator process publishes each batch's token rows, the reward process scores them on its
+  device, the generator process combines 0.5 x rule + 2 x score. Every per-step metric (the rewards
+  the advantages see, reward_model/score_mean and _std included) equals the one-process run's with
+  the reward model on its own device (tests/test_reward_model_run.py checks that run's rewards
+  against the reward model's own scores of the same rows)."""
+  extra = [f"--gin_param={b}" for b in REWARD_PROCESS + [f"RewardConfig.model_path = '{reward_model_dir}'"]]
+  _train(tmp_path / "one", 3, *extra)
+  status, out = _launch(3, _args(tmp_path / "three", 3, *extra), timeout_s=300)
+  assert status == 0, out
+  assert "roles: 0=trainer, 1=generator, 2=reward" in out
+  one, three = _steps(tmp_path / "one"), _steps(tmp_path / "three")
+  assert len(one) == len(three) == 3
+  for m in three:  # the mean of 0.5 x rule + 2 x score; scores that vary (a model, not a constant)
+    assert m["reward/combined_mean"] == pytest.approx(0.5 * m["reward/mean"] + 2.0 * m["reward_model/score_mean"],
+                                                      abs=1e-5)
+    assert m["reward_model/score_std"] > 0.01
+  for a, b in zip(one, three):
+    assert schedule_metrics(a) == schedule_metrics(b)
+
+
+@pytest.mark.timeout(300)  # 3 interpreters on 2 cores; the launcher's own hard limit is 180 s
+def test_a_reward_process_that_fails_stops_every_process_naming_it(tmp_path):
+  """The reward process raises on batch 0 (its model's context, 8 positions, is shorter than every
+  row): it exits 1 with the reward model's error, the trainer and generator processes stop on their
+  own within seconds naming it (no wait for scores that never come), and no step is logged."""
+  from test_reward_model import tiny_hf_classifier
+
+  from llamarl_jax.tokenizer import make_char_tokenizer
+
+  tokenizer = make_char_tokenizer()
+  tiny_hf_classifier("llama", pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
+                     max_position_embeddings=8).save_pretrained(tmp_path / "rm")
+  extra = [f"--gin_param={b}" for b in REWARD_PROCESS + [f"RewardConfig.model_path = '{tmp_path / 'rm'}'"]]
+  t0 = time.monotonic()
+  status, out = _launch(3, _args(tmp_path / "run", 3, *extra), timeout_s=180, fail_fast=False)
+  assert status == 1 and time.monotonic() - t0 < 170, out
+  assert "[launch_local] rank 2 (reward) failed with exit status 1" in out
+  why = (f"failed: RewardModelError: reward model {tmp_path / 'rm'} failed scoring batch 0: ValueError: row 0 has")
+  for rank, role in ((0, "trainer"), (1, "generator")):
+    assert f"[rank {rank}] [llamarl] process {rank} ({role}) stops: process 2 (reward) {why}" in out, out
+  assert not (tmp_path / "run" / "metrics.jsonl").exists() or not _steps(tmp_path / "run")

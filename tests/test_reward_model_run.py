@@ -57,8 +57,10 @@ def test_reward_model_settings_are_flat_keys_and_checked():
     run_config(reward_model_normalize="zscore")
   with pytest.raises(ConfigError, match="RewardConfig.model_path=.* with RolloutConfig.dynamic_sampling"):
     run_config(reward_model_path="/rm", dynamic_sampling=DynamicSampling())
-  with pytest.raises(ConfigError, match="RewardConfig.model_path='/rm' is single-process only"):
+  with pytest.raises(ConfigError, match="RewardConfig.model_path='/rm' with MeshConfig.reward_dp = 0 .* across "
+                                        "processes: there the reward model runs in processes of its own"):
     run_config(reward_model_path="/rm").check_layout(1, num_processes=2)
+  run_config(reward_model_path="/rm", reward_dp=1).check_layout(1, num_processes=3)  # its own processes
   with pytest.raises(ConfigError, match="MeshConfig.reward_dp=2 gives devices to a reward model"):
     run_config(reward_dp=2)
 
@@ -78,6 +80,25 @@ def test_reward_mesh_takes_the_devices_after_the_trainer_and_the_generator():
   assert parallel.device_counts(**counts, trainer_expert=2, generator_expert=2) == (4, 4, 4, 12)
   with pytest.raises(ValueError, match="the reward model's 3x2 devices come after"):
     parallel.make_meshes(**{**layout, "reward_dp": 3})
+
+
+def test_roles_put_the_reward_mesh_in_processes_of_its_own():
+  """derive_roles across processes: the reward mesh's processes are a third role, never shared."""
+  from types import SimpleNamespace
+
+  from llamarl_jax.distributed import derive_roles
+
+  def mesh(*processes):  # a mesh's devices as derive_roles reads them: each device's process_index
+    return SimpleNamespace(devices=np.array([SimpleNamespace(process_index=p) for p in processes], dtype=object))
+
+  roles = derive_roles(mesh(0, 0), mesh(1, 1), 3, reward_mesh=mesh(2, 2))
+  assert (roles.trainer, roles.generator, roles.reward, roles.reward_leader) == ((0,), (1,), (2,), 2)
+  assert roles.describe() == "0=trainer, 1=generator, 2=reward"
+  assert derive_roles(mesh(0), mesh(1), 2).reward == ()
+  with pytest.raises(ValueError, match=r"process\(es\) \[1\] own reward-model devices and trainer or generator"):
+    derive_roles(mesh(0, 0), mesh(1, 1), 2, reward_mesh=mesh(1, 1))
+  with pytest.raises(ValueError, match=r"process\(es\) \[3\] own no trainer, generator or reward-model device"):
+    derive_roles(mesh(0), mesh(1), 4, reward_mesh=mesh(2))
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +283,32 @@ def test_a_stuck_reward_model_times_out_naming_the_reward_executor_and_keeps_eve
     assert c.step == 2 and c.checkpointer.latest_step() == 2
   finally:
     c.close()
+
+
+def test_a_reward_model_without_weights_builds_the_rows_and_combination_of_the_loaded_one(reward_model_dir, tokenizer):
+  """What a generator process holds across processes (`from_config(weights=False)`): no device arrays,
+  and the same token rows and combined rewards as the loaded model's executor, which scores them."""
+  from types import SimpleNamespace
+
+  from llamarl_jax.config import RewardConfig
+  from llamarl_jax.data import PromptExample
+  from llamarl_jax.executors.reward_model import RewardModelExecutor
+
+  reward = RewardConfig(model_path=str(reward_model_dir), rule_weight=0.5, model_weight=2.0, model_normalize="group")
+  loaded = RewardModelExecutor.from_config(reward, tokenizer)
+  rows_only = RewardModelExecutor.from_config(reward, tokenizer, weights=False)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(rows_only.model.params))
+  examples = [PromptExample(prompt=f"Q: {a}+1=? A:", ground_truth=str(a + 1), task="arithmetic", index=a) for a in (3, 7)]
+  prompts = [ex.encode(tokenizer) for ex in examples]
+  width = max(map(len, prompts))
+  prompt_tokens = np.array([[0] * (width - len(p)) + p for p in prompts for _ in range(2)], np.int32)  # left-padded
+  prompt_mask = (np.arange(width)[None] >= width - np.array([len(p) for p in prompts for _ in range(2)])[:, None])
+  responses = np.array([[5, 6, 7, 0], [8, 9, 0, 0], [10, 11, 12, 13], [14, 0, 0, 0]], np.int32)
+  rollout = SimpleNamespace(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask.astype(np.int32),
+                            response_tokens=responses, lengths=np.array([3, 2, 4, 1]), group_ids=np.array([0, 0, 1, 1]))
+  item = SimpleNamespace(index=0, examples=examples, rollout=rollout)
+  rows = rows_only.batch_rows(item)
+  assert rows == loaded.batch_rows(item) and rows[1] == prompts[0] + [8, 9]
+  scores, _ = loaded.score_rows(rows, 0)
+  rule = np.array([1.0, 0.0, 0.0, 1.0], np.float32)
+  np.testing.assert_array_equal(rows_only.combine(item, rule, scores), loaded.score_and_combine(item, rule)[0])

@@ -8,11 +8,16 @@ into the reward the advantages see. What the model reads for row b:
   otherwise the text, re-tokenised by the reward model's tokenizer: the example's question and the
     decoded response as a user/assistant conversation through its chat template (or, without a
     template, the policy's prompt text followed by the response).
-Metrics of a batch: reward_model/latency_s (wall seconds of its scoring), reward_model/rows_per_s,
-reward_model/score_mean, reward_model/score_std. A failure of the reward model raises
-`RewardModelError` naming the model and the batch: the run stops before that batch reaches the
-trainer (every trained step is kept; with `TrainConfig.checkpoint_every` > 0 the run's end writes a
-checkpoint of the last one).
+Metrics of a batch: reward_model/latency_s (wall seconds of the model's scoring of its rows),
+reward_model/rows_per_s, reward_model/score_mean, reward_model/score_std. A failure of the reward
+model raises `RewardModelError` naming the model and the batch: the run stops before that batch
+reaches the trainer (every trained step is kept; with `TrainConfig.checkpoint_every` > 0 the run's
+end writes a checkpoint of the last one).
+
+Across processes the work splits at the rows: a generator process builds them (`batch_rows`, with a
+model of shapes only: `from_config(weights=False)`), the reward processes score them (`score_rows`,
+`runners/reward_process.py`), and the generator processes combine the scores with the rule rewards
+(`combine`): the same functions as `score_and_combine` in one process.
 """
 
 from __future__ import annotations
@@ -57,11 +62,14 @@ class RewardModelExecutor:
                        "the text with: save the reward model with its tokenizer")
 
   @classmethod
-  def from_config(cls, reward: RewardConfig, policy_tokenizer, *, mesh=None, device_turn=None) -> "RewardModelExecutor":
-    """The reward model of `reward.model_path` in `reward.model_dtype`, on `mesh`."""
+  def from_config(cls, reward: RewardConfig, policy_tokenizer, *, mesh=None, device_turn=None,
+                  weights: bool = True) -> "RewardModelExecutor":
+    """The reward model of `reward.model_path` in `reward.model_dtype`, on `mesh`. weights=False: its
+    config and tokenizer only, for `batch_rows` and `combine` (a generator process of a multi-process
+    run, whose reward model scores in the reward processes)."""
     from llamarl_jax.rewards.reward_model import RewardModel
 
-    model = RewardModel.from_pretrained(reward.model_path, dtype=reward.model_dtype, mesh=mesh)
+    model = RewardModel.from_pretrained(reward.model_path, dtype=reward.model_dtype, mesh=mesh, weights=weights)
     return cls(model, policy_tokenizer, reward, name=f"reward model {reward.model_path}", device_turn=device_turn)
 
   @classmethod
@@ -93,25 +101,40 @@ class RewardModelExecutor:
 
   def score(self, item, texts: Sequence[str] | None = None) -> tuple[np.ndarray, dict]:
     """(scores `[B]` float32, metrics) of a `Generated` batch; `RewardModelError` if the model fails."""
+    return self.score_rows(self.batch_rows(item, texts), item.index)
+
+  def batch_rows(self, item, texts: Sequence[str] | None = None) -> list[list[int]]:
+    """`rows`, with a failure raised as `RewardModelError` naming the model and the batch."""
+    try:
+      return self.rows(item, texts)
+    except Exception as e:  # noqa: BLE001 - re-raised with the model and the batch named
+      raise RewardModelError(f"{self.name} failed scoring batch {item.index}: {type(e).__name__}: {e}") from e
+
+  def score_rows(self, rows: Sequence[Sequence[int]], index: int) -> tuple[np.ndarray, dict]:
+    """(scores `[len(rows)]` float32, metrics) of batch `index`'s token rows (`rows`): the model's part of
+    `score`, which a reward process runs on rows a generator process built."""
     t0 = time.perf_counter()
     try:
-      rows = self.rows(item, texts)
       with self.device_turn:
         scores = self.model.score_tokens(rows)
     except Exception as e:  # noqa: BLE001 - re-raised with the model and the batch named
-      raise RewardModelError(f"{self.name} failed scoring batch {item.index}: {type(e).__name__}: {e}") from e
+      raise RewardModelError(f"{self.name} failed scoring batch {index}: {type(e).__name__}: {e}") from e
     seconds = time.perf_counter() - t0
     if not np.all(np.isfinite(scores)):
-      raise RewardModelError(f"{self.name} gave non-finite scores for batch {item.index} "
+      raise RewardModelError(f"{self.name} gave non-finite scores for batch {index} "
                              f"({int(np.sum(~np.isfinite(scores)))} of {len(scores)} rows)")
     return scores, {"reward_model/latency_s": seconds, "reward_model/rows_per_s": len(rows) / max(seconds, 1e-9),
                     "reward_model/score_mean": float(scores.mean()), "reward_model/score_std": float(scores.std())}
 
+  def combine(self, item, rule_rewards, scores) -> np.ndarray:
+    """The combined rewards `[B]` of a `Generated` batch: its rule rewards with the model's `scores`
+    (`RewardConfig`'s weights, gate and normalisation: `scoring.combine_rewards`)."""
+    r = self.reward
+    return combine_rewards(rule_rewards, scores, np.asarray(item.rollout.group_ids), len(item.examples),
+                           rule_weight=r.rule_weight, model_weight=r.model_weight, gate=r.model_gate,
+                           normalize=r.model_normalize)
+
   def score_and_combine(self, item, rule_rewards, texts: Sequence[str] | None = None) -> tuple[np.ndarray, dict]:
     """(combined rewards `[B]`, metrics): the model's scores of the batch combined with `rule_rewards`."""
     scores, metrics = self.score(item, texts)
-    r = self.reward
-    combined = combine_rewards(rule_rewards, scores, np.asarray(item.rollout.group_ids), len(item.examples),
-                               rule_weight=r.rule_weight, model_weight=r.model_weight, gate=r.model_gate,
-                               normalize=r.model_normalize)
-    return combined, metrics
+    return self.combine(item, rule_rewards, scores), metrics

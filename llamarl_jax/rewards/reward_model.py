@@ -113,17 +113,29 @@ class RewardModel:
                                    self.params, shardings)
     else:
       self.params = prepare(params, dtype)  # the compute layout: cast, layers stacked
-    self._scores = jax.jit(self._scores_impl)
+    # A mesh over several processes (the reward processes of a multi-process run): every process
+    # reads every row's score, so the scores `[B]` come out replicated.
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) \
+        if mesh is not None and mesh.is_multi_process else None
+    self._scores = jax.jit(self._scores_impl, out_shardings=replicated)
     self._values = jax.jit(self._values_impl)
 
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, mesh=None, tokenizer=None,
-                      **options) -> "RewardModel":
+                      weights: bool = True, **options) -> "RewardModel":
     """Load an HF `*ForSequenceClassification` directory (one label) in `dtype` (params and compute),
     sharded on `mesh`; its tokenizer too when the directory has one (or pass `tokenizer`). `options`:
-    see the class (batch_rows, min_width, attention, scan_layers)."""
+    see the class (batch_rows, min_width, attention, scan_layers). weights=False: config.json, the
+    tokenizer and the pad id only, params of shapes only (what builds its token rows: `encode`,
+    `config.vocab_size`; nothing is allocated on a device)."""
     path = Path(path)
-    config, model = hf.load_hf_checkpoint(path, dtype=dtype, mesh=mesh)
+    if weights:
+      config, model = hf.load_hf_checkpoint(path, dtype=dtype, mesh=mesh)
+    else:
+      config_file = path / "config.json"
+      if not config_file.is_file():
+        raise hf.CheckpointError(f"{config_file} is missing: not a Hugging Face checkpoint directory")
+      config, model = hf.config_from_hf(json.loads(config_file.read_text()), source=str(config_file), dtype=dtype), None
     if not config.num_labels:
       raise hf.CheckpointError(f"{path}: {config.architecture} is a causal LM, not a reward model: a reward "
                                f"model is a {config.architecture.replace('ForCausalLM', 'ForSequenceClassification')}"
@@ -136,7 +148,8 @@ class RewardModel:
       pad_id = tokenizer.pad_token_id
     if isinstance(pad_id, (list, tuple)):
       pad_id = pad_id[0]
-    return cls(config, split_params(model)[1], pad_id=pad_id, tokenizer=tokenizer, mesh=mesh, **options)
+    params = split_params(model)[1] if model is not None else None
+    return cls(config, params, pad_id=pad_id, tokenizer=tokenizer, mesh=mesh, **options)
 
   def save_pretrained(self, path: str | os.PathLike) -> Path:
     """Write an HF directory that `transformers.AutoModelForSequenceClassification` loads (the

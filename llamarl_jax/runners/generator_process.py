@@ -6,7 +6,11 @@
                     the rollout to host (inside the generator mesh) -> reward thread
   reward thread:    scores this process's share of the prompts (`schedule.share_rows`, by its rank among
                     the generator processes) in its reward pool, publishes the share, reads the others'
-                    -> the whole ScoredBatch and its metrics (the same function as in one process)
+                    -> the whole ScoredBatch and its metrics (the same function as in one process).
+                    With a reward model (`RewardConfig.model_path`, in the reward processes:
+                    `reward_process.py`) the generator leader first publishes the batch's token rows;
+                    the reward leader's scores come back through the store and combine with the
+                    whole batch's rule rewards (`RewardModelExecutor.combine`)
   transfer thread:  walks `schedule.transfer_schedule`: W(v) waits until the trainer marked v staged,
                     then receives it (LoRA: the base first when the mark says it comes); R(k) publishes batch k's facts (generator leader) and sends its arrays
 """
@@ -14,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import queue
 import threading
 import time
@@ -66,7 +71,7 @@ def run(ex: Executors, state: RunState, config: RunConfig, num_steps: int) -> Ru
       t0 = time.perf_counter()
       item = _get(scoring, stop)
       t1 = time.perf_counter()
-      scored, metrics, texts = _score_share(ex, config, run_id, item)
+      scored, metrics, texts = _score_share(ex, config, run_id, item, stop)
       t2 = time.perf_counter()
       reward_timer.add(busy=t2 - t1, wait=t1 - t0)
       ex.mark("reward", t1, t2)
@@ -81,6 +86,8 @@ def run(ex: Executors, state: RunState, config: RunConfig, num_steps: int) -> Ru
       if leader and item.index - 2 >= start:  # every generator process has read these shares by now
         for g in range(len(mp.roles.generator)):
           mp.kv.delete(run_key(run_id, "score", item.index - 2, g))
+        if ex.reward_model is not None:
+          mp.kv.delete(run_key(run_id, "rm_scores", item.index - 2))
 
   def transfer() -> None:
     for op, i in ops:
@@ -118,18 +125,25 @@ def _get(q: queue.Queue, stop: threading.Event):
         raise Stopped() from None
 
 
-def _score_share(ex: Executors, config: RunConfig, run_id: int, item: Generated):
-  """Score this process's share of `item`'s prompts, exchange shares: (ScoredBatch, metrics, texts)."""
+def _score_share(ex: Executors, config: RunConfig, run_id: int, item: Generated, stop: threading.Event):
+  """Score this process's share of `item`'s prompts, exchange shares: (ScoredBatch, metrics, texts).
+  With a reward model (in the reward processes): the generator leader publishes the batch's token
+  rows first, every generator process combines the reward processes' scores with the whole batch's
+  rule rewards (`RewardModelExecutor.combine`, as in one process)."""
   mp = ex.mp
   n, num_prompts = config.rollout.samples_per_prompt, len(item.examples)
   gens = mp.roles.generator
   texts = decode_responses(ex.tokenizer, item.rollout)
   rollout_cfg = config.rollout
+  timeout = config.schedule.step_timeout_s
   if item.rewards is not None:  # dynamic sampling: every generator process scored every row already
     scored, metrics = scored_from_rewards(item, item.rewards, item.reward_metrics,
                                           advantage_estimator=rollout_cfg.advantage_estimator,
                                           overlong=rollout_cfg.overlong, max_new_tokens=rollout_cfg.max_new_tokens)
     return scored, metrics, texts
+  rm = ex.reward_model
+  if rm is not None and mp.me == mp.roles.generator_leader:  # the reward processes score while the rules run
+    mp.kv.set_json(run_key(run_id, "rm_rows", item.index), rm.batch_rows(item, texts))
   mine = share_rows(num_prompts, len(gens), mp.generator_rank)
   rows = slice(mine.start * n, mine.stop * n)
   truths = [e.ground_truth for e in item.examples[mine] for _ in range(n)]
@@ -141,12 +155,24 @@ def _score_share(ex: Executors, config: RunConfig, run_id: int, item: Generated)
                  {"rewards": [float(r) for r in rewards], "counts": counts})
   all_rewards, total = [], {}
   for g in range(len(gens)):
-    share = mp.kv.get_json(run_key(run_id, "score", item.index, g), config.schedule.step_timeout_s) \
+    share = json.loads(wait_key(mp.kv, run_key(run_id, "score", item.index, g), stop, timeout)) \
         if g != mp.generator_rank else {"rewards": [float(r) for r in rewards], "counts": counts}
     all_rewards += share["rewards"]
     for k, v in share["counts"].items():
       total[k] = total.get(k, 0.0) + v
-  scored, metrics = scored_from_rewards(item, np.asarray(all_rewards, np.float32), total,
+  all_rewards = np.asarray(all_rewards, np.float32)
+  combined = None
+  if rm is not None:
+    try:
+      model = json.loads(wait_key(mp.kv, run_key(run_id, "rm_scores", item.index), stop, timeout))
+    except TimeoutError:
+      raise TimeoutError(f"batch {item.index}: no reward-model scores from the reward process(es) "
+                         f"{list(mp.roles.reward)} within ScheduleConfig.step_timeout_s = {timeout:g} s: the reward "
+                         "model is stuck, or slower than that (then raise step_timeout_s)") from None
+    combined = rm.combine(item, all_rewards, np.asarray(model["scores"], np.float32))
+    total.update(model["metrics"])
+  scored, metrics = scored_from_rewards(item, all_rewards, total,
                                         advantage_estimator=config.rollout.advantage_estimator,
-                                        overlong=config.rollout.overlong, max_new_tokens=config.rollout.max_new_tokens)
+                                        overlong=config.rollout.overlong, max_new_tokens=config.rollout.max_new_tokens,
+                                        combined=combined)
   return scored, metrics, texts
