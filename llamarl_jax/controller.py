@@ -84,6 +84,7 @@ class Controller:
     self.trainer_mesh, self.generator_mesh = parallel.make_meshes(**dataclasses.asdict(config.mesh))
     enable_persistent_cache()  # on a GPU: a restarted or repeated run loads its programs (`compile_cache`)
     config.check_layout(parallel.batch_divisor(self.trainer_mesh), jax.process_count())
+    config.check_model(model_config)
     # Roles: in one process both; across processes each process builds only its role's executors.
     self.roles = distributed.derive_roles(self.trainer_mesh, self.generator_mesh)
     self.is_trainer = jax.process_index() in self.roles.trainer

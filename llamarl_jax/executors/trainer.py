@@ -28,14 +28,14 @@ from jax.sharding import Mesh
 from llamarl_jax import losses, mismatch, parallel
 from llamarl_jax.config import CriticConfig, LoraConfig, OptimizerConfig
 from llamarl_jax.executors.critic import CriticExecutor
-from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch
+from llamarl_jax.generation.rollout import ScoredBatch
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, ModelConfig, remat_policy, resolve_attention
 from llamarl_jax.model.logprobs import policy_logprobs, token_logprobs  # noqa: F401  (the trainer's forward)
 from llamarl_jax.train import step as steps
 from llamarl_jax.train.layout import group_by_length, pack_rows, width_bucket  # noqa: F401
 from llamarl_jax.train.packed import PLAN_FIELDS, check_token_budget, packed_train_step
-from llamarl_jax.train.placement import abstract_state, batch_arrays, make_placement, place
+from llamarl_jax.train.placement import abstract_state, batch_arrays, batch_fields, field_ndim, make_placement, place
 from llamarl_jax.train.state import TrainState, lr_schedule, make_optimizer  # noqa: F401
 
 Array = jax.Array
@@ -50,7 +50,8 @@ def run_trainer_options(run) -> dict:
               group_by_length=t.group_by_length, scan_layers=t.scan_layers,
               temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
               reference_is_initial=t.reference_path is None, lora=t.lora, base_dtype=run.generator.dtype,
-              pack=t.pack, tokens_per_microbatch=t.tokens_per_microbatch, critic=t.critic)
+              pack=t.pack, tokens_per_microbatch=t.tokens_per_microbatch, critic=t.critic,
+              routing_replay=t.routing_replay)
 
 
 class TrainerExecutor:
@@ -68,6 +69,10 @@ class TrainerExecutor:
   `policy_params()` is the whole policy. critic: a `CriticConfig`: a value model (`self.critic`, an
   `executors.critic.CriticExecutor`) from `critic.path` or from `params` with a fresh head, on this
   mesh; each `step` takes the rows' rewards (`ScoredBatch.rewards`) to GAE advantages with it.
+  A MoE policy's batches carry the generator's recorded routing (`RolloutBatch.routing`; -1 when a
+  batch has none): each step logs `moe/routing_disagreement`, the share of recorded (token, MoE layer)
+  pairs whose top-k the trainer's router chooses differently; routing_replay: the policy's forward
+  uses the recorded experts (padded and length-grouped layouts; not with pack).
   """
 
   def __init__(self, config: ModelConfig, mesh: Mesh, params: Any, *,
@@ -79,8 +84,15 @@ class TrainerExecutor:
                group_by_length: bool = False, scan_layers: bool = True,
                rules: Mapping[str, str | None] = parallel.RULES, lora: LoraConfig | None = None,
                base_dtype="float32", adapters: Any = None, lora_seed: int = 0, pack: bool = False,
-               tokens_per_microbatch: int | None = None, critic: CriticConfig | None = None):
+               tokens_per_microbatch: int | None = None, critic: CriticConfig | None = None,
+               routing_replay: bool = False):
     loss_kwargs = dict(loss_kwargs or {})
+    if routing_replay and not config.num_experts:
+      raise ValueError("routing_replay=True replays a mixture-of-experts policy's recorded routing, but this model "
+                       f"is dense ({config.model_type!r}, num_experts=0); set routing_replay=False")
+    if routing_replay and pack:
+      raise ValueError("routing_replay=True runs on the padded or length-grouped layout; the packed step (pack=True) "
+                       "does not replay routing: set pack=False")
     if (kl_coef or loss_kwargs.get("kl_coef")) and ref_params is None:
       raise ValueError("a KL penalty (kl_coef > 0) needs ref_params, the reference policy's params")
     if kl_coef:
@@ -106,7 +118,8 @@ class TrainerExecutor:
         model=config, loss=losses.get_loss(loss, trainer=True), optimizer=self.optimizer_config,
         loss_kwargs=loss_kwargs, microbatches=microbatches, temperature=self.temperature, attention=self.attention,
         logprob_chunk=logprob_chunk, remat=self.remat, scan_layers=bool(scan_layers), lora=lora, lora_seed=lora_seed,
-        tokens_per_microbatch=tokens_per_microbatch if pack else None, mesh=mesh, param_shardings=pl.params,
+        tokens_per_microbatch=tokens_per_microbatch if pack else None, routing_replay=bool(routing_replay),
+        mesh=mesh, param_shardings=pl.params,
         compute_shardings=pl.compute, model_compute_shardings=pl.model_compute)
     self.loss_kwargs = loss_kwargs
     compute_dtype = jnp.dtype(config.dtype)
@@ -228,9 +241,12 @@ class TrainerExecutor:
     """The train step (packed with `pack`, else the fused padded step: a grouped step's worst case)
     lowered for `self.platform` from abstract shapes (`jax.stages.Lowered`). Nothing is allocated."""
     self._check_batch_size(batch_size)
-    batch = {k: jax.ShapeDtypeStruct((batch_size,) if k == "advantages" else
-                                     (batch_size, prompt_len if k.startswith("prompt") else resp_len),
-                                     TRAIN_FIELDS[k], sharding=self.placement.batch[k]) for k in TRAIN_FIELDS}
+    c = self.config
+    shape = lambda k: {1: (batch_size,), 4: (batch_size, prompt_len + resp_len, len(c.moe_layers),
+                                             c.num_experts_per_tok)}.get(
+        field_ndim(k), (batch_size, prompt_len if k.startswith("prompt") else resp_len))
+    batch = {k: jax.ShapeDtypeStruct(shape(k), dtype, sharding=self.placement.batch[k])
+             for k, dtype in batch_fields(c).items()}
     shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     args = [*jax.tree.map(shape_of, (self.state.trained, (self.state.base, self.state.ref))), batch]
     if self.pack:
@@ -306,7 +322,7 @@ class TrainerExecutor:
                        "with rows whose response_mask is 0")
 
   def _put_batch(self, batch: ScoredBatch) -> dict[str, Array]:
-    arrays = batch_arrays(batch)
+    arrays = batch_arrays(batch, self.config)
     self._check_batch_size(arrays["prompt_tokens"].shape[0])
     return jax.device_put(arrays, self.placement.batch)
 
