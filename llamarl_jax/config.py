@@ -348,7 +348,12 @@ class TrainConfig(_Validated):
   batch's prompt + response width), attention kept within each sequence; a microbatch is one packed
   row per data-parallel shard, as many as the packing needs: the same loss and gradient, computed
   tokens close to the real ones whatever the length mix, and one compiled step program (`microbatches`
-  stays 1, `group_by_length` off)."""
+  stays 1, `group_by_length` off). `routing_replay`: a mixture-of-experts policy's forward in the
+  trainer uses the experts the generator recorded for each token (`RolloutBatch.routing`) instead of
+  its own top-k, its router still trained through their probabilities (`model.moe`); the share of
+  tokens routed differently is logged either way (`moe/routing_disagreement`). Needs a MoE model,
+  single-turn rollouts (the generators record routing per turn) and the padded or length-grouped
+  layout (pack = False)."""
   loss: str = "aipo"
   loss_kwargs: dict = field(default_factory=dict)
   reference_path: str | None = None
@@ -365,12 +370,13 @@ class TrainConfig(_Validated):
   pack: bool = False
   tokens_per_microbatch: int | None = None
   critic: CriticConfig | None = None
+  routing_replay: bool = False
   RULES: ClassVar = {"loss": _loss_rule, "microbatches": at_least(1), "checkpoint_every": at_least(0),
                      "keep_checkpoints": at_least(1),
                      "remat": one_of(False, True, *REMAT_POLICIES), "attention": one_of(*ATTENTION_IMPLEMENTATIONS),
                      "logprob_chunk": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "group_by_length": one_of(False, True), "scan_layers": one_of(False, True),
-                     "pack": one_of(False, True),
+                     "pack": one_of(False, True), "routing_replay": one_of(False, True),
                      "tokens_per_microbatch": lambda v: None if v is None or v >= 1 else "None or >= 1"}
 
   def __post_init__(self):
@@ -383,6 +389,9 @@ class TrainConfig(_Validated):
     if self.critic is not None and self.pack:
       raise ConfigError("TrainConfig.critic with TrainConfig.pack = True: the critic trains on the padded or "
                         "length-grouped layout; set TrainConfig.pack = False")
+    if self.routing_replay and self.pack:
+      raise ConfigError("TrainConfig.routing_replay = True with TrainConfig.pack = True: the packed step does not "
+                        "replay routing; set TrainConfig.pack = False (the padded or length-grouped layout replays)")
     problems = loss_kwargs_problems(self.loss, self.loss_kwargs)
     if problems:
       raise ConfigError(f"invalid TrainConfig.loss_kwargs: {problems}")
@@ -548,10 +557,22 @@ class RunConfig(_Validated):
     if self.mesh.reward_dp and not self.reward.model_path:
       raise ConfigError(f"MeshConfig.reward_dp={self.mesh.reward_dp} gives devices to a reward model, but "
                         "RewardConfig.model_path is None; set a reward model or MeshConfig.reward_dp = 0")
+    if self.train.routing_replay and self.env.multi_turn:
+      raise ConfigError(f"TrainConfig.routing_replay = True with EnvConfig.name={self.env.name!r}: a multi-turn "
+                        "episode's later turns are prefilled again with observations between them, and no "
+                        "routing is recorded for the episode's rows; replay routing with single-turn rollouts "
+                        "(EnvConfig.name = 'single_turn') or set TrainConfig.routing_replay = False")
     if self.reward.model_path and self.rollout.dynamic_sampling is not None:
       raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} with RolloutConfig.dynamic_sampling: "
                         "dynamic sampling keeps groups by the rule rewards scored in the generator loop, which "
                         "has no reward model; set RolloutConfig.dynamic_sampling = None")
+
+  def check_model(self, model_config) -> None:
+    """The checks that need the policy's `ModelConfig`: routing replay needs a mixture-of-experts model."""
+    if self.train.routing_replay and not model_config.num_experts:
+      raise ConfigError(f"TrainConfig.routing_replay = True replays a mixture-of-experts policy's routing, but the "
+                        f"model is dense (model_type {model_config.model_type!r}, num_experts = 0); set "
+                        "TrainConfig.routing_replay = False or train a MoE model (e.g. qwen3_moe)")
 
   def check_layout(self, trainer_batch_divisor: int, num_processes: int) -> None:
     """The checks that need the meshes or the job: rows per step split evenly over microbatches and
@@ -592,7 +613,8 @@ class RunConfig(_Validated):
            if self.reward.model_path else {}),
         "trainer": {"microbatches": self.train.microbatches, "remat": self.train.remat,
                     "group_by_length": self.train.group_by_length, "pack": self.train.pack,
-                    "tokens_per_microbatch": self.train.tokens_per_microbatch},
+                    "tokens_per_microbatch": self.train.tokens_per_microbatch,
+                    **({"routing_replay": True} if self.train.routing_replay else {})},
         **({"lora": dataclasses.asdict(self.train.lora)} if self.train.lora is not None else {}),
         **({"critic": dataclasses.asdict(self.train.critic)} if self.train.critic is not None else {}),
         **({"env": dataclasses.asdict(self.env)} if self.env.multi_turn else {}),
@@ -621,7 +643,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     **{k: ("train", k) for k in ("loss", "loss_kwargs", "reference_path", "optimizer", "microbatches", "remat",
                                  "checkpoint_every", "keep_checkpoints", "attention", "logprob_chunk",
                                  "group_by_length", "scan_layers", "lora", "pack", "tokens_per_microbatch",
-                                 "critic")},
+                                 "critic", "routing_replay")},
     **{k: ("schedule", k) for k in ("max_policy_lag", "version_schedule", "buffer_capacity", "step_timeout_s")},
     "reward_fn": ("reward", "fn"), "reward_workers": ("reward", "workers"), "reward_timeout_s": ("reward", "timeout_s"),
     **{f"reward_{k}": ("reward", k) for k in ("model_path", "model_weight", "rule_weight", "model_gate",

@@ -85,6 +85,7 @@ class Controller:
     self.trainer_mesh, self.generator_mesh = parallel.make_meshes(**dataclasses.asdict(config.mesh))
     enable_persistent_cache()  # on a GPU: a restarted or repeated run loads its programs (`compile_cache`)
     config.check_layout(parallel.batch_divisor(self.trainer_mesh), jax.process_count())
+    config.check_model(model_config)
     # Roles: in one process all; across processes each process builds only its role's executors.
     self.reward_mesh = parallel.make_reward_mesh(**dataclasses.asdict(config.mesh))
     self.roles = distributed.derive_roles(self.trainer_mesh, self.generator_mesh, reward_mesh=self.reward_mesh)

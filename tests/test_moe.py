@@ -272,16 +272,23 @@ def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
 # -- routing replay ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bf16_rollout():
-  """(config, fp32 params, batch): 8 rows sampled by a bf16 static sampler of a tiny Qwen3-MoE whose
-  experts are scaled x3 (a different expert changes the output) and router x0.01, its routing recorded."""
-  from llamarl_jax.generation import Sampler, SamplingParams
-
+def _flippy_moe():
+  """(config, fp32 host params): the tiny Qwen3-MoE with experts scaled x3 (a different expert changes
+  the output) and the router x0.01 (small margins: bf16 and fp32 forwards route some tokens apart)."""
   config = tiny_moe_config()
   params = moe_params(config)
   for i in config.moe_layers:
     params["layers"][i]["mlp"] = {k: v * (0.01 if k == "router" else 3.0) for k, v in params["layers"][i]["mlp"].items()}
+  return config, params
+
+
+@pytest.fixture(scope="module")
+def bf16_rollout():
+  """(config, fp32 params, batch): 8 rows sampled by a bf16 static sampler of `_flippy_moe`, its
+  routing recorded."""
+  from llamarl_jax.generation import Sampler, SamplingParams
+
+  config, params = _flippy_moe()
   gen_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
   rng = np.random.RandomState(0)
   prompts = [rng.randint(3, 64, n).tolist() for n in (5, 9, 3, 7)]
@@ -353,6 +360,82 @@ def test_train_step_replays_routing_and_logs_the_disagreement(bf16_rollout):
     assert float(m["moe/routing_disagreement"]) == pytest.approx(DISAGREEMENT, rel=1e-5)
   kl = lambda m: float(m["rollout_corr/kl_k3"])
   assert kl(metrics[True]) < 0.5 * kl(metrics[False])
+
+
+def _engine_rollout(config, params, prompts, sampling):
+  """`SlotEngine.generate` of `prompts` (lanes for every sample, KV blocks of 4, decode chunks of 3
+  steps: rows finish in different chunks)."""
+  from llamarl_jax.generation.engine import SlotEngine
+
+  eng = SlotEngine(config, lanes=8, sampling=sampling, max_prompt_len=16, chunk_steps=3, prompt_buckets=(8, 16),
+                   kv_block_size=4, progress=False)
+  return eng.generate(params, prompts, sampling)
+
+
+def test_slot_engine_records_the_static_samplers_routing():
+  """The paged slot engine records each position's experts in the static sampler's format
+  (`RolloutBatch.routing` `[B, P + R, moe layers, k]`, left-padded prompt then response, -1 where no
+  forward ran: prompt padding, the last token, past a row's end): fp32, same prompts and seed, the
+  same tokens and the same experts at every recorded position; and an fp32 trainer forward replaying
+  them gives the behaviour log-probs (lag 0: fp32 rounding, 1e-4)."""
+  from llamarl_jax.generation import Sampler, SamplingParams
+  from llamarl_jax.generation.rollout import routing_in_trainer_layout
+  from llamarl_jax.model.logprobs import policy_logprobs
+
+  config = tiny_moe_config()
+  params = jax.tree.map(jnp.asarray, moe_params(config))
+  rng = np.random.RandomState(0)
+  prompts = [rng.randint(3, 64, n).tolist() for n in (5, 9, 3, 7)]
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1, stop_token_ids=(5,))
+  static = jax.device_get(Sampler(config, batch_multiple=8).generate(params, prompts, sampling))
+  ours = _engine_rollout(config, params, prompts, sampling)
+  np.testing.assert_array_equal(ours.response_tokens, static.response_tokens)
+  assert ours.routing.shape == static.routing.shape == (8, 16 + 8, 2, 2)
+  P = ours.prompt_tokens.shape[1]
+  pm, rm = ours.prompt_mask > 0, ours.response_mask > 0
+  inputs = np.concatenate([pm, rm & (np.arange(8)[None] < ours.lengths[:, None] - 1)], axis=1)  # [B, P + R]
+  assert (ours.routing[inputs] >= 0).all() and (ours.routing[~inputs] == -1).all()
+  np.testing.assert_array_equal(ours.routing[inputs], static.routing[inputs])
+  np.testing.assert_array_equal(ours.routing[:, P:], static.routing[:, P:])
+
+  forward = jax.jit(lambda p, b, r: policy_logprobs(config, p, b.prompt_tokens, b.prompt_mask, b.response_tokens,
+                                                    b.response_mask, replay=r))
+  lp = forward(prepare_params(params, "float32"), jax.tree.map(jnp.asarray, ours),
+               routing_in_trainer_layout(jnp.asarray(ours.prompt_mask), jnp.asarray(ours.routing)))
+  np.testing.assert_allclose(np.asarray(lp)[rm], ours.behaviour_logprobs[rm], atol=1e-4, rtol=0)
+
+
+def test_trainer_replays_the_slot_engines_bf16_routing():
+  """A bf16 slot engine's rollout of `bf16_rollout`'s model (routing flips between bf16 and fp32)
+  trained by `TrainerExecutor` with and without `routing_replay`: both log
+  `moe/routing_disagreement` (the trainer's own top-k against the recorded: > 0, the same either
+  way), and replay cuts the trainer-generator mismatch (`rollout_corr/kl_k3`) by more than half; a
+  batch without recorded routing trains too (replay falls back to the trainer's own top-k)."""
+  from llamarl_jax import parallel
+  from llamarl_jax.executors.trainer import TrainerExecutor
+  from llamarl_jax.config import OptimizerConfig
+  from llamarl_jax.generation import SamplingParams
+  from llamarl_jax.generation.rollout import ScoredBatch
+
+  config, params = _flippy_moe()
+  gen_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
+  rng = np.random.RandomState(0)
+  prompts = [rng.randint(3, 64, n).tolist() for n in (5, 9, 3, 7)]
+  rollout = _engine_rollout(config.replace(dtype="bfloat16", param_dtype="bfloat16"), gen_params, prompts,
+                            SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1))
+  batch = ScoredBatch(rollout=rollout, rewards=np.zeros(8, np.float32),
+                      advantages=np.tile(np.float32([1.0, -1.0]), 4))
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  metrics = {}
+  for replay in (False, True):
+    trainer = TrainerExecutor(config, mesh, params, optimizer=OptimizerConfig(lr=1e-3), loss_kwargs={"rho_max": 2.0},
+                              routing_replay=replay)
+    metrics[replay] = trainer.step(batch)
+  assert metrics[False]["moe/routing_disagreement"] > 0.01
+  assert metrics[True]["moe/routing_disagreement"] == pytest.approx(metrics[False]["moe/routing_disagreement"])
+  assert metrics[True]["rollout_corr/kl_k3"] < 0.5 * metrics[False]["rollout_corr/kl_k3"]
+  unrecorded = trainer.step(batch.replace(rollout=rollout.replace(routing=None)))
+  assert unrecorded["moe/routing_disagreement"] == 0 and np.isfinite(unrecorded["loss/total"])
 
 
 def test_bad_moe_configs_are_refused_with_the_field_named():

@@ -76,7 +76,9 @@ def take_groups(rollouts: list, picks: list[tuple[int, int]], samples_per_prompt
     extra = width - r.prompt_tokens.shape[1]
     r = r.replace(prompt_tokens=np.pad(r.prompt_tokens, ((0, 0), (extra, 0)), constant_values=pad_id),
                   prompt_mask=np.pad(r.prompt_mask, ((0, 0), (extra, 0))),
-                  group_ids=np.full(n, new_id, np.int32))
+                  group_ids=np.full(n, new_id, np.int32),
+                  routing=None if r.routing is None else np.pad(r.routing, ((0, 0), (extra, 0), (0, 0), (0, 0)),
+                                                                constant_values=-1))
     parts.append(r)
   return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts)
 

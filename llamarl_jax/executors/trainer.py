@@ -43,7 +43,8 @@ def run_trainer_options(run) -> dict:
               group_by_length=t.group_by_length, scan_layers=t.scan_layers,
               temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
               reference_is_initial=t.reference_path is None, lora=t.lora, base_dtype=run.generator.dtype,
-              pack=t.pack, tokens_per_microbatch=t.tokens_per_microbatch, critic=t.critic)
+              pack=t.pack, tokens_per_microbatch=t.tokens_per_microbatch, critic=t.critic,
+              routing_replay=t.routing_replay)
 
 
 class TrainerExecutor:
@@ -61,6 +62,10 @@ class TrainerExecutor:
   `policy_params()` is the whole policy. critic: a `CriticConfig`: a value model (`self.critic`, an
   `executors.critic.CriticExecutor`) from `critic.path` or from `params` with a fresh head, on this
   mesh; each `step` takes the rows' rewards (`ScoredBatch.rewards`) to GAE advantages with it.
+  A MoE policy's batches carry the generator's recorded routing (`RolloutBatch.routing`; -1 when a
+  batch has none): each step logs `moe/routing_disagreement`, the share of recorded (token, MoE layer)
+  pairs whose top-k the trainer's router chooses differently; routing_replay: the policy's forward
+  uses the recorded experts (padded and length-grouped layouts; not with pack).
   """
 
   def __init__(self, config: ModelConfig, mesh: Mesh, params: Any, *,
@@ -72,8 +77,15 @@ class TrainerExecutor:
                group_by_length: bool = False, scan_layers: bool = True,
                rules: Mapping[str, str | None] = parallel.RULES, lora: LoraConfig | None = None,
                base_dtype="float32", adapters: Any = None, lora_seed: int = 0, pack: bool = False,
-               tokens_per_microbatch: int | None = None, critic: CriticConfig | None = None):
+               tokens_per_microbatch: int | None = None, critic: CriticConfig | None = None,
+               routing_replay: bool = False):
     loss_kwargs = dict(loss_kwargs or {})
+    if routing_replay and not config.num_experts:
+      raise ValueError("routing_replay=True replays a mixture-of-experts policy's recorded routing, but this model "
+                       f"is dense ({config.model_type!r}, num_experts=0); set routing_replay=False")
+    if routing_replay and pack:
+      raise ValueError("routing_replay=True runs on the padded or length-grouped layout; the packed step (pack=True) "
+                       "does not replay routing: set pack=False")
     if (kl_coef or loss_kwargs.get("kl_coef")) and ref_params is None:
       raise ValueError("a KL penalty (kl_coef > 0) needs ref_params, the reference policy's params")
     if kl_coef:
@@ -100,7 +112,8 @@ class TrainerExecutor:
         model=config, loss=losses.get_loss(loss, trainer=True), optimizer=self.optimizer_config,
         loss_kwargs=loss_kwargs, microbatches=microbatches, temperature=self.temperature, attention=self.attention,
         logprob_chunk=logprob_chunk, remat=self.remat, scan_layers=bool(scan_layers), lora=lora, lora_seed=lora_seed,
-        tokens_per_microbatch=tokens_per_microbatch if pack else None, mesh=mesh, param_shardings=pl.params,
+        tokens_per_microbatch=tokens_per_microbatch if pack else None, routing_replay=bool(routing_replay),
+        mesh=mesh, param_shardings=pl.params,
         compute_shardings=pl.compute, model_compute_shardings=pl.model_compute)
     self.loss_kwargs = loss_kwargs
     compute_dtype = jnp.dtype(config.dtype)
@@ -177,7 +190,7 @@ class TrainerExecutor:
       raise RuntimeError("this TrainerExecutor was built from abstract params (shapes only): it can "
                          "`lower_step` but not `step`; pass real params to train")
     start = time.perf_counter()
-    arrays, critic_metrics = put_batch(self.placement, batch, self.microbatches), {}
+    arrays, critic_metrics = put_batch(self.placement, batch, self.microbatches, self.config), {}
     if self.critic is not None:
       arrays, critic_metrics = self.critic.step(arrays, batch.rewards)
       if self.num_steps < self.critic.config.warmup_steps:  # critic warm-up: the policy keeps its weights

@@ -89,7 +89,9 @@ class Completed:
   """A finished prompt group (host numpy): the n samples of one submitted prompt.
 
   prompt [L]; tokens, logprobs, versions [n, R] (pad / 0 / the first token's version after each
-  sample's length); lengths, finish [n]; tag: the caller's tag from `submit`.
+  sample's length); lengths, finish [n]; tag: the caller's tag from `submit`; routing [n, L + R,
+  moe layers, k]: a MoE model's experts at each position of [prompt | response] (`SlotState.routing`;
+  -1 where no forward ran), None for a dense model.
   """
 
   tag: Any
@@ -99,6 +101,7 @@ class Completed:
   versions: np.ndarray
   lengths: np.ndarray
   finish: np.ndarray
+  routing: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -112,7 +115,7 @@ class _Group:
   n: int
   left: int = 0        # samples not yet finished
   region: int = -1     # the prompt region (KV pool) its samples share, from admission until all are harvested
-  out: dict = dataclasses.field(default_factory=dict)  # sample j -> (tokens, logprobs, versions, len, stopped)
+  out: dict = dataclasses.field(default_factory=dict)  # sample j -> (tokens, logprobs, versions, len, stopped, routing)
 
 
 def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
@@ -121,6 +124,9 @@ def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
 
   Prompts are left-padded to `prompt_width` (default: the longest prompt). `policy_version` is each
   row's first (oldest) token's version; `token_versions` hold the row's version after its length.
+  Groups with routing (a MoE model) give `routing` `[B, width + R, moe layers, k]`, the static
+  sampler's layout: the prompt's experts at its left-padded positions, then the response's; -1 in
+  the padding.
   """
   if not groups:
     raise ValueError("rollout_from_groups needs at least one completed group")
@@ -140,12 +146,21 @@ def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
   mask = (np.arange(R)[None, :] < lengths[:, None]).astype(np.int32)
   versions = cat("versions").astype(np.int32)
   first = versions[:, 0]
+  routing = None
+  if groups[0].routing is not None:
+    _, _, layers, k = groups[0].routing.shape
+    routing = np.full((B, width + R, layers, k), -1, np.int32)
+    for i, g in enumerate(groups):
+      L = len(g.prompt)
+      routing[i * n:(i + 1) * n, width - L:width] = g.routing[:, :L]
+      routing[i * n:(i + 1) * n, width:] = g.routing[:, L:]
   return RolloutBatch(
       prompt_tokens=pt, prompt_mask=pm, response_tokens=cat("tokens").astype(np.int32), response_mask=mask,
       behaviour_logprobs=cat("logprobs").astype(np.float32), lengths=lengths,
       finish_reason=cat("finish").astype(np.int32),
       group_ids=np.repeat(np.arange(len(groups), dtype=np.int32), n),
-      policy_version=first, token_versions=np.where(mask > 0, versions, first[:, None]).astype(np.int32))
+      policy_version=first, token_versions=np.where(mask > 0, versions, first[:, None]).astype(np.int32),
+      routing=routing)
 
 
 class _InFlight:
@@ -613,7 +628,9 @@ class SlotEngine:
     for s in finished:
       g, j = self._owner[s]
       self._owner[s] = None
-      g.out[j] = (tokens[s], logprobs[s], versions[s], int(n_gen[s]), bool(stopped[s]))
+      routing = None if r.routing is None else np.concatenate(  # [prompt (L) | response (R)]
+          [r.routing[s, :len(g.prompt)], r.routing[s, self.programs.max_prompt_len:]])
+      g.out[j] = (tokens[s], logprobs[s], versions[s], int(n_gen[s]), bool(stopped[s]), routing)
       g.left -= 1
       if g.left == 0:
         completed.append(g)
@@ -632,4 +649,5 @@ class SlotEngine:
     return Completed(tag=g.tag, prompt=g.prompt, tokens=np.stack([o[0] for o in out]),
                      logprobs=np.stack([o[1] for o in out]), versions=np.where(valid, versions, first),
                      lengths=lengths,
-                     finish=np.array([FINISH_STOP if o[4] else FINISH_LENGTH for o in out], np.int32))
+                     finish=np.array([FINISH_STOP if o[4] else FINISH_LENGTH for o in out], np.int32),
+                     routing=None if out[0][5] is None else np.stack([o[5] for o in out]))

@@ -31,8 +31,8 @@ class RolloutBatch:
                                     mid-sequence); = policy_version where response_mask is 0, so
                                     token_versions.min(-1) == policy_version
   routing             int32 [B, P + R, moe layers, k]  or None: a MoE generator's experts at each
-                                    position of [prompt | response] (the static sampler records them;
-                                    response position t: token t as the input that predicts t + 1,
+                                    position of [prompt | response] (the static sampler and the slot
+                                    engine record them; response position t: token t as the input that predicts t + 1,
                                     -1 where no forward ran); the trainer can replay them
                                     (`routing_in_trainer_layout`, `model.moe`)
   """
@@ -74,21 +74,25 @@ class ScoredBatch:
     return self.rollout.batch_size
 
   def train_arrays(self) -> dict[str, np.ndarray]:
-    """The fields the trainer reads (`TRAIN_FIELDS`), as host arrays in its dtypes: what a batch
-    transfer between processes moves."""
+    """The fields the trainer reads (`TRAIN_FIELDS`, and `ROUTING_FIELD` when the generator recorded
+    routing), as host arrays in its dtypes: what a batch transfer between processes moves."""
     r = self.rollout
     versions = (np.full(np.shape(r.response_tokens), -1, np.int32) if r.token_versions is None  # -1: unknown
                 else r.token_versions)
     arrays = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask, "response_tokens": r.response_tokens,
               "response_mask": r.response_mask, "behaviour_logprobs": r.behaviour_logprobs,
               "advantages": self.advantages, "token_versions": versions}
-    return {k: np.asarray(arrays[k], dtype) for k, dtype in TRAIN_FIELDS.items()}
+    out = {k: np.asarray(arrays[k], dtype) for k, dtype in TRAIN_FIELDS.items()}
+    if r.routing is not None:
+      out["routing"] = np.asarray(r.routing, ROUTING_FIELD["routing"])
+    return out
 
   @classmethod
   def from_train_arrays(cls, arrays: dict) -> "ScoredBatch":
-    """A batch holding only the `TRAIN_FIELDS` (others None): what a trainer process receives."""
+    """A batch holding only the `TRAIN_FIELDS` and routing when sent (others None): what a trainer
+    process receives."""
     rollout = RolloutBatch(**{k: arrays[k] for k in TRAIN_FIELDS if k != "advantages"}, lengths=None,
-                           finish_reason=None, group_ids=None, policy_version=None)
+                           finish_reason=None, group_ids=None, policy_version=None, routing=arrays.get("routing"))
     return cls(rollout=rollout, rewards=None, advantages=arrays["advantages"])
 
 
@@ -98,6 +102,9 @@ class ScoredBatch:
 TRAIN_FIELDS = {"prompt_tokens": np.int32, "prompt_mask": np.int32, "response_tokens": np.int32,
                 "response_mask": np.int32, "behaviour_logprobs": np.float32, "advantages": np.float32,
                 "token_versions": np.int32}  # the mismatch metrics' split by policy lag (-1: unknown)
+# A MoE generator's recorded experts `[B, P + R, moe layers, k]` (`RolloutBatch.routing`): in a batch when
+# the generator recorded them; the trainer's step reads them (routing replay, disagreement).
+ROUTING_FIELD = {"routing": np.int32}
 
 
 def trainer_layout(prompt_tokens, prompt_mask, response_tokens, response_mask):

@@ -98,6 +98,12 @@ class SlotState:
   staged      bool   [S]     prefilled, waiting for a lane: a decode chunk admits it (FIFO by `seq`)
                              as soon as a lane is free, on device (running = not done, not staged)
   seq         int32  [S]     admission order of a staged slot (the host's insert counter)
+  routing     int32  [S, Pm + R, moe layers, k]  a MoE model's experts at each position of [prompt
+                             (right-padded) | response]: prompt position i from the insert's prefill,
+                             response position t from the decode step whose input was token t (the
+                             step that sampled t + 1); -1 where no forward ran (padding, the last
+                             token). A KV recompute after a swap keeps the recorded experts. None for
+                             a dense model.
   """
 
   cur: Array
@@ -115,6 +121,7 @@ class SlotState:
   region: Array
   staged: Array
   seq: Array
+  routing: Array | None = None
 
 
 @flax.struct.dataclass
@@ -127,6 +134,7 @@ class ChunkResult:
   done, stopped  bool  [S]
   n_gen          int32 [S]
   tokens, logprobs, versions   [S, R]  as in `SlotState`
+  routing        int32 [S, Pm + R, moe layers, k]  as in `SlotState` (None for a dense model)
   """
 
   steps: Array
@@ -137,6 +145,7 @@ class ChunkResult:
   tokens: Array
   logprobs: Array
   versions: Array
+  routing: Array | None = None
 
 
 def decode_widths(num_slots: int, divisor: int = 1, min_width: int | None = None) -> tuple[int, ...]:
@@ -245,8 +254,11 @@ class SlotPrograms:
     L = config.num_layers
     pool = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *cs.spec[1:]))
     self.cache_sharding = KVPages(k=(pool,) * L, v=(pool,) * L)
+    self.moe_layers = len(config.moe_layers) if config.num_experts else 0  # routing recorded when > 0
     self.state_sharding = SlotState(**{f.name: (b2 if f.name in ("tokens", "logprobs", "versions", "key", "prompt")
-                                                else b1) for f in dataclasses.fields(SlotState)})
+                                                else b1) for f in dataclasses.fields(SlotState)
+                                       if f.name != "routing"},
+                                    routing=parallel.batch_sharding(mesh, 4) if self.moe_layers else None)
     psh = sampler.param_shardings
     self.mesh, self._param_shardings, self._dense_cache_sharding = mesh, psh, cs
     self.param_avals = sampler.param_avals  # the sampler's layout (`serving.serving_layout`: fused projections)
@@ -391,7 +403,9 @@ class SlotPrograms:
                      tokens=np.full((S, R), self.pad_id, np.int32), logprobs=np.zeros((S, R), np.float32),
                      versions=zi(S, R), key=np.zeros((S, self.key_words), np.uint32), row=zi(S),
                      prompt=np.full((S, Pm), self.pad_id, np.int32), prompt_len=zi(S), region=np.full(S, S, np.int32),
-                     staged=np.zeros(S, bool), seq=zi(S))
+                     staged=np.zeros(S, bool), seq=zi(S),
+                     routing=np.full((S, Pm + R, self.moe_layers, self.config.num_experts_per_tok), -1, np.int32)
+                     if self.moe_layers else None)
 
   def num_entries(self, prompt_lens: np.ndarray, steps_dispatched: np.ndarray, width: int | None = None) -> int:
     """The entry count (`decode(..., num_entries=)`) of the next chunk of `width` lanes: the smallest
@@ -431,7 +445,8 @@ class SlotPrograms:
     model = merge_params(self.graphdef, params)
     n, R, Pm = dst.shape[1], self.R, self.max_prompt_len
     small = KVCache.init(self.config, G, Pb)
-    x, small = model.hidden_states(tokens, jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (G, Pb)), small)
+    x, small, topk = model.routed_hidden_states(tokens, jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (G, Pb)),
+                                                small)
     last = jnp.take_along_axis(x, (lens - 1)[:, None, None], axis=1)[:, 0]  # [G, E] at each prompt's end
     rep = lambda a: jnp.repeat(a, n, axis=0)  # prompt-major -> one row per target slot [G*n, ...]
     flat = dst.reshape(-1)
@@ -460,8 +475,17 @@ class SlotPrograms:
         logprobs=put(state.logprobs, jnp.zeros((M, R), jnp.float32).at[:, 0].set(logprob)),
         versions=put(state.versions, jnp.full((M, R), version, jnp.int32)),
         key=put(state.key, key), row=put(state.row, row), prompt=put(state.prompt, rep(prompt)),
-        prompt_len=put(state.prompt_len, rep(lens)), region=put(state.region, rep(regions)))
+        prompt_len=put(state.prompt_len, rep(lens)), region=put(state.region, rep(regions)),
+        routing=None if topk is None else put(state.routing, rep(self._prompt_routing(topk, lens))))
     return cache, state
+
+  def _prompt_routing(self, topk, lens):
+    """A prefill's experts `[G, Pb, moe layers, k]` of prompts of `lens` `[G]` as `SlotState.routing`
+    rows `[G, Pm + R, moe layers, k]`: the prompt's positions, -1 past its length and in the response."""
+    G, Pb = topk.shape[:2]
+    real = (jnp.arange(Pb)[None] < lens[:, None])[:, :, None, None]
+    topk = jnp.where(real, topk, -1)
+    return jnp.pad(topk, ((0, 0), (0, self.max_prompt_len + self.R - Pb), (0, 0), (0, 0)), constant_values=-1)
 
   def decode_step(self, model, cache: KVPages, state: SlotState, version,
                   num_entries: int) -> tuple[KVPages, SlotState]:
@@ -478,8 +502,9 @@ class SlotPrograms:
     S, R = st.cur.shape[0], self.R
     slots = jnp.arange(S)
     running = ~st.done
+    forward = model.hidden_states if st.routing is None else model.routed_hidden_states
     if isinstance(cache, KVCache):  # every row attends over all Pm + R cached positions
-      x, cache = model.hidden_states(st.cur[:, None], st.pos[:, None], cache.replace(index=st.pos))
+      x, cache, *topk = forward(st.cur[:, None], st.pos[:, None], cache.replace(index=st.pos))
     else:
       write_block, write_offset = self.layout.write_location(st.n_gen, running, slot)
       row, block, length = paged.live_entries(self.layout, st.region, st.prompt_len, st.n_gen, running,
@@ -487,10 +512,12 @@ class SlotPrograms:
       pages = PagedKVCache(k=cache.k, v=cache.v, write_block=write_block, write_offset=write_offset,
                            entry_row=row, entry_block=block, entry_len=length)
       with paged_attention_module.target_platform(self.platform, self.paged_attention):
-        x, pages = model.hidden_states(st.cur[:, None], st.pos[:, None], pages)
+        x, pages, *topk = forward(st.cur[:, None], st.pos[:, None], pages)
       cache = KVPages(k=pages.k, v=pages.v)
     token, logprob = self._sample(token_keys(st.key, st.n_gen, st.row), model.logits(x[:, 0]))
     col = jnp.where(running, st.n_gen, R)  # finished slots write out of range: dropped
+    # the experts of the step's input, response token n_gen - 1 (finished slots: out of range, dropped)
+    routed_at = jnp.where(running, self.max_prompt_len + st.n_gen - 1, self.max_prompt_len + R)
     n_gen = st.n_gen + running
     stop = running & self._is_stop(token)
     st = st.replace(
@@ -499,6 +526,8 @@ class SlotPrograms:
         tokens=st.tokens.at[slots, col].set(token, mode="drop"),
         logprobs=st.logprobs.at[slots, col].set(logprob, mode="drop"),
         versions=st.versions.at[slots, col].set(version, mode="drop"))
+    if topk:
+      st = st.replace(routing=st.routing.at[slots, routed_at].set(topk[0][:, 0], mode="drop"))
     return cache, st, running
 
   def decode(self, params, cache, state, version, refill_at, *, width: int | None = None, num_entries: int):
@@ -580,7 +609,8 @@ class SlotPrograms:
         cond, body, (jnp.int32(0), cache, state, rows, slot, jnp.int32(0)))
     state = rows if W == S else scatter(state, slot, rows)
     result = ChunkResult(steps=steps, useful=useful, done=state.done, stopped=state.stopped, n_gen=state.n_gen,
-                         tokens=state.tokens, logprobs=state.logprobs, versions=state.versions)
+                         tokens=state.tokens, logprobs=state.logprobs, versions=state.versions,
+                         routing=state.routing)
     return cache, state, result
 
   def _recompute(self, params, cache, state):

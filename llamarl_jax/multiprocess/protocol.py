@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import jax
 
-from llamarl_jax.generation.rollout import TRAIN_FIELDS
+from llamarl_jax.generation.rollout import ROUTING_FIELD, TRAIN_FIELDS
 
 
 class Facts:
@@ -144,10 +144,11 @@ class Context:
     from llamarl_jax import parallel
     from llamarl_jax.transfer import RowPlan
 
-    key = tuple((k, tuple(shapes[k])) for k in TRAIN_FIELDS)
+    fields = {**TRAIN_FIELDS, **{k: v for k, v in ROUTING_FIELD.items() if k in shapes}}  # routing: when recorded
+    key = tuple((k, tuple(shapes[k])) for k in fields)
     if key not in self._rows:
-      structs = {k: jax.ShapeDtypeStruct(tuple(shapes[k]), TRAIN_FIELDS[k]) for k in TRAIN_FIELDS}
-      dst = {k: parallel.batch_sharding(self.trainer_mesh, len(shapes[k])) for k in TRAIN_FIELDS}
+      structs = {k: jax.ShapeDtypeStruct(tuple(shapes[k]), fields[k]) for k in fields}
+      dst = {k: parallel.batch_sharding(self.trainer_mesh, len(shapes[k])) for k in fields}
       self._rows[key] = RowPlan(structs, dst, self.generator_mesh)
     return self._rows[key]
 

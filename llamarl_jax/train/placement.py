@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import parallel
 from llamarl_jax.config import LoraConfig
-from llamarl_jax.generation.rollout import TRAIN_FIELDS, ScoredBatch
+from llamarl_jax.generation.rollout import ROUTING_FIELD, TRAIN_FIELDS, ScoredBatch
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.llama import Llama, ModelConfig, layer_runs, split_params
 from llamarl_jax.train.state import TrainState
@@ -32,8 +32,9 @@ class Placement:
   """Shardings of a trainer's state and batches. model: the whole model's (the LoRA base, the KL
   reference); params: the trained params' (the model's, or LoRA adapters'); trained: a `TrainState`
   of shardings without its frozen parts; compute / model_compute: `prepare_params`' layouts of
-  params / model; batch: each `TRAIN_FIELDS` array's; micro: the same split `[M, B/M, ...]`; lora:
-  the `LoraConfig` whose adapters are the trained params (None: the model's params are)."""
+  params / model; batch: each `TRAIN_FIELDS` array's (and the recorded routing's, `ROUTING_FIELD`, for a
+  MoE model: `batch_fields`); micro: the same split `[M, B/M, ...]`; lora: the `LoraConfig` whose
+  adapters are the trained params (None: the model's params are)."""
   mesh: Mesh
   model: Any
   params: Any
@@ -60,6 +61,7 @@ def stacked_shardings(shardings, mesh: Mesh):
 def make_placement(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, *, lora: LoraConfig | None = None,
                    rules: Mapping[str, str | None] = parallel.RULES) -> Placement:
   abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  fields = batch_fields(config)
   model_axes = parallel.logical_axes(abstract)
   model_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), split_params(abstract)[1])
   model_sh = parallel.param_shardings(model_shapes, model_axes, mesh, rules)
@@ -73,9 +75,20 @@ def make_placement(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransforma
       mesh=mesh, model=model_sh, params=param_sh, trained=TrainState(params=param_sh, opt_state=opt_sh, step=repl,
                                                                      skipped=repl),
       compute=stacked_shardings(param_sh, mesh), model_compute=stacked_shardings(model_sh, mesh),
-      batch={k: parallel.batch_sharding(mesh, 1 if k == "advantages" else 2) for k in TRAIN_FIELDS},
-      micro={k: NamedSharding(mesh, P(None, parallel.BATCH_AXES, *[None] * (k != "advantages"))) for k in TRAIN_FIELDS},
+      batch={k: parallel.batch_sharding(mesh, field_ndim(k)) for k in fields},
+      micro={k: NamedSharding(mesh, P(None, parallel.BATCH_AXES, *[None] * (field_ndim(k) - 1))) for k in fields},
       replicated=repl, model_shapes=model_shapes, param_shapes=shapes, lora=lora)
+
+
+def batch_fields(config: ModelConfig) -> dict:
+  """The arrays (name -> dtype) of a trainer's batch: `TRAIN_FIELDS`, and for a MoE model the
+  generator's recorded routing (`ROUTING_FIELD`; -1 where nothing was recorded)."""
+  return {**TRAIN_FIELDS, **(ROUTING_FIELD if config.num_experts else {})}
+
+
+def field_ndim(name: str) -> int:
+  """Dimensions of a batch field: `[B]` advantages, `[B, P + R, moe layers, k]` routing, `[B, *]` the rest."""
+  return {"advantages": 1, "routing": 4}.get(name, 2)
 
 
 def place(tree, dtype, shardings, what: str = "the model's structure for this ModelConfig") -> Any:
@@ -150,11 +163,17 @@ def abstract_state(placement: Placement, tx, *, base_dtype=None, ref_dtype=None)
                     step=scalar, skipped=scalar, base=frozen(base_dtype), ref=frozen(ref_dtype))
 
 
-def abstract_batch(placement: Placement, batch_size: int, prompt_len: int, resp_len: int) -> dict:
-  """The `TRAIN_FIELDS` of a `[batch_size]` batch as sharded `ShapeDtypeStruct`s (what `lower` takes)."""
-  shape = lambda k: ((batch_size,) if k == "advantages" else
-                     (batch_size, prompt_len if k.startswith("prompt") else resp_len))
-  return {k: jax.ShapeDtypeStruct(shape(k), dtype, sharding=placement.batch[k]) for k, dtype in TRAIN_FIELDS.items()}
+def abstract_batch(placement: Placement, config: ModelConfig, batch_size: int, prompt_len: int, resp_len: int) -> dict:
+  """The batch fields (`batch_fields`) of a `[batch_size]` batch as sharded `ShapeDtypeStruct`s (what
+  `lower` takes)."""
+  def shape(k):
+    if field_ndim(k) == 1:
+      return (batch_size,)
+    if field_ndim(k) == 4:
+      return (batch_size, prompt_len + resp_len, len(config.moe_layers), config.num_experts_per_tok)
+    return (batch_size, prompt_len if k.startswith("prompt") else resp_len)
+  return {k: jax.ShapeDtypeStruct(shape(k), dtype, sharding=placement.batch[k])
+          for k, dtype in batch_fields(config).items()}
 
 
 def check_batch_size(mesh: Mesh, microbatches: int, batch_size: int) -> None:
@@ -166,16 +185,19 @@ def check_batch_size(mesh: Mesh, microbatches: int, batch_size: int) -> None:
                      "with rows whose response_mask is 0")
 
 
-def put_batch(placement: Placement, batch: ScoredBatch, microbatches: int) -> dict:
-  """`batch_arrays` of `batch`, its size checked (`check_batch_size`), its rows put over `data` x `fsdp`."""
-  arrays = batch_arrays(batch)
+def put_batch(placement: Placement, batch: ScoredBatch, microbatches: int, config: ModelConfig | None = None) -> dict:
+  """`batch_arrays` of `batch` (with a MoE `config`'s routing), its size checked (`check_batch_size`),
+  its rows put over `data` x `fsdp`."""
+  arrays = batch_arrays(batch, config)
   check_batch_size(placement.mesh, microbatches, arrays["prompt_tokens"].shape[0])
   return jax.device_put(arrays, placement.batch)
 
 
-def batch_arrays(batch: ScoredBatch) -> dict:
+def batch_arrays(batch: ScoredBatch, config: ModelConfig | None = None) -> dict:
   """The `TRAIN_FIELDS` of `batch` (host numpy or device arrays) in their dtypes, shapes checked:
-  `[B, P]` prompts, `[B, R]` responses (and behaviour log-probs, token versions), `[B]` advantages."""
+  `[B, P]` prompts, `[B, R]` responses (and behaviour log-probs, token versions), `[B]` advantages.
+  For a MoE `config` also "routing" `[B, P + R, moe layers, k]`: the rollout's recorded experts, or -1
+  (the trainer's own routing) where the batch has none (`batch_fields`)."""
   r = batch.rollout
   host = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
           "response_tokens": r.response_tokens, "response_mask": r.response_mask,
@@ -188,10 +210,16 @@ def batch_arrays(batch: ScoredBatch) -> dict:
               "response_tokens": (B, None), "response_mask": np.shape(host["response_tokens"]),
               "behaviour_logprobs": np.shape(host["response_tokens"]), "advantages": (B,),
               "token_versions": np.shape(host["response_tokens"])}
+  if config is not None and config.num_experts:
+    routing_shape = (len(config.moe_layers), config.num_experts_per_tok)
+    P_R = np.shape(host["prompt_tokens"])[1] + np.shape(host["response_tokens"])[1]
+    host["routing"] = np.full((B, P_R, *routing_shape), -1, np.int32) if r.routing is None else r.routing
+    expected["routing"] = (B, P_R, *routing_shape)
   out = {}
   for k, v in host.items():
     shape, want = np.shape(v), expected[k]
     if len(shape) != len(want) or any(w is not None and w != s for w, s in zip(want, shape)):
       raise ValueError(f"batch field {k} has shape {shape}, expected {want} (None = any)")
-    out[k] = v.astype(TRAIN_FIELDS[k]) if isinstance(v, jax.Array) else np.asarray(v, TRAIN_FIELDS[k])
+    dtype = {**TRAIN_FIELDS, **ROUTING_FIELD}[k]
+    out[k] = v.astype(dtype) if isinstance(v, jax.Array) else np.asarray(v, dtype)
   return out

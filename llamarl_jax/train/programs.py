@@ -124,7 +124,7 @@ class TrainPrograms:
     check_batch_size(pl.mesh, self.spec.microbatches, batch_size)
     shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     args = [*jax.tree.map(shape_of, (state.trained, (state.base, state.ref))),
-            abstract_batch(pl, batch_size, prompt_len, resp_len)]
+            abstract_batch(pl, self.spec.model, batch_size, prompt_len, resp_len)]
     if self.pack:
       plan = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=pl.replicated)
       args.append({**{k: plan for k in PLAN_FIELDS},
