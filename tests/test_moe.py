@@ -6,6 +6,8 @@ summation order differs). Routing is discrete: the tiny models' routers are N(0,
 same experts; a wrong expert, weight or normalisation moves logits by ~0.1.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,13 +114,10 @@ def test_round_trip_through_transformers(make_hf_model, tmp_path, name):
 def test_train_step_adds_the_load_balancing_loss(make_hf_model):
   """A MoE trainer step reports `loss/moe_aux` equal to transformers' aux_loss over the step's rows
   (prompt then response from position 0, padding excluded) and its total loss is the NLL plus
-  router_aux_loss_coef times it (fp32: 1e-5 relative)."""
-  import functools
-
+  router_aux_loss_coef times it, the NLL from transformers' logits (fp32: 1e-5 relative)."""
   from llamarl_jax import losses
   from llamarl_jax.config import OptimizerConfig
   from llamarl_jax.generation.rollout import trainer_layout
-  from llamarl_jax.model.logprobs import token_logprobs
   from llamarl_jax.train import StepSpec, init_state, train_step
 
   ref, path = make_hf_model(family="qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1], router_aux_loss_coef=0.5)
@@ -132,20 +131,22 @@ def test_train_step_adds_the_load_balancing_loss(make_hf_model):
            "response_tokens": rng.randint(1, config.vocab_size, (B, R)).astype(np.int32) * rm, "response_mask": rm,
            "behaviour_logprobs": np.zeros((B, R), np.float32), "advantages": np.zeros(B, np.float32),
            "token_versions": np.full((B, R), -1, np.int32)}
-  graphdef, params = split_params(model)
+  _, params = split_params(model)
   spec = StepSpec(model=config, loss=losses.nll_loss, optimizer=OptimizerConfig(lr=1e-3), logprob_chunk=None,
                   mismatch=False)
   _, metrics = jax.jit(functools.partial(train_step, spec))(init_state(params, spec.tx), batch)
 
-  tokens, lengths, _ = trainer_layout(*(jnp.asarray(batch[k]) for k in ("prompt_tokens", "prompt_mask",
-                                                                        "response_tokens", "response_mask")))
+  tokens, lengths, predict = trainer_layout(*(jnp.asarray(batch[k]) for k in ("prompt_tokens", "prompt_mask",
+                                                                               "response_tokens", "response_mask")))
   mask = (np.arange(tokens.shape[1])[None] < np.asarray(lengths)[:, None]).astype(np.int64)
   with torch.no_grad():
-    want_aux = float(ref(torch.tensor(np.asarray(tokens), dtype=torch.long), attention_mask=torch.tensor(mask),
-                         output_router_logits=True).aux_loss)
-  lp = token_logprobs(graphdef, params, *(batch[k] for k in ("prompt_tokens", "prompt_mask", "response_tokens",
-                                                             "response_mask")))
-  nll = -float(jnp.sum(lp)) / rm.sum()
+    out = ref(torch.tensor(np.asarray(tokens), dtype=torch.long), attention_mask=torch.tensor(mask),
+              output_router_logits=True)
+  want_aux = float(out.aux_loss)
+  # the NLL of the response tokens under transformers' logits at the positions that predict them
+  logp = torch.log_softmax(out.logits.double(), dim=-1).numpy()
+  lp = logp[np.arange(B)[:, None], np.asarray(predict), batch["response_tokens"]]
+  nll = -float(np.sum(lp * rm)) / rm.sum()
   assert float(metrics["loss/moe_aux"]) == pytest.approx(want_aux, rel=1e-5)
   assert float(metrics["loss/total"]) == pytest.approx(nll + 0.5 * want_aux, rel=1e-5)
 
@@ -157,7 +158,8 @@ def test_static_sampler_and_slot_engine_greedy_equal_transformers_generate(make_
   """Greedy decoding of a tiny Qwen3-MoE (sparse, dense, sparse layers) equals transformers'
   `generate` token for token, in the static sampler (left-padded batch, KV cache; behaviour
   log-probs equal to the full forward's within 1e-4) and in the paged slot engine (prompts in
-  different buckets, KV blocks of 4). Both serve the fused gate/up experts (`model.serving`)."""
+  different buckets, KV blocks of 4; every chunk at its 3 lanes). Both serve the fused gate/up
+  experts (`model.serving`)."""
   from test_engine import hf_greedy
   from test_sampler import R, assert_greedy_matches_transformers
 
@@ -171,7 +173,7 @@ def test_static_sampler_and_slot_engine_greedy_equal_transformers_generate(make_
   assert_greedy_matches_transformers(ref, model, Sampler(config, batch_multiple=8), prompts)
 
   eng = SlotEngine(config, lanes=3, sampling=SamplingParams(temperature=0, max_new_tokens=R), max_prompt_len=16,
-                   chunk_steps=2, prompt_buckets=(8, 16), kv_block_size=4)
+                   chunk_steps=2, prompt_buckets=(8, 16), kv_block_size=4, min_decode_width=3, progress=False)
   eng.swap(model, 0)
   eng.submit(prompts, tags=[0, 1, 2])
   groups = eng.run()
@@ -271,6 +273,16 @@ def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
 
 # -- routing replay ------------------------------------------------------------------------------
 
+# Every routing test samples these prompts (8 rows: 2 samples each, 8 new tokens); the static sampler
+# and the slot engine both pad them to the prompt bucket 16, so the trainer programs below see one
+# batch shape and compile once (module-level jits, one trainer per replay setting).
+PROMPT_LENGTHS = (5, 9, 3, 7)
+
+
+def routing_prompts():
+  rng = np.random.RandomState(0)
+  return [rng.randint(3, 64, n).tolist() for n in PROMPT_LENGTHS]
+
 
 def _flippy_moe():
   """(config, fp32 host params): the tiny Qwen3-MoE with experts scaled x3 (a different expert changes
@@ -282,27 +294,50 @@ def _flippy_moe():
   return config, params
 
 
+def _engine_rollout(config, params, prompts, sampling, min_decode_width=8, chunk_steps=3):
+  """`SlotEngine.generate` of `prompts`: a lane per sample, one prompt bucket, KV blocks of 4, decode
+  chunks of `chunk_steps` (rows finish in different chunks). min_decode_width 8: every chunk computes
+  all lanes (3 programs); 1: the program set also holds the widths 2 and 1, which chunks take when
+  at most that many rows are busy as they are dispatched. Returns (rollout, the engine's stats)."""
+  from llamarl_jax.generation.engine import SlotEngine
+
+  eng = SlotEngine(config, lanes=8, sampling=sampling, max_prompt_len=16, chunk_steps=chunk_steps, prompt_buckets=(16,),
+                   kv_block_size=4, min_decode_width=min_decode_width, progress=False)
+  rollout = eng.generate(params, prompts, sampling)
+  return rollout, dict(eng.stats)
+
+
 @pytest.fixture(scope="module")
-def bf16_rollout():
-  """(config, fp32 params, batch): 8 rows sampled by a bf16 static sampler of `_flippy_moe`, its
-  routing recorded."""
+def bf16_rollouts():
+  """(config, fp32 params, {"static": batch, "slots": batch}): 8 rows of `_flippy_moe` sampled in bf16
+  by the static sampler (device arrays) and by the slot engine (host numpy), routing recorded."""
   from llamarl_jax.generation import Sampler, SamplingParams
 
   config, params = _flippy_moe()
+  gen_config = config.replace(dtype="bfloat16", param_dtype="bfloat16")
   gen_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
-  rng = np.random.RandomState(0)
-  prompts = [rng.randint(3, 64, n).tolist() for n in (5, 9, 3, 7)]
-  batch = Sampler(config.replace(dtype="bfloat16", param_dtype="bfloat16"), batch_multiple=8).generate(
-      gen_params, prompts, SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1))
-  return config, params, batch
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1)
+  static = Sampler(gen_config, batch_multiple=8).generate(gen_params, routing_prompts(), sampling)
+  slots, _ = _engine_rollout(gen_config, gen_params, routing_prompts(), sampling)
+  return config, params, {"static": static, "slots": slots}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def replay_forward(config, params, batch, replay):
+  """The trainer's log-probs `[B, R]` and routing trace of `batch`'s responses (fp32, prepared params),
+  replaying `replay` (`routing_in_trainer_layout`) or, with None, routing by its own top-k."""
+  from llamarl_jax.model.logprobs import policy_logprobs
+
+  return policy_logprobs(config, params, batch.prompt_tokens, batch.prompt_mask, batch.response_tokens,
+                         batch.response_mask, replay=replay, with_routing=True)
 
 
 # the share of recorded (token, MoE layer) pairs an fp32 forward routes differently from the bf16
-# generator in `bf16_rollout` (measured; `test_routing_replay_...` asserts it)
+# static sampler in `bf16_rollouts` (measured; `test_routing_replay_...` asserts it)
 DISAGREEMENT = 0.028846154
 
 
-def test_routing_replay_gives_the_trainer_the_bf16_generators_routing(bf16_rollout):
+def test_routing_replay_gives_the_trainer_the_bf16_generators_routing(bf16_rollouts):
   """A bf16 static sampler records each position's experts; an fp32 trainer forward that replays them
   gives log-probs within bf16 rounding of the behaviour log-probs (max 0.06 measured, bound 0.1),
   while without replay the forward routes some (token, layer) pairs differently (2.9% measured here,
@@ -310,9 +345,9 @@ def test_routing_replay_gives_the_trainer_the_bf16_generators_routing(bf16_rollo
   measured, > 0.3 asserted)."""
   from llamarl_jax.generation.rollout import routing_in_trainer_layout, trainer_layout
   from llamarl_jax.model import moe
-  from llamarl_jax.model.logprobs import policy_logprobs
 
-  config, params, batch = bf16_rollout
+  config, params, rollouts = bf16_rollouts
+  batch = rollouts["static"]
   P = batch.prompt_tokens.shape[1]
   assert batch.routing.shape == (8, P + 8, 2, 2)
   routing = np.asarray(batch.routing)
@@ -320,10 +355,8 @@ def test_routing_replay_gives_the_trainer_the_bf16_generators_routing(bf16_rollo
 
   replay = routing_in_trainer_layout(batch.prompt_mask, batch.routing)
   prepared = prepare_params(jax.tree.map(jnp.asarray, params), "float32")
-  forward = jax.jit(lambda p, b, r: policy_logprobs(config, p, b.prompt_tokens, b.prompt_mask, b.response_tokens,
-                                                    b.response_mask, replay=r, with_routing=True))
-  lp_replay, trace_replay = forward(prepared, batch, replay)
-  lp_free, trace_free = forward(prepared, batch, None)
+  lp_replay, trace_replay = replay_forward(config, prepared, batch, replay)
+  lp_free, trace_free = replay_forward(config, prepared, batch, None)
   _, lengths, _ = trainer_layout(batch.prompt_tokens, batch.prompt_mask, batch.response_tokens, batch.response_mask)
   recorded = (np.arange(replay.shape[1])[None] < np.asarray(lengths)[:, None]) & (np.asarray(replay) >= 0).all((2, 3))
   disagreement = float(moe.routing_disagreement(trace_free.topk, replay, recorded))
@@ -335,62 +368,25 @@ def test_routing_replay_gives_the_trainer_the_bf16_generators_routing(bf16_rollo
   assert gap(lp_free).max() > 0.3
 
 
-def test_train_step_replays_routing_and_logs_the_disagreement(bf16_rollout):
-  """The trainer's step on the bf16 rollout, with and without `routing_replay`: both log
-  `moe/routing_disagreement` (the same 2.9% of recorded pairs: the trainer's own top-k against the
-  generator's), and replay cuts the trainer-generator mismatch (`rollout_corr/kl_k3`) by more than
-  half (routing flips are most of this tiny model's gap)."""
-  import functools
-
-  from llamarl_jax import losses
-  from llamarl_jax.config import OptimizerConfig
-  from llamarl_jax.train import StepSpec, init_state, train_step
-
-  config, params, batch = bf16_rollout
-  arrays = {"prompt_tokens": batch.prompt_tokens, "prompt_mask": batch.prompt_mask,
-            "response_tokens": batch.response_tokens, "response_mask": batch.response_mask,
-            "behaviour_logprobs": batch.behaviour_logprobs, "advantages": jnp.tile(jnp.array([1.0, -1.0]), 4),
-            "token_versions": batch.token_versions, "routing": batch.routing}
-  metrics = {}
-  for replay_on in (False, True):
-    spec = StepSpec(model=config, loss=losses.aipo_loss, optimizer=OptimizerConfig(lr=1e-3), logprob_chunk=None,
-                    loss_kwargs={"rho_max": 2.0}, routing_replay=replay_on)
-    _, metrics[replay_on] = jax.jit(functools.partial(train_step, spec))(init_state(params, spec.tx), arrays)
-  for m in metrics.values():
-    assert float(m["moe/routing_disagreement"]) == pytest.approx(DISAGREEMENT, rel=1e-5)
-  kl = lambda m: float(m["rollout_corr/kl_k3"])
-  assert kl(metrics[True]) < 0.5 * kl(metrics[False])
-
-
-def _engine_rollout(config, params, prompts, sampling):
-  """`SlotEngine.generate` of `prompts` (lanes for every sample, KV blocks of 4, decode chunks of 3
-  steps: rows finish in different chunks)."""
-  from llamarl_jax.generation.engine import SlotEngine
-
-  eng = SlotEngine(config, lanes=8, sampling=sampling, max_prompt_len=16, chunk_steps=3, prompt_buckets=(8, 16),
-                   kv_block_size=4, progress=False)
-  return eng.generate(params, prompts, sampling)
-
-
 def test_slot_engine_records_the_static_samplers_routing():
   """The paged slot engine records each position's experts in the static sampler's format
   (`RolloutBatch.routing` `[B, P + R, moe layers, k]`, left-padded prompt then response, -1 where no
   forward ran: prompt padding, the last token, past a row's end): fp32, same prompts and seed, the
   same tokens and the same experts at every recorded position; and an fp32 trainer forward replaying
-  them gives the behaviour log-probs (lag 0: fp32 rounding, 1e-4)."""
+  them gives the behaviour log-probs (lag 0: fp32 rounding, 1e-4). Rows stop at different steps
+  (stop tokens 3-11), decode chunks of one step."""
   from llamarl_jax.generation import Sampler, SamplingParams
   from llamarl_jax.generation.rollout import routing_in_trainer_layout
-  from llamarl_jax.model.logprobs import policy_logprobs
 
   config = tiny_moe_config()
   params = jax.tree.map(jnp.asarray, moe_params(config))
-  rng = np.random.RandomState(0)
-  prompts = [rng.randint(3, 64, n).tolist() for n in (5, 9, 3, 7)]
-  sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1, stop_token_ids=(5,))
+  prompts = routing_prompts()
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1, stop_token_ids=tuple(range(3, 12)))
   static = jax.device_get(Sampler(config, batch_multiple=8).generate(params, prompts, sampling))
-  ours = _engine_rollout(config, params, prompts, sampling)
+  ours, _ = _engine_rollout(config, params, prompts, sampling, min_decode_width=1, chunk_steps=1)
   np.testing.assert_array_equal(ours.response_tokens, static.response_tokens)
   assert ours.routing.shape == static.routing.shape == (8, 16 + 8, 2, 2)
+  assert ours.lengths.min() < 8  # a row stopped early: its routing ends there
   P = ours.prompt_tokens.shape[1]
   pm, rm = ours.prompt_mask > 0, ours.response_mask > 0
   inputs = np.concatenate([pm, rm & (np.arange(8)[None] < ours.lengths[:, None] - 1)], axis=1)  # [B, P + R]
@@ -398,44 +394,70 @@ def test_slot_engine_records_the_static_samplers_routing():
   np.testing.assert_array_equal(ours.routing[inputs], static.routing[inputs])
   np.testing.assert_array_equal(ours.routing[:, P:], static.routing[:, P:])
 
-  forward = jax.jit(lambda p, b, r: policy_logprobs(config, p, b.prompt_tokens, b.prompt_mask, b.response_tokens,
-                                                    b.response_mask, replay=r))
-  lp = forward(prepare_params(params, "float32"), jax.tree.map(jnp.asarray, ours),
-               routing_in_trainer_layout(jnp.asarray(ours.prompt_mask), jnp.asarray(ours.routing)))
+  lp, _ = replay_forward(config, prepare_params(params, "float32"), jax.tree.map(jnp.asarray, ours),
+                         routing_in_trainer_layout(jnp.asarray(ours.prompt_mask), jnp.asarray(ours.routing)))
   np.testing.assert_allclose(np.asarray(lp)[rm], ours.behaviour_logprobs[rm], atol=1e-4, rtol=0)
 
 
-def test_trainer_replays_the_slot_engines_bf16_routing():
-  """A bf16 slot engine's rollout of `bf16_rollout`'s model (routing flips between bf16 and fp32)
-  trained by `TrainerExecutor` with and without `routing_replay`: both log
-  `moe/routing_disagreement` (the trainer's own top-k against the recorded: > 0, the same either
-  way), and replay cuts the trainer-generator mismatch (`rollout_corr/kl_k3`) by more than half; a
-  batch without recorded routing trains too (replay falls back to the trainer's own top-k)."""
+def test_trainer_replays_either_generators_routing_and_logs_the_disagreement(bf16_rollouts):
+  """`TrainerExecutor` steps on the bf16 rollouts of both generators, with and without
+  `routing_replay` (lr 0: each trainer keeps its params, so the batches see the same policy): both
+  log `moe/routing_disagreement`, the trainer's own top-k against the generator's, the same either
+  way (the static sampler's: the 2.9% of `DISAGREEMENT`; the slot engine's: > 1%), and replay cuts
+  the trainer-generator mismatch (`rollout_corr/kl_k3`) by more than half (routing flips are most of
+  this tiny model's gap). A batch without recorded routing trains too: replay falls back to the
+  trainer's own top-k and no disagreement is counted."""
   from llamarl_jax import parallel
-  from llamarl_jax.executors.trainer import TrainerExecutor
   from llamarl_jax.config import OptimizerConfig
-  from llamarl_jax.generation import SamplingParams
+  from llamarl_jax.executors.trainer import TrainerExecutor
   from llamarl_jax.generation.rollout import ScoredBatch
 
-  config, params = _flippy_moe()
-  gen_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
-  rng = np.random.RandomState(0)
-  prompts = [rng.randint(3, 64, n).tolist() for n in (5, 9, 3, 7)]
-  rollout = _engine_rollout(config.replace(dtype="bfloat16", param_dtype="bfloat16"), gen_params, prompts,
-                            SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1))
-  batch = ScoredBatch(rollout=rollout, rewards=np.zeros(8, np.float32),
-                      advantages=np.tile(np.float32([1.0, -1.0]), 4))
+  config, params, rollouts = bf16_rollouts
+  advantages = np.tile(np.float32([1.0, -1.0]), 4)
+  batches = {name: ScoredBatch(rollout=jax.device_get(r), rewards=np.zeros(8, np.float32), advantages=advantages)
+             for name, r in rollouts.items()}
   mesh = parallel.make_mesh(jax.devices()[:1])
   metrics = {}
   for replay in (False, True):
-    trainer = TrainerExecutor(config, mesh, params, optimizer=OptimizerConfig(lr=1e-3), loss_kwargs={"rho_max": 2.0},
+    trainer = TrainerExecutor(config, mesh, params, optimizer=OptimizerConfig(lr=0.0), loss_kwargs={"rho_max": 2.0},
                               routing_replay=replay)
-    metrics[replay] = trainer.step(batch)
-  assert metrics[False]["moe/routing_disagreement"] > 0.01
-  assert metrics[True]["moe/routing_disagreement"] == pytest.approx(metrics[False]["moe/routing_disagreement"])
-  assert metrics[True]["rollout_corr/kl_k3"] < 0.5 * metrics[False]["rollout_corr/kl_k3"]
-  unrecorded = trainer.step(batch.replace(rollout=rollout.replace(routing=None)))
+    for name, batch in batches.items():
+      metrics[name, replay] = trainer.step(batch)
+  assert trainer.trace_count == 1
+  for name in batches:
+    off, on = metrics[name, False], metrics[name, True]
+    assert on["moe/routing_disagreement"] == pytest.approx(off["moe/routing_disagreement"], rel=1e-6), name
+    assert on["rollout_corr/kl_k3"] < 0.5 * off["rollout_corr/kl_k3"], name
+  assert metrics["static", False]["moe/routing_disagreement"] == pytest.approx(DISAGREEMENT, rel=1e-5)
+  assert metrics["slots", False]["moe/routing_disagreement"] > 0.01
+  slots = batches["slots"]
+  unrecorded = trainer.step(slots.replace(rollout=slots.rollout.replace(routing=None)))
   assert unrecorded["moe/routing_disagreement"] == 0 and np.isfinite(unrecorded["loss/total"])
+
+
+def test_routing_replay_is_refused_where_it_cannot_replay():
+  """`TrainConfig.routing_replay` (flat key `routing_replay`) is validated like the other keys, and
+  refused naming the conflict: a dense model (the run's check and the trainer's), multi-turn episodes
+  (no routing recorded for their rows), the packed layout (its step does not replay)."""
+  from llamarl_jax import parallel
+  from llamarl_jax.config import ConfigError, RunConfig, run_config
+  from llamarl_jax.executors.trainer import TrainerExecutor
+  from llamarl_jax.model.llama import ModelConfig
+
+  assert run_config(routing_replay=True).train.routing_replay is True
+  with pytest.raises(ConfigError, match="routing_replay"):
+    run_config(routing_replay="yes")
+  with pytest.raises(ConfigError, match=r"routing_replay = True with TrainConfig.pack = True"):
+    run_config(routing_replay=True, pack=True, tokens_per_microbatch=32)
+  with pytest.raises(ConfigError, match=r"routing_replay = True with EnvConfig.name='tools'"):
+    run_config(routing_replay=True, env_name="tools", max_turns=2)
+  dense = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
+  with pytest.raises(ConfigError, match=r"model is dense \(model_type 'llama', num_experts = 0\)"):
+    run_config(routing_replay=True).check_model(dense)
+  RunConfig().check_model(dense)  # off: any model
+  run_config(routing_replay=True).check_model(tiny_moe_config())
+  with pytest.raises(ValueError, match="this model is dense"):
+    TrainerExecutor(dense, parallel.make_mesh(jax.devices()[:1]), None, routing_replay=True)
 
 
 def test_bad_moe_configs_are_refused_with_the_field_named():
