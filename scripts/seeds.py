@@ -131,7 +131,7 @@ def main(argv=None) -> list[dict]:
       first = first or out / f"{arm}_s{seed}"
       r = rows[-1]
       print(f"{arm} seed {seed}: held-out {100 * (r['eval_before_rl'] or 0):.1f}% -> "
-            f"{100 * (r['eval_after_rl'] or 0):.1f}% in {r['wall_seconds']:.0f} s", flush=True)
+            f"{100 * (r['eval_after_rl'] or 0):.1f}% in {r['wall_seconds'] or 0:.0f} s", flush=True)
   text = report(rows, [a[0] for a in arms])
   (out / "seeds.json").write_text(json.dumps(rows, indent=2))
   (out / "seeds.md").write_text(text + "\n")
