@@ -172,8 +172,9 @@ class _InFlight:
 
   def __init__(self, result: ChunkResult, gen: np.ndarray, queued: bool, width: int):
     # a replicated result: every process reads its own local copy (one device's shard)
+    # A MoE model's routing stays on the device: `_harvest` copies only the finished slots' rows.
     self.local = jax.tree.map(lambda x: x.addressable_data(0), result)
-    for x in jax.tree.leaves(self.local):
+    for x in jax.tree.leaves(self.local.replace(routing=None)):
       x.copy_to_host_async()
     self.gen, self.queued, self.width = gen, queued, width
     self.done_at: float | None = None
@@ -181,12 +182,13 @@ class _InFlight:
     self.done = threading.Event()
 
   def get(self) -> ChunkResult:
-    """The results as host numpy, once the watcher saw the device finish the chunk; a chunk that
-    failed on the device raises its error here, in the thread that drives the engine."""
+    """The results as host numpy (`routing`: still on the device), once the watcher saw the device
+    finish the chunk; a chunk that failed on the device raises its error here, in the thread that
+    drives the engine."""
     self.done.wait()
     if self.error is not None:
       raise self.error
-    return jax.tree.map(np.asarray, self.local)
+    return jax.tree.map(np.asarray, self.local.replace(routing=None)).replace(routing=self.local.routing)
 
 
 # Seconds the engine's end waits for its watcher thread, blocked on the last chunk dispatched: a
@@ -628,8 +630,11 @@ class SlotEngine:
     for s in finished:
       g, j = self._owner[s]
       self._owner[s] = None
-      routing = None if r.routing is None else np.concatenate(  # [prompt (L) | response (R)]
-          [r.routing[s, :len(g.prompt)], r.routing[s, self.programs.max_prompt_len:]])
+      if r.routing is not None:  # this slot's row to the host, then [prompt (L) | response (R)]
+        row = np.asarray(r.routing[s])
+        routing = np.concatenate([row[:len(g.prompt)], row[self.programs.max_prompt_len:]])
+      else:
+        routing = None
       g.out[j] = (tokens[s], logprobs[s], versions[s], int(n_gen[s]), bool(stopped[s]), routing)
       g.left -= 1
       if g.left == 0:

@@ -134,9 +134,9 @@ class ChunkResult:
   done, stopped  bool  [S]
   n_gen          int32 [S]
   tokens, logprobs, versions   [S, R]  as in `SlotState`
-  routing        int32 [S, Pm + R, moe layers, k]  as in `SlotState` (None for a dense model); every
-                 chunk copies all of it to the host (at Qwen3-30B-A3B's shapes, 64 slots of 2048
-                 positions: 48 layers x top-8, 200 MB a chunk), the finished slots' rows only read
+  routing        int32 [S, Pm + R, moe layers, k]  as in `SlotState` (None for a dense model); the
+                 engine copies only the finished slots' rows to the host (all of it would be 200 MB a
+                 chunk at Qwen3-30B-A3B's shapes, 64 slots of 2048 positions, 48 layers x top-8)
   """
 
   steps: Array
