@@ -14,7 +14,7 @@ TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=
 TEST_WORKERS ?= 2
 TEST_PAR = -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install install-gpu run run-rm run-gpu test test-quick test-gpu bench bench-gpu study study-offpolicy clean
+.PHONY: install install-gpu run run-rm run-gpu test test-slow test-all test-cost test-gpu bench bench-gpu study study-offpolicy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,13 +48,27 @@ run-rm: install
 	  --gin_param="build_policy.model_path='$(RM_RUN)/sft/sft_export'" \
 	  --gin_param="RewardConfig.model_path='$(RM_RUN)/rm/hf_export'" $(ARGS)
 
+# The suite without the tests marked `slow`: every module's unit and parity tests, on two workers, about
+# 10 minutes on 2 cores. The `slow` tests (more than ~15 s each on 2 idle cores: whole runs in fresh
+# interpreters, multi-process jobs, kill-and-resume, learning tests, benchmark scripts' dry runs, the
+# heaviest parity sweeps) are `make test-slow`; CI (.ci/run) runs both.
 test: install
+	$(TEST_ENV) $(BIN)/python -m pytest -q $(TEST_PAR) -m "not slow" $(ARGS)
+
+test-slow: install
+	$(TEST_ENV) $(BIN)/python -m pytest -q $(TEST_PAR) -m slow $(ARGS)
+
+# Everything in one pytest session (one compilation cache for both tiers).
+test-all: install
 	$(TEST_ENV) $(BIN)/python -m pytest -q $(TEST_PAR) $(ARGS)
 
-# For local iteration: the suite without the tests marked `slow` (whole runs in fresh interpreters,
-# multi-process jobs, kill-and-resume, the learning test). `make test` (CI) runs them all.
-test-quick: install
-	$(TEST_ENV) $(BIN)/python -m pytest -q $(TEST_PAR) -m "not slow" $(ARGS)
+# Each test's CPU seconds (tests/conftest.py, LLAMARL_TEST_CPU_LOG), which a busy machine changes much
+# less than wall time: the 25 costliest and the total per tier. ARGS picks the tests (e.g. ARGS='-m "not slow"').
+test-cost: install
+	rm -f test_cpu.log
+	LLAMARL_TEST_CPU_LOG=test_cpu.log $(TEST_ENV) $(BIN)/python -m pytest -q $(TEST_PAR) $(ARGS)
+	sort -rn test_cpu.log | head -25
+	awk '{s += $$1} END {printf "%d tests, %.0f CPU-seconds\n", NR, s}' test_cpu.log
 
 # The suite on the GPU: tests whose meshes need more devices than present skip, saying so; tests/gpu/ run.
 # No preallocation: the multi-process tests start several interpreters on the one GPU.

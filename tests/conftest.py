@@ -40,6 +40,30 @@ DEVICES_HINT = ("`make test` fakes 8 CPU devices: JAX_PLATFORMS=cpu "
                 "XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 
+_CPU_LOG = os.environ.get("LLAMARL_TEST_CPU_LOG")  # a file: each test's CPU seconds, appended per test
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """With LLAMARL_TEST_CPU_LOG set, append `cpu_seconds node_id` per test: this process's and its
+  finished children's user + system time over setup, call and teardown. Unlike `--durations` (wall
+  time), it changes little with the machine's load, so the suite's cost can be measured on a busy
+  machine (`make test-cost`)."""
+  if not _CPU_LOG:
+    yield
+    return
+  import resource
+
+  def cpu():
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+  start = cpu()
+  yield
+  with open(_CPU_LOG, "a") as f:
+    f.write(f"{cpu() - start:.2f} {item.nodeid}\n")
+
+
 def pytest_collection_modifyitems(config, items):
   """`@pytest.mark.devices(n)`: skip with fewer than n JAX devices; `@pytest.mark.gpu`: skip without a GPU.
 

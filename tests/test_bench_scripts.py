@@ -13,6 +13,7 @@ def _load(name):
 
 
 @pytest.mark.devices(4)
+@pytest.mark.slow
 def test_bench_async_reports_each_lag_with_its_bound(capsys):
   rows = _load("bench_async").main(["--lags", "0,1", "--delays", "0.2", "--hidden", "32", "--layers", "2",
                                     "--prompts", "4", "--samples", "2", "--max_new_tokens", "4",
@@ -40,6 +41,7 @@ def test_bench_gpu_fails_fast_without_a_gpu():
     _load("bench_gpu").main(["--out", "/nonexistent/never/written"])
 
 
+@pytest.mark.slow
 def test_bench_gpu_dry_run_writes_the_report_and_json(tmp_path):
   """--dry_run on CPU at toy sizes: the sections that run write their numbers to the JSON and the
   markdown; cuDNN is reported as skipped, not silently dropped. (engine, profile and e2e: the tests
@@ -103,6 +105,7 @@ def test_bench_train_lowers_the_step_and_finds_the_largest_vocab_array(tmp_path,
   assert unchunked["largest_vocab"] == (8 * 64 * 100, "tensor<8x64x100xf32>")
 
 
+@pytest.mark.slow
 def test_bench_generate_profile_traces_the_timed_calls(tmp_path):
   """--profile DIR: one trace per table (generation, each engine workload), the timed calls named in it."""
   import gzip

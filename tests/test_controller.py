@@ -117,6 +117,7 @@ def test_generator_and_trainer_overlap_only_when_async(policy, tokenizer, tmp_pa
   assert step1 < step0, results  # overlapping hides the train time
 
 
+@pytest.mark.slow
 def test_fp8_generator_shows_in_importance_ratios(policy, tokenizer, tmp_path):
   """At lag 0 with an fp32 generator, pi == mu exactly (ratios 1); an fp8 generator makes them differ."""
   _, exact = run(policy, tokenizer, tmp_path / "fp32", 2, max_policy_lag=0)
@@ -205,6 +206,7 @@ def _always_raises(response_text, ground_truth):
 
 
 @pytest.mark.devices(2)
+@pytest.mark.slow
 def test_colocated_mode_alternates_on_one_mesh(policy, tokenizer, tmp_path):
   c, steps = run(policy, tokenizer, tmp_path, 3, colocated=True, trainer_fsdp=2, generator_dp=2,
                  max_policy_lag=1)
@@ -233,6 +235,7 @@ def test_resumed_synchronous_run_reproduces_uninterrupted_metrics(policy, tokeni
     assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
 
 
+@pytest.mark.slow
 def test_fp8_generator_weights_kept_in_a_checkpoint_restore_bit_for_bit(policy, tokenizer, tmp_path):
   """At lag 1 a checkpoint holds the generator weights of the version the next batch is generated
   with; with fp8 they are the quantised tree (float8_e4m3fn projections, fp32 scales), restored as
@@ -304,6 +307,7 @@ def test_latest_schedule_is_still_available(policy, tokenizer, tmp_path):
     make_controller(policy, tokenizer, tmp_path, version_schedule="newest")
 
 
+@pytest.mark.slow
 def test_slot_engine_trains_like_the_static_engine_at_lag_0(policy, tokenizer, tmp_path):
   """At lag 0 no weight swap can fall inside a sequence and the slot engine samples the static sampler's
   tokens (same seed and rows), so both generator engines give the same training run, whatever the
@@ -323,6 +327,7 @@ def test_slot_engine_trains_like_the_static_engine_at_lag_0(policy, tokenizer, t
     assert a["generate/slot_utilization"] > 0
 
 
+@pytest.mark.slow
 def test_slot_engine_swaps_weights_mid_sequence_within_the_lag_bound(policy, tokenizer, tmp_path):
   """16 slots for 8-row batches at lag 1, 2-step decode chunks: batches 0 and 1 decode together under
   version 0; batch 2 starts under version 1 and, once its first chunk is done, batch 3 is admitted
@@ -336,6 +341,7 @@ def test_slot_engine_swaps_weights_mid_sequence_within_the_lag_bound(policy, tok
   assert all(m["buffer/dropped_stale"] == 0 for m in steps)
 
 
+@pytest.mark.slow
 def test_overlong_shaping_and_a_sequence_level_loss_through_the_controller(policy, tokenizer, tmp_path):
   """DAPO's length penalty and truncation mask reach the rewards, the trainer's tokens and the
   metrics; a new loss (GSPO) is chosen by name. The tiny random policy rarely stops before
@@ -362,6 +368,7 @@ def _parity(response_text, ground_truth):
   return float(len(response_text) % 2)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_trains_informative_groups_and_resumes_exactly(policy, tokenizer, tmp_path):
   """DAPO's dynamic sampling (static engine, lag 1): every trained batch holds prompts_per_step groups,
   informative ones first (all of them unless max_draws ran out), the metrics say how many were dropped,
@@ -406,7 +413,7 @@ def test_dynamic_sampling_trains_informative_groups_and_resumes_exactly(policy, 
     make_controller(policy, tokenizer, tmp_path / "slots", dynamic_sampling=DynamicSampling())
 
 
-@pytest.mark.parametrize("max_prompt_len, expected", [(20, 20), (None, 64 - 6)])
+@pytest.mark.parametrize("max_prompt_len, expected", [pytest.param(20, 20, marks=pytest.mark.slow), (None, 64 - 6)])
 def test_the_slot_engine_takes_every_prompt_the_data_limit_lets_through(policy, tokenizer, tmp_path,
                                                                          max_prompt_len, expected):
   """One prompt limit, checked at start: `Controller.prompt_limit` (GeneratorConfig.max_prompt_len,

@@ -95,6 +95,7 @@ def reference_advantages(model, batch, gamma, lam):
   return np.where(valid, (adv - mean) / np.sqrt(std ** 2 + 1e-8), 0.0), ret
 
 
+@pytest.mark.slow
 def test_the_loss_receives_gae_of_the_critics_values():
   """The trainer's advantages `[B, R]` for its policy step equal an independent computation: the
   critic's values by the nnx model's own forward row by row (no padding, no trainer layout), GAE by
@@ -159,6 +160,7 @@ def full_run(tmp_path_factory):
 
 
 @pytest.mark.devices(4)
+@pytest.mark.slow
 def test_ppo_critic_run_warms_up_the_critic_and_its_value_loss_falls(full_run):
   """Step 1 trains the critic only (warm-up); from step 2 the policy trains on the critic's advantages.
   The critic starts at V = 0; its targets are then the lambda-returns 0.95^k * r of rewards r in {1, 2}
@@ -174,6 +176,7 @@ def test_ppo_critic_run_warms_up_the_critic_and_its_value_loss_falls(full_run):
 
 
 @pytest.mark.devices(4)
+@pytest.mark.slow
 def test_ppo_critic_run_resumes_exactly(full_run, tmp_path):
   """Checkpoint 2 of the 4-step run, restored into a new controller that runs 2 more: its metrics and
   its critic's final params equal the uninterrupted run's, bit for bit."""

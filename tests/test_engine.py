@@ -437,7 +437,7 @@ def test_a_second_engine_of_the_same_configuration_reuses_the_programs(model, gr
   assert other.programs is not first.programs
 
 
-@pytest.mark.parametrize("prompt_len, R", [(128, 512), (1024, 4096)])
+@pytest.mark.parametrize("prompt_len, R", [(128, 512), pytest.param(1024, 4096, marks=pytest.mark.slow)])
 def test_program_count_is_bounded_at_real_shapes(model, prompt_len, R):
   """64 slots, n = 8 samples per prompt (groups of 1 too: a multi-turn episode's next turn), prompts
   up to `prompt_len`, responses up to R: at most 8 programs, all compiled when the engine is built,

@@ -197,6 +197,7 @@ def kl_run(tmp_path_factory):
 
 
 @pytest.mark.devices(4)
+@pytest.mark.slow
 def test_kl_coef_from_the_config_uses_the_initial_policy_as_reference(kl_run):
   """The reference is the initial policy: KL(pi || ref) is 0 at the first step and > 0 once the policy
   moved; it is checkpointed and restored (a resume must not re-anchor it to the resumed policy)."""
@@ -251,6 +252,7 @@ def test_a_reference_of_another_architecture_is_refused(tmp_path):
 
 
 @pytest.mark.devices(4)
+@pytest.mark.slow
 def test_ctrl_c_during_the_warm_start_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
   from llamarl_jax import experiment
 

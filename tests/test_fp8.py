@@ -143,6 +143,7 @@ def test_behaviour_logprobs_are_the_fp8_policys_own(sampler, params, prompts):
   assert 1e-2 < gap.max() < 1.0, gap.max()
 
 
+@pytest.mark.slow
 def test_the_slot_engine_samples_what_the_fp8_sampler_samples(sampler, params, params_b, prompts):
   """Same seed and rows: the fp8 engine's tokens and log-probs are the static fp8 sampler's; with an
   in-flight swap (KV recomputed) every token is the full forward of its own version's fp8 weights.
@@ -174,7 +175,8 @@ def test_the_slot_engine_samples_what_the_fp8_sampler_samples(sampler, params, p
   assert np.abs(lp_a - lp_b)[mask & ~pre].max() > 1e-2  # the versions really differ
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                        pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_the_fused_fp8_decode_samples_what_the_fp8_sampler_samples(model_type, sampler, params, prompts):
   """The paged decode step with the Pallas attention and fp8 weights makes each fp8 GEMM's input in
   one kernel (`Block.decode_fp8`, `fp8_kernels`; Pallas interpret mode here), the attention kernel
@@ -198,6 +200,7 @@ def test_the_fused_fp8_decode_samples_what_the_fp8_sampler_samples(model_type, s
 
 
 @pytest.mark.devices(4)
+@pytest.mark.slow
 def test_lora_push_merges_then_quantises_on_the_generator(params, prompts):
   """A LoRA push moves the fp32 adapters; the generator merges them into its base and quantises the
   merged weights, in one program on its devices: exactly `quantize_params(merge_adapters(...))`, and

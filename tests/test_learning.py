@@ -46,7 +46,7 @@ Margin, 30 points of held-out accuracy:
 
 Runtime (same machine, its 2 cores shared at a load of 3-5): 57-82 s for the run, 25 s more for the
 sign-flipped one, which finds the first's programs in the suite's compilation cache (64 s alone).
-Both are `slow` (`make test-quick` skips them; `make test` runs them).
+Both are `slow` (`make test` skips them; `make test-slow` runs them).
 """
 
 from pathlib import Path

@@ -182,6 +182,7 @@ def test_policy_params_merge_the_adapters(lora_run, base_params):
 
 
 @pytest.mark.devices(4)
+@pytest.mark.slow
 def test_adapters_shard_like_the_matrices_they_adapt_and_train_the_same(lora_run, base_params):
   """fsdp=2 x tp=2, 2 microbatches grouped by length, full remat, log-probs in chunks of 3 positions:
   `a` keeps the adapted matrix's input sharding, `b` its output sharding, and 3 steps land where the
@@ -279,6 +280,7 @@ def test_peft_loads_our_adapter_onto_the_base_as_the_merged_export(tmp_path, bas
   assert np.abs(peft_logits - base_logits).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_another_loss_trains_adapters_with_a_kl_reference(base_params):
   """PPO-clip (the losses differ only in the pure function of the log-probs, `losses.py`; AIPO is
   `lora_run`) with a KL term to the initial policy and an entropy bonus: the KL is exactly 0 at the
@@ -299,6 +301,7 @@ def test_another_loss_trains_adapters_with_a_kl_reference(base_params):
 
 
 @pytest.mark.devices(4)
+@pytest.mark.slow
 def test_lora_run_resumes_exactly_from_a_checkpoint(tmp_path):
   """Lag 1 ('fixed'), trainer fsdp=2 beside a static generator dp=2 (the slot engine's swap to LoRA
   weights: test_engine.py), LoRA dropout on, a base that is no file's

@@ -77,6 +77,7 @@ def test_the_one_gpu_plan_at_llama_1b_shapes(gin_config):
   assert plan.totals() == {"trainer + generator": sum(v for v in parts.values() if v)}
 
 
+@pytest.mark.slow
 def test_the_8b_lora_one_gpu_plan(gin_config):
   """configs/llama3_8b_lora_1gpu.gin without a compile: N = 8.03B (Llama-3.1-8B's count); the frozen
   base in bf16 2N; rank-8 fp32 adapters on every projection (per layer rank x (in + out) of q k v o
@@ -123,6 +124,7 @@ SMALL = ["ModelConfig.hidden_size = 64", "ModelConfig.intermediate_size = 128", 
          "ModelConfig.dtype = 'float32'"]
 
 
+@pytest.mark.slow
 def test_the_script_compiles_the_step_and_more_microbatches_shrink_its_activations(monkeypatch, capsys):
   """scripts/memory_plan.py on this machine's devices: XLA's analysis of the compiled step; 16 rows in
   8 microbatches of 2 hold a quarter of the activations of 2 microbatches of 8 (the activations scale
@@ -184,6 +186,7 @@ def test_the_one_gpu_configs_share_one_device_and_the_planned_pool(monkeypatch, 
 
 @pytest.mark.devices(5)
 @pytest.mark.parametrize("case", ["plain", "dp_not_dividing_rows", "multi_turn"])
+@pytest.mark.slow
 def test_the_planned_kv_pool_is_what_the_controllers_engine_allocates(tmp_path, case):
   """The plan's KV pool (bytes per generator device) against the pool the Controller's slot engine
   allocates. plain: 8 rows on one generator device, first prompts up to 256 - 6 = 250 tokens, prompt
@@ -225,6 +228,7 @@ def test_the_planned_kv_pool_is_what_the_controllers_engine_allocates(tmp_path, 
 
 
 @pytest.mark.devices(6)
+@pytest.mark.slow
 def test_the_reward_models_part_is_what_it_allocates_on_its_own_devices(tmp_path):
   """A reward model on devices of its own (reward dp 1 x tp 2 after a trainer of 2 and a generator of 2):
   the plan's weights per device equal the bytes a loaded `RewardModel` holds on one of its devices

@@ -43,7 +43,8 @@ def right_padded(lengths, vocab, seed):
   return tokens, mask
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("all_sparse", "sparse_step") else n
+                                  for n in sorted(CONFIGS)])
 def test_logits_match_transformers(make_hf_model, name):
   """The model's forward (layers unrolled) and the trainer's (`scan_hidden_states`: layers under scan,
   one scan per run of dense or sparse layers) both equal transformers' logits at every real position."""
@@ -111,6 +112,7 @@ def test_round_trip_through_transformers(make_hf_model, tmp_path, name):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_train_step_adds_the_load_balancing_loss(make_hf_model):
   """A MoE trainer step reports `loss/moe_aux` equal to transformers' aux_loss over the step's rows
   (prompt then response from position 0, padding excluded) and its total loss is the NLL plus
@@ -154,6 +156,7 @@ def test_train_step_adds_the_load_balancing_loss(make_hf_model):
 # -- decoding ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_static_sampler_and_slot_engine_greedy_equal_transformers_generate(make_hf_model):
   """Greedy decoding of a tiny Qwen3-MoE (sparse, dense, sparse layers) equals transformers'
   `generate` token for token, in the static sampler (left-padded batch, KV cache; behaviour
@@ -240,6 +243,7 @@ def moe_params(config, seed=0):
 
 
 @pytest.mark.devices(8)
+@pytest.mark.slow
 def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
   """3 AIPO steps (+ the load-balancing loss) on fsdp=2 x expert=2 x tp=2 give the one-device run's
   losses, gradient norms (1e-5 relative) and params (1e-5 absolute: fp32, only summation order
@@ -337,6 +341,7 @@ def replay_forward(config, params, batch, replay):
 DISAGREEMENT = 0.028846154
 
 
+@pytest.mark.slow
 def test_routing_replay_gives_the_trainer_the_bf16_generators_routing(bf16_rollouts):
   """A bf16 static sampler records each position's experts; an fp32 trainer forward that replays them
   gives log-probs within bf16 rounding of the behaviour log-probs (max 0.06 measured, bound 0.1),
@@ -368,6 +373,7 @@ def test_routing_replay_gives_the_trainer_the_bf16_generators_routing(bf16_rollo
   assert gap(lp_free).max() > 0.3
 
 
+@pytest.mark.slow
 def test_slot_engine_records_the_static_samplers_routing():
   """The paged slot engine records each position's experts in the static sampler's format
   (`RolloutBatch.routing` `[B, P + R, moe layers, k]`, left-padded prompt then response, -1 where no
@@ -399,6 +405,7 @@ def test_slot_engine_records_the_static_samplers_routing():
   np.testing.assert_allclose(np.asarray(lp)[rm], ours.behaviour_logprobs[rm], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_trainer_replays_either_generators_routing_and_logs_the_disagreement(bf16_rollouts):
   """`TrainerExecutor` steps on the bf16 rollouts of both generators, with and without
   `routing_replay` (lr 0: each trainer keeps its params, so the batches see the same policy): both

@@ -33,7 +33,7 @@ import pytest
 from llamarl_jax.controller import schedule_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # every test starts 2-4 fresh JAX interpreters (`make test-quick` skips them)
+pytestmark = pytest.mark.slow  # every test starts 2-4 fresh JAX interpreters (`make test` skips them)
 TINY = [
     "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",
     "run_experiment.sft = False", "run_experiment.eval_size = 0", "run_experiment.export = False",

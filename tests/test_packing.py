@@ -87,7 +87,8 @@ def trainer_lengths(batch: ScoredBatch) -> np.ndarray:
   return r.prompt_mask.sum(1) + R - np.argmax(r.response_mask[:, ::-1] > 0, axis=1)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [c if c == "gspo_remat" else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in sorted(CASES)])
 def test_packed_step_equals_padded_step(case, params):
   """Loss, metrics and gradient of the packed step are the padded step's; the packed trainer then
   steps a batch that packs into another number of bins with the same one compiled program (the

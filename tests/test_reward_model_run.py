@@ -151,7 +151,7 @@ def _record(obj, name, log):
 
 
 @pytest.mark.parametrize("placement", [
-    "generator",  # on the generator's 2 devices
+    pytest.param("generator", marks=pytest.mark.slow),  # on the generator's 2 devices
     pytest.param("own", marks=pytest.mark.devices(6)),  # its own 2 devices beside trainer 2 + generator 2
     "colocated"])  # trainer and generator on one 2-device mesh, taking turns; the reward model takes turns too
 @pytestmark_devices

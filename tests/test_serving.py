@@ -84,6 +84,7 @@ def test_serving_forward_equals_the_trainers_layout(family):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.slow
 def test_sampler_and_engine_sample_what_the_unfused_layout_samples(prompts, sampling):
   c = tiny("qwen2")
   params = random_params(c)
@@ -121,6 +122,7 @@ def test_the_serving_layout_refuses_lora_and_checkpoints(tmp_path):
 
 
 @pytest.mark.devices(8)
+@pytest.mark.slow
 def test_tensor_parallel_shards_hold_their_own_heads_and_sample_the_same(prompts):
   """Generator TP=2 (data=4 x tp=2, 8 devices): wqkv shards over its KV-head axis, each device's shard
   is the fusion of that device's wq, wk, wv shards (its own heads), and the engine samples what one

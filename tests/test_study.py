@@ -60,6 +60,7 @@ def _controller(setup, run_dir):
 
 
 @pytest.mark.devices(2)
+@pytest.mark.slow
 def test_evaluation_between_steps_leaves_training_unchanged(setup, tmp_path):
   """3 steps with an evaluation after each, then the same 3 steps again from a step-0 checkpoint
   without evaluations (one controller: its compiled functions serve both runs): identical metrics."""

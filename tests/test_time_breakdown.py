@@ -148,6 +148,7 @@ def test_wandb_offline_holds_the_runs_config_rows_breakdown_and_plan(one_gpu_run
 
 
 @pytest.mark.devices(2)
+@pytest.mark.slow
 def test_a_synchronous_runs_generation_part_is_the_engines_own_time(tmp_path):
   """Lag 0: the trainer waits for each batch while the slot engine generates it, so the step parts'
   generation (`time/wait_generate`, the trainer's wait split by the generator's timeline) equals the

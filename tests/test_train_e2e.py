@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# configs/tiny_cpu.gin: trainer fsdp=2 beside generator dp=2; whole runs (`make test-quick` skips them)
+# configs/tiny_cpu.gin: trainer fsdp=2 beside generator dp=2; whole runs (`slow`: `make test` skips them)
 pytestmark = [pytest.mark.devices(4), pytest.mark.slow]
 SMALL = [
     "ModelConfig.hidden_size = 32", "ModelConfig.intermediate_size = 64", "ModelConfig.num_layers = 2",

@@ -343,6 +343,7 @@ def test_state_dict_roundtrip_resumes_identically(shared_trainer):
   assert trainer.trace_count == 1  # restored arrays carry the trainer's shardings: no recompile
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_master_params(bf16_ppo_run, reference_run):
   """bf16 matmuls, fp32 master params: the first update matches the fp32 run's to bf16 precision.
 
@@ -356,6 +357,7 @@ def test_bf16_compute_keeps_fp32_master_params(bf16_ppo_run, reference_run):
   np.testing.assert_allclose(m["train/grad_norm"], reference_run["metrics"][0]["train/grad_norm"], rtol=5e-2)
 
 
+@pytest.mark.slow
 def test_ppo_clip_with_reference_kl(bf16_ppo_run, model_params):
   """The loss is chosen by name; a reference model on the same mesh adds a KL term (0 at the start)."""
   m0, m1 = bf16_ppo_run["metrics"]
@@ -366,6 +368,7 @@ def test_ppo_clip_with_reference_kl(bf16_ppo_run, model_params):
     TrainerExecutor(CONFIG, one_device_mesh(), model_params[1], loss="decoupled_ppo")
 
 
+@pytest.mark.slow
 def test_sequence_level_correction_accumulates_exactly_over_microbatches(model_params):
   """MIS rejects whole sequences (a row never straddles microbatches): 4 microbatches give the
   one-batch loss and gradient norm, and the per-sequence rejection rate is weighted by sequences.
@@ -457,6 +460,7 @@ def grouped_runs(model_params):
 
 
 @pytest.mark.timeout(900)  # 12 programs to compile: minutes on 2 busy CPU cores
+@pytest.mark.slow
 def test_grouped_step_equals_ungrouped(grouped_runs):
   """The same loss, metrics, gradient and update with the rows grouped by length: each microbatch's
   loss is weighted by its share of the whole batch's sequences, whichever rows it holds. Step 2
@@ -485,6 +489,7 @@ def test_grouped_step_equals_ungrouped(grouped_runs):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_grouped_compiles_one_program_per_width(grouped_runs):
   """Batches with other length mixes compile only the widths not seen yet: one microbatch program per
   width, the lengths, prepare and apply programs once each. Every width is a rung of the ladder (18
