@@ -28,7 +28,7 @@ the same step with one layer, over the other layers). "fp8, lm_head fp8": the fp
 with an error when a decoder layer launches more (the check of the kernel budget; a CPU-only install
 cannot run it).
 
-    python -m scripts.bench_fp8 --step_costs 1b,8b --max_kernels_per_layer 10   # 2026-11-28: 8.5 bf16, 9.0 fp8
+    python -m scripts.bench_fp8 --step_costs 1b,8b --max_kernels_per_layer 10   # 2026-11-28: 8.5 bf16, 9.0 fp8 (+ lm_head)
 """
 
 import argparse
