@@ -213,8 +213,9 @@ class GeneratorConfig(_Validated):
   KV slots beyond `slots`: prompts prefilled ahead that decode chunks admit on device as rows finish.
   Both: `dtype` of the weights; `quantize` None or 'fp8' (the projections in float8_e4m3fn with
   per-output-channel scales, computed as fp8 GEMMs; the trainer quantises before the wire, or the
-  generator after a LoRA merge: `model.fp8`); `delay_s` emulates a slower remote engine per batch
-  (benchmarks, overlap tests)."""
+  generator after a LoRA merge: `model.fp8`); `quantize_lm_head` with 'fp8' the lm_head in fp8 too (a
+  scale per vocabulary row; tied embeddings: an fp8 copy for the logits, the lookup in `dtype`);
+  `delay_s` emulates a slower remote engine per batch (benchmarks, overlap tests)."""
   engine: str = "slots"
   slots: int = 0
   chunk_steps: int = 16
@@ -227,6 +228,7 @@ class GeneratorConfig(_Validated):
   recompute_kv: bool = False
   dtype: str = "float32"
   quantize: str | None = None
+  quantize_lm_head: bool = False
   delay_s: float = 0.0
   RULES: ClassVar = {"engine": one_of(*GENERATOR_ENGINES), "slots": at_least(0), "chunk_steps": at_least(1),
                      "kv_block_size": at_least(1), "chunks_in_flight": at_least(1),
@@ -238,6 +240,13 @@ class GeneratorConfig(_Validated):
                          "None or 'fp8' ('fp8': weights in float8_e4m3fn decoded as fp8 GEMMs, the only "
                          "quantised generator; there is no 'int8')"),
                      "delay_s": at_least(0.0)}
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.quantize_lm_head and self.quantize != "fp8":
+      raise ConfigError(f"GeneratorConfig.quantize_lm_head = True puts the lm_head of the fp8 generator in fp8; it "
+                        f"needs GeneratorConfig.quantize = 'fp8' (got {self.quantize!r}): set quantize = 'fp8' or "
+                        "quantize_lm_head = False")
 
 
 @dataclass(frozen=True)
@@ -606,7 +615,8 @@ class RunConfig(_Validated):
                     "seed": r.seed,
                     **({"overlong": dataclasses.asdict(r.overlong)} if r.overlong.enabled else {}),
                     **({"dynamic_sampling": dataclasses.asdict(r.dynamic_sampling)} if r.dynamic_sampling else {})},
-        "generator": {"dtype": str(g.dtype), "quantize": g.quantize},
+        "generator": {"dtype": str(g.dtype), "quantize": g.quantize,
+                      **({"quantize_lm_head": True} if g.quantize_lm_head else {})},
         "reward": self.reward.name,
         **({"reward_model": {k: getattr(self.reward, k) for k in ("model_path", "model_weight", "rule_weight",
                                                                   "model_gate", "model_normalize", "model_dtype")}}
@@ -639,6 +649,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "engine_paged_attention": ("generator", "paged_attention"),
     "engine_min_decode_width": ("generator", "min_decode_width"), "engine_staged_slots": ("generator", "staged_slots"),
     "generator_dtype": ("generator", "dtype"), "quantize": ("generator", "quantize"),
+    "quantize_lm_head": ("generator", "quantize_lm_head"),
     "generator_delay_s": ("generator", "delay_s"),
     **{k: ("train", k) for k in ("loss", "loss_kwargs", "reference_path", "optimizer", "microbatches", "remat",
                                  "checkpoint_every", "keep_checkpoints", "attention", "logprob_chunk",

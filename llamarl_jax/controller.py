@@ -118,7 +118,8 @@ class Controller:
     self.sampler = self.env = None
     if self.is_generator:
       gen_config = model_config.replace(param_dtype=g.dtype, dtype=g.dtype)
-      self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize)
+      self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize,
+                             quantize_lm_head=g.quantize_lm_head)
       ex.reward = reward if reward is not None else RewardExecutor(
           config.reward.fn, num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
       if config.reward.model_path:
@@ -143,7 +144,7 @@ class Controller:
 
       plan = weight_plan(model_config, shapes, axes, gen_shardings, self.trainer_mesh, self.generator_mesh,
                          dtype=self.generator_dtype, lora=t.lora, base=lambda: ex.trainer.base_params,
-                         quantize=g.quantize)
+                         quantize=g.quantize, quantize_lm_head=g.quantize_lm_head)
       ex.mp = Context(self.roles, plan, self.trainer_mesh, self.generator_mesh)
     else:
       ex.weights = WeightSync.for_run(config, model_config, axes, gen_shardings, self.generator_mesh,
@@ -301,7 +302,7 @@ class Controller:
                           self.mp.weights.shapes, self.mp.weights.wire_src)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, self.generator_dtype), self._model_shapes)
     if self.ex.weights.quantize:
-      shapes = fp8.quantized_shapes(self._model_shapes, self.generator_dtype)
+      shapes = fp8.quantized_shapes(self._model_shapes, self.generator_dtype, lm_head=self.ex.weights.quantize_lm_head)
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                         shapes, self.ex.weights.out_shardings)
 

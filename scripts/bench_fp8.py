@@ -23,12 +23,12 @@ by the next kernel) and with the decode programs' options (`slot_programs.DECODE
 what the engine compiles). Bytes: `decode_step_cost`'s (XLA's cost analysis of the GPU's fusions,
 gathers and scatters charged what they touch); kernels: `paged.kernel_counts`, "kernels / layers"
 all of them over the layers, "per layer" a decoder layer's own (the step's count minus the count of
-the same step with one layer, over the other layers). "lm_head fp8 too": the fp8 step's bytes with
-the lm_head's bytes as an fp8 GEMM instead of the generator dtype's (the lm_head compiled alone both
-ways; the generator keeps it in its dtype). --max_kernels_per_layer N exits with an error when a
-decoder layer launches more (the check of the kernel budget; a CPU-only install cannot run it).
+the same step with one layer, over the other layers). "fp8, lm_head fp8": the fp8 generator with
+`quantize_lm_head` (the logits an fp8 GEMM; decode options only). --max_kernels_per_layer N exits
+with an error when a decoder layer launches more (the check of the kernel budget; a CPU-only install
+cannot run it).
 
-    python -m scripts.bench_fp8 --step_costs 1b,8b --max_kernels_per_layer 10   # 2026-11-28: 8.5 bf16, 9.0 fp8
+    python -m scripts.bench_fp8 --step_costs 1b,8b --max_kernels_per_layer 10   # 2026-11-28: 8.5 bf16, 9.0 fp8 (+ lm_head)
 """
 
 import argparse
@@ -57,42 +57,6 @@ def block_dequantized(w, n_in, block=128):
   return back.reshape(shape), kb * mb
 
 
-def lm_head_bytes(config, slots, mesh):
-  """Bytes of the lm_head and a greedy sampler's passes over its logits (hidden states `[slots, E]` ->
-  fp32 logits `[slots, vocab]` -> argmax, logsumexp) compiled for `mesh`'s device with the decode
-  programs' options: with the lm_head as the generator computes it (generator dtype) and as an fp8
-  GEMM (the weight per vocabulary column, the rows per token: `model.fp8`'s scheme). Returns (bf16,
-  fp8)."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  from llamarl_jax.generation import paged
-  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
-  from llamarl_jax.model import fp8
-
-  E, V, dt = config.hidden_size, config.vocab_size, jnp.dtype(config.dtype)
-  repl = NamedSharding(mesh, P())
-
-  # the logits' consumers as greedy decoding has them (the token, its log-prob's normaliser): the
-  # fp8 product's scales fuse into them as they do in the step
-  sample = lambda logits: (jnp.argmax(logits, axis=-1), jax.nn.logsumexp(logits, axis=-1))
-
-  def quantized(x, w, scale):
-    xq, sx = fp8.quantize_rows(x)
-    return sample(jax.lax.dot_general(xq, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-                  * sx * scale)
-
-  plain = lambda x, w: sample(jnp.einsum("be,ev->bv", x, w, preferred_element_type=jnp.float32))
-  x = jax.ShapeDtypeStruct((slots, E), dt)
-  out = []
-  for f, args in ((plain, (x, jax.ShapeDtypeStruct((E, V), dt))),
-                  (quantized, (x, jax.ShapeDtypeStruct((E, V), fp8.FP8), jax.ShapeDtypeStruct((V,), jnp.float32)))):
-    compiled = compile_lowered(jax.jit(f, in_shardings=repl, out_shardings=repl).lower(*args), DECODE_COMPILER_OPTIONS)
-    out.append(paged.compiled_bytes_accessed(compiled)[0])
-  return tuple(out)
-
-
 def step_costs(sizes, slots=64, max_kernels_per_layer=None):
   """The --step_costs table (see the module docstring); returns its rows as dicts."""
   import jax
@@ -113,38 +77,35 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
   print("| shapes | weights | GEMMs compiled with | bytes / step | fp8 / bf16 | ideal (weights + live KV) | "
         "kernels (GEMMs) | kernels / layers | per layer |")
   print("|---|---|---|---|---|---|---|---|---|")
+  # (label, Sampler's quantize, quantize_lm_head); the fp8 lm_head with the decode options only
+  weights = (("bf16", None, False), ("fp8", "fp8", False), ("fp8, lm_head fp8", "fp8", True))
   rows, over = [], []
   for size in sizes:
     config = config_from_hf(bench_generate.hf_config(size).to_dict(), dtype=jax.numpy.bfloat16)
     bf16 = {}
     for options, label in (({}, "xla defaults"), (None, "decode options")):
-      for quantize in (None, "fp8"):
-        sampler = Sampler(config, mesh, quantize=quantize)
-        programs = SlotPrograms(config, sampler, num_slots=slots, pad_id=0, max_prompt_len=Pm, chunk_steps=16,
-                                sampling=SamplingParams(temperature=0, max_new_tokens=T - Pm), kv_block_size=16)
-        c = programs.decode_step_cost(prompt, live - prompt, compiler_options=options)
+      for name, quantize, head in weights:
+        if head and options is not None:
+          continue
+
+        def programs(cfg):
+          return SlotPrograms(cfg, Sampler(cfg, mesh, quantize=quantize, quantize_lm_head=head), num_slots=slots,
+                              pad_id=0, max_prompt_len=Pm, chunk_steps=16, kv_block_size=16,
+                              sampling=SamplingParams(temperature=0, max_new_tokens=T - Pm))
+        c = programs(config).decode_step_cost(prompt, live - prompt, compiler_options=options)
         # a layer's kernels: the step's minus the same step's with one layer, over the other layers
-        one = dataclasses.replace(config, num_layers=1)
-        c1 = SlotPrograms(one, Sampler(one, mesh, quantize=quantize), num_slots=slots, pad_id=0, max_prompt_len=Pm,
-                          chunk_steps=16, sampling=SamplingParams(temperature=0, max_new_tokens=T - Pm),
-                          kv_block_size=16).decode_step_cost(prompt, live - prompt, compiler_options=options)
+        c1 = programs(dataclasses.replace(config, num_layers=1)).decode_step_cost(prompt, live - prompt,
+                                                                                  compiler_options=options)
         per_layer = (c["kernels"]["total"] - c1["kernels"]["total"]) / (config.num_layers - 1)
         ratio = "" if quantize is None else f"{c['bytes'] / bf16[label]:.2f}x"
         bf16.setdefault(label, c["bytes"])
-        print(f"| {size} | {quantize or 'bf16'} | {label} | {c['bytes'] / 1e9:.3f} GB | {ratio} | "
+        print(f"| {size} | {name} | {label} | {c['bytes'] / 1e9:.3f} GB | {ratio} | "
               f"{c['ideal'] / 1e9:.3f} GB | {c['kernels']['total']} ({c['kernels']['gemm']}) | "
               f"{c['kernels']['total'] / config.num_layers:.1f} | {per_layer:.1f} |", flush=True)
-        rows.append(dict(size=size, quantize=quantize, options=label, bytes=c["bytes"], ideal=c["ideal"],
-                         kernels=c["kernels"], kernels_per_layer=per_layer))
+        rows.append(dict(size=size, quantize=quantize, lm_head=head, options=label, bytes=c["bytes"],
+                         ideal=c["ideal"], kernels=c["kernels"], kernels_per_layer=per_layer))
         if options is None and max_kernels_per_layer is not None and per_layer > max_kernels_per_layer:
-          over.append(f"{size} {quantize or 'bf16'}: {per_layer:.1f} kernels per layer")
-    head_bf16, head_fp8 = lm_head_bytes(config, slots, mesh)
-    total = rows[-1]["bytes"] - head_bf16 + head_fp8
-    print(f"| {size} | fp8, lm_head fp8 too (the lm_head compiled alone: {head_bf16 / 1e9:.3f} -> "
-          f"{head_fp8 / 1e9:.3f} GB) | decode options | {total / 1e9:.3f} GB | {total / bf16['decode options']:.2f}x "
-          f"| | | | |", flush=True)
-    rows.append(dict(size=size, quantize="fp8+lm_head", options="decode options", bytes=total,
-                     lm_head_bytes=(head_bf16, head_fp8)))
+          over.append(f"{size} {name}: {per_layer:.1f} kernels per layer")
   if over:
     raise SystemExit(f"over the budget of {max_kernels_per_layer} kernels per layer: " + "; ".join(over))
   return rows

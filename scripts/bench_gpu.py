@@ -13,7 +13,8 @@ Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
               (B4, T2048, 32/8 heads, head dim 64): XLA with a mask, XLA causal, cuDNN causal
   decode      greedy decode per step at B16 / B64 / B256 (prompt 128) vs the HBM roofline
               (scripts/bench_generate: weights + mean valid KV bytes per step / step / peak bandwidth),
-              with the weights in the compute dtype and in fp8 (GeneratorConfig.quantize='fp8')
+              with the weights in the compute dtype and in fp8 (GeneratorConfig.quantize='fp8'; with
+              --fp8_lm_head the fp8 rows' lm_head in fp8 too, GeneratorConfig.quantize_lm_head)
   transformers the same weights in transformers (bf16, `generate`, dynamic cache, no torch.compile),
               decode per step at B64; skipped when torch has no CUDA
   engine      slot engine vs static sampler on a long-tail workload and one of equal lengths (every slot
@@ -295,16 +296,18 @@ def decode_section(cfg, env, args) -> dict:
   peak_bw = args.peak_bandwidth or env["peak_bandwidth"] or 0.0
   rng = np.random.RandomState(0)
   rows = []
+  labels = {None: jnp.dtype(args.dtype).name, "fp8": "fp8+lm_head" if args.fp8_lm_head else "fp8"}
   for quantize in (None, "fp8"):  # the generator's weights in the compute dtype, then in fp8 (fp8 GEMMs)
     for B in cfg["decode_batches"]:
       prompts = rng.randint(1, config.vocab_size, (B, P)).tolist()
-      ours = bench_generate.our_runner(config, model, prompts, quantize=quantize)
+      ours = bench_generate.our_runner(config, model, prompts, quantize=quantize,
+                                       quantize_lm_head=bool(quantize) and args.fp8_lm_head)
       ours(R), ours(1)  # compile both lengths
       full, one = bench_generate.best_times([lambda: ours(R), lambda: ours(1)], cfg["repeats"])
       step = (full - one) / (R - 1)
       frac = (bench_generate.decode_roofline(config, B, P, R, step, jnp.dtype(args.dtype).itemsize, peak_bw,
                                              weight_bytes=ours.weight_bytes) if peak_bw else None)
-      rows.append({"weights": quantize or jnp.dtype(args.dtype).name, "batch": B, "step_ms": step * 1e3,
+      rows.append({"weights": labels[quantize], "batch": B, "step_ms": step * 1e3,
                    "tokens_per_s": B / step, "roofline": frac, "weight_bytes": ours.weight_bytes})
   vocab, d, f, layers, heads, kv = bench_generate.SIZES[name]
   shape = dict(name=name, layers=layers, hidden=d, heads=heads, kv_heads=kv, intermediate=f, vocab=vocab, tied=False)
@@ -678,6 +681,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", default="results/bench_gpu", help="directory for bench_gpu.md and bench_gpu.json")
   parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {SECTIONS}")
   parser.add_argument("--dry_run", action="store_true", help="toy sizes on any backend (tests the script)")
+  parser.add_argument("--fp8_lm_head", action="store_true", help="decode: the fp8 rows' lm_head in fp8 too")
   parser.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16; float32 with --dry_run)")
   parser.add_argument("--peak_tflops", type=float, default=None, help="override the device's dense bf16 peak")
   parser.add_argument("--peak_bandwidth", type=float, default=None, help="override the device's HBM bytes/s")

@@ -238,12 +238,13 @@ def test_resumed_synchronous_run_reproduces_uninterrupted_metrics(policy, tokeni
 @pytest.mark.slow
 def test_fp8_generator_weights_kept_in_a_checkpoint_restore_bit_for_bit(policy, tokenizer, tmp_path):
   """At lag 1 a checkpoint holds the generator weights of the version the next batch is generated
-  with; with fp8 they are the quantised tree (float8_e4m3fn projections, fp32 scales), restored as
-  saved, and the resumed run goes on."""
+  with; with fp8 they are the quantised tree (float8_e4m3fn projections, fp32 scales; with
+  `quantize_lm_head` the fp8 copy of the tied embedding for the logits too), restored as saved, and
+  the resumed run goes on."""
   import jax
   import jax.numpy as jnp
 
-  kw = dict(max_policy_lag=1, seed=3, checkpoint_every=2, quantize="fp8")
+  kw = dict(max_policy_lag=1, seed=3, checkpoint_every=2, quantize="fp8", quantize_lm_head=True)
   first = make_controller(policy, tokenizer, tmp_path, **kw)
   try:
     first.run(2)
@@ -251,6 +252,7 @@ def test_fp8_generator_weights_kept_in_a_checkpoint_restore_bit_for_bit(policy, 
   finally:
     first.close()
   assert saved and all(p["layers"][0]["attn"]["wq"].dtype == jnp.float8_e4m3fn for p in saved.values())
+  assert all(p["lm_head"].dtype == jnp.float8_e4m3fn and p["embed"].dtype == jnp.float32 for p in saved.values())
   second = make_controller(policy, tokenizer, tmp_path, **kw)
   try:
     assert second.restore_checkpoint() == 2 and second.state.kept and set(second.state.kept) <= set(saved)

@@ -14,6 +14,14 @@ Tolerances:
 - against the unquantised policy they differ (over the whole vocabulary at temperature 0.8): e4m3's
   4 significant bits per weight and activation move a token's log-prob by 0.075 nats on average on
   this 32-wide model, 0.29 at most (measured); asserted > 1e-2 and < 1 nat at the largest token.
+- the fp8 lm_head (`quantize_lm_head`, tied embeddings as Llama-3.2-1B's): behaviour log-probs against
+  the teacher-forced fp8 trunk's final hidden states quantised per row (ml_dtypes' e4m3 rounding)
+  times the de-quantised lm_head in float64: the hidden states agree with decode's as above, the
+  32-term product differs by fp32 accumulation (~1e-7 relative), so 1e-4 as above (measured: at most
+  3.2e-7). Against the fp8 policy with the lm_head in the generator dtype they differ by the head's
+  own rounding: 0.013 nats at most, 0.003 on average over the whole vocabulary (small: the embedding's
+  init std 0.02 gives small logits), against ~1e-6 for two computations of one head; asserted
+  > 1e-3 and < 1 nat.
 """
 
 import jax
@@ -30,10 +38,12 @@ from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups
 from llamarl_jax.model import fp8, lora as lora_lib
 from llamarl_jax.model.llama import WeightLayout, abstract_model, merge_params, split_params
 from llamarl_jax.model.serving import serving_params
+from sequence_layout import sequence_layout
 from test_sampler import R, full_forward_logits, intended_logprobs
 from test_serving import random_params, tiny
 
 CONFIG = tiny()
+TIED = tiny(tie_word_embeddings=True)  # the fp8 lm_head's case: a copy of the embedding for the logits
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=R, n=2, seed=5)
 FUSED_FP8 = WeightLayout(fused_qkv=True, fused_mlp=True, fp8=True)
 
@@ -43,11 +53,27 @@ def params():
   return random_params(CONFIG)
 
 
-@pytest.fixture(scope="module")
-def params_b(params):
-  """Version 1: the weights perturbed by 20% multiplicative noise."""
+def perturbed(params):
+  """The weights perturbed by 20% multiplicative noise."""
   rng = np.random.RandomState(1)
   return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) * (1 + 0.2 * rng.randn(*x.shape)), x.dtype), params)
+
+
+@pytest.fixture(scope="module")
+def params_b(params):
+  """Version 1."""
+  return perturbed(params)
+
+
+@pytest.fixture(scope="module")
+def tied_params():
+  return random_params(TIED)
+
+
+@pytest.fixture(scope="module")
+def head_sampler():
+  """fp8 projections and an fp8 lm_head, tied embeddings."""
+  return Sampler(TIED, quantize="fp8", quantize_lm_head=True, batch_multiple=8)
 
 
 @pytest.fixture(scope="module")
@@ -144,20 +170,27 @@ def test_behaviour_logprobs_are_the_fp8_policys_own(sampler, params, prompts):
 
 
 @pytest.mark.slow
-def test_the_slot_engine_samples_what_the_fp8_sampler_samples(sampler, params, params_b, prompts):
+@pytest.mark.parametrize("lm_head", [False, True], ids=["dtype_head", "fp8_head"])
+def test_the_slot_engine_samples_what_the_fp8_sampler_samples(lm_head, request, prompts):
   """Same seed and rows: the fp8 engine's tokens and log-probs are the static fp8 sampler's; with an
   in-flight swap (KV recomputed) every token is the full forward of its own version's fp8 weights.
-  The program set stays the engine's (at most 8 programs)."""
-  eng = SlotEngine(CONFIG, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
-                   kv_block_size=4, quantize="fp8")
-  assert eng.sampler.layout.fp8 and eng.programs.num_compiled <= 8
+  The program set stays the engine's (at most 8 programs). fp8_head: the fp8 lm_head (tied
+  embeddings), version 1 arriving with its head quantised on the trainer."""
+  config = TIED if lm_head else CONFIG
+  sampler = request.getfixturevalue("head_sampler" if lm_head else "sampler")
+  params = request.getfixturevalue("tied_params" if lm_head else "params")
+  params_b = perturbed(params) if lm_head else request.getfixturevalue("params_b")
+  eng = SlotEngine(config, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+                   kv_block_size=4, quantize="fp8", quantize_lm_head=lm_head)
+  assert eng.sampler.layout.fp8 and eng.sampler.layout.fp8_lm_head == lm_head and eng.programs.num_compiled <= 8
   static = sampler.generate(params, prompts, SAMPLED)
   batch = eng.generate(params, prompts, SAMPLED)
   for name in ("response_tokens", "lengths", "finish_reason"):
     np.testing.assert_array_equal(getattr(batch, name), np.asarray(getattr(static, name)), err_msg=name)
   np.testing.assert_allclose(batch.behaviour_logprobs, static.behaviour_logprobs, atol=1e-5, rtol=0)
 
-  wire = jax.jit(fp8.quantize_params)(params_b)  # version 1 arrives quantised, as a push delivers it
+  # version 1 arrives quantised, as a push delivers it
+  wire = jax.jit(lambda p: fp8.quantize_params(p, lm_head=lm_head))(params_b)
   eng.swap(params, 0)
   eng.submit(prompts[:2], seed=5)
   groups = eng.step()
@@ -181,13 +214,17 @@ def test_the_fused_fp8_decode_samples_what_the_fp8_sampler_samples(model_type, s
   """The paged decode step with the Pallas attention and fp8 weights makes each fp8 GEMM's input in
   one kernel (`Block.decode_fp8`, `fp8_kernels`; Pallas interpret mode here), the attention kernel
   reading q from the Q/K/V GEMM's output (with Qwen2's bias; Qwen3's q/k norms: q given): the
-  static fp8 sampler's tokens and log-probs (1e-5: fp32 summation order, as the unfused engine)."""
+  static fp8 sampler's tokens and log-probs (1e-5: fp32 summation order, as the unfused engine).
+  Qwen3 here with tied embeddings and the fp8 lm_head (`quantize_lm_head`) after the fused layers."""
   from llamarl_jax.model.paged_attention import target_platform
-  config = CONFIG if model_type == "llama" else tiny(model_type)
+  head = model_type == "qwen3"
+  config = CONFIG if model_type == "llama" else tiny(model_type, tie_word_embeddings=head)
   if model_type != "llama":
-    params, sampler = random_params(config), Sampler(config, quantize="fp8", batch_multiple=8)
+    params = random_params(config)
+    sampler = Sampler(config, quantize="fp8", quantize_lm_head=head, batch_multiple=8)
   eng = SlotEngine(config, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
-                   kv_block_size=4, quantize="fp8", paged_attention="pallas")
+                   kv_block_size=4, quantize="fp8", quantize_lm_head=head, paged_attention="pallas")
+  assert eng.sampler.layout.fp8_lm_head == head
   with target_platform("cpu", "pallas"):
     assert abstract_model(config, eng.sampler.layout).fused_fp8_decode()
   with target_platform("cpu", "dot"):
@@ -203,8 +240,9 @@ def test_the_fused_fp8_decode_samples_what_the_fp8_sampler_samples(model_type, s
 @pytest.mark.slow
 def test_lora_push_merges_then_quantises_on_the_generator(params, prompts):
   """A LoRA push moves the fp32 adapters; the generator merges them into its base and quantises the
-  merged weights, in one program on its devices: exactly `quantize_params(merge_adapters(...))`, and
-  the sampler's log-probs are that fp8 policy's."""
+  merged weights, the (untied) lm_head too (`quantize_lm_head`), in one program on its devices:
+  exactly `quantize_params(merge_adapters(...), lm_head=True)`, and the sampler's log-probs are that
+  fp8 policy's."""
   lora = LoraConfig(rank=4, alpha=8.0)
   trainer_mesh, gen_mesh = parallel.make_meshes(trainer_fsdp=2, generator_dp=2)
   abstract = abstract_model(CONFIG)
@@ -212,22 +250,56 @@ def test_lora_push_merges_then_quantises_on_the_generator(params, prompts):
   adapters = jax.tree.map(lambda s: 0.05 * np.random.RandomState(s.size % 97).randn(*s.shape).astype(np.float32),
                           lora_lib.adapter_shapes(CONFIG, lora))
   sync = WeightSync(parallel.param_shardings(split_params(abstract)[1], axes, gen_mesh), dtype=jnp.float32,
-                    quantize="fp8", lora_scale=lora_lib.scale(lora), base=lambda: params,
+                    quantize="fp8", quantize_lm_head=True, lora_scale=lora_lib.scale(lora), base=lambda: params,
                     adapter_shardings=parallel.param_shardings(lora_lib.adapter_shapes(CONFIG, lora),
                                                                lora_lib.adapter_axes(axes, lora), gen_mesh))
   metrics = sync.push(jax.device_put(adapters, parallel.param_shardings(adapters, lora_lib.adapter_axes(axes, lora),
                                                                         trainer_mesh)), 1)
   assert metrics["sync/bytes"] == sum(x.nbytes for x in jax.tree.leaves(adapters))  # fp32 adapters only
   got = sync.latest()[0]
-  want = fp8.quantize_params(lora_lib.merge_adapters(params, adapters, lora_lib.scale(lora), jnp.float32))
+  want = fp8.quantize_params(lora_lib.merge_adapters(params, adapters, lora_lib.scale(lora), jnp.float32), lm_head=True)
+  assert got["lm_head"].dtype == fp8.FP8 and got["lm_head_scale"].shape == (CONFIG.vocab_size,)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert a.dtype == b.dtype and a.sharding.mesh == gen_mesh
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  sampler = Sampler(CONFIG, gen_mesh, quantize="fp8")
+  sampler = Sampler(CONFIG, gen_mesh, quantize="fp8", quantize_lm_head=True)
   batch = sampler.generate(got, prompts, SAMPLED)
   np.testing.assert_allclose(batch.behaviour_logprobs, token_logprobs(fp8_model(sampler, want), batch),
                              atol=1e-4, rtol=0)
+
+
+def test_behaviour_logprobs_with_the_fp8_lm_head_are_that_heads_own(head_sampler, tied_params, prompts):
+  """The fp8 lm_head: a float8_e4m3fn copy of the tied embedding with a scale per vocabulary row,
+  the logits an fp8 GEMM of the per-row quantised hidden states; the lookup still reads the embedding
+  in the generator dtype. The behaviour log-probs are that policy's, and not the dtype head's."""
+  placed = head_sampler.place_params(tied_params)
+  np.testing.assert_array_equal(placed["embed"], tied_params["embed"])  # the lookup's table, as it was
+  values, scale = np.asarray(placed["lm_head"], np.float32), np.asarray(placed["lm_head_scale"])
+  assert placed["lm_head"].dtype == fp8.FP8 and values.shape == (32, 67) and scale.shape == (67,)
+  head = values.astype(np.float64) * scale  # the de-quantised head: the embedding within half an e4m3 step
+  table = np.asarray(tied_params["embed"], np.float64).T
+  assert np.all(np.abs(head - table) <= np.maximum(2.0**-4 * np.abs(table), 2.0**-10 * scale) * (1 + 1e-6))
+  np.testing.assert_allclose(fp8.dequantize_params(placed)["lm_head"], head, rtol=1e-6)
+
+  batch = head_sampler.generate(tied_params, prompts, SAMPLED)
+  model = merge_params(head_sampler.graphdef, placed)
+  tokens, positions, mask = sequence_layout(batch.prompt_tokens, batch.prompt_mask, batch.response_tokens,
+                                            batch.response_mask)
+  Pb = batch.prompt_tokens.shape[1]
+  x = np.asarray(model.hidden_states(tokens, positions, attention_mask=mask)[0])[:, Pb - 1:Pb - 1 + R]
+  sx = np.abs(x).max(-1, keepdims=True) / np.float32(448)  # fp32, as `fp8.quantize_rows`
+  xq = (x / sx).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sx
+  logits = xq @ head
+  lp = np.take_along_axis(intended_logprobs(logits, SAMPLED.temperature, SAMPLED.top_k),
+                          np.asarray(batch.response_tokens)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(batch.behaviour_logprobs, lp, atol=1e-4, rtol=0)
+  # the fp8 policy with its lm_head in the generator dtype: the same trunk, another head
+  whole = SamplingParams(temperature=SAMPLED.temperature)
+  own = token_logprobs(model, batch, whole)
+  dtype_head = token_logprobs(fp8_model(Sampler(TIED, quantize="fp8"), tied_params), batch, whole)
+  gap = np.abs(own - dtype_head)
+  assert 1e-3 < gap.max() < 1.0, gap.max()
 
 
 # -- the setting ---------------------------------------------------------------------------------
@@ -239,6 +311,15 @@ def test_quantize_takes_fp8_and_names_it_for_int8():
     GeneratorConfig(quantize="int8")
   with pytest.raises(ValueError, match="quantize must be one of"):
     Sampler(CONFIG, quantize="int8")
+  # the fp8 lm_head is an option of the fp8 generator only, and of a causal LM's head only
+  assert GeneratorConfig(quantize="fp8", quantize_lm_head=True).quantize_lm_head
+  with pytest.raises(ConfigError, match=r"quantize_lm_head = True .* needs GeneratorConfig.quantize = 'fp8' "
+                                        r"\(got None\)"):
+    GeneratorConfig(quantize_lm_head=True)
+  with pytest.raises(ValueError, match="quantize_lm_head=True .* needs quantize='fp8'"):
+    Sampler(CONFIG, quantize_lm_head=True)
+  with pytest.raises(ValueError, match="score-head model .* no lm_head"):
+    Sampler(tiny(num_labels=1), quantize="fp8", quantize_lm_head=True)
   # with LoRA and across processes
   config = RunConfig(generator=GeneratorConfig(quantize="fp8"), train=TrainConfig(lora=LoraConfig(rank=4)))
   config.check_layout(1, 2)

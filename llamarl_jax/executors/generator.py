@@ -498,7 +498,8 @@ def run_generator(sampler: Sampler, tokenizer, prompt_source, sampling: Sampling
                         max_prompt_len=shapes.engine_prompt_len, chunk_steps=g.chunk_steps, pad_id=sampler.pad_id,
                         recompute_kv=g.recompute_kv, kv_block_size=shapes.kv_block_size,
                         chunks_in_flight=g.chunks_in_flight, paged_attention=g.paged_attention,
-                        min_decode_width=g.min_decode_width, staged_slots=shapes.staged_slots, quantize=g.quantize)
+                        min_decode_width=g.min_decode_width, staged_slots=shapes.staged_slots, quantize=g.quantize,
+                        quantize_lm_head=g.quantize_lm_head)
   return GeneratorExecutor(sampler, tokenizer, prompt_source, sampling, prompts_per_step=r.prompts_per_step,
                            max_policy_lag=config.schedule.max_policy_lag,
                            version_schedule=config.schedule.version_schedule, seed=r.seed, delay_s=g.delay_s,

@@ -259,7 +259,8 @@ class SlotEngine:
     and math are per row; tests compare with the static sampler).
   layout: the weights' layout in the programs (`Sampler`'s; default the serving layout, Q/K/V and
     gate/up fused, `model.serving`); `swap` takes the trainer's layout and fuses on the mesh.
-  quantize: None or 'fp8' (`Sampler`'s: the programs compute with fp8 weights, `model.fp8`).
+  quantize: None or 'fp8' (`Sampler`'s: the programs compute with fp8 weights, `model.fp8`);
+    quantize_lm_head: the lm_head in fp8 too (`Sampler`'s).
 
   Driving it: `swap(params, version)`; `submit(prompts, seed=..., version=..., tag=...)`; then
   `step()` until `idle`; each step returns the groups that completed. `generate(params, prompts)`
@@ -273,9 +274,9 @@ class SlotEngine:
                kv_block_size: int = 16, paged_attention: str = "auto", min_decode_width: int | None = None,
                staged_slots: int = 0, prefill_tokens: int = 1024, prompt_bucket_count: int = 3,
                progress: bool = True, rules: Mapping[str, str | None] = parallel.RULES,
-               layout: WeightLayout | None = None, quantize: str | None = None):
+               layout: WeightLayout | None = None, quantize: str | None = None, quantize_lm_head: bool = False):
     self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules, layout=layout,
-                           quantize=quantize)
+                           quantize=quantize, quantize_lm_head=quantize_lm_head)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
     divisor = parallel.batch_divisor(self.mesh)
     if lanes < 1 or lanes % divisor:

@@ -174,15 +174,16 @@ def ideal_step_bytes(config: ModelConfig, live_lengths, dtype=None, params=None)
   """Bytes one decode step must move at least: every weight read once (all matmul weights and the
   lm_head; the embedding table is only gathered: one row per token, not counted) plus each row's
   live keys and values (live positions x layers x 2 x KV x D). params: the step's parameter tree
-  (arrays or avals; e.g. fp8 projections with their scales), its bytes counted as they are; default
-  the config's parameter count in `dtype`. Returns {'weights', 'kv', 'total'}."""
+  (arrays or avals; e.g. fp8 projections with their scales, an fp8 lm_head: with tied embeddings the
+  table is then not read as the lm_head), its bytes counted as they are; default the config's
+  parameter count in `dtype`. Returns {'weights', 'kv', 'total'}."""
   itemsize = jnp.dtype(dtype or config.dtype).itemsize
   c = config
   weights = (c.num_params() - c.vocab_size * c.hidden_size) * itemsize
   if params is not None:
     weights = sum(x.size * jnp.dtype(x.dtype).itemsize for k, v in params.items() if k != "embed"
                   for x in jax.tree.leaves(v))
-  if c.tie_word_embeddings:  # the tied table is read whole as the lm_head
+  if c.tie_word_embeddings and (params is None or "lm_head" not in params):  # the tied table read as the lm_head
     weights += c.vocab_size * c.hidden_size * (itemsize if params is None else jnp.dtype(params["embed"].dtype).itemsize)
   live = float(np.sum(np.asarray(live_lengths, np.int64)))
   kv = live * c.num_layers * 2 * c.num_kv_heads * c.head_dim * itemsize

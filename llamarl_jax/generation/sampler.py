@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from llamarl_jax import parallel
 from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.model import serving
+from llamarl_jax.model import fp8 as fp8_lib
 from llamarl_jax.model.fp8 import QUANTIZATIONS
 from llamarl_jax.model.llama import (HF_LAYOUT, KVCache, Llama, ModelConfig, WeightLayout, abstract_model, merge_params,
                                      split_params)
@@ -251,6 +252,9 @@ class Sampler:
   quantize: None, or 'fp8': the serving weights' projections in float8_e4m3fn with per-output-channel
     scales, computed as fp8 GEMMs (`model.fp8`); `place_params` quantises unquantised params on this
     mesh, after the fusion's inputs are placed, and fuses params that arrive quantised as they are.
+  quantize_lm_head: with quantize='fp8', the lm_head in float8_e4m3fn too (a scale per vocabulary
+    row; tied embeddings: an fp8 copy for the logits, the lookup in the generator dtype), the logits
+    an fp8 GEMM (`model.fp8`); `place_params` quantises it here unless it arrives quantised.
 
   `num_traces` counts how often the prefill/decode functions were traced (= compiled).
   """
@@ -258,9 +262,12 @@ class Sampler:
   def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, pad_id: int = 0,
                prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, batch_multiple: int | None = None,
                rules: Mapping[str, str | None] = parallel.RULES, layout: WeightLayout | None = None,
-               quantize: str | None = None):
+               quantize: str | None = None, quantize_lm_head: bool = False):
     if quantize not in QUANTIZATIONS:
       raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {quantize!r}")
+    if quantize_lm_head and quantize != "fp8":
+      raise ValueError(f"quantize_lm_head=True puts the lm_head of an fp8 generator in fp8; it needs quantize='fp8', "
+                       f"got quantize={quantize!r}")
     self.config = config
     self.mesh = mesh if mesh is not None else parallel.make_mesh(jax.devices()[:1])
     self.pad_id = int(pad_id)
@@ -273,17 +280,24 @@ class Sampler:
 
     self.layout = serving.serving_layout(config, self.mesh, rules) if layout is None else layout
     if quantize == "fp8":
-      self.layout = dataclasses.replace(self.layout, fp8=True)
-    # the layouts params arrive in: the trainer's and checkpoints' (Hugging Face's), and its fp8 form
+      self.layout = dataclasses.replace(self.layout, fp8=True, fp8_lm_head=bool(quantize_lm_head))
+    # the layouts params arrive in: the trainer's and checkpoints' (Hugging Face's), and its fp8 forms
+    # (the lm_head quantised with the projections or not)
     self.hf_shardings = self._shardings(HF_LAYOUT)
-    self.hf_fp8_shardings = self._shardings(WeightLayout(fp8=True)) if self.layout.fp8 else None
+    self.arrival_layouts = (HF_LAYOUT,) if not self.layout.fp8 else (
+        HF_LAYOUT, WeightLayout(fp8=True), *((WeightLayout(fp8=True, fp8_lm_head=True),) if self.layout.fp8_lm_head else ()))
+    self._arrival_shardings = {a: self._shardings(a) for a in self.arrival_layouts[1:]}
     abstract = abstract_model(config, self.layout)
     self.graphdef, shapes = split_params(abstract)
     self.param_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
     self.param_shardings = parallel.param_shardings(shapes, parallel.logical_axes(abstract), self.mesh, rules)
     self._fuse = jax.jit(serving.fuse, out_shardings=serving.fused_part(self.param_shardings))
-    self._quantize = jax.jit(lambda layers: serving.serving_params({"layers": layers}, self.layout)["layers"],
+    layers_layout = dataclasses.replace(self.layout, fp8_lm_head=False)
+    self._quantize = jax.jit(lambda layers: serving.serving_params({"layers": layers}, layers_layout)["layers"],
                              out_shardings=self.param_shardings["layers"])
+    if self.layout.fp8_lm_head:
+      self._quantize_head = jax.jit(fp8_lib.quantize_head, out_shardings=(
+          self.param_shardings[fp8_lib.HEAD], self.param_shardings[fp8_lib.HEAD + fp8_lib.SCALE]))
     kv_spec = parallel.logical_to_spec((None, None, "kv_heads", "head_dim"),
                                        (1, 1, config.num_kv_heads, config.head_dim), self.mesh, rules)
     self.cache_sharding = NamedSharding(self.mesh, P(parallel.BATCH_AXES, *kv_spec[1:]))
@@ -371,13 +385,19 @@ class Sampler:
       layout = serving.params_layout(params)
       if layout == self.layout:
         return jax.device_put(params, self.param_shardings)
-      if layout not in (HF_LAYOUT, WeightLayout(fp8=self.layout.fp8)):
+      if layout not in self.arrival_layouts:
         raise ValueError(f"params in layout {layout}, this sampler's is {self.layout}")
       if self.layout.fp8 and not layout.fp8:  # quantised and fused on this mesh, in one program
         params = jax.device_put(params, self.hf_shardings)
-        return {**params, "layers": self._quantize(params["layers"])}
-      params = jax.device_put(params, self.hf_fp8_shardings if layout.fp8 else self.hf_shardings)
-      return serving.with_fused(params, self._fuse(serving.fusion_inputs(params, self.layout)), self.layout)
+        params = {**params, "layers": self._quantize(params["layers"])}
+      else:
+        params = jax.device_put(params, self._arrival_shardings.get(layout, self.hf_shardings))
+        params = serving.with_fused(params, self._fuse(serving.fusion_inputs(params, self.layout)), self.layout)
+      if self.layout.fp8_lm_head and not layout.fp8_lm_head:  # the fp8 lm_head made on this mesh
+        values, scale = self._quantize_head({k: params[k] for k in ("embed", fp8_lib.HEAD) if k in params})
+        params = {**{k: v for k, v in params.items() if k != fp8_lib.HEAD}, fp8_lib.HEAD: values,
+                  fp8_lib.HEAD + fp8_lib.SCALE: scale}
+      return params
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(f"params do not match the sampler's model structure ({type(e).__name__}: {e}); expected "
                        "the dict of `split_params(Llama(config))`") from e

@@ -1,9 +1,16 @@
 """The generator's fp8 weights: float8_e4m3fn projections with one fp32 scale per output channel.
 
 Quantised: every projection of a layer (wq, wk, wv, wo, w_gate, w_up, w_down and the serving layout's
-fused wqkv, w_gate_up). Not quantised: embeddings, norms, biases and the lm_head (generator dtype).
-A projection `w` `[*in, *out]` becomes `w` in float8_e4m3fn and `w_scale` `[*out]` fp32 with
-`w ~= w_fp8 * w_scale` (amax over the input axes / 448, e4m3's largest finite value).
+fused wqkv, w_gate_up). Not quantised: embeddings, norms, biases and, by default, the lm_head
+(generator dtype). A projection `w` `[*in, *out]` becomes `w` in float8_e4m3fn and `w_scale` `[*out]`
+fp32 with `w ~= w_fp8 * w_scale` (amax over the input axes / 448, e4m3's largest finite value).
+
+The fp8 lm_head (`quantize_params(..., lm_head=True)`, `GeneratorConfig.quantize_lm_head`): the leaf
+`lm_head` `[embed, vocab]` in float8_e4m3fn and `lm_head_scale` `[vocab]` (one scale per vocabulary
+row), the logits an fp8 GEMM like every projection's. With tied embeddings it is a separate fp8 copy
+of the embedding's transpose, used only for the logits; the embedding lookup keeps `embed` in the
+generator dtype. It is the largest single read of a small model's decode step (Llama-3.2-1B: 263M
+of its 1.24B parameters).
 
 Per output channel, not per block of 128: the scale of an output column is a factor of that column
 of the product (`x @ (q * s) = (x @ q) * s`), so one fp8 GEMM per projection computes it and the
@@ -40,6 +47,7 @@ E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 INPUT_AXES = {"attn": {"wq": 1, "wk": 1, "wv": 1, "wqkv": 1, "wo": 2},
               "mlp": {"w_gate": 1, "w_up": 1, "w_gate_up": 1, "w_down": 1}}
 SCALE = "_scale"  # w's scale is the leaf `w + SCALE` beside it
+HEAD = "lm_head"  # the output projection's leaf (top level of a `split_params` dict)
 
 
 class Rows(NamedTuple):
@@ -125,11 +133,40 @@ def is_quantized(params: dict) -> bool:
   return any(k.endswith(SCALE) for m in ("attn", "mlp") for k in layer[m])
 
 
-def quantize_params(params: dict, dtype=None) -> dict:
+def has_fp8_head(params: dict) -> bool:
+  """Whether a `split_params` dict holds the fp8 lm_head (`lm_head` + `lm_head_scale`)."""
+  return HEAD + SCALE in params
+
+
+def quantize_head(params: dict) -> tuple[Array, Array]:
+  """The lm_head of a `split_params` dict (unquantised) in fp8: (float8_e4m3fn values `[embed, vocab]`,
+  fp32 scales `[vocab]`, one per vocabulary row); from the embedding's transpose where the embeddings
+  are tied (no `lm_head` leaf). Pure, jittable."""
+  if HEAD in params:
+    w = params[HEAD]
+  elif "score" in params:
+    raise ValueError("a score-head model (a `score` leaf, num_labels >= 1) has no lm_head to quantise; serve it "
+                     "with GeneratorConfig.quantize_lm_head = False")
+  else:
+    w = params["embed"].T
+  return quantize_weight(w, 1)
+
+
+def with_fp8_head(params: dict) -> dict:
+  """`params` with the fp8 lm_head (`quantize_head`) in place of the lm_head in its dtype (tied: beside
+  the embedding, which stays); every other leaf the same object. Pure, jittable."""
+  values, scale = quantize_head(params)
+  return {**{k: v for k, v in params.items() if k != HEAD}, HEAD: values, HEAD + SCALE: scale}
+
+
+def quantize_params(params: dict, dtype=None, *, lm_head: bool = False) -> dict:
   """A `split_params` dict (any layout, unquantised) -> the same tree with each layer's projections
-  in fp8 plus their `_scale` leaves; every other leaf cast to `dtype` (None: as it is). Pure, jittable."""
+  in fp8 plus their `_scale` leaves; every other leaf cast to `dtype` (None: as it is). lm_head: the
+  lm_head in fp8 too (`with_fp8_head`; tied embeddings: an fp8 copy beside `embed`). Pure, jittable."""
   cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
-  out = {k: jax.tree.map(cast, v) for k, v in params.items() if k != "layers"}
+  out = {k: jax.tree.map(cast, v) for k, v in params.items() if k != "layers" and not (lm_head and k == HEAD)}
+  if lm_head:
+    out[HEAD], out[HEAD + SCALE] = quantize_head(params)
   layers = {}
   for i, layer in params["layers"].items():
     if "router" in layer.get("mlp", {}):
@@ -144,9 +181,13 @@ def quantize_params(params: dict, dtype=None) -> dict:
 
 def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
   """The weights fp8 params stand for: each projection `values * scale` in `dtype`, the scales
-  dropped (the unquantised layout); other leaves cast to `dtype`."""
+  dropped (the unquantised layout; an fp8 lm_head becomes `lm_head` `[embed, vocab]`, also where the
+  embeddings are tied); other leaves cast to `dtype`."""
   dtype = jnp.dtype(dtype)
-  out = {k: jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items() if k != "layers"}
+  out = {k: jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items()
+         if k != "layers" and k != HEAD + SCALE}
+  if has_fp8_head(params):
+    out[HEAD] = (params[HEAD].astype(jnp.float32) * params[HEAD + SCALE]).astype(dtype)
   layers = {}
   for i, layer in params["layers"].items():
     new = {m: {k: v.astype(dtype) for k, v in layer[m].items() if not k.endswith(SCALE)} for m in layer}
@@ -166,10 +207,14 @@ def _with_scales(tree: dict, scale_of) -> dict:
   return {**tree, "layers": layers}
 
 
-def quantized_shapes(shapes: dict, dtype) -> dict:
-  """`ShapeDtypeStruct`s of `quantize_params(params, dtype)` for params of `shapes` (unquantised)."""
+def quantized_shapes(shapes: dict, dtype, *, lm_head: bool = False) -> dict:
+  """`ShapeDtypeStruct`s of `quantize_params(params, dtype, lm_head=lm_head)` for params of `shapes`
+  (unquantised)."""
   dtype = jnp.dtype(dtype)
   rest = {k: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), v) for k, v in shapes.items() if k != "layers"}
+  if lm_head:
+    V, E = shapes["embed"].shape
+    rest[HEAD], rest[HEAD + SCALE] = jax.ShapeDtypeStruct((E, V), FP8), jax.ShapeDtypeStruct((V,), jnp.float32)
   layers = {}
   for i, layer in shapes["layers"].items():
     new = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), layer)
@@ -181,9 +226,19 @@ def quantized_shapes(shapes: dict, dtype) -> dict:
   return {**rest, "layers": layers}
 
 
-def quantized_shardings(shardings: dict) -> dict:
-  """The shardings of `quantize_params`' output given the unquantised params' (`NamedSharding`s):
-  each scale shards like its projection's output axes."""
+def quantized_shardings(shardings: dict, *, lm_head: bool = False) -> dict:
+  """The shardings of `quantize_params(..., lm_head=lm_head)`'s output given the unquantised params'
+  (`NamedSharding`s): each scale shards like its projection's output axes; a tied model's fp8 lm_head
+  like the embedding's transpose."""
   def scale(s: NamedSharding, n_in: int) -> NamedSharding:
     return NamedSharding(s.mesh, P(*tuple(s.spec)[n_in:]))
-  return _with_scales(shardings, scale)
+  out = _with_scales(shardings, scale)
+  if lm_head:
+    if HEAD in shardings:
+      head = shardings[HEAD]
+    else:
+      embed = shardings["embed"]
+      vocab, dim = (tuple(embed.spec) + (None, None))[:2]
+      head = NamedSharding(embed.mesh, P(dim, vocab))
+    out = {**out, HEAD: head, HEAD + SCALE: scale(head, 1)}
+  return out

@@ -30,6 +30,8 @@ The generator's serving layout (`WeightLayout`, built by `model.serving.serving_
   and w_gate, w_up by w_gate_up [embed, 2, mlp] (one GEMM of 2 * mlp columns, sharded over `mlp`).
   With `WeightLayout.fp8` (the fp8 generator, `model.fp8`) every projection is float8_e4m3fn with a
   `<name>_scale` [*out] fp32 beside it (e.g. wo_scale [embed]) and runs as an fp8 GEMM (`dense`).
+  With `WeightLayout.fp8_lm_head` the model holds lm_head [embed, vocab] in float8_e4m3fn and
+  lm_head_scale [vocab] (tied embeddings too: a copy for the logits; the lookup reads `embed`).
 
 KV cache layout (`KVCache`): per layer `k`, `v` of shape `[batch, max_len, kv_heads, head_dim]`
 in the compute dtype, and `index`: the cache slot the next token is written to. A scalar `index`
@@ -193,6 +195,7 @@ class WeightLayout:
   fused_qkv: bool = False  # wqkv (and bqkv) instead of wq, wk, wv (bq, bk, bv)
   fused_mlp: bool = False  # w_gate_up instead of w_gate, w_up
   fp8: bool = False        # projections in float8_e4m3fn + per-output-channel scales (`model.fp8`)
+  fp8_lm_head: bool = False  # the lm_head in float8_e4m3fn + a scale per vocabulary row (tied: its own copy)
 
 
 HF_LAYOUT = WeightLayout()
@@ -692,7 +695,12 @@ class Llama(nnx.Module):
     self.layers = nnx.List([Block(config, rngs, layout, config.is_moe_layer(i)) for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
     if config.num_labels:
+      if layout.fp8_lm_head:
+        raise ValueError(f"a score-head model ({config.architecture}) has no lm_head to hold in fp8; use "
+                         "WeightLayout(fp8_lm_head=False) (GeneratorConfig.quantize_lm_head = False)")
       self.score = _param(rngs, (config.hidden_size, config.num_labels), ("embed", None), pd)
+    elif layout.fp8_lm_head:  # the logits' own fp8 matrix, tied or not (`model.fp8`)
+      _projection(self, "lm_head", rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd, fp8=True)
     elif not config.tie_word_embeddings:
       self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd)
 
@@ -786,7 +794,10 @@ class Llama(nnx.Module):
 
   def logits(self, x: Array) -> Array:
     """Project hidden states `[..., E]` through the head: fp32 logits `[..., vocab]`, or with a score
-    head (`config.num_labels` >= 1) fp32 scores `[..., num_labels]`."""
+    head (`config.num_labels` >= 1) fp32 scores `[..., num_labels]`. An fp8 lm_head
+    (`WeightLayout.fp8_lm_head`) is an fp8 GEMM (`model.fp8.dense`: x quantised per row)."""
+    if self.layout.fp8_lm_head:
+      return dense(x, self, "lm_head", None, jnp.float32)
     if self.config.num_labels:
       w = self.score[...]
     else:

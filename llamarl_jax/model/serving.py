@@ -14,7 +14,8 @@ the same weights; only GEMM shapes (and so, on some backends, summation blocking
 
 fp8 weights (`WeightLayout.fp8`, `model.fp8`) fuse as they are: a scale per output column is a
 column's own, so the fused matrix's values and scales are the parts' values and scales, placed as
-the columns are (`fuse` treats `wq_scale` [heads, head_dim] like the bias bq).
+the columns are (`fuse` treats `wq_scale` [heads, head_dim] like the bias bq). An fp8 lm_head
+(`WeightLayout.fp8_lm_head`) is not fused with anything: `lm_head` + `lm_head_scale` as quantised.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def params_layout(params: dict) -> WeightLayout:
   """The layout a `split_params` dict is in (read from its first layer's names)."""
   layer = params["layers"][min(params["layers"])]
   return WeightLayout(fused_qkv="wqkv" in layer["attn"], fused_mlp="w_gate_up" in layer["mlp"],
-                      fp8="wo_scale" in layer["attn"])
+                      fp8="wo_scale" in layer["attn"], fp8_lm_head=fp8.has_fp8_head(params))
 
 
 def fusion_inputs(params: dict, layout: WeightLayout) -> dict:
@@ -114,10 +115,13 @@ def with_fused(params: dict, fused: dict, layout: WeightLayout) -> dict:
 def serving_params(params: dict, layout: WeightLayout) -> dict:
   """The serving layout of `params` (a `split_params` dict in the trainer's layout): the same
   weights, Q/K/V and gate/up fused as `layout` says, with `layout.fp8` their projections quantised
-  first (`fp8.quantize_params`; params already in fp8 are fused as they are). Jittable; `HF_LAYOUT`
+  first (`fp8.quantize_params`; params already in fp8 are fused as they are), with
+  `layout.fp8_lm_head` the lm_head too (`fp8.with_fp8_head`, where not yet). Jittable; `HF_LAYOUT`
   returns `params`."""
   if layout.fp8 and not fp8.is_quantized(params):
     params = fp8.quantize_params(params)
+  if layout.fp8_lm_head and not fp8.has_fp8_head(params):
+    params = fp8.with_fp8_head(params)
   if not (layout.fused_qkv or layout.fused_mlp):
     return params
   return with_fused(params, fuse(fusion_inputs(params, layout)), layout)

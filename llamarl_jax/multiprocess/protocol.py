@@ -154,10 +154,10 @@ class Context:
 
 
 def weight_plan(model_config, shapes, axes, gen_shardings, trainer_mesh, generator_mesh, *, dtype, lora=None,
-                base: Callable[[], Any] | None = None, quantize: str | None = None):
+                base: Callable[[], Any] | None = None, quantize: str | None = None, quantize_lm_head: bool = False):
   """The W(v) transfer of a run: trainer params (`shapes`: fp32 structs) -> generator layout in `dtype`
   (`WeightPlan`); with `quantize='fp8'` quantised on the trainer, so fp8 values and their scales cross
-  (`model.fp8`); with LoRA (`lora`: its `LoraConfig`) the adapters every push and the frozen base
+  (`model.fp8`; `quantize_lm_head`: the lm_head too); with LoRA (`lora`: its `LoraConfig`) the adapters every push and the frozen base
   (`base()`: the trainer's) when it changed, merged (and then quantised) on the generator (`LoraPlan`)."""
   from llamarl_jax import parallel
   from llamarl_jax.model import fp8
@@ -166,9 +166,10 @@ def weight_plan(model_config, shapes, axes, gen_shardings, trainer_mesh, generat
 
   plan = WeightPlan(gen_shardings, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes),
                     trainer_mesh, transform=lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
+  head = dict(lm_head=quantize_lm_head)
   if quantize == "fp8" and lora is None:
-    return WeightPlan(fp8.quantized_shardings(gen_shardings), fp8.quantized_shapes(shapes, dtype), trainer_mesh,
-                      transform=lambda p: fp8.quantize_params(p, dtype))
+    return WeightPlan(fp8.quantized_shardings(gen_shardings, **head), fp8.quantized_shapes(shapes, dtype, **head),
+                      trainer_mesh, transform=lambda p: fp8.quantize_params(p, dtype, **head))
   if lora is None:
     return plan
   adapter_shapes = lora_lib.adapter_shapes(model_config, lora)
