@@ -271,6 +271,44 @@ def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.devices(4)
+def test_fsdp_routes_each_devices_own_rows():
+  """Under FSDP without expert parallelism (fsdp=4, expert=1) each device sorts and multiplies only its
+  own quarter of the rows: the compiled program's only collectives gather the experts' weights (FSDP's
+  per-layer gather), no array of rows crosses devices (partitioning the sort and the grouped matmuls
+  across the batch instead all-reduces a [rows * k, embed] product), and its temporaries are under a
+  third of one device's. The result equals the one-device one (fp32: summation order only)."""
+  import re
+
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from llamarl_jax import parallel
+  from llamarl_jax.model import moe
+
+  N, E, F, X, k = 256, 32, 48, 8, 2
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(N, E), jnp.float32)
+  experts = jnp.asarray(np.argsort(rng.rand(N, X), axis=1)[:, :k], jnp.int32)
+  weights = jnp.asarray(rng.rand(N, k), jnp.float32)
+  w = [jnp.asarray(rng.randn(*s) / 8, jnp.float32) for s in ((X, E, F), (X, E, F), (X, F, E))]
+  temps, outs = {}, {}
+  for name, mesh in (("one", parallel.make_mesh(jax.devices()[:1])), ("fsdp", parallel.make_mesh(jax.devices()[:4], fsdp=4))):
+    rows, embed = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P(None, "fsdp"))  # FSDP shards `embed`
+    args = (jax.device_put(x, rows), jax.device_put(experts, rows), jax.device_put(weights, rows),
+            [jax.device_put(a, embed) for a in w])
+    fn = jax.jit(lambda x, e, g, w, mesh=mesh: moe.grouped_swiglu(x, e, g, (w[0], w[1]), w[2], mesh))
+    compiled = fn.lower(*args).compile()
+    temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    outs[name] = np.asarray(fn(*args))
+    if name == "fsdp":
+      collectives = re.findall(r"= f32\[([0-9,]*)\]\S* (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)",
+                               compiled.as_text())
+      assert collectives and {(shape, op) for shape, op in collectives} <= {(f"{X},{E},{F}", "all-gather"),
+                                                                          (f"{X},{F},{E}", "all-gather")}, collectives
+  assert temps["fsdp"] < temps["one"] / 3, temps
+  np.testing.assert_allclose(outs["fsdp"], outs["one"], atol=1e-5, rtol=0)
+
+
 # -- routing replay ------------------------------------------------------------------------------
 
 # Every routing test samples these prompts (8 rows: 2 samples each, 8 new tokens); the static sampler
