@@ -241,9 +241,10 @@ def moe_params(config, seed=0):
 
 @pytest.mark.devices(8)
 def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
-  """3 AIPO steps (+ the load-balancing loss) on fsdp=2 x expert=2 x tp=2 give the one-device run's
-  losses, gradient norms (1e-5 relative) and params (1e-5 absolute: fp32, only summation order
-  differs); the experts are sharded over `expert`, each device computing its own. Both runs take 2
+  """3 AIPO steps (+ the load-balancing loss) on fsdp=2 x expert=2 x tp=2, and on fsdp=4 alone, give
+  the one-device run's losses, gradient norms (1e-5 relative) and params (1e-5 absolute: fp32, only
+  summation order differs); the experts are sharded over `expert`, each device computing its own, or
+  (fsdp alone) gathered, each device routing its own rows through all of them. The runs take 2
   microbatches: the load-balancing loss is each forward's own (as transformers'), not linear in rows."""
   from test_trainer import LOSS_KW, OPT, rows_batch
 
@@ -256,19 +257,22 @@ def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
   batch = rows_batch(rng, rng.randint(1, 7, 8), np.r_[8, rng.randint(1, 9, 7)], 6, 8)
   runs = {}
   for name, mesh in (("one", parallel.make_mesh(jax.devices()[:1])),
-                     ("ep", parallel.make_mesh(jax.devices()[:8], fsdp=2, expert=2, tp=2))):
+                     ("ep", parallel.make_mesh(jax.devices()[:8], fsdp=2, expert=2, tp=2)),
+                     ("fsdp", parallel.make_mesh(jax.devices()[:4], fsdp=4))):
     trainer = TrainerExecutor(config, mesh, params, optimizer=OPT, loss_kwargs=LOSS_KW, microbatches=2)
     runs[name] = ([trainer.step(batch) for _ in range(3)], jax.device_get(trainer.params))
     if name == "ep":
       spec = trainer.params["layers"][0]["mlp"]["w_gate"].sharding.spec
       assert spec[0] == "expert", spec
-  (m1, p1), (m2, p2) = runs["one"], runs["ep"]
-  for a, b in zip(m1, m2):
-    for key in ("loss/total", "loss/moe_aux", "train/grad_norm"):
-      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
+  m1, p1 = runs["one"]
   assert m1[0]["loss/moe_aux"] > 0
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p1), jax.tree.leaves(p2)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
+  for name in ("ep", "fsdp"):
+    m2, p2 = runs[name]
+    for a, b in zip(m1, m2):
+      for key in ("loss/total", "loss/moe_aux", "train/grad_norm"):
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=f"{name} {key}")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p1), jax.tree.leaves(p2)):
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0, err_msg=f"{name} {jax.tree_util.keystr(path)}")
 
 
 @pytest.mark.devices(4)
