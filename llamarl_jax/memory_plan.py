@@ -11,7 +11,8 @@ Parts, per device (bytes of one device's shards):
              (`TrainerExecutor.lower_step`, the fused step at the widest batch: prompts at the run's
              prompt limit, responses at their maximum: `shapes.RunShapes`); its temporaries are the gradients plus the
              activations. Without a compile the activations are not counted (a CPU run).
-  generator  weights in the generator dtype: the versions the `WeightSync` holds for the schedule
+  generator  weights in the generator dtype, sharded as the generator's mesh shards them (tp; a MoE
+             model's experts also over `expert`): the versions the `WeightSync` holds for the schedule
              ('fixed': up to max_policy_lag + 1 waiting) plus the one the engine decodes with;
              the slot engine's KV pool (`paged.PageLayout`: prompt regions, response blocks, trash
              block, for the lanes and the staged slots) or the static sampler's cache of one batch;
@@ -61,7 +62,8 @@ KNOBS = {
     "KL reference": "TrainConfig.loss_kwargs without kl_coef, or more trainer devices",
     "gradients": "more trainer devices (MeshConfig.trainer_fsdp)",
     "activations": "more TrainConfig.microbatches, TrainConfig.remat = 'full', a smaller TrainConfig.logprob_chunk",
-    "generator weights": "a smaller ScheduleConfig.max_policy_lag (fewer versions held), MeshConfig.generator_tp",
+    "generator weights": "a smaller ScheduleConfig.max_policy_lag (fewer versions held), MeshConfig.generator_tp "
+                         "(a MoE model: or MeshConfig.generator_expert)",
     "KV pool": "fewer GeneratorConfig.slots / staged_slots, a shorter GeneratorConfig.max_prompt_len or "
                "RolloutConfig.max_new_tokens (fewer KV blocks)",
     "evaluation KV": "a smaller run_experiment.eval_size or eval_samples",
@@ -175,6 +177,20 @@ def device_bytes(tree: Any) -> float:
   return float(total)
 
 
+def generator_weight_bytes(model_config: ModelConfig, dtype, mesh) -> float:
+  """Bytes one device of the generator's `mesh` holds of one copy of the weights in `dtype`: the
+  trainer's (Hugging Face's) layout, as pushed and held, sharded by `parallel.RULES` (tp splits heads,
+  the MLP and the vocabulary; `expert` a MoE model's experts; what does not divide stays replicated)."""
+  from llamarl_jax import parallel
+  from llamarl_jax.model.llama import abstract_model, split_params
+
+  name = jnp.dtype(dtype).name
+  abstract = abstract_model(model_config.replace(param_dtype=name, dtype=name))
+  params = split_params(abstract)[1]
+  shardings = parallel.param_shardings(params, parallel.logical_axes(abstract), mesh)
+  return device_bytes(jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings))
+
+
 def abstract_trainer(model_config: ModelConfig, run: RunConfig, mesh):
   """A `TrainerExecutor` of shapes only (nothing allocated) with the run's trainer settings."""
   from llamarl_jax.executors.trainer import TrainerExecutor, run_trainer_options
@@ -220,12 +236,13 @@ def target_limit(capacity: float) -> float:
 # the plan
 
 
-def plan(model_config: ModelConfig, run: RunConfig, *, shapes: RunShapes, trainer, eval_rows: int,
+def plan(model_config: ModelConfig, run: RunConfig, *, shapes: RunShapes, trainer, gen_weights: float, eval_rows: int,
          step_memory: dict | None, device_kind: str, capacity: float | None, limit: float | None,
          reward: list[Part] = ()) -> MemoryPlan:
-  """The plan from the run's shapes, the abstract trainer (its arrays' shardings), the step's memory
-  analysis (None: not compiled), `eval_rows` (rows of one held-out evaluation's generate call) and the
-  reward model's parts (`reward_model_parts`)."""
+  """The plan from the run's shapes, the abstract trainer (its arrays' shardings), the bytes of one copy
+  of the generator's weights per device (`generator_weight_bytes`), the step's memory analysis (None:
+  not compiled), `eval_rows` (rows of one held-out evaluation's generate call) and the reward model's
+  parts (`reward_model_parts`)."""
   r, g, m = run.rollout, run.generator, run.mesh
   R, prompt_len = shapes.response_width, shapes.prompt_limit
   params = device_bytes(trainer.params)
@@ -247,7 +264,6 @@ def plan(model_config: ModelConfig, run: RunConfig, *, shapes: RunShapes, traine
                       f"{r.rows} x ({prompt_len} + {R}), {run.train.microbatches} microbatches, remat {run.train.remat!r}"))
   gen_dtype = jnp.dtype(g.dtype)
   copies = shapes.versions_held
-  gen_weights = model_config.num_params() * gen_dtype.itemsize / m.generator_tp
   parts.append(Part("generator weights", copies * gen_weights, "generator",
                     f"{copies} x {_size(gen_weights)} ({gen_dtype.name}; versions held for lag {run.schedule.max_policy_lag} "
                     "+ the engine's)"))
@@ -305,13 +321,14 @@ def reward_model_parts(config: ModelConfig, run: RunConfig, shapes: RunShapes, m
 
 def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, shapes: RunShapes | None = None,
              mesh=None, compile: bool | None = None, capacity: float | None = None,
-             limit: float | None = None, reward_mesh=None) -> MemoryPlan:
+             limit: float | None = None, reward_mesh=None, generator_mesh=None) -> MemoryPlan:
   """The plan of a run of `model_config` under `run`, made before anything is allocated.
 
   shapes: the run's geometry (default `RunShapes.of(model_config, run)`).
 
-  mesh: the trainer mesh to compile for (default: the run's, `parallel.make_meshes`); a mesh over a
-  target topology's devices (a GPU compiled for on a CPU machine) works, with capacity and limit given.
+  mesh, generator_mesh: the trainer mesh to compile for and the generator's (default: the run's,
+  `parallel.make_meshes`); meshes over a target topology's devices (GPUs compiled for on a CPU
+  machine) work, with capacity and limit given.
   reward_mesh: the reward model's mesh (with `RewardConfig.model_path`; default: the run's own reward
   mesh, else the generator's).
   compile: compile the train step (and the reward model's scoring) for XLA's memory analysis (default:
@@ -319,11 +336,12 @@ def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, shape
   """
   from llamarl_jax import parallel
 
-  if mesh is None:
+  if mesh is None or generator_mesh is None:
     meshes = parallel.make_meshes(**dataclasses.asdict(run.mesh))
-    mesh = meshes[0]
-    if reward_mesh is None and run.reward.model_path:
-      reward_mesh = parallel.make_reward_mesh(**dataclasses.asdict(run.mesh)) or meshes[1]
+    mesh = meshes[0] if mesh is None else mesh
+    generator_mesh = meshes[1] if generator_mesh is None else generator_mesh
+  if reward_mesh is None and run.reward.model_path:
+    reward_mesh = parallel.make_reward_mesh(**dataclasses.asdict(run.mesh)) or generator_mesh
   device = mesh.devices.flat[0]
   if capacity is None and limit is None:
     capacity, limit = device_limit(device)
@@ -334,5 +352,6 @@ def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, shape
           if do_compile else None)
   rm_config = reward_model_config(run)
   reward = [] if rm_config is None else reward_model_parts(rm_config, run, shapes, reward_mesh, compile=do_compile)
-  return plan(model_config, run, shapes=shapes, trainer=trainer, eval_rows=eval_rows, step_memory=step,
+  gen_weights = generator_weight_bytes(model_config, run.generator.dtype, generator_mesh)
+  return plan(model_config, run, shapes=shapes, trainer=trainer, gen_weights=gen_weights, eval_rows=eval_rows, step_memory=step,
               device_kind=device.device_kind, capacity=capacity, limit=limit, reward=reward)

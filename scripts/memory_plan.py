@@ -70,7 +70,7 @@ def main(argv=None):
     devices = bench_generate.target_devices(args.target, parallel.device_counts(**dataclasses.asdict(m))[3])
     meshes = parallel.make_meshes(**dataclasses.asdict(m), devices=devices)
     capacity = target_capacity(args.target)
-    kw = dict(mesh=meshes[0], capacity=capacity, limit=memory_plan.target_limit(capacity),
+    kw = dict(mesh=meshes[0], generator_mesh=meshes[1], capacity=capacity, limit=memory_plan.target_limit(capacity),
               reward_mesh=parallel.make_reward_mesh(**dataclasses.asdict(m), devices=devices) or meshes[1])
   plan = memory_plan.plan_run(model_config, run, eval_rows=eval_rows, compile=True, **kw)
   print(f"{', '.join(args.gin_file)} {' '.join(args.gin_param)}: {model_config.num_params() / 1e9:.2f}B parameters")

@@ -258,3 +258,32 @@ def test_the_reward_models_part_is_what_it_allocates_on_its_own_devices(tmp_path
   totals = plan.totals()
   assert set(totals) == {"trainer", "generator", "reward"}
   assert totals["reward"] == parts["reward model weights"].nbytes + parts["reward model activations"].nbytes
+
+
+@pytest.mark.devices(8)
+def test_a_moe_plan_is_what_expert_sharded_meshes_allocate():
+  """A Qwen3-MoE on trainer fsdp 2 x expert 2 and generator expert 2 x tp 2 (bf16): the plan's trainer
+  weights are the bytes a `TrainerExecutor` holds on one device, and each planned generator copy the
+  bytes the `Sampler` places on one of its devices (experts split over expert x tp, so a copy is
+  under a tp-only split's 2N / 2)."""
+  from llamarl_jax import parallel
+  from llamarl_jax.config import run_config
+  from llamarl_jax.executors.trainer import TrainerExecutor
+  from llamarl_jax.generation import Sampler
+  from llamarl_jax.shapes import RunShapes
+  from test_moe import moe_params, tiny_moe_config
+
+  model = tiny_moe_config()
+  run = run_config(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, trainer_fsdp=2, trainer_expert=2,
+                   generator_expert=2, generator_tp=2, generator_dtype="bfloat16")
+  plan = memory_plan.plan_run(model, run, eval_rows=0, compile=False)
+  parts = {p.name: p.nbytes for p in plan.parts}
+  trainer_mesh, generator_mesh = parallel.make_meshes(**dataclasses.asdict(run.mesh))
+  params = moe_params(model)
+  trainer = TrainerExecutor(model, trainer_mesh, params)
+  assert parts["trainer weights"] == device_bytes(trainer.params)
+  sampler = Sampler(model.replace(param_dtype="bfloat16", dtype="bfloat16"), generator_mesh)
+  placed = sampler.place_params(jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))
+  copies = RunShapes.of(model, run).versions_held
+  assert parts["generator weights"] == copies * device_bytes(placed)
+  assert device_bytes(placed) < 2 * model.num_params() / 2

@@ -245,9 +245,10 @@ def moe_params(config, seed=0):
 @pytest.mark.devices(8)
 @pytest.mark.slow
 def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
-  """3 AIPO steps (+ the load-balancing loss) on fsdp=2 x expert=2 x tp=2 give the one-device run's
-  losses, gradient norms (1e-5 relative) and params (1e-5 absolute: fp32, only summation order
-  differs); the experts are sharded over `expert`, each device computing its own. Both runs take 2
+  """3 AIPO steps (+ the load-balancing loss) on fsdp=2 x expert=2 x tp=2, and on fsdp=4 alone, give
+  the one-device run's losses, gradient norms (1e-5 relative) and params (1e-5 absolute: fp32, only
+  summation order differs); the experts are sharded over `expert`, each device computing its own, or
+  (fsdp alone) gathered, each device routing its own rows through all of them. The runs take 2
   microbatches: the load-balancing loss is each forward's own (as transformers'), not linear in rows."""
   from test_trainer import LOSS_KW, OPT, rows_batch
 
@@ -260,19 +261,60 @@ def test_expert_sharded_trainer_steps_equal_the_unsharded_ones():
   batch = rows_batch(rng, rng.randint(1, 7, 8), np.r_[8, rng.randint(1, 9, 7)], 6, 8)
   runs = {}
   for name, mesh in (("one", parallel.make_mesh(jax.devices()[:1])),
-                     ("ep", parallel.make_mesh(jax.devices()[:8], fsdp=2, expert=2, tp=2))):
+                     ("ep", parallel.make_mesh(jax.devices()[:8], fsdp=2, expert=2, tp=2)),
+                     ("fsdp", parallel.make_mesh(jax.devices()[:4], fsdp=4))):
     trainer = TrainerExecutor(config, mesh, params, optimizer=OPT, loss_kwargs=LOSS_KW, microbatches=2)
     runs[name] = ([trainer.step(batch) for _ in range(3)], jax.device_get(trainer.params))
     if name == "ep":
       spec = trainer.params["layers"][0]["mlp"]["w_gate"].sharding.spec
       assert spec[0] == "expert", spec
-  (m1, p1), (m2, p2) = runs["one"], runs["ep"]
-  for a, b in zip(m1, m2):
-    for key in ("loss/total", "loss/moe_aux", "train/grad_norm"):
-      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
+  m1, p1 = runs["one"]
   assert m1[0]["loss/moe_aux"] > 0
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p1), jax.tree.leaves(p2)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
+  for name in ("ep", "fsdp"):
+    m2, p2 = runs[name]
+    for a, b in zip(m1, m2):
+      for key in ("loss/total", "loss/moe_aux", "train/grad_norm"):
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=f"{name} {key}")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p1), jax.tree.leaves(p2)):
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0, err_msg=f"{name} {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.devices(4)
+def test_fsdp_routes_each_devices_own_rows():
+  """Under FSDP without expert parallelism (fsdp=4, expert=1) each device sorts and multiplies only its
+  own quarter of the rows: the compiled program's only collectives gather the experts' weights (FSDP's
+  per-layer gather), no array of rows crosses devices (partitioning the sort and the grouped matmuls
+  across the batch instead all-reduces a [rows * k, embed] product), and its temporaries are under a
+  third of one device's. The result equals the one-device one (fp32: summation order only)."""
+  import re
+
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from llamarl_jax import parallel
+  from llamarl_jax.model import moe
+
+  N, E, F, X, k = 256, 32, 48, 8, 2
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(N, E), jnp.float32)
+  experts = jnp.asarray(np.argsort(rng.rand(N, X), axis=1)[:, :k], jnp.int32)
+  weights = jnp.asarray(rng.rand(N, k), jnp.float32)
+  w = [jnp.asarray(rng.randn(*s) / 8, jnp.float32) for s in ((X, E, F), (X, E, F), (X, F, E))]
+  temps, outs = {}, {}
+  for name, mesh in (("one", parallel.make_mesh(jax.devices()[:1])), ("fsdp", parallel.make_mesh(jax.devices()[:4], fsdp=4))):
+    rows, embed = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P(None, "fsdp"))  # FSDP shards `embed`
+    args = (jax.device_put(x, rows), jax.device_put(experts, rows), jax.device_put(weights, rows),
+            [jax.device_put(a, embed) for a in w])
+    fn = jax.jit(lambda x, e, g, w, mesh=mesh: moe.grouped_swiglu(x, e, g, (w[0], w[1]), w[2], mesh))
+    compiled = fn.lower(*args).compile()
+    temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    outs[name] = np.asarray(fn(*args))
+    if name == "fsdp":
+      collectives = re.findall(r"= f32\[([0-9,]*)\]\S* (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)",
+                               compiled.as_text())
+      assert collectives and {(shape, op) for shape, op in collectives} <= {(f"{X},{E},{F}", "all-gather"),
+                                                                          (f"{X},{F},{E}", "all-gather")}, collectives
+  assert temps["fsdp"] < temps["one"] / 3, temps
+  np.testing.assert_allclose(outs["fsdp"], outs["one"], atol=1e-5, rtol=0)
 
 
 # -- routing replay ------------------------------------------------------------------------------

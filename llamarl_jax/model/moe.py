@@ -69,21 +69,27 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
   mesh: with an `expert` axis of size > 1 (expert parallelism) each device of that axis holds
   X / expert experts and computes them for its tokens (rows routed elsewhere fall outside every group:
   no work, zero output); the partial sums add up over the axis (`psum`). The batch axes (`data`,
-  `fsdp`) stay manual too, so sorting and grouping are per device, never across the batch."""
-  if mesh is None or mesh.shape.get("expert", 1) == 1:
+  `fsdp`) are manual too, also without expert parallelism, so sorting and grouping are per device,
+  never across the batch: each device routes its own rows through every expert (FSDP gathers the
+  experts' weights, as any layer's), where XLA's own partitioning of the sort would gather every
+  device's rows and compute all of them on each device."""
+  rows = None if mesh is None else tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1) or None
+  if mesh is None or (mesh.shape.get("expert", 1) == 1 and rows is None):
     return _local_swiglu(x, experts, weights, gate_up, w_down, 0)
   from jax.sharding import PartitionSpec as P
 
-  rows = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1) or None
-  tok, exp = P(rows), P("expert")
+  ep = ("expert",) if mesh.shape.get("expert", 1) > 1 else ()
+  tok, exp = P(rows), P(*ep)
 
   def body(x, experts, weights, gate_up, w_down):
+    if not ep:
+      return _local_swiglu(x, experts, weights, gate_up, w_down, 0)
     first = jax.lax.axis_index("expert") * w_down.shape[0]
     return jax.lax.psum(_local_swiglu(x, experts, weights, gate_up, w_down, first), "expert")
 
   gate_spec = (exp, exp) if isinstance(gate_up, (tuple, list)) else exp
   return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp), out_specs=tok,
-                       axis_names={"expert", *(rows or ())}, check_vma=False)(
+                       axis_names={*ep, *(rows or ())}, check_vma=False)(
                            x, experts, weights, tuple(gate_up) if isinstance(gate_up, list) else gate_up, w_down)
 
 
