@@ -306,6 +306,7 @@ def _samples_as_static(eng, static_sampler, model, prompts, sampling):
   return ref, m
 
 
+@pytest.mark.slow
 def test_the_batch_shrinks_to_the_busy_slots_and_samples_the_same(model, static_sampler, prompts):
   """4 slots (decode widths 4, 1), 8 prompts, up to 16 tokens, 15 of the 68 tokens stop: once one row
   is busy, chunks compute only their rows (gathered, decoded, scattered back; each row
@@ -339,6 +340,7 @@ def _ideal_steps(lengths, lanes):
   return steps
 
 
+@pytest.mark.slow
 def test_staged_slots_refill_lanes_on_device_at_the_next_step(model, static_sampler, prompts):
   """2 lanes + 6 staged slots, 8 prompts (20 of the 68 tokens stop): every prompt is prefilled at once
   and the decode chunks admit staged slots into lanes as lanes free, on device: the decode steps are
@@ -437,7 +439,8 @@ def test_a_second_engine_of_the_same_configuration_reuses_the_programs(model, gr
   assert other.programs is not first.programs
 
 
-@pytest.mark.parametrize("prompt_len, R", [(128, 512), pytest.param(1024, 4096, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_len, R", [(128, 512), (1024, 4096)])
 def test_program_count_is_bounded_at_real_shapes(model, prompt_len, R):
   """64 slots, n = 8 samples per prompt (groups of 1 too: a multi-turn episode's next turn), prompts
   up to `prompt_len`, responses up to R: at most 8 programs, all compiled when the engine is built,

@@ -208,8 +208,8 @@ def test_the_slot_engine_samples_what_the_fp8_sampler_samples(lm_head, request, 
   assert np.abs(lp_a - lp_b)[mask & ~pre].max() > 1e-2  # the versions really differ
 
 
-@pytest.mark.parametrize("model_type", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
-                                        pytest.param("qwen3", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_the_fused_fp8_decode_samples_what_the_fp8_sampler_samples(model_type, sampler, params, prompts):
   """The paged decode step with the Pallas attention and fp8 weights makes each fp8 GEMM's input in
   one kernel (`Block.decode_fp8`, `fp8_kernels`; Pallas interpret mode here), the attention kernel

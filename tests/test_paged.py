@@ -377,6 +377,7 @@ def _step_cost(max_new_tokens, layout, exact=False):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the bounds are the CPU compiler's")
+@pytest.mark.slow
 def test_decode_step_bytes_follow_live_lengths_not_the_cache_maximum():
   """16 rows of 100..500 live positions (mean ~300) in caches of 1024 and 2048 positions.
 

@@ -153,7 +153,8 @@ def _record(obj, name, log):
 @pytest.mark.parametrize("placement", [
     pytest.param("generator", marks=pytest.mark.slow),  # on the generator's 2 devices
     pytest.param("own", marks=pytest.mark.devices(6)),  # its own 2 devices beside trainer 2 + generator 2
-    "colocated"])  # trainer and generator on one 2-device mesh, taking turns; the reward model takes turns too
+    # trainer and generator on one 2-device mesh, taking turns; the reward model takes turns too
+    pytest.param("colocated", marks=pytest.mark.slow)])
 @pytestmark_devices
 def test_trained_rewards_are_the_reward_models_scores_combined_with_the_rule(policy, tokenizer, tmp_path,
                                                                             reward_model_dir, placement):

@@ -144,6 +144,7 @@ def test_remat_policies_give_equal_gradients():
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_unrolled_layers_give_the_scans_logprobs_and_gradients():
   """scan_layers=False unrolls the layer scan: the same fp32 ops per layer, so log-probs and gradients
   equal the scan's to rounding, with and without remat. XLA fuses the two programs differently, so
