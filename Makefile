@@ -49,7 +49,7 @@ run-rm: install
 	  --gin_param="RewardConfig.model_path='$(RM_RUN)/rm/hf_export'" $(ARGS)
 
 # The suite without the tests marked `slow`: every module's unit and parity tests, on two workers, about
-# 10 minutes on 2 cores. The `slow` tests (more than ~15 s each on 2 idle cores: whole runs in fresh
+# 8 minutes on 2 cores. The `slow` tests (more than ~15 s each on 2 idle cores: whole runs in fresh
 # interpreters, multi-process jobs, kill-and-resume, learning tests, benchmark scripts' dry runs, the
 # heaviest parity sweeps) are `make test-slow`; CI (.ci/run) runs both.
 test: install
