@@ -14,7 +14,7 @@ TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=
 TEST_WORKERS ?= 2
 TEST_PAR = -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install install-gpu run run-rm run-gpu test test-slow test-all test-cost test-gpu bench bench-gpu study study-offpolicy clean
+.PHONY: install install-gpu run run-fp8 run-rm run-gpu test test-slow test-all test-cost test-gpu bench bench-gpu study study-offpolicy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ install-gpu: install
 
 run: install
 	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin --run_dir=runs/tiny_cpu_$$(date +%Y%m%d_%H%M%S) $(ARGS)
+
+# `make run` with the generator in fp8 and the token-level masked importance-sampling loss (configs/tiny_cpu_fp8.gin).
+run-fp8: install
+	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu_fp8.gin --run_dir=runs/tiny_cpu_fp8_$$(date +%Y%m%d_%H%M%S) $(ARGS)
 
 # `make run` with a trained reward model as the only reward (configs/tiny_rm.gin, README "Reward models"):
 # make run's SFT warm start (exported), preference pairs of the task, a Bradley-Terry reward model trained
