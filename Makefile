@@ -33,7 +33,7 @@ run: install
 
 # `make run` with the generator in fp8 and the token-level masked importance-sampling loss (configs/tiny_cpu_fp8.gin).
 run-fp8: install
-	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu_fp8.gin --run_dir=runs/tiny_cpu_fp8_$$(date +%Y%m%d_%H%M%S) $(ARGS)
+	$(RUN_ENV) $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu_fp8.gin --run_dir=runs/tiny_cpu_fp8_$$(date +%Y%m%d_%H%M%S) $(ARGS)
 
 # `make run` with a trained reward model as the only reward (configs/tiny_rm.gin, README "Reward models"):
 # make run's SFT warm start (exported), preference pairs of the task, a Bradley-Terry reward model trained
