@@ -1,14 +1,23 @@
 # The two README commands: `make run` (set up + main job) and `make test` (set up + test suite).
+# PY: the Python to build the virtualenv from (3.10-3.13); another than the default `python3` gets its own
+# virtualenv, .venv-<version> (e.g. `make test PY=python3.12` -> .venv-3.12), so stacks sit side by side.
 PY ?= python3
-VENV := .venv
+PYVER := $(shell $(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+VENV ?= $(if $(filter python3,$(PY)),.venv,.venv-$(PYVER))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# 8 fake CPU devices so mesh tests (fsdp, tp, disjoint trainer/generator meshes) run without a GPU.
-# The legacy CPU emitters compile about twice as fast as the fusion emitters; tests compile a lot more
-# than they run, and LLVM at -O1 (XLA's default: -O3) compiles faster again (tests/test_trainer.py alone:
-# 172 s -> 110 s) while every bit-exact equality of the suite still holds (at -O0, 66 s, two do not: an
-# ulp between programs of different batch widths, and between remat policies).
-TEST_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1"
+# XLA's flags come from llamarl_jax/compat.py, chosen from the flags this jaxlib's XLA defines (an unknown
+# flag aborts XLA): `python -m llamarl_jax.compat [options] -- command` runs the command with them.
+# Tests: 8 fake CPU devices so mesh tests (fsdp, tp, disjoint trainer/generator meshes) run without a GPU,
+# and `--compile fast`: the tests compile far more than they run; where this XLA has the switch, its legacy
+# CPU emitters (about twice as fast to compile as the fusion emitters), and LLVM at -O1 (XLA's default: -O3;
+# tests/test_trainer.py alone: 172 s -> 110 s). XLA_ARGS adds options to every command's, e.g.
+# `make run XLA_ARGS="--fusion_emitters on"` (`python -m llamarl_jax.compat --help`).
+XLA_ARGS ?=
+XLA_ENV = JAX_PLATFORMS=cpu $(BIN)/python -m llamarl_jax.compat $(XLA_ARGS)
+TEST_ENV = $(XLA_ENV) --cpu_devices 8 --compile fast --
+# make run's: 4 fake CPU devices (trainer FSDP over 2, generator data-parallel over 2).
+RUN_ENV = $(XLA_ENV) --cpu_devices 4 --
 # Two pytest workers (pytest-xdist), one test file to a worker at a time (`--dist loadfile`: a module's
 # fixtures run once); they share tests/conftest.py's compilation cache. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
@@ -29,7 +38,7 @@ install-gpu: install
 	$(BIN)/python -m pip install -q -e '.[test,cuda12]'
 
 run: install
-	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin --run_dir=runs/tiny_cpu_$$(date +%Y%m%d_%H%M%S) $(ARGS)
+	$(RUN_ENV) $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin --run_dir=runs/tiny_cpu_$$(date +%Y%m%d_%H%M%S) $(ARGS)
 
 # `make run` with the generator in fp8 and the token-level masked importance-sampling loss (configs/tiny_cpu_fp8.gin).
 run-fp8: install
@@ -39,7 +48,6 @@ run-fp8: install
 # make run's SFT warm start (exported), preference pairs of the task, a Bradley-Terry reward model trained
 # from the warm-started policy, then make run's RL rewarded by that model alone; all under RM_RUN.
 RM_RUN := runs/tiny_rm_$(shell date +%Y%m%d_%H%M%S)
-RUN_ENV := JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false"
 run-rm: install
 	$(RUN_ENV) $(BIN)/python scripts/train.py --gin_file=configs/tiny_cpu.gin --run_dir=$(RM_RUN)/sft \
 	  --gin_param=run_experiment.rl_steps=0 --gin_param=run_experiment.eval_size=0 \
@@ -57,6 +65,7 @@ run-rm: install
 # interpreters, multi-process jobs, kill-and-resume, learning tests, benchmark scripts' dry runs, the
 # heaviest parity sweeps) are `make test-slow`; CI (.ci/run) runs both.
 test: install
+	@$(BIN)/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__} ($(VENV))")'
 	$(TEST_ENV) $(BIN)/python -m pytest -q $(TEST_PAR) -m "not slow" $(ARGS)
 
 test-slow: install
@@ -105,11 +114,11 @@ bench: install
 # checkpoint; resumable (finished runs under runs/study are skipped). Plots need the [study] extra.
 study: install
 	$(BIN)/python -m pip install -q -e '.[study]'
-	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study --seeds 5 $(ARGS)
+	$(XLA_ENV) --cpu_devices 2 -- $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study --seeds 5 $(ARGS)
 
 study-offpolicy: install  # the off-policy objectives' grid: 20 cells x 5 seeds, ~2 h on 2 cores
 	$(BIN)/python -m pip install -q -e '.[study]'
-	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false" $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study_offpolicy --seeds 5 --cells offpolicy $(ARGS)
+	$(XLA_ENV) --cpu_devices 2 -- $(BIN)/python scripts/study.py --gin_file=configs/study.gin --out runs/study_offpolicy --seeds 5 --cells offpolicy $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs results .pytest_cache

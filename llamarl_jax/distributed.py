@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import jax
 
+from llamarl_jax import compat
 from llamarl_jax.ports import free_ports
 
 # Exit status of a process that stops because another one failed (the failed one exits with its own).
@@ -110,12 +111,7 @@ _heartbeat_timeout_s = 10.0  # initialize's: how long a dead peer takes to be no
 
 
 def _client():
-  from jax._src import distributed as jax_distributed  # private: the one place it is used
-
-  client = jax_distributed.global_state.client
-  if client is None:
-    raise RuntimeError("jax.distributed is not initialized: call llamarl_jax.distributed.initialize first")
-  return client
+  return compat.coordination_client()
 
 
 class KVStore:

@@ -166,13 +166,15 @@ def _sft_batch(tokenizer, examples, completions, prompt_len: int, resp_len: int,
 def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptSource, *, steps: int = 300,
                          batch_size: int = 64, learning_rate: float = 3e-3, prompt_len: int = 32,
                          resp_len: int = 16, log_every: int = 50, logger: MetricsLogger | None = None,
-                         progress: bool = True, env=None, scan_layers: bool = True):
+                         progress: bool = True, env=None, scan_layers: bool = True, on_params=None,
+                         on_params_every: int = 0):
   """Maximum-likelihood fine-tuning on the task's reference completions (`source.reference(ex)`).
 
   This is the warm start before RL, so RL starts from a policy that sometimes succeeds. env: the run's
   `Environment` (None: single-turn): a demonstration is `env.demonstration(example, completion)`, its
   model turns trained on (each + EOS), its observations only context. scan_layers: as
-  `TrainConfig.scan_layers` (`scan_hidden_states`).
+  `TrainConfig.scan_layers` (`scan_hidden_states`). on_params: called as `on_params(step, params)`
+  every `on_params_every` steps (a held-out evaluation of the warm start as it trains).
   """
   # the trainer's step (`train.step.train_step`) with the negative log-likelihood as its loss
   leaf = jax.tree.leaves(params)[0]
@@ -210,6 +212,8 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
     if batch_sharding is not None:
       batch = jax.device_put(batch, batch_sharding)
     state, metrics = step(state, batch)
+    if on_params is not None and on_params_every and (i + 1) % on_params_every == 0:
+      on_params(i + 1, state.params)
     if (i + 1) % log_every == 0 or i + 1 == steps:
       loss = float(np.asarray(metrics["loss/total"].addressable_data(0)))  # replicated; works across processes
       if progress:

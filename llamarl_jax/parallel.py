@@ -90,7 +90,7 @@ def make_meshes(*, trainer_fsdp: int = 1, trainer_tp: int = 1, generator_dp: int
     raise ValueError(
         f"trainer ({trainer_fsdp}x{trainer_tp}={n_train}) + generator ({generator_dp}x{generator_tp}="
         f"{n_gen}) need {n_train + n_gen} devices, only {len(devices)} available; reduce the meshes, "
-        "use colocated=True, or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+        "use colocated=True, or on CPU fake N devices: python -m llamarl_jax.compat --cpu_devices N -- <command>")
   return (make_mesh(devices[:n_train], fsdp=trainer_fsdp, expert=trainer_expert, tp=trainer_tp),
           make_mesh(devices[n_train:n_train + n_gen], data=generator_dp, expert=generator_expert, tp=generator_tp))
 

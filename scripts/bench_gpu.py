@@ -60,8 +60,9 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU; peak memory is real
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # before bench_weight_sync's 8
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
+from llamarl_jax import compat  # noqa: E402  (no jax import: before JAX starts)
+
+compat.ensure_cpu_devices(1)  # before bench_weight_sync's 8
 
 ROOT = Path(__file__).resolve().parents[1]
 

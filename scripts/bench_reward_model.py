@@ -18,8 +18,9 @@ import platform
 import statistics
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from llamarl_jax import compat  # (no jax import: before JAX starts)
+
+compat.ensure_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -76,7 +77,7 @@ def main(argv=None) -> list[dict]:
       med = statistics.median(times)
       row = {"model": size, "params": rm.config.num_params(), "rows": n, "first_s": first, "rows_per_s": n / med,
              "tokens_per_s": float(np.mean(tokens)) / med, "padded": 1 - sum(tokens) / sum(computed),
-             "programs": rm._scores._cache_size()}
+             "programs": compat.jit_cache_size(rm._scores)}
       out.append(row)
       print(f"{size:>12} {row['params'] / 1e6:7.1f}M {n:5d} {first:12.2f} {row['rows_per_s']:9.1f} "
             f"{row['tokens_per_s']:10.0f} {row['padded']:7.1%} {row['programs']:8d}")

@@ -19,7 +19,7 @@ two device sets, with identical shardings on both sides (the source laid out lik
 the trainer's devices), so every shard is one device-to-device copy: no cast, no reshuffle. push /
 copy is what the cast and the resharding cost on top of moving the bytes.
 
-On CPU the devices are fake (XLA_FLAGS=--xla_force_host_platform_device_count, set here when absent)
+On CPU the devices are fake (`compat.ensure_cpu_devices`: 8, unless XLA_FLAGS sets a count)
 and a "transfer" is a memcpy on the same cores; on GPUs it is NVLink / the network.
 
   python scripts/bench_weight_sync.py                     # ~1M, ~10M, ~50M params, < 60 s on 2 cores
@@ -34,8 +34,9 @@ import platform
 import statistics
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from llamarl_jax import compat  # noqa: E402  (no jax import: before JAX starts)
+
+compat.ensure_cpu_devices(8)
 
 
 # name: (vocab, hidden, intermediate, layers, heads, kv_heads)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from llamarl_jax.ports import free_ports  # noqa: E402  (no jax: the launcher stays light)
+from llamarl_jax import compat  # noqa: E402  (no jax: the launcher stays light)
+from llamarl_jax.ports import free_ports  # noqa: E402
 _ROLE = re.compile(r"\[llamarl\] process (\d+)/\d+ role=(\S+)")
 
 
@@ -37,8 +38,7 @@ def _child_env(cpu: bool) -> dict:
   env["PYTHONUNBUFFERED"] = "1"
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
   if cpu:  # the per-process device count comes from --cpu_devices / the config, not a global flag
-    flags = env.get("XLA_FLAGS", "")
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).strip()
+    env["XLA_FLAGS"] = compat.without_cpu_devices(env.get("XLA_FLAGS", ""))
   return env
 
 

@@ -8,7 +8,8 @@
 Seed s sets everything a run draws: the initial weights (`build_policy.seed`), the SFT and RL prompt
 streams (`PromptSource.seed`) and the sampling noise (`RolloutConfig.seed`), so each seed is its own
 warm start followed by its own RL. Each run is `scripts/train.py` in a fresh interpreter under
-`make run`'s environment (4 fake CPU devices), one at a time, in OUT/<arm>_s<seed>/ (a run whose
+`make run`'s environment (4 fake CPU devices; `--fusion_emitters`, `--llvm_opt`: another rounding of
+the same run), one at a time, in OUT/<arm>_s<seed>/ (a run whose
 summary.json exists is kept). The first arm's runs save their warm start (`run_experiment.export_sft`,
 OUT/<arm>_s<seed>/sft_export); with `--shared_sft` the other arms start RL from it without an SFT of
 their own, so the arms of a seed differ only in what RL does (paired).
@@ -30,10 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from llamarl_jax import stats  # noqa: E402
+from llamarl_jax import compat, stats  # noqa: E402
 
-ENV = {"JAX_PLATFORMS": "cpu",
-       "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false"}
 METRICS = (("eval_before_rl", "before RL %", 100), ("eval_after_rl", "after RL %", 100),
            ("eval_accuracy_window", "last evals %", 100), ("rl_seconds", "RL s", 1), ("wall_seconds", "wall s", 1))
 
@@ -48,7 +47,7 @@ def parse_arm(text: str) -> tuple[str, str, list[str]]:
 
 
 def run_one(out: Path, arm: str, gin_file: str, bindings: list[str], seed: int, *, sft_from: Path | None,
-            export_sft: bool, timeout_s: float) -> dict:
+            export_sft: bool, timeout_s: float, xla: dict | None = None) -> dict:
   run_dir = out / f"{arm}_s{seed}"
   summary_file = run_dir / "summary.json"
   if not summary_file.exists():
@@ -63,7 +62,8 @@ def run_one(out: Path, arm: str, gin_file: str, bindings: list[str], seed: int, 
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(f"{run_dir}.log", "w") as log:
-      rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT,
+      env = compat.xla_env({**os.environ, "JAX_PLATFORMS": "cpu"}, cpu_devices=4, **(xla or {}))  # make run's
+      rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                           timeout=timeout_s).returncode
     if rc != 0:
       raise SystemExit(f"{arm} seed {seed}: exit {rc}; see {run_dir}.log")
@@ -116,7 +116,11 @@ def main(argv=None) -> list[dict]:
                  help="the arms of a seed start RL from the first arm's warm start")
   p.add_argument("--out", default="runs/seeds")
   p.add_argument("--timeout_s", type=float, default=3600, help="per run")
+  p.add_argument("--fusion_emitters", choices=("auto", "on", "off"), default="auto",
+                 help="XLA's CPU fusion emitters (`llamarl_jax.compat.cpu_flags`; 'auto' as make run)")
+  p.add_argument("--llvm_opt", type=int, default=None, help="XLA's LLVM optimisation level (default: XLA's)")
   args = p.parse_args(argv)
+  xla = {"fusion_emitters": args.fusion_emitters, "llvm_opt": args.llvm_opt}
   arms = [parse_arm(a) for a in (args.arm or ["tiny_cpu=configs/tiny_cpu.gin"])]
   if len({a[0] for a in arms}) != len(arms):
     p.error("arm names must differ")
@@ -127,7 +131,7 @@ def main(argv=None) -> list[dict]:
     for i, (arm, gin_file, bindings) in enumerate(arms):
       sft_from = first / "sft_export" if args.shared_sft and i > 0 else None
       rows.append(run_one(out, arm, gin_file, bindings, seed, sft_from=sft_from,
-                          export_sft=i == 0, timeout_s=args.timeout_s))
+                          export_sft=i == 0, timeout_s=args.timeout_s, xla=xla))
       first = first or out / f"{arm}_s{seed}"
       r = rows[-1]
       print(f"{arm} seed {seed}: held-out {100 * (r['eval_before_rl'] or 0):.1f}% -> "

@@ -14,7 +14,7 @@ It prints a table with each quantity after warm-up, at the end, and its growth p
 least-squares line through the samples after `--warmup` steps, divided by the value at warm-up end),
 and writes every sample to `--out` (JSON).
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 python scripts/soak.py --steps 2000
+  python scripts/soak.py --steps 2000   # 4 fake CPU devices unless XLA_FLAGS sets a count
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+from llamarl_jax import compat  # noqa: E402  (no jax import: before JAX starts)
+
+compat.ensure_cpu_devices(4)
 
 import numpy as np
 

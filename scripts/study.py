@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Learning-quality study: does asynchronous AIPO match synchronous RL? Seeds, intervals, plots.
 
-  make study      # = JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 ... \
+  make study      # = JAX_PLATFORMS=cpu python -m llamarl_jax.compat --cpu_devices 2 -- \
                   #   python scripts/study.py --gin_file=configs/study.gin --out runs/study --seeds 5
 
 1. One supervised warm start (SFT) for the whole study, saved as an HF checkpoint under OUT/sft and

@@ -4,10 +4,10 @@ tiny-model fixtures."""
 
 import os
 
+from llamarl_jax import compat  # noqa: E402  (no jax import: the flags are set before JAX starts)
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # `make test-gpu` sets JAX_PLATFORMS=cuda
-flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in flags:
-  os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+compat.ensure_cpu_devices(8)  # unless XLA_FLAGS sets a count (`make test`: the same 8)
 # fp32 parity tests (logits vs transformers, cached decode vs full forward, sharded vs one device) hold
 # fp32 to ~1e-6-relative tolerances. A GPU's default precision multiplies fp32 matrices in TF32 (10
 # mantissa bits, ~5e-4 relative per product), which those bounds do not allow; "highest" makes fp32
@@ -37,7 +37,7 @@ import pytest  # noqa: E402
 
 
 DEVICES_HINT = ("`make test` fakes 8 CPU devices: JAX_PLATFORMS=cpu "
-                "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+                "python -m llamarl_jax.compat --cpu_devices 8 -- python -m pytest ...")
 
 
 _CPU_LOG = os.environ.get("LLAMARL_TEST_CPU_LOG")  # a file: each test's CPU seconds, appended per test

@@ -22,6 +22,7 @@ from pathlib import Path
 import gin
 import pytest
 
+from llamarl_jax import compat
 from llamarl_jax.checkpoint import MANIFEST, IncompatibleCheckpoint, latest_complete_step
 from llamarl_jax.controller import schedule_metrics
 
@@ -37,8 +38,7 @@ KILLED = -9
 
 
 def _child(run_dir, cache, *extra, kill_in_save=None, kill_in_step=None):
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false",
+  env = dict(compat.xla_env(cpu_devices=4), PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",  # make run's devices
              JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   flags = ([f"--kill_in_save={kill_in_save}"] if kill_in_save else []) + (

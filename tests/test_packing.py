@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from conftest import mesh_at_most
+from llamarl_jax import compat
 from llamarl_jax import parallel
 from llamarl_jax.config import LoraConfig, OptimizerConfig
 from llamarl_jax.executors.trainer import TrainerExecutor
@@ -120,7 +121,7 @@ def test_packed_step_equals_padded_step(case, params):
   other = make_batch(45)  # 6 bins, against batch 7's 4
   assert pack_rows(trainer_lengths(other), TOKENS, shards).bins != plan.bins
   assert np.isfinite(trainer.step(other)["loss/total"])
-  assert trainer.programs.packed_step._cache_size() == 1 and trainer.trace_count == 2
+  assert compat.jit_cache_size(trainer.programs.packed_step) == 1 and trainer.trace_count == 2
 
 
 def test_pack_needs_a_token_budget_that_holds_a_row(params):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import HF_CLASSES, mesh_at_most, tiny_hf_config
+from llamarl_jax import compat
 from llamarl_jax import rewards
 from llamarl_jax.model.hf import CheckpointError, load_hf_checkpoint
 from llamarl_jax.rewards.reward_model import RewardModel, score_positions
@@ -147,7 +148,7 @@ def test_few_programs_for_many_lengths(saved_classifier):
   rng = np.random.default_rng(4)
   for _ in range(6):  # batches of 8 rows, lengths 1..31: widths 16 and 32, one row count
     rm.score_tokens(random_rows(rng.integers(1, 32, size=8), seed=int(rng.integers(1 << 30))))
-  assert rm._scores._cache_size() <= 2
+  assert compat.jit_cache_size(rm._scores) <= 2
   # 20 rows = chunks of 8, 8, 4: one more row count; scores equal those of the rows one at a time
   rows = random_rows(rng.integers(1, 32, size=20), seed=5)
   np.testing.assert_allclose(rm.score_tokens(rows), np.concatenate([rm.score_tokens([r]) for r in rows]),

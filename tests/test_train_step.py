@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from llamarl_jax import compat
 from llamarl_jax import losses
 from llamarl_jax.config import OptimizerConfig
 from llamarl_jax.model.llama import Llama, ModelConfig, split_params
@@ -54,7 +55,7 @@ def test_sft_step_is_the_train_step_with_the_nll_and_compiles_once():
     assert float(metrics["loss/total"]) == pytest.approx(want, rel=1e-6)
     assert float(metrics["train/update_applied"]) == 1 and int(state.step) == seed + 1
     assert not np.array_equal(np.asarray(state.params["embed"]), np.asarray(before["embed"]))
-  assert step._cache_size() == 1
+  assert compat.jit_cache_size(step) == 1
   assert "rollout_corr/mismatch_kl" not in metrics  # mismatch=False: no behaviour policy to compare with
 
 

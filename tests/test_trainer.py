@@ -26,6 +26,7 @@ from flax import nnx
 
 from conftest import mesh_at_most
 from sequence_layout import sequence_layout
+from llamarl_jax import compat
 from llamarl_jax import parallel
 from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
 from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
@@ -324,7 +325,7 @@ def test_compiles_once_across_new_batches(shared_trainer):
   for seed in range(3):
     shared_trainer.step(make_batch(20 + seed))  # new tokens and lengths, same [B, P] / [B, R] bucket
   assert shared_trainer.trace_count == 1
-  assert shared_trainer.programs.train_step._cache_size() == 1
+  assert compat.jit_cache_size(shared_trainer.programs.train_step) == 1
 
 
 def test_state_dict_roundtrip_resumes_identically(shared_trainer):
@@ -507,10 +508,10 @@ def test_grouped_compiles_one_program_per_width(grouped_runs):
     widths |= set(group_by_length(trainer_rows(new), M, LONG_P + LONG_R).widths)
     assert len(widths) == seen + new_widths
     trainer.step(new)
-    assert trainer.programs.accumulate_step._cache_size() == len(widths)
+    assert compat.jit_cache_size(trainer.programs.accumulate_step) == len(widths)
   rungs = {width_bucket(n, LONG_P + LONG_R) for n in range(1, LONG_P + LONG_R + 1)}
   assert widths <= rungs and len(rungs) == 18
   programs = trainer.programs
-  assert [f._cache_size() for f in (programs.row_lengths, programs.prepare_step, programs.apply_step)] == [1, 1, 1]
+  assert [compat.jit_cache_size(f) for f in (programs.row_lengths, programs.prepare_step, programs.apply_step)] == [1, 1, 1]
   assert trainer.trace_count == 3 + len(widths)
-  assert trainer.programs.train_step._cache_size() == 0  # the fused step is not used
+  assert compat.jit_cache_size(trainer.programs.train_step) == 0  # the fused step is not used

@@ -125,8 +125,11 @@ def test_scanned_forward_equals_unrolled_model():
 
 
 def test_remat_policies_give_equal_gradients():
-  """'none', 'matmuls' and 'full' recompute different things, never change the gradient (1e-6: the
-  recomputation runs the same fp32 ops)."""
+  """'none', 'matmuls' and 'full' recompute different things, never change the gradient. Each policy is
+  its own program, which XLA fuses differently, so a gradient entry's sum over positions and heads runs
+  in another order: its rounding is bounded by the leaf's scale (entries cancel, so not elementwise),
+  ~1e-6 of it in fp32; 1e-4 of the leaf's largest entry allows it on any CPU and XLA version, where a
+  dropped or doubled term is O(1) of the scale."""
   config = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
                        num_kv_heads=1, rope_theta=10000.0)
   from llamarl_jax.model import init_model
@@ -141,7 +144,8 @@ def test_remat_policies_give_equal_gradients():
   base = grads("none")
   for remat in ("matmuls", "full", True):
     for a, b in zip(jax.tree.leaves(grads(remat)), jax.tree.leaves(base)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+      b = np.asarray(b)
+      np.testing.assert_allclose(np.asarray(a), b, atol=1e-4 * np.abs(b).max(), rtol=0)
 
 
 @pytest.mark.slow

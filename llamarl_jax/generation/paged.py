@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llamarl_jax import compat
 from llamarl_jax.model.llama import ModelConfig
 
 Array = jax.Array
@@ -217,16 +218,9 @@ def generic_cost_analysis(compiled) -> dict[str, float] | None:
   """XLA's generic `HloCostAnalysis` (the CPU backend's: "flops", "bytes accessed", ...) over the optimized
   module of a compiled program (`jax.stages.Compiled`), whichever the target it was compiled for: the CPU,
   a GPU, or a GPU compiled for without one (`jax.experimental.topologies`, whose executable has no cost
-  analysis of its own). None where the CPU backend is not available (JAX_PLATFORMS=cuda). The one place
-  that reaches into jax's internals for it: JAX has no public entry to the generic analysis."""
-  from jax._src import xla_bridge
-  from jax._src.lib import xla_client
-  try:
-    cpu = xla_bridge.get_backend("cpu")
-  except Exception:  # e.g. "Unknown backend cpu" when JAX_PLATFORMS excludes it
-    return None
-  module = compiled.runtime_executable().hlo_modules()[0]
-  return dict(xla_client._xla.hlo_module_cost_analysis(cpu, module))
+  analysis of its own). None where the CPU backend is not available (JAX_PLATFORMS=cuda). JAX has no
+  public entry to the generic analysis: `compat.hlo_cost_analysis` reaches it."""
+  return compat.hlo_cost_analysis(compiled)
 
 
 def compiled_bytes_accessed(compiled) -> tuple[float, bool]:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llamarl_jax import parallel
+from llamarl_jax import compat, parallel
 from llamarl_jax.generation import paged
 from llamarl_jax.generation.paged import KVPages, PageLayout
 from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits
@@ -187,6 +187,24 @@ _SHARED_LOCK = threading.Lock()
 SHARED_PROGRAM_SETS = 8  # configurations kept
 
 
+def decode_attention_choice(requested: str, platform: str, num_devices: int) -> str:
+  """The paged decode attention a slot engine runs: `requested` ('auto', 'reduce', 'dot', 'pallas')
+  on a generator mesh of `num_devices` on `platform`. 'auto' on one GPU is the Pallas kernel (each live
+  block read once; its decode step against XLA's: BENCHMARKS.md) where this JAX has Pallas' Triton
+  backend, else XLA's form with one warning naming the reason; sharded meshes keep XLA's form (a
+  Pallas call is not partitioned). 'pallas' on a GPU without the backend is an error."""
+  missing = compat.pallas_triton_missing() if platform == "gpu" else None
+  if requested == "pallas" and missing is not None:
+    raise ValueError(f"paged_attention='pallas' needs Pallas' Triton backend, which this JAX lacks ({missing}); "
+                     "use paged_attention='auto' (XLA's form)")
+  if requested == "auto" and platform == "gpu" and num_devices == 1:
+    if missing is None:
+      return "pallas"
+    print(f"[llamarl] slot engine: XLA's paged attention instead of the Pallas kernel: Pallas' Triton backend "
+          f"is missing in this JAX ({missing})", file=sys.stderr, flush=True)
+  return requested
+
+
 class SlotPrograms:
   """The jitted programs over `num_slots` slots of a paged KV pool (prompts up to `max_prompt_len`,
   R response tokens, `kv_block_size` positions per block; see `paged.PageLayout`).
@@ -226,10 +244,7 @@ class SlotPrograms:
       raise ValueError(f"paged_attention='pallas' runs its kernel unsharded (a Pallas call is not partitioned "
                        f"over the mesh: the pools would be gathered whole); this generator mesh has "
                        f"{dict(mesh.shape)}: use one device per generator, or paged_attention='auto'")
-    if paged_attention == "auto" and self.platform == "gpu" and mesh.devices.size == 1:
-      # one GPU: the kernel (each live block read once; its decode step against XLA's: BENCHMARKS.md);
-      # sharded meshes keep XLA's form (a Pallas call is not partitioned)
-      paged_attention = "pallas"
+    paged_attention = decode_attention_choice(paged_attention, self.platform, mesh.devices.size)
     self.paged_attention = paged_attention
     with paged_attention_module.target_platform(self.platform, paged_attention):
       self.attention_form = paged_attention_module.resolve_paged_implementation("auto", self.platform)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from llamarl_jax import compat
 from llamarl_jax.model import fp8
 from llamarl_jax.model.fp8 import Product, Rows
 
@@ -65,8 +66,7 @@ def _quantize(h: Array) -> tuple[Array, Array]:
 def _compiler_params(interpret: bool, num_warps: int):
   if interpret:
     return None
-  from jax.experimental.pallas import triton as plgpu
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+  return compat.pallas_triton_compiler_params(num_warps=num_warps, num_stages=1)
 
 
 _ROW = pl.BlockSpec((None,), lambda r: (r,))  # one scalar per row

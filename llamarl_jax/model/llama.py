@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from llamarl_jax import compat
 from llamarl_jax.model import fp8 as fp8_lib
 from llamarl_jax.model import fp8_kernels
 from llamarl_jax.model import moe as moe_lib
@@ -427,8 +428,7 @@ def segment_attention(q: Array, k: Array, v: Array, segments: Segments, implemen
   segment set to 0 (the kernel does not define them); 'xla': a `[B, T, T]` mask of equal segment ids
   under the causal one."""
   if implementation == "cudnn":
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention as cudnn_attention
-
+    cudnn_attention, MaskType = compat.cudnn_dot_product_attention()
     out = cudnn_attention(q, k, v, None, None, segments.seqlens, segments.seqlens, segments.offsets,
                           segments.offsets, scale=1.0 / math.sqrt(q.shape[-1]), mask_type=MaskType.CAUSAL)
     return jnp.where((segments.ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from llamarl_jax import compat
+
 Array = jax.Array
 
 NEG = -0.7 * float(np.finfo(np.float32).max)  # a finite "minus infinity" for the running maximum
@@ -222,8 +224,7 @@ def paged_decode_attention_kernel(q: Array | None, k_pool: Array, v_pool: Array,
                          + 2 * TBp * 4 + B * 8))
   compiler_params = None
   if not interpret:
-    from jax.experimental.pallas import triton as plgpu
-    compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    compiler_params = compat.pallas_triton_compiler_params(num_warps=num_warps, num_stages=2)
   row = pl.BlockSpec((None,), lambda r, h: (r,))  # one int per row
   pool = pl.BlockSpec((NB, bs, None, D), lambda r, h: (0, 0, h, 0))  # a pool, this KV head
   head = pl.BlockSpec((None, None, Gp, D), lambda r, h: (r, h, 0, 0))  # [Gp, D] of the row's head group

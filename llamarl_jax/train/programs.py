@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llamarl_jax import parallel
+from llamarl_jax import compat, parallel
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.train import step as steps
 from llamarl_jax.train.layout import group_by_length, pack_rows
@@ -73,7 +73,7 @@ class TrainPrograms:
   @property
   def trace_count(self) -> int:
     """Train-step programs compiled so far (the jit caches' entries)."""
-    return sum(f._cache_size() for f in (self.train_step, self.packed_step, self.row_lengths, self.prepare_step,
+    return sum(compat.jit_cache_size(f) for f in (self.train_step, self.packed_step, self.row_lengths, self.prepare_step,
                                          self.accumulate_step, self.apply_step))
 
   def run(self, state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array], float | None]:
