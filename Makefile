@@ -3,6 +3,9 @@
 # virtualenv, .venv-<version> (e.g. `make test PY=python3.12` -> .venv-3.12), so stacks sit side by side.
 PY ?= python3
 PYVER := $(shell $(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+ifeq ($(PYVER),)
+$(error PY=$(PY) does not run here: name a Python 3.10-3.13 interpreter that does, e.g. PY=$$(pyenv prefix 3.12.1)/bin/python3.12)
+endif
 VENV ?= $(if $(filter python3,$(PY)),.venv,.venv-$(PYVER))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp

@@ -5,8 +5,8 @@ Supported: jax 0.10.2 (Python 3.10-3.11), 0.11.2 (the GPU machines', CUDA 13) an
 version (`tests/test_compat.py`), so a JAX release that moves one of these breaks this file, loudly,
 and nothing else.
 
-XLA flags. An unknown flag in `XLA_FLAGS` aborts the process when XLA starts (jax 0.12 removed
-`--xla_cpu_use_fusion_emitters`, which jax 0.10.2 has), so the flags a run sets are chosen here from
+XLA flags. An unknown flag in `XLA_FLAGS` aborts the process when XLA starts (jax 0.10.2 has
+`--xla_cpu_use_fusion_emitters`, 0.11.2 and 0.12 do not), so the flags a run sets are chosen here from
 what the running XLA defines: its flag table is the set of NUL-terminated flag names compiled into
 jaxlib's XLA library (a removed flag's name survives there only inside the options proto's reserved
 names, which are not NUL-terminated). `xla_env` builds a process environment,
@@ -51,9 +51,16 @@ def _jaxlib_dir() -> Path:
 
 
 def _xla_libraries() -> list[Path]:
-  """The shared libraries of jaxlib that hold XLA (0.10-0.12: `libjax_common.so`; older wheels:
-  `xla_extension.so`): the large ones, whichever their name."""
-  libs = [p for p in _jaxlib_dir().glob("*.so") if p.stat().st_size > 50 * 2**20]
+  """The shared libraries that hold an XLA parsing XLA_FLAGS: jaxlib's (0.10-0.12: `libjax_common.so`;
+  older wheels: `xla_extension.so`) and an installed PJRT plugin's (e.g. the CUDA plugin's), the large
+  ones, whichever their names."""
+  import importlib.util
+
+  dirs = [_jaxlib_dir()]
+  plugins = importlib.util.find_spec("jax_plugins")
+  if plugins is not None and plugins.submodule_search_locations:
+    dirs += [p for d in plugins.submodule_search_locations for p in Path(d).iterdir() if p.is_dir()]
+  libs = [p for d in dirs for p in d.glob("*.so") if p.stat().st_size > 50 * 2**20]
   if not libs:
     raise RuntimeError(f"no XLA library (a *.so over 50 MB) in {_jaxlib_dir()}: an unsupported jaxlib layout; "
                        "llamarl_jax.compat needs a look for this jaxlib version")
@@ -78,7 +85,7 @@ def cpu_flags(*, cpu_devices: int | None = None, compile: str = "default", fusio
   cpu_devices: fake host devices (mesh tests, `make run`'s 4-device layout). compile: 'default', or
   'fast' for programs compiled far more often than they run (the test suite): LLVM at -O1 (XLA's
   default: -O3). fusion_emitters: 'auto' (off where this XLA has the switch: the legacy emitters
-  compile about twice as fast; jax 0.12 has only the fusion emitters), 'on', or 'off' (an error where
+  compile about twice as fast; from jax 0.11 there are only the fusion emitters), 'on', or 'off' (an error where
   this XLA cannot turn them off). llvm_opt: an explicit LLVM level (0-3), overriding `compile`.
   """
   if compile not in COMPILE_MODES:

@@ -47,7 +47,8 @@ RANGES: dict[str, dict[str, Callable[[Any], str | None]]] = {
     "run_experiment": {"rl_steps": at_least(0), "eval_size": at_least(0),  # eval_size 0 skips the evaluations
                        "eval_every": at_least(0), "eval_samples": at_least(0), "eval_window": at_least(1)},
     "supervised_warmstart": {"steps": at_least(0), "batch_size": at_least(1), "learning_rate": above(0.0),
-                             "prompt_len": at_least(1), "resp_len": at_least(1), "log_every": at_least(1)},
+                             "prompt_len": at_least(1), "resp_len": at_least(1), "log_every": at_least(1),
+                             "weight_decay": at_least(0.0), "final_lr_ratio": between(0.0, 1.0)},
     "PromptSource": {"heldout_fraction": between(0.0, 1.0), "num_epochs": at_least(1),
                      "bad_rows": one_of("skip", "error"), "overlong_prompts": one_of("error", "truncate"),
                      "split": one_of("train", "heldout"), "max_prompt_tokens": at_least(1)},

@@ -167,20 +167,23 @@ def supervised_warmstart(config: ModelConfig, params, tokenizer, source: PromptS
                          batch_size: int = 64, learning_rate: float = 3e-3, prompt_len: int = 32,
                          resp_len: int = 16, log_every: int = 50, logger: MetricsLogger | None = None,
                          progress: bool = True, env=None, scan_layers: bool = True, on_params=None,
-                         on_params_every: int = 0):
+                         on_params_every: int = 0, weight_decay: float = 0.0, final_lr_ratio: float = 0.1):
   """Maximum-likelihood fine-tuning on the task's reference completions (`source.reference(ex)`).
 
   This is the warm start before RL, so RL starts from a policy that sometimes succeeds. env: the run's
   `Environment` (None: single-turn): a demonstration is `env.demonstration(example, completion)`, its
   model turns trained on (each + EOS), its observations only context. scan_layers: as
   `TrainConfig.scan_layers` (`scan_hidden_states`). on_params: called as `on_params(step, params)`
-  every `on_params_every` steps (a held-out evaluation of the warm start as it trains).
+  every `on_params_every` steps (a held-out evaluation of the warm start as it trains). The optimizer:
+  AdamW, `learning_rate` warmed up over the first tenth of `steps`, then a cosine to
+  `learning_rate * final_lr_ratio`; `weight_decay` decoupled, as `OptimizerConfig.weight_decay`.
   """
   # the trainer's step (`train.step.train_step`) with the negative log-likelihood as its loss
   leaf = jax.tree.leaves(params)[0]
   platform = next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend()
   optimizer = cfg.OptimizerConfig(lr=learning_rate, warmup_steps=max(steps // 10, 1), schedule="cosine",
-                                  total_steps=max(steps, 1), final_lr_ratio=0.1, b2=0.999, max_grad_norm=1.0)
+                                  total_steps=max(steps, 1), final_lr_ratio=final_lr_ratio, b2=0.999, max_grad_norm=1.0,
+                                  weight_decay=weight_decay)
   spec = StepSpec(model=config, loss=losses.nll_loss, optimizer=optimizer, logprob_chunk=None,
                   attention=resolve_attention("auto", platform, config.dtype), scan_layers=scan_layers,
                   mismatch=False)

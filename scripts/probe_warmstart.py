@@ -39,6 +39,52 @@ def forgiven_accuracy(texts, truths, prefix: str) -> tuple[float, float]:
   return sum(exact) / len(texts), sum(forgiven) / len(texts)
 
 
+def direct_accuracy(graphdef, params, tokenizer, prompts, truths, prefix: str) -> float:
+  """Greedy accuracy when the completion starts with the answer, not the prefix: the argmax at the
+  first response position over every token but the prefix's first, then the plain argmax, must spell
+  the answer and the end token (teacher-forced on it, which is the greedy path exactly when it is
+  right). This is the format RL rewards, so it is the arithmetic a run keeps once RL has dropped the
+  prefix; the prefixed path (`forgiven_accuracy`) can be better learnt (the teacher's usual format)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from llamarl_jax.model.llama import merge_params
+
+  rows = [p + tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+          for p, t in zip(prompts, truths)]
+  width = max(len(r) for r in rows)
+  tokens = np.full((len(rows), width), tokenizer.pad_token_id or 0, np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, :len(r)] = r  # right-padded: causal attention never reads the padding
+  logits = np.asarray(jax.jit(lambda p, t: merge_params(graphdef, p)(t))(params, jnp.asarray(tokens)))
+  banned = tokenizer(prefix[:1], add_special_tokens=False)["input_ids"] if prefix else []
+  right = 0
+  for i, (p, r) in enumerate(zip(prompts, rows)):
+    ok = True
+    for t in range(len(p) - 1, len(r) - 1):  # logits at t predict token t + 1
+      row = logits[i, t].copy()
+      if t == len(p) - 1:
+        row[banned] = -np.inf
+      ok &= int(row.argmax()) == r[t + 1]
+    right += ok
+  return right / len(rows)
+
+
+def by_class(examples, texts, prefix: str) -> dict[str, float]:
+  """Accuracy (prefix forgiven) of two-operand sums by kind: no carry, a carry from the units, a
+  three-digit answer."""
+  groups: dict[str, list[float]] = {"no carry": [], "carry": [], "sum>=100": []}
+  for ex, text in zip(examples, texts):
+    try:
+      a, b = (int(x) for x in ex.prompt.rstrip("=").split("+"))
+    except ValueError:  # not a two-operand sum
+      return {}
+    kind = "sum>=100" if a + b >= 100 else ("carry" if a % 10 + b % 10 >= 10 else "no carry")
+    groups[kind].append(forgiven_accuracy([text], [ex.ground_truth], prefix)[1])
+  return {k: sum(v) / len(v) for k, v in groups.items() if v}
+
+
 def probe_seed(gin_files, bindings, seed: int, every: int, eval_size: int, trainer_mesh: bool) -> list[dict]:
   import gin
   import jax
@@ -62,7 +108,12 @@ def probe_seed(gin_files, bindings, seed: int, every: int, eval_size: int, train
   examples = source.heldout().next_batch(eval_size)
   prompts = [ex.encode(tokenizer) for ex in examples]
   truths = [ex.ground_truth for ex in examples]
+  sft_source = source.fork(seed_offset=1)  # as `run_experiment` forks the RL source for its SFT
+  seen = sft_source.fork(seed_offset=0).next_batch(eval_size)  # the first problems the SFT trains on
+  seen_prompts, seen_truths = [ex.encode(tokenizer) for ex in seen], [ex.ground_truth for ex in seen]
   sampler = Sampler(config, pad_id=tokenizer.pad_token_id or 0)
+  from llamarl_jax.model.llama import abstract_model, split_params
+  graphdef = split_params(abstract_model(config))[0]  # the trainer's (Hugging Face's) layout
   greedy = SamplingParams(temperature=0.0, max_new_tokens=gin.query_parameter("RolloutConfig.max_new_tokens"),
                           stop_token_ids=(tokenizer.eos_token_id,))
   rows, t0 = [], time.perf_counter()
@@ -70,14 +121,26 @@ def probe_seed(gin_files, bindings, seed: int, every: int, eval_size: int, train
   def evaluate(step, p):
     texts = decode_responses(tokenizer, sampler.generate(p, prompts, greedy))
     exact, forgiven = forgiven_accuracy(texts, truths, prefix)
-    rows.append({"seed": seed, "step": step, "exact": exact, "forgiven": forgiven,
-                 "seconds": time.perf_counter() - t0})
+    _, trained = forgiven_accuracy(decode_responses(tokenizer, sampler.generate(p, seen_prompts, greedy)),
+                                   seen_truths, prefix)
+    classes = by_class(examples, texts, prefix)
+    direct = direct_accuracy(graphdef, p, tokenizer, prompts, truths, prefix)
+    rows.append({"seed": seed, "step": step, "exact": exact, "forgiven": forgiven, "direct": direct,
+                 "trained_forgiven": trained, "classes": classes, "seconds": time.perf_counter() - t0})
     print(f"seed {seed} step {step}: held-out {100 * exact:.1f}% exact, {100 * forgiven:.1f}% with "
-          f"{prefix!r} forgiven ({rows[-1]['seconds']:.0f} s)", flush=True)
+          f"{prefix!r} forgiven, {100 * direct:.1f}% answering directly (trained-on problems {100 * trained:.1f}%; "
+          + ", ".join(f"{k} {100 * v:.0f}%" for k, v in classes.items()) + f") ({rows[-1]['seconds']:.0f} s)",
+          flush=True)
 
-  sft_source = source.fork(seed_offset=1)  # as `run_experiment` forks the RL source for its SFT
+  class NllLog:  # supervised_warmstart's training NLL (every 50 steps), beside the evaluations
+    def log(self, step, values):
+      nll.append(values["sft/nll"])
+      if len(nll) <= 2:
+        print(f"seed {seed}: SFT nll {values['sft/nll']:.6f} at step {50 * len(nll)}", flush=True)
+
+  nll: list[float] = []
   experiment.supervised_warmstart(config, params, tokenizer, sft_source, progress=False, on_params=evaluate,
-                                  on_params_every=every)
+                                  on_params_every=every, logger=NllLog())
   return rows
 
 
