@@ -1,8 +1,8 @@
 """RL learns: a short run of `make run`'s configuration raises held-out accuracy by a set margin, and
 the same run with the policy-gradient sign flipped does not.
 
-The run: configs/tiny_cpu.gin unchanged (the 0.8M-parameter Llama, the 1-2 digit additions demonstrated
-by a teacher that writes "ans 81" 70% of the time, the exact verifier as reward, AIPO at policy lag 1,
+The run: configs/tiny_cpu.gin unchanged (the 0.8M-parameter Llama, the 1-2 digit additions, the exact
+verifier as reward, AIPO at policy lag 1,
 lr 3e-4, trainer FSDP 2 beside generator DP 2) from `make run`'s own warm start, then RL_STEPS RL
 steps, with the greedy exact-match accuracy on EVAL_SIZE held-out problems before and after RL.
 
@@ -10,7 +10,8 @@ The warm start is stored (tests/data/tiny_cpu_warm_start, 3.2 MB): an SFT phase 
 takes minutes on 2 cores, and a warm start the suite can afford does not learn the sums (300 SFT steps:
 13% of held-out sums right with the prefix forgiven, 2% for a 64-wide model), so RL would have
 nothing to surface. It is a shorter SFT than `make run`'s (1000 steps over 16-position prompts, where
-`make run` takes 3000 over 8), so a weaker start than `make run`'s, written by
+`make run` takes 3000 over 8), and by a teacher that writes "ans 81" 70% of the time (`make run`'s: 60%), so a weaker start than
+`make run`'s, written by
 
     make run ARGS="--run_dir=runs/warm_start --gin_param=run_experiment.rl_steps=0 --gin_param=run_experiment.eval_size=0 \
       --gin_param=supervised_warmstart.steps=1000 --gin_param=supervised_warmstart.prompt_len=16"
