@@ -10,7 +10,7 @@ for seed in $seeds; do
     dir=runs/tools/${cfg}_s${seed}
     [ -f "$dir/summary.json" ] && continue
     rm -rf "$dir"
-    JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=false" \
+    JAX_PLATFORMS=cpu .venv/bin/python -m llamarl_jax.compat --cpu_devices 4 -- \
       /usr/bin/time -f "%e s wall" .venv/bin/python scripts/train.py --gin_file=configs/$cfg.gin --run_dir=$dir \
       --gin_param="build_policy.seed=$seed" --gin_param="PromptSource.seed=$seed" --gin_param="RolloutConfig.seed=$seed" \
       --gin_param="run_experiment.tensorboard=False" > "$dir.log" 2>&1

@@ -287,7 +287,7 @@ def library_call_bytes(hlo_text: str, targets: tuple[str, ...] = LIBRARY_CALLS) 
   """Bytes of the library calls in a compiled module's text that XLA's generic `HloCostAnalysis`
   charges nothing (a custom call is opaque to it): each call's operands plus its result (of a tuple
   result, the first element; the rest is the library's scratch workspace). For cuBLAS GEMMs (a GPU
-  compiled with `--xla_gpu_enable_triton_gemm=false`, or where the autotuner picks cuBLAS) that is
+  compiled with XLA's Triton GEMMs turned off, or where the autotuner picks cuBLAS) that is
   the weight matrix, the activations and the output: what the GEMM must move at least."""
   total = 0
   for body in _parse_hlo(hlo_text).values():
