@@ -28,6 +28,7 @@ from typing import Any, Callable, ClassVar
 from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
 from llamarl_jax.model.fp8 import QUANTIZATIONS
 from llamarl_jax.model.llama import ATTENTION_IMPLEMENTATIONS, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
+from llamarl_jax.model.paged_attention import PAGED_IMPLEMENTATIONS
 from llamarl_jax.schedule import VERSION_SCHEDULES
 
 Rule = Callable[[Any], "str | None"]  # a value -> None if fine, else what was expected
@@ -206,8 +207,11 @@ class GeneratorConfig(_Validated):
   Slot engine settings: decode chunks of `chunk_steps`; prompts up to `max_prompt_len` tokens, default
   min(512, context - max_new_tokens); KV kept across weight swaps unless `recompute_kv`; a paged KV
   pool of `kv_block_size` positions per block; `chunks_in_flight` decode chunks dispatched before the
-  host waits; `paged_attention` the decode attention's form: 'auto' (XLA's), or 'pallas', one kernel
-  that reads each live block once, on a one-device generator mesh, untimed on a GPU;
+  host waits; `paged_attention` the decode attention's form (`paged_attention.PAGED_IMPLEMENTATIONS`):
+  'auto' (on one GPU the Pallas kernel form that has passed on a GPU, `gpu_paths`; XLA's elsewhere),
+  'reduce', 'dot', 'pallas' (one kernel that reads each live block once, on a one-device generator
+  mesh) or 'pallas_fused' (that kernel also writing the new key and value in place, with fp8 weights
+  the fp8 activation kernels; opt-in until it passes on a GPU);
   `min_decode_width` the fewest rows a decode chunk computes when few slots are busy (the batch
   shrinks to the busy slots in halvings; None: slots / 16; = slots: it never shrinks); `staged_slots`
   KV slots beyond `slots`: prompts prefilled ahead that decode chunks admit on device as rows finish.
@@ -232,7 +236,7 @@ class GeneratorConfig(_Validated):
   delay_s: float = 0.0
   RULES: ClassVar = {"engine": one_of(*GENERATOR_ENGINES), "slots": at_least(0), "chunk_steps": at_least(1),
                      "kv_block_size": at_least(1), "chunks_in_flight": at_least(1),
-                     "paged_attention": one_of("auto", "reduce", "dot", "pallas"),
+                     "paged_attention": one_of(*PAGED_IMPLEMENTATIONS),
                      "max_prompt_len": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "min_decode_width": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "staged_slots": at_least(0),

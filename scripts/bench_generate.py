@@ -247,7 +247,7 @@ def main(argv=None):
   parser.add_argument("--min_decode_width", type=int, default=None,
                       help="slot engine: fewest rows a decode chunk computes (default slots / 16; = --slots: "
                            "the batch never shrinks)")
-  parser.add_argument("--paged_attention", default="auto", choices=["auto", "reduce", "dot", "pallas"],
+  parser.add_argument("--paged_attention", default="auto", choices=["auto", "reduce", "dot", "pallas", "pallas_fused"],
                       help="slot engine: the decode attention's form (pallas: one kernel, paged_kernel.py)")
   args = parser.parse_args(argv)
   if args.device == "cpu":

@@ -124,12 +124,14 @@ def test_matches_static_sampler_with_sampling(model, static_sampler, sampling_en
   np.testing.assert_array_equal(batch.token_versions, 2)
 
 
-def test_pallas_attention_samples_what_the_static_sampler_samples(model, static_sampler, prompts):
-  """The one-kernel paged attention (`paged_attention='pallas'`, Pallas interpret mode on the CPU) in
-  the engine: the static sampler's tokens and log-probs, with a queue, stops, prefix sharing and
-  blocks of 4 (responses across several blocks)."""
+@pytest.mark.parametrize("form", ["pallas", "pallas_fused"])
+def test_pallas_attention_samples_what_the_static_sampler_samples(model, static_sampler, prompts, form):
+  """The one-kernel paged attention (`paged_attention='pallas'`, read-only, and 'pallas_fused', writing
+  the new key and value itself; Pallas interpret mode on the CPU) in the engine: the static sampler's
+  tokens and log-probs, with a queue, stops, prefix sharing and blocks of 4 (responses across several
+  blocks)."""
   eng = SlotEngine(model[0], lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
-                   kv_block_size=4, paged_attention="pallas")
+                   kv_block_size=4, paged_attention=form)
   static = static_sampler.generate(model[1], prompts, SAMPLED, policy_version=0)
   batch = eng.generate(model[1], prompts, SAMPLED)
   for name in ("response_tokens", "lengths", "finish_reason"):

@@ -48,8 +48,9 @@ def test_auto_implementation_follows_the_platform_compiled_for():
   with target_platform("gpu"):
     assert resolve_paged_implementation("auto") == "reduce"
     assert resolve_paged_implementation("dot") == "dot"
-    with target_platform("gpu", "pallas"):  # a caller's choice reaches the model's 'auto'
-      assert resolve_paged_implementation("auto") == "pallas"
+    for form in ("pallas", "pallas_fused"):
+      with target_platform("gpu", form):  # a caller's choice reaches the model's 'auto'
+        assert resolve_paged_implementation("auto") == form
     with target_platform(None):
       assert resolve_paged_implementation("auto") == ("dot" if jax.default_backend() == "cpu" else "reduce")
   assert resolve_paged_implementation("auto") == ("dot" if jax.default_backend() == "cpu" else "reduce")
@@ -99,10 +100,11 @@ def test_kernel_bytes_count_each_live_block_of_each_head_once():
   assert kernel_bytes(**shapes, source_itemsize=4) == 768 + 256 + 128 + 256 + 128
 
 
+@pytest.mark.parametrize("form", ["pallas_fused", "pallas"])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla_form(scaled):
-  """`write_and_attend` with the Pallas kernel (interpret mode; the key's RoPE and the write inside the
-  kernel, k and v read from channels 3 and 1 of a [B, KV, 4, D] projection output, the new token
+def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla_form(scaled, form):
+  """`write_and_attend` with the Pallas kernel (interpret mode; 'pallas_fused': the key's RoPE and the
+  write inside the kernel; 'pallas': XLA's rotation and scatters, then the read-only kernel; k and v read from channels 3 and 1 of a [B, KV, 4, D] projection output, the new token
   attended from registers) against the XLA form (`rope_rotate`, `write_token` scatters, then 'dot'):
   the same pools (the values bit for bit, the keys up to one fp32 rounding of the rotation) and the
   same outputs up to fp32 summation order. Row 1 is idle (no entries, writes to the trash block 9, gets zeros); rows 0 and 3 share
@@ -127,7 +129,7 @@ def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla
     kv_scales = (jnp.asarray(rng.uniform(0.5, 2, 4).astype(np.float32)),
                  jnp.asarray(rng.uniform(0.5, 2, (KV, 4, D)).astype(np.float32)))
   args = (jnp.asarray(q), jnp.asarray(kv), (3, 1), cos, sin, layer)
-  out, ck, cv = write_and_attend(*args, implementation="pallas", kv_scales=kv_scales)
+  out, ck, cv = write_and_attend(*args, implementation=form, kv_scales=kv_scales)
   ref_out, ref_k, ref_v = write_and_attend(*args, implementation="dot", kv_scales=kv_scales)
   if scaled:
     from llamarl_jax.model.fp8 import apply_scales
@@ -148,11 +150,12 @@ def test_the_kernel_writes_the_new_token_and_attends_as_the_scatter_then_the_xla
 
 
 
+@pytest.mark.parametrize("form", ["pallas_fused", "pallas"])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_the_kernel_reads_and_rotates_q_from_the_projection_output(scaled):
+def test_the_kernel_reads_and_rotates_q_from_the_projection_output(scaled, form):
   """`write_and_attend(q_group=4)`: the queries are channels 0..3 of each KV head of a [B, KV, 6, D]
-  fused projection output, before RoPE; the Pallas kernel (interpret mode) rotates and pads them
-  itself and writes its output unpadded (G = 4). Against the XLA form given q rotated by
+  fused projection output, before RoPE; the fused Pallas kernel (interpret mode) rotates and pads them
+  itself and writes its output unpadded (G = 4); the read-only form takes them rotated by XLA's ops. Against the XLA form given q rotated by
   `rope_rotate` outside: the same outputs and pools up to fp32 summation order (2e-6, as above);
   the quantised output (`quantize_out`, `fp8_kernels.quantize_heads`) de-quantised is the output
   within e4m3's rounding (3 mantissa bits: 2^-4 relative; asserted 2^-3)."""
@@ -178,13 +181,13 @@ def test_the_kernel_reads_and_rotates_q_from_the_projection_output(scaled):
     scaled_kv = apply_scales(kv, *kv_scales, jnp.float32)
   q = rope_rotate(scaled_kv[:, :, :G].reshape(4, 1, KV * G, D), cos[:, None, None], sin[:, None, None])
   channels = (G, G + 1)
-  out, ck, cv = write_and_attend(None, kv, channels, cos, sin, layer, "pallas", kv_scales, q_group=G)
+  out, ck, cv = write_and_attend(None, kv, channels, cos, sin, layer, form, kv_scales, q_group=G)
   ref_out, ref_k, ref_v = write_and_attend(q, kv, channels, cos, sin, layer, "dot", kv_scales)
   assert out.shape == (4, 1, KV * G, D)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-6, atol=2e-6)
   np.testing.assert_allclose(np.asarray(ck), np.asarray(ref_k), rtol=3e-7, atol=1e-7)
   np.testing.assert_array_equal(np.asarray(cv), np.asarray(ref_v))
-  rows_out = write_and_attend(None, kv, channels, cos, sin, layer, "pallas", kv_scales, quantize_out=True,
+  rows_out = write_and_attend(None, kv, channels, cos, sin, layer, form, kv_scales, quantize_out=True,
                               q_group=G)[0]
   np.testing.assert_allclose(np.asarray(rows_out.values, np.float32) * np.asarray(rows_out.scale)[..., None],
                              np.asarray(ref_out).reshape(4, 1, KV * G * D), rtol=2 ** -3, atol=1e-6)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from llamarl_jax import parallel
+from llamarl_jax import gpu_paths, parallel
 from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.generation import Sampler, SamplingParams
 from llamarl_jax.generation.rollout import trainer_layout
@@ -225,6 +225,11 @@ def test_attention_and_remat_choices():
   assert resolve_attention("auto", "gpu", jnp.bfloat16) == "cudnn"
   assert resolve_attention("auto", "cuda", jnp.float32) == "xla"  # cuDNN's kernel takes bf16/fp16 only
   assert resolve_attention("xla", "gpu", jnp.bfloat16) == "xla"
+  # packed rows: 'auto' takes cuDNN's segment-offset form only once it has passed on a GPU (`gpu_paths`),
+  # XLA's masked form until then; cuDNN's runs when named
+  packed_auto = "cudnn" if gpu_paths.passed("packed_attention", "cudnn") else "xla"
+  assert resolve_attention("auto", "gpu", jnp.bfloat16, packed=True) == packed_auto
+  assert resolve_attention("cudnn", "gpu", jnp.bfloat16, packed=True) == "cudnn"
   with pytest.raises(ValueError, match="needs a CUDA GPU"):
     resolve_attention("cudnn", "cpu", jnp.bfloat16)
   with pytest.raises(ValueError, match="one of"):

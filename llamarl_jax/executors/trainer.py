@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from llamarl_jax import losses, mismatch, parallel
+from llamarl_jax import gpu_paths, losses, mismatch, parallel
 from llamarl_jax.config import CriticConfig, LoraConfig, OptimizerConfig
 from llamarl_jax.executors.critic import CriticExecutor
 from llamarl_jax.generation.rollout import ScoredBatch
@@ -103,7 +103,9 @@ class TrainerExecutor:
     self.microbatches, self.group_by_length, self.pack = microbatches, bool(group_by_length), bool(pack)
     self.remat, self.logprob_chunk, self.temperature = remat_policy(remat), logprob_chunk, float(temperature)
     self.platform = platform or mesh.devices.flat[0].platform  # the step's target (`lower_step`)
-    self.attention = resolve_attention(attention, self.platform, config.dtype)
+    self.attention = resolve_attention(attention, self.platform, config.dtype, packed=self.pack)
+    gpu_paths.announce("trainer", self.platform,
+                       {"packed_attention" if self.pack else "trainer_attention": self.attention})
     self.reference_is_initial = reference_is_initial
     self.busy_seconds = 0.0
     tx = make_optimizer(self.optimizer_config)

@@ -248,8 +248,10 @@ class SlotEngine:
     its slot or chunk); with in-flight swaps, which version a token sees does (refills start a chunk
     later), deterministically for a given setting.
   paged_attention: the decode attention's form (`paged_attention.PAGED_IMPLEMENTATIONS`: 'auto',
-    'reduce', 'dot', or 'pallas', the one-kernel form of `paged_kernel`); 'auto' is 'pallas' on one
-    GPU, XLA's 'reduce' on a sharded GPU mesh, 'dot' on the CPU.
+    'reduce', 'dot', 'pallas', the one-kernel form of `paged_kernel`, or 'pallas_fused', that kernel
+    writing the new key and value itself); 'auto' is, on one GPU, the kernel form `gpu_paths` records
+    as passed on a GPU (`slot_programs.decode_attention_choice`), XLA's 'reduce' on a sharded GPU
+    mesh, 'dot' on the CPU.
   staged_slots: KV slots beyond the lanes: queued prompts
     are prefilled into them ahead and a decode chunk admits them into lanes as lanes free, on device
     (FIFO), so finished rows are refilled at the next step without a host round trip while staged

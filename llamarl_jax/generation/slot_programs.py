@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llamarl_jax import compat, parallel
+from llamarl_jax import compat, gpu_paths, parallel
 from llamarl_jax.generation import paged
 from llamarl_jax.generation.paged import KVPages, PageLayout
 from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits
@@ -187,19 +187,25 @@ _SHARED_LOCK = threading.Lock()
 SHARED_PROGRAM_SETS = 8  # configurations kept
 
 
+# The kernel forms 'auto' may take on one GPU, most preferred first (the fused step moves fewer bytes
+# and launches fewer kernels: BENCHMARKS.md); `gpu_paths` says which have passed on a GPU.
+GPU_KERNEL_PREFERENCE = ("pallas_fused", "pallas")
+
+
 def decode_attention_choice(requested: str, platform: str, num_devices: int) -> str:
-  """The paged decode attention a slot engine runs: `requested` ('auto', 'reduce', 'dot', 'pallas')
-  on a generator mesh of `num_devices` on `platform`. 'auto' on one GPU is the Pallas kernel (each live
+  """The paged decode attention a slot engine runs: `requested` ('auto', 'reduce', 'dot', 'pallas',
+  'pallas_fused') on a generator mesh of `num_devices` on `platform`. 'auto' on one GPU is the first
+  Pallas kernel form of `GPU_KERNEL_PREFERENCE` that `gpu_paths` records as passed on a GPU (each live
   block read once; its decode step against XLA's: BENCHMARKS.md) where this JAX has Pallas' Triton
   backend, else XLA's form with one warning naming the reason; sharded meshes keep XLA's form (a
-  Pallas call is not partitioned). 'pallas' on a GPU without the backend is an error."""
+  Pallas call is not partitioned). A kernel form on a GPU without the backend is an error."""
   missing = compat.pallas_triton_missing() if platform == "gpu" else None
-  if requested == "pallas" and missing is not None:
-    raise ValueError(f"paged_attention='pallas' needs Pallas' Triton backend, which this JAX lacks ({missing}); "
+  if requested in paged_attention_module.KERNEL_FORMS and missing is not None:
+    raise ValueError(f"paged_attention={requested!r} needs Pallas' Triton backend, which this JAX lacks ({missing}); "
                      "use paged_attention='auto' (XLA's form)")
   if requested == "auto" and platform == "gpu" and num_devices == 1:
     if missing is None:
-      return "pallas"
+      return gpu_paths.gpu_default("paged_attention", GPU_KERNEL_PREFERENCE, "auto")
     print(f"[llamarl] slot engine: XLA's paged attention instead of the Pallas kernel: Pallas' Triton backend "
           f"is missing in this JAX ({missing})", file=sys.stderr, flush=True)
   return requested
@@ -240,14 +246,18 @@ class SlotPrograms:
     mesh = sampler.mesh
     self.platform = mesh.devices.flat[0].platform  # the paged attention's form follows the mesh's devices
     paged_attention_module.resolve_paged_implementation(paged_attention, self.platform)  # a clear error early
-    if paged_attention == "pallas" and mesh.devices.size > 1:
-      raise ValueError(f"paged_attention='pallas' runs its kernel unsharded (a Pallas call is not partitioned "
+    if paged_attention in paged_attention_module.KERNEL_FORMS and mesh.devices.size > 1:
+      raise ValueError(f"paged_attention={paged_attention!r} runs its kernel unsharded (a Pallas call is not partitioned "
                        f"over the mesh: the pools would be gathered whole); this generator mesh has "
                        f"{dict(mesh.shape)}: use one device per generator, or paged_attention='auto'")
     paged_attention = decode_attention_choice(paged_attention, self.platform, mesh.devices.size)
     self.paged_attention = paged_attention
     with paged_attention_module.target_platform(self.platform, paged_attention):
       self.attention_form = paged_attention_module.resolve_paged_implementation("auto", self.platform)
+    self.paths = {"paged_attention": self.attention_form}
+    if sampler.layout.fp8:
+      self.paths["quantize"] = "fp8"
+    gpu_paths.announce("slot engine", self.platform, self.paths)
     self.num_lanes = num_slots if num_lanes is None else int(num_lanes)
     if not 1 <= self.num_lanes <= num_slots:
       raise ValueError(f"num_lanes must be in 1..num_slots ({num_slots}), got {num_lanes}")
@@ -325,7 +335,7 @@ class SlotPrograms:
     for w in self.widths:
       top = w * per_lane
       quarter = -(-top // 4)
-      xla_full_width = w == self.widths[0] and self.attention_form != "pallas" and quarter < top
+      xla_full_width = w == self.widths[0] and self.attention_form not in paged_attention_module.KERNEL_FORMS and quarter < top
       plan[w] = (quarter, top) if xla_full_width else (top,)
     return plan
 
@@ -706,8 +716,8 @@ class SlotPrograms:
     if prompt_lens.min() < 1 or prompt_lens.max() > Pm or n_gen.min() < 1 or n_gen.max() > R - 1:
       raise ValueError(f"need 1 <= prompt_lens <= {Pm} and 1 <= n_gen <= R - 1 = {R - 1}")
     form = paged_attention_module.resolve_paged_implementation(self.paged_attention, self.platform)
-    if layout == "paged" and form == "pallas" and self.platform != "gpu":
-      raise ValueError(f"paged_attention='pallas' on {self.platform} runs in Pallas' interpret mode: its XLA ops (a "
+    if layout == "paged" and form in paged_attention_module.KERNEL_FORMS and self.platform != "gpu":
+      raise ValueError(f"paged_attention={form!r} on {self.platform} runs in Pallas' interpret mode: its XLA ops (a "
                        "loop over the kernel's programs, 46x the ideal at 5M) are not the kernel's traffic; count it "
                        "compiled for a GPU (bench_generate --bytes_target h100) or use paged_attention='auto'")
     sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -751,20 +761,21 @@ class SlotPrograms:
     layer_weights = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params["layers"]))
     kernel = 0.0  # the Pallas kernel's reads, counted from its structure (a custom call to XLA's analysis)
     triton_call = 'custom_call_target="__gpu$xla.gpu.triton"' in text
-    if layout == "paged" and form == "pallas" and triton_call:
+    if layout == "paged" and form in paged_attention_module.KERNEL_FORMS and triton_call:
       from llamarl_jax.model.paged_kernel import kernel_bytes
       c = self.config
       live = int(np.sum(-(-prompt_lens // self.layout.block_size) + -(-n_gen // self.layout.block_size)))
       G, layout = c.num_heads // c.num_kv_heads, self.weight_layout
-      # q, k and v read from the fused projection's output (`llama.Attention`'s paged step: q too for a
-      # power-of-two group), an fp8 GEMM's fp32 product with fp8 weights
-      source = None
-      if layout.fused_qkv and not c.qk_norm and G & (G - 1) == 0:
+      # the fused form reads q, k and v from the fused projection's output (`llama.Attention`'s paged
+      # step: q too for a power-of-two group), an fp8 GEMM's fp32 product with fp8 weights, and writes
+      # the new key and value; the read-only form reads q as given (XLA's ops write)
+      fused, source = form == "pallas_fused", None
+      if fused and layout.fused_qkv and not c.qk_norm and G & (G - 1) == 0:
         source = 4 if layout.fp8 and not c.qkv_bias else jnp.dtype(c.dtype).itemsize
       kernel = c.num_layers * kernel_bytes(num_rows=S, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                            head_dim=c.head_dim, block_size=self.layout.block_size,
                                            live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize,
-                                           source_itemsize=source)
+                                           write=fused, source_itemsize=source)
     if generic:  # the fp8 activation kernels (`fp8_kernels`): each reads its operands, writes its results
       from llamarl_jax.model.fp8_kernels import KERNEL_NAMES
       kernel += float(paged.pallas_call_bytes(text, KERNEL_NAMES))

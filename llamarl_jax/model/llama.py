@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from llamarl_jax import compat
+from llamarl_jax import compat, gpu_paths
 from llamarl_jax.model import fp8 as fp8_lib
 from llamarl_jax.model import fp8_kernels
 from llamarl_jax.model import moe as moe_lib
@@ -473,7 +473,7 @@ class Attention(nnx.Module):
 
     x may be `fp8.Rows` (fp8 weights, a `PagedLayer`: `Block.decode_fp8`): x quantised before, and
     the output is the O projection's `fp8.Product` (its scales not applied), its input quantised by
-    `fp8_kernels.quantize_heads` where the attention is the Pallas kernel."""
+    `fp8_kernels.quantize_heads` where the attention is the fused Pallas kernel."""
     rows_in = isinstance(x, fp8_lib.Rows)
     dt, c = (jnp.dtype(self.config.dtype) if rows_in else x.dtype), self.config
     source = None  # where the fused projection's k and v lie (`_fused_qkv`)
@@ -784,12 +784,12 @@ class Llama(nnx.Module):
 
   def fused_fp8_decode(self) -> bool:
     """Whether the paged decode step runs `Block.decode_fp8` (each fp8 GEMM's input made by one
-    kernel, `fp8_kernels`): fp8 weights in the fused serving layout, the Pallas paged attention
-    (`paged_attention.resolve_paged_implementation`: one unsharded device), sizes the kernels take
+    kernel, `fp8_kernels`): fp8 weights in the fused serving layout, the fused Pallas paged attention
+    ('pallas_fused', `paged_attention.resolve_paged_implementation`: one unsharded device), sizes the kernels take
     (`fp8_kernels.supported`)."""
     c, layout = self.config, self.layout
     return (layout.fp8 and layout.fused_qkv and layout.fused_mlp and not c.moe_layers
-            and paged_attention.resolve_paged_implementation() == "pallas"
+            and paged_attention.resolve_paged_implementation() == "pallas_fused"
             and fp8_kernels.supported(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim))
 
   def logits(self, x: Array) -> Array:
@@ -847,16 +847,19 @@ REMAT_POLICIES = ("none", "matmuls", "full")
 DEFAULT_LOGPROB_CHUNK = 256
 
 
-def resolve_attention(implementation: str, platform: str, dtype) -> str:
+def resolve_attention(implementation: str, platform: str, dtype, packed: bool = False) -> str:
   """The attention kernel the trainer runs: 'auto' is 'cudnn' on a CUDA GPU in bf16/fp16 (the only
-  dtypes cuDNN's fused kernel takes), 'xla' elsewhere. 'cudnn' where it cannot run is an error (never
-  a silent fallback). `platform`: a device platform ('cpu', 'gpu', 'cuda', 'tpu')."""
+  dtypes cuDNN's fused kernel takes) where `gpu_paths` records cuDNN's form for the layout as passed
+  on a GPU (packed: its segment-offset form, `segment_attention`), 'xla' elsewhere. 'cudnn' where it
+  cannot run is an error (never a silent fallback); chosen by name it runs whether or not it has
+  passed (opt-in). `platform`: a device platform ('cpu', 'gpu', 'cuda', 'tpu')."""
   if implementation not in ATTENTION_IMPLEMENTATIONS:
     raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}")
   gpu = platform in ("gpu", "cuda")
   half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
   if implementation == "auto":
-    return "cudnn" if gpu and half else "xla"
+    setting = "packed_attention" if packed else "trainer_attention"
+    return "cudnn" if gpu and half and gpu_paths.passed(setting, "cudnn") else "xla"
   if implementation == "cudnn" and not (gpu and half):
     raise ValueError(f"attention='cudnn' (cuDNN fused attention) needs a CUDA GPU and a bfloat16/float16 "
                      f"compute dtype; got platform {platform!r}, dtype {jnp.dtype(dtype).name}. Use "

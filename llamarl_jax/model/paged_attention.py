@@ -35,7 +35,13 @@ Two ways to form the per-entry products (`implementation`), the same math:
   'pallas'  one Pallas kernel (`paged_kernel`): each live block of each KV head read once, the
             softmax state in registers, no per-entry partials; needs the entries row-contiguous and
             row-ascending (`paged.live_entries` lists them so). Triton on a GPU; on the CPU it runs in
-            Pallas' interpret mode (tests). The slot engine's choice on one GPU (`SlotPrograms`).
+            Pallas' interpret mode (tests). Read-only: the new key and value are rotated and written
+            by XLA ops before it (`write_and_attend`).
+  'pallas_fused'  the same kernel doing the whole step's attention (`write_and_attend`): it rotates
+            the new key, writes key and value into the pools in place and reads q from the fused
+            projection; with fp8 weights the decode step's fp8 activation kernels go with it
+            (`llama.Model.fused_fp8_decode`). Which of these the slot engine runs on one GPU
+            follows `gpu_paths` (the paths that have passed on a GPU).
   'auto'    'reduce' on accelerators, 'dot' on the CPU: the platform of the program being traced,
             i.e. the default backend's unless `target_platform` names another (the slot engine names
             its mesh's, so a program compiled for an H100 from a CPU-only machine takes 'reduce'),
@@ -107,7 +113,8 @@ def write_token(pool: Array, new: Array, block: Array, offset: Array) -> Array:
   return pool.at[block, offset].set(new.astype(pool.dtype), mode="promise_in_bounds")
 
 
-PAGED_IMPLEMENTATIONS = ("auto", "reduce", "dot", "pallas")
+PAGED_IMPLEMENTATIONS = ("auto", "reduce", "dot", "pallas", "pallas_fused")
+KERNEL_FORMS = ("pallas", "pallas_fused")  # the forms that run `paged_kernel`
 
 
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("paged_target_platform", default=None)
@@ -139,7 +146,7 @@ def interpret_kernels() -> bool:
 
 
 def resolve_paged_implementation(implementation: str = "auto", platform: str | None = None) -> str:
-  """'reduce', 'dot' or 'pallas' (see the module docstring); 'auto' is `target_platform`'s choice if
+  """'reduce', 'dot', 'pallas' or 'pallas_fused' (see the module docstring); 'auto' is `target_platform`'s choice if
   it made one, else 'dot' on the CPU, 'reduce' elsewhere (platform: this argument, else
   `target_platform`'s, else the default backend)."""
   if implementation not in PAGED_IMPLEMENTATIONS:
@@ -157,8 +164,9 @@ def paged_decode_attention(q: Array, k_pool: Array, v_pool: Array, entry_row: Ar
   """Attention of one query per row over the row's listed blocks (see the module docstring).
 
   q `[B, 1, H, D]`; k_pool, v_pool `[NB, bs, KV, D]`; entry_* int32 `[TB]`. Returns `[B, 1, H, D]`
-  in q's dtype; scores, softmax and sums in fp32. implementation: 'auto', 'reduce', 'dot' or
-  'pallas' ('pallas' needs row-contiguous, row-ascending entries).
+  in q's dtype; scores, softmax and sums in fp32. implementation: 'auto', 'reduce', 'dot', or a
+  kernel form ('pallas', 'pallas_fused': the read-only kernel here; it needs row-contiguous,
+  row-ascending entries).
   """
   B, _, H, D = q.shape
   _, bs, KV, _ = k_pool.shape
@@ -166,7 +174,7 @@ def paged_decode_attention(q: Array, k_pool: Array, v_pool: Array, entry_row: Ar
   f32 = jnp.float32
   hi = jax.lax.Precision.HIGHEST  # fp32 products and sums (no TF32 on a GPU)
   form = resolve_paged_implementation(implementation)
-  if form == "pallas":
+  if form in KERNEL_FORMS:
     from llamarl_jax.model.paged_kernel import paged_decode_attention_kernel
     return paged_decode_attention_kernel(q, k_pool, v_pool, entry_row, entry_block, entry_len,
                                          interpret=_platform() == "cpu")
@@ -213,17 +221,17 @@ def write_and_attend(q: Array | None, kv: Array, channels: tuple[int, int], cos:
   projection's output as it is; cos, sin `[B, D]` (the rows' RoPE, `llama.rope_cos_sin`). The key is
   rotated (`rope_rotate`), key and value are written at (layer.write_block, layer.write_offset)
   (`write_token`), then q attends over the row's listed blocks, the new position included
-  (`paged_decode_attention`). Returns (out `[B, 1, H, D]`, k pool, v pool). The 'pallas' form does
+  (`paged_decode_attention`). Returns (out `[B, 1, H, D]`, k pool, v pool). The 'pallas_fused' form does
   it in one kernel (`paged_kernel`: rotation and write inside it, no scatter kernels, kv read where it
   lies; the new token's score in the same fp32 math, added to the online softmax last: summation
   order only). kv_scales: (row `[B]`, column `[KV, C, D]`) where kv is an fp8 GEMM's fp32 product
   (`fp8.dense_unscaled`): k and v are `fp8.apply_scales` of it in cos' dtype. quantize_out: out
-  is `fp8.Rows` `[B, 1, H * D]`, quantised per row (`fp8.quantize_rows`; after the Pallas kernel
+  is `fp8.Rows` `[B, 1, H * D]`, quantised per row (`fp8.quantize_rows`; after the fused kernel
   `fp8_kernels.quantize_heads`, which reads the kernel's output as it lies). q_group: q is None and
   the queries are kv's channels [0, q_group) of each KV head, before RoPE (the fused projection's
   output as it lies): rotated as the key is (the Pallas kernel reads them from kv itself)."""
   k_at, v_at = channels
-  if resolve_paged_implementation(implementation) == "pallas":
+  if resolve_paged_implementation(implementation) == "pallas_fused":
     from llamarl_jax.model.paged_kernel import paged_decode_attention_kernel
     new = (kv, cos, sin, layer.write_block, layer.write_offset)
     return paged_decode_attention_kernel(q, layer.k, layer.v, layer.entry_row, layer.entry_block, layer.entry_len,
