@@ -263,3 +263,37 @@ def test_bench_packing_long_tail_packs_within_15_percent_of_its_real_tokens():
   assert rows["padded"][1] > 5
   assert rows[f"packed, {width} tokens a row"][2] <= 1.15  # the worst of the 10 batches
   assert rows[f"packed, {width} tokens a row"][3] == 1  # one program whatever the lengths
+
+
+def test_gpu_check_dry_run_writes_each_section_as_it_finishes(tmp_path, capsys):
+  """`scripts/gpu_check.py --dry_run` on the CPU: the numerics sections that take seconds (the paged
+  kernel in interpret mode, the fp8 kernels, MoE's ragged_dot; cuDNN skipped, named) pass their
+  checks, every section lands in gpu_check.json with a summary line, and a spent budget skips the
+  sections after it, saying so (CI runs the whole dry run: `make gpu-check ARGS=--dry_run`)."""
+  import json
+
+  gc = _load("gpu_check")
+  out = tmp_path / "gc"
+  gc.main(["--dry_run", "--out", str(out), "--sections", "paged_kernel,fp8_kernels,cudnn_packed,moe_ragged_dot"])
+  results = json.loads((out / "gpu_check.json").read_text())
+  s = results["sections"]
+  assert list(s) == ["paged_kernel", "fp8_kernels", "cudnn_packed", "moe_ragged_dot"]
+  assert s["cudnn_packed"]["skipped"] == "cuDNN needs a GPU"
+  for name in ("paged_kernel", "fp8_kernels", "moe_ragged_dot"):
+    assert s[name]["checks"] and all(c["pass"] for c in s[name]["checks"]), s[name]
+  printed = capsys.readouterr().out
+  assert "paged_kernel: pass (4 checks)" in printed and "cudnn_packed: skipped (cuDNN needs a GPU)" in printed
+  assert "## fp8_kernels: pass" in (out / "gpu_check.md").read_text()
+
+  gc.main(["--dry_run", "--out", str(out), "--sections", "moe_ragged_dot,fp8_kernels", "--budget_s", "0"])
+  s = json.loads((out / "gpu_check.json").read_text())["sections"]
+  assert "checks" in s["moe_ragged_dot"] and "budget was spent" in s["fp8_kernels"]["skipped"]
+
+
+def test_gpu_check_fails_on_a_failed_check(tmp_path, monkeypatch):
+  """A check over its bound fails the command (after writing every section), naming the section."""
+  gc = _load("gpu_check")
+  monkeypatch.setitem(gc.RUNNERS, "moe_ragged_dot", lambda cfg, env: {"checks": [gc._check("x", 2.0, 1.0, "why")]})
+  with pytest.raises(SystemExit, match=r"sections \['moe_ragged_dot'\] failed"):
+    gc.main(["--dry_run", "--out", str(tmp_path), "--sections", "moe_ragged_dot"])
+  assert "FAIL: x = 2" in (tmp_path / "gpu_check.md").read_text()
