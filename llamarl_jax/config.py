@@ -42,6 +42,12 @@ class ConfigError(ValueError):
   """A configuration value is invalid; the message names each bad field, what was expected and found."""
 
 
+class LiveResource:
+  """Base of the objects that hold processes, threads or devices (a reward worker pool): never a
+  setting. A config field holding one is refused (`RewardConfig.fn`); the executors subclass it, so
+  the config needs no import of them."""
+
+
 def at_least(lo) -> Rule:
   return lambda v: None if v >= lo else f">= {lo}"
 
@@ -536,10 +542,8 @@ class RewardConfig(_Validated):
 
   def __post_init__(self):
     super().__post_init__()
-    from llamarl_jax.executors.reward import RewardExecutor
-
-    if isinstance(self.fn, RewardExecutor):  # a running pool is not a setting
-      raise ConfigError(f"RewardConfig.fn is a running RewardExecutor ({self.fn.name!r}); pass it as "
+    if isinstance(self.fn, LiveResource):  # a running pool is not a setting
+      raise ConfigError(f"RewardConfig.fn is a running {type(self.fn).__name__} ({self.fn.name!r}); pass it as "
                         f"Controller(reward=...) and set RewardConfig.fn = {self.fn.name!r}")
 
   @property

@@ -241,7 +241,7 @@ def export_lora_adapter(controller: Controller, config: ModelConfig, run_dir: Pa
   frozen base (`run_dir/hf_base`). Returns {"adapter_dir", "base_dir"}."""
   from llamarl_jax.model import lora as lora_lib
   from llamarl_jax.model.llama import merge_params
-  from llamarl_jax.transfer import to_host
+  from llamarl_jax.parallel import to_host
 
   trainer = controller.trainer
   adapters = to_host(trainer.params)
@@ -470,7 +470,7 @@ def _export_policy(controller: Controller, config: ModelConfig, tokenizer, path:
   """The trainer's policy (LoRA: merged) as an HF checkpoint at `path`, written by process 0 (every
   trainer process gathers: the params may span them); returns the path there, None elsewhere."""
   from llamarl_jax.model.llama import merge_params
-  from llamarl_jax.transfer import to_host
+  from llamarl_jax.parallel import to_host
 
   host = to_host(controller.trainer.policy_params())
   if not controller.is_main:

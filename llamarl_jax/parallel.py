@@ -162,3 +162,17 @@ def local_value(x: jax.Array) -> np.ndarray:
 def batch_divisor(mesh: Mesh) -> int:
   """The batch dimension must be a multiple of this to shard over `data` x `fsdp`."""
   return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def to_host(tree):
+  """Numpy copy of a pytree of global arrays, on every process that owns part of their meshes.
+
+  Arrays not fully addressable are first replicated inside their own mesh (a collective among the
+  processes of that mesh only), so this must be called by all of them.
+  """
+  def host(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(jax.device_get(x))
+    full = jax.jit(lambda y: y, out_shardings=NamedSharding(x.sharding.mesh, P()))(x)
+    return np.asarray(full.addressable_data(0))
+  return jax.tree.map(host, tree)

@@ -51,20 +51,6 @@ def _placeholder(shape, sharding, dtype) -> jax.Array:
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
 
 
-def to_host(tree: Any) -> Any:
-  """Numpy copy of a pytree of global arrays, on every process that owns part of their meshes.
-
-  Arrays not fully addressable are first replicated inside their own mesh (a collective among the
-  processes of that mesh only), so this must be called by all of them.
-  """
-  def host(x):
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-      return np.asarray(jax.device_get(x))
-    full = jax.jit(lambda y: y, out_shardings=NamedSharding(x.sharding.mesh, P()))(x)
-    return np.asarray(full.addressable_data(0))
-  return jax.tree.map(host, tree)
-
-
 # --------------------------------------------------------------------------------------------------
 # weights
 

@@ -25,7 +25,7 @@ import numpy as np
 def measure(config, params, prompts, sampling, dtype: str) -> list[dict]:
   from llamarl_jax import mismatch
   from llamarl_jax.generation.engine import SlotEngine
-  from llamarl_jax.generation.rollout import routing_in_trainer_layout, trainer_layout
+  from llamarl_jax.batch import routing_in_trainer_layout, trainer_layout
   from llamarl_jax.model import moe
   from llamarl_jax.model.llama import prepare_params
   from llamarl_jax.model.logprobs import policy_logprobs

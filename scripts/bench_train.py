@@ -110,7 +110,7 @@ def random_params(config, trainer_shardings, seed=0):
 def random_batch(rng, config, B, P, R):
   import numpy as np
 
-  from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
+  from llamarl_jax.batch import RolloutBatch, ScoredBatch
 
   ones = lambda *s: np.ones(s, np.int32)
   rollout = RolloutBatch(

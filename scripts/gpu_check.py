@@ -355,7 +355,7 @@ def trainer_step_section(cfg, env) -> dict:
   import jax.numpy as jnp
   import numpy as np
 
-  from llamarl_jax.generation.rollout import trainer_layout
+  from llamarl_jax.batch import trainer_layout
   from llamarl_jax.model import init_model, split_params
   from llamarl_jax.model.llama import abstract_model, merge_params, resolve_attention
   from llamarl_jax.model.logprobs import token_logprobs

@@ -31,7 +31,8 @@ def transfer_case() -> None:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from llamarl_jax import parallel
-  from llamarl_jax.transfer import RowPlan, WeightPlan, to_host
+  from llamarl_jax.parallel import to_host
+  from llamarl_jax.transfer import RowPlan, WeightPlan
 
   d = jax.devices()
   rng = np.random.default_rng(0)
@@ -81,7 +82,8 @@ def lora_case() -> None:
   from llamarl_jax.config import LoraConfig
   from llamarl_jax.model import lora as lora_lib
   from llamarl_jax.model.llama import Llama, ModelConfig, split_params
-  from llamarl_jax.transfer import LoraPlan, WeightPlan, to_host
+  from llamarl_jax.parallel import to_host
+  from llamarl_jax.transfer import LoraPlan, WeightPlan
 
   config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, max_position_embeddings=64)

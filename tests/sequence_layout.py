@@ -1,5 +1,5 @@
 """A reference layout for tests: a left-padded prompt and its response as one sequence with explicit
-positions and an attention mask (the trainer itself uses `rollout.trainer_layout`)."""
+positions and an attention mask (the trainer itself uses `batch.trainer_layout`)."""
 
 import jax.numpy as jnp
 

@@ -21,7 +21,7 @@ from llamarl_jax import parallel
 from llamarl_jax.config import LoraConfig, OptimizerConfig
 from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.executors.weight_sync import WeightSync, tree_bytes
-from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
+from llamarl_jax.batch import RolloutBatch, ScoredBatch
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.llama import Llama, ModelConfig, prepare_params, split_params
 from llamarl_jax.model.logprobs import policy_logprobs

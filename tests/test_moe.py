@@ -119,7 +119,7 @@ def test_train_step_adds_the_load_balancing_loss(make_hf_model):
   router_aux_loss_coef times it, the NLL from transformers' logits (fp32: 1e-5 relative)."""
   from llamarl_jax import losses
   from llamarl_jax.config import OptimizerConfig
-  from llamarl_jax.generation.rollout import trainer_layout
+  from llamarl_jax.batch import trainer_layout
   from llamarl_jax.train import StepSpec, init_state, train_step
 
   ref, path = make_hf_model(family="qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1], router_aux_loss_coef=0.5)
@@ -390,7 +390,7 @@ def test_routing_replay_gives_the_trainer_the_bf16_generators_routing(bf16_rollo
   while without replay the forward routes some (token, layer) pairs differently (2.9% measured here,
   reported by `routing_disagreement`, not hidden) and those tokens' log-probs move far more (0.76
   measured, > 0.3 asserted)."""
-  from llamarl_jax.generation.rollout import routing_in_trainer_layout, trainer_layout
+  from llamarl_jax.batch import routing_in_trainer_layout, trainer_layout
   from llamarl_jax.model import moe
 
   config, params, rollouts = bf16_rollouts
@@ -424,7 +424,7 @@ def test_slot_engine_records_the_static_samplers_routing():
   them gives the behaviour log-probs (lag 0: fp32 rounding, 1e-4). Rows stop at different steps
   (stop tokens 3-11), decode chunks of one step."""
   from llamarl_jax.generation import Sampler, SamplingParams
-  from llamarl_jax.generation.rollout import routing_in_trainer_layout
+  from llamarl_jax.batch import routing_in_trainer_layout
 
   config = tiny_moe_config()
   params = jax.tree.map(jnp.asarray, moe_params(config))
@@ -459,7 +459,7 @@ def test_trainer_replays_either_generators_routing_and_logs_the_disagreement(bf1
   from llamarl_jax import parallel
   from llamarl_jax.config import OptimizerConfig
   from llamarl_jax.executors.trainer import TrainerExecutor
-  from llamarl_jax.generation.rollout import ScoredBatch
+  from llamarl_jax.batch import ScoredBatch
 
   config, params, rollouts = bf16_rollouts
   advantages = np.tile(np.float32([1.0, -1.0]), 4)

@@ -20,7 +20,7 @@ from llamarl_jax import compat
 from llamarl_jax import parallel
 from llamarl_jax.config import LoraConfig, OptimizerConfig
 from llamarl_jax.executors.trainer import TrainerExecutor
-from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
+from llamarl_jax.batch import RolloutBatch, ScoredBatch
 from llamarl_jax.model.llama import Llama, ModelConfig, split_params
 from llamarl_jax.train.layout import pack_rows
 

@@ -10,7 +10,7 @@ import pytest
 
 from llamarl_jax.config import RunConfig, ScheduleConfig
 from llamarl_jax.executors.generator import Timer
-from llamarl_jax.generation.rollout import TRAIN_FIELDS
+from llamarl_jax.batch import TRAIN_FIELDS
 from llamarl_jax.multiprocess.protocol import run_key
 from llamarl_jax.runners import trainer_process
 from llamarl_jax.runners.common import Executors, RunState, StepRecorder

@@ -11,7 +11,7 @@ from llamarl_jax.advantages import compute_advantages
 from llamarl_jax.executors.generator import (DynamicSampling, Generated, batch_seed, draw_seed,
                                              informative_groups, pick_groups, take_groups)
 from llamarl_jax.executors.scoring import OverlongShaping, overlong_penalty, scored_from_rewards
-from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
+from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 
 
 def dapo_penalty(length, l_max, l_cache):

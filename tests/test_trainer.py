@@ -29,7 +29,7 @@ from sequence_layout import sequence_layout
 from llamarl_jax import compat
 from llamarl_jax import parallel
 from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
-from llamarl_jax.generation.rollout import RolloutBatch, ScoredBatch
+from llamarl_jax.batch import RolloutBatch, ScoredBatch
 from llamarl_jax.mismatch import MISMATCH_LAGS
 from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
 from llamarl_jax.model.logprobs import token_logprobs

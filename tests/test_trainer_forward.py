@@ -21,7 +21,7 @@ import torch
 from llamarl_jax import gpu_paths, parallel
 from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.generation import Sampler, SamplingParams
-from llamarl_jax.generation.rollout import trainer_layout
+from llamarl_jax.batch import trainer_layout
 from llamarl_jax.model import load_hf_checkpoint, split_params
 from llamarl_jax.model.llama import (ModelConfig, abstract_model, chunked_token_logprobs, lm_head_weight,
                                      prepare_params, remat_policy, resolve_attention, scan_hidden_states,

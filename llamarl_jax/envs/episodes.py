@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from llamarl_jax.envs.base import SingleTurn, ToolCall, Transition
-from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
+from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 
 
 # The per-status counts of a batch's tool calls (`ToolCall.status`; each is also in tool/errors).

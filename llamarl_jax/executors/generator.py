@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups
-from llamarl_jax.generation.rollout import FINISH_LENGTH
+from llamarl_jax.batch import FINISH_LENGTH
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.config import DynamicSampling
 from llamarl_jax.envs import Episodes, SingleTurn, run_episodes

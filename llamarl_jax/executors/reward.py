@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 import gin
 import numpy as np
 
+from llamarl_jax.config import LiveResource
 from llamarl_jax.rewards import get_reward_fn
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def _shutdown(workers: list[_Worker]) -> None:
 
 @gin.configurable(allowlist=["worker_max_tasks", "worker_max_rss_mb", "worker_memory_limit_mb", "max_chunk",
                              "startup_timeout_s"])
-class RewardExecutor:
+class RewardExecutor(LiveResource):
   """Scores responses with `reward_fn` in `num_workers` processes; never raises on a reward function.
 
   reward_fn: a registered name ("math", "arithmetic", "countdown", or one added with

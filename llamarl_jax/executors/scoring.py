@@ -11,7 +11,7 @@ import numpy as np
 
 from llamarl_jax.advantages import compute_advantages
 from llamarl_jax.config import OverlongShaping
-from llamarl_jax.generation.rollout import FINISH_LENGTH, ScoredBatch
+from llamarl_jax.batch import FINISH_LENGTH, ScoredBatch
 
 
 def overlong_penalty(lengths, max_len: int, buffer_len: int, penalty_factor: float = 1.0) -> np.ndarray:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from llamarl_jax import gpu_paths, losses, mismatch, parallel
 from llamarl_jax.config import CriticConfig, LoraConfig, OptimizerConfig
 from llamarl_jax.executors.critic import CriticExecutor
-from llamarl_jax.generation.rollout import ScoredBatch
+from llamarl_jax.batch import ScoredBatch
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, ModelConfig, remat_policy, resolve_attention
 from llamarl_jax.train.placement import (abstract_state, initial_state, make_placement, place, place_trained,

@@ -76,7 +76,7 @@ from jax.sharding import Mesh
 
 from llamarl_jax import parallel
 from llamarl_jax.compile_cache import enable_persistent_cache
-from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
+from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, validate_prompts)
 from llamarl_jax.generation.slot_programs import ChunkResult, SlotPrograms, SlotState, token_keys  # noqa: F401
 from llamarl_jax.model.llama import ModelConfig, WeightLayout

@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import parallel
-from llamarl_jax.generation.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch
+from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.model import serving
 from llamarl_jax.model import fp8 as fp8_lib
 from llamarl_jax.model.fp8 import QUANTIZATIONS

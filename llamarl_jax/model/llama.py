@@ -913,6 +913,17 @@ def prepare_params(params: dict, dtype) -> dict:
   return out
 
 
+def stacked_shardings(shardings: dict, mesh) -> dict:
+  """`prepare_params`' layout of a `split_params`-shaped tree of shardings: each layer leaf's sharding
+  with a replicated leading `[num_layers]` axis (per run of layers of one structure, `layer_runs`)."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  stack = lambda layer: jax.tree.map(lambda sh: NamedSharding(mesh, PartitionSpec(None, *sh.spec)), layer)  # noqa: E731
+  runs = layer_runs(shardings["layers"])
+  stacked = tuple(stack(shardings["layers"][a]) for a, _ in runs)
+  return {**{k: v for k, v in shardings.items() if k != "layers"}, "layers": stacked[0] if len(stacked) == 1 else stacked}
+
+
 def stacked_runs(layers) -> tuple:
   """`prepare_params`' "layers" as a tuple of stacked runs (one element for a single run)."""
   return layers if isinstance(layers, tuple) else (layers,)

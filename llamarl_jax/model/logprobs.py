@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from llamarl_jax.generation.rollout import trainer_layout
+from llamarl_jax.batch import trainer_layout
 from llamarl_jax.model.llama import (ModelConfig, Segments, chunked_token_logprobs, lm_head_weight, merge_params,
                                      prepare_params, scan_hidden_states)
 

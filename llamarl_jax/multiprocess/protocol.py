@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import jax
 
-from llamarl_jax.generation.rollout import ROUTING_FIELD, TRAIN_FIELDS
+from llamarl_jax.batch import ROUTING_FIELD, TRAIN_FIELDS
 
 
 class Facts:

@@ -33,8 +33,7 @@ import numpy as np
 from llamarl_jax import parallel
 from llamarl_jax.model import hf
 from llamarl_jax.model.llama import (ModelConfig, abstract_model, merge_params, prepare_params, resolve_attention,
-                                     scan_hidden_states, split_params, unstack_layers)
-from llamarl_jax.train.placement import stacked_shardings
+                                     scan_hidden_states, split_params, stacked_shardings, unstack_layers)
 
 Array = jax.Array
 

@@ -17,7 +17,7 @@ import threading
 import time
 
 from llamarl_jax.config import RunConfig
-from llamarl_jax.generation.rollout import ScoredBatch
+from llamarl_jax.batch import ScoredBatch
 from llamarl_jax.multiprocess.protocol import run_key
 from llamarl_jax.multiprocess.runtime import Slots, Worker, raise_failed, wait_key
 from llamarl_jax.runners.common import Executors, RunState, StepRecorder, progress_bar, show_progress

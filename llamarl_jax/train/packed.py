@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from llamarl_jax import parallel
-from llamarl_jax.generation.rollout import trainer_layout
+from llamarl_jax.batch import trainer_layout
 from llamarl_jax.model.llama import Segments
 from llamarl_jax.model.logprobs import packed_logprobs
 from llamarl_jax.train.metrics import valid_counts

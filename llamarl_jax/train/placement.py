@@ -21,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import parallel
 from llamarl_jax.config import LoraConfig
-from llamarl_jax.generation.rollout import ROUTING_FIELD, TRAIN_FIELDS, ScoredBatch
+from llamarl_jax.batch import ROUTING_FIELD, TRAIN_FIELDS, ScoredBatch
 from llamarl_jax.model import lora as lora_lib
-from llamarl_jax.model.llama import Llama, ModelConfig, layer_runs, split_params
+from llamarl_jax.model.llama import Llama, ModelConfig, split_params, stacked_shardings
 from llamarl_jax.train.state import TrainState
 
 
@@ -47,15 +47,6 @@ class Placement:
   model_shapes: Any  # fp32 ShapeDtypeStructs of the model's params
   param_shapes: Any  # ... of the trained params
   lora: LoraConfig | None = None
-
-
-def stacked_shardings(shardings, mesh: Mesh):
-  """`prepare_params`' layout: each layer leaf's sharding with a replicated leading `[num_layers]` axis
-  (per run of layers of one structure, `model.llama.layer_runs`)."""
-  stack = lambda layer: jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), layer)
-  runs = layer_runs(shardings["layers"])
-  stacked = tuple(stack(shardings["layers"][a]) for a, _ in runs)
-  return {**{k: v for k, v in shardings.items() if k != "layers"}, "layers": stacked[0] if len(stacked) == 1 else stacked}
 
 
 def make_placement(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, *, lora: LoraConfig | None = None,

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import mismatch, parallel
 from llamarl_jax.config import LoraConfig, OptimizerConfig
-from llamarl_jax.generation.rollout import routing_in_trainer_layout, trainer_layout
+from llamarl_jax.batch import routing_in_trainer_layout, trainer_layout
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model import moe as moe_lib
 from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, ModelConfig, prepare_params, unstack_layers

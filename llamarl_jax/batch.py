@@ -1,4 +1,6 @@
-"""Rollout data: what the generator produces and the trainer consumes (pytrees, fixed shapes)."""
+"""The batch contract: the rollout data the generator produces and the trainer consumes (pytrees, fixed
+shapes), the fields a trainer batch carries, and the trainer's row layout (`trainer_layout`). Below
+`model/`, `generation/` and `train/`, which all read it; it imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ class RolloutBatch:
   def to_host(self) -> "RolloutBatch":
     """Numpy copy (for the reward executor, the replay buffer and the trainer's re-sharding). On a
     mesh spread over processes, every process of that mesh calls it and gets the whole batch."""
-    from llamarl_jax.transfer import to_host
+    from llamarl_jax.parallel import to_host
 
     return to_host(self)
 

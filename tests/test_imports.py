@@ -1,0 +1,126 @@
+"""The package's imports point one way: no cycles, and no room (a top-level module or subpackage of
+`llamarl_jax`) imports a room of its own layer or above. Every import statement counts, the ones
+inside functions included (a lazy import is still a dependency). A new room must be given a layer
+here; docs/ARCHITECTURE.md draws the same layers."""
+
+import ast
+import collections
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "llamarl_jax"
+
+# bottom first: a room may import only rooms of lower layers (and itself)
+LAYERS = (
+    ("compat", "gpu_paths", "ports", "stats", "schedule", "compile_cache", "parallel", "metrics", "time_breakdown",
+     "tokenizer", "replay", "checkpoint", "perf_model", "tools"),
+    ("batch", "distributed", "losses", "advantages"),  # the batch contract; losses are pure functions
+    ("model", "mismatch"),
+    ("transfer", "rewards"),
+    ("config",),
+    ("generation", "train"),
+    ("envs", "data", "shapes"),
+    ("executors", "config_check"),
+    ("multiprocess", "memory_plan"),
+    ("runners",),
+    ("controller",),
+    ("experiment",),
+)
+LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+
+
+def _modules() -> dict[str, Path]:
+  out = {}
+  for path in PACKAGE.rglob("*.py"):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def import_graph() -> dict[str, set[str]]:
+  """module -> the package's modules it imports (absolute and relative, at any depth of the file)."""
+  mods = _modules()
+  graph = collections.defaultdict(set)
+  for name, path in mods.items():
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      targets = []
+      if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+          base = ".".join(up + ([base] if base else []))
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+      for t in targets:
+        while t not in mods and "." in t:
+          t = t.rsplit(".", 1)[0]
+        if t in mods and t != name and t.startswith("llamarl_jax"):
+          graph[name].add(t)
+  return graph
+
+
+def _room(module: str) -> str:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else parts[0]
+
+
+def cycles(graph) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+  index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+  for root in list(graph):
+    if root in index:
+      continue
+    work = [(root, iter(sorted(graph[root])))]
+    index[root] = low[root] = counter[0]
+    counter[0] += 1
+    stack.append(root)
+    on.add(root)
+    while work:
+      v, it = work[-1]
+      w = next(it, None)
+      if w is not None:
+        if w not in index:
+          index[w] = low[w] = counter[0]
+          counter[0] += 1
+          stack.append(w)
+          on.add(w)
+          work.append((w, iter(sorted(graph[w]))))
+        elif w in on:
+          low[v] = min(low[v], index[w])
+        continue
+      work.pop()
+      if work:
+        low[work[-1][0]] = min(low[work[-1][0]], low[v])
+      if low[v] == index[v]:
+        comp = []
+        while True:
+          w = stack.pop()
+          on.discard(w)
+          comp.append(w)
+          if w == v:
+            break
+        if len(comp) > 1:
+          out.append(sorted(comp))
+  return out
+
+
+def test_the_scan_sees_lazy_imports_and_finds_a_cycle():
+  """The scanner itself: a function-level import counts, and a two-module loop is a cycle."""
+  graph = import_graph()
+  assert "llamarl_jax.parallel" in graph["llamarl_jax.batch"]  # RolloutBatch.to_host's import, inside a method
+  assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+  assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+  assert cycles(import_graph()) == []
+
+
+def test_every_room_has_a_layer_and_imports_only_below_it():
+  graph = import_graph()
+  rooms = {_room(m) for m in _modules()} - {"llamarl_jax"}
+  assert rooms <= set(LAYER), f"rooms without a layer in tests/test_imports.py: {sorted(rooms - set(LAYER))}"
+  upward = sorted({(a, b) for a, targets in graph.items() for b in targets
+                   if _room(a) != _room(b) and _room(a) in LAYER and LAYER[_room(b)] >= LAYER[_room(a)]})
+  assert upward == [], f"imports of a room at or above the importer's layer: {upward}"
