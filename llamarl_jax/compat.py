@@ -1,4 +1,5 @@
-"""What depends on the JAX release: the XLA flags a process sets, and JAX's private entry points.
+"""What depends on the JAX release: the XLA flags a process sets, and JAX's private entry points
+(and the one private reach into gin-config, `gin_parsed_bindings`).
 
 Supported: jax 0.10.2 (Python 3.10-3.11), 0.11.2 (the GPU machines', CUDA 13) and 0.12 (Python
 3.12+); `pyproject.toml` pins the range. Everything here is a function a test calls on the running
@@ -238,6 +239,22 @@ def pallas_triton_compiler_params(**kwargs):
     raise RuntimeError(f"Pallas' Triton backend is not available in this JAX ({reason}); "
                        "use the XLA forms (paged_attention='auto')")
   return importlib.import_module(PALLAS_TRITON).CompilerParams(**kwargs)
+
+
+def gin_parsed_bindings():
+  """Every binding gin has parsed, as (scope, selector, {param: value}, the configurable or None where
+  the selector matches none): gin has no public iterator over scoped bindings, so this reads its
+  registry (gin-config 0.5)."""
+  import gin
+
+  out = []
+  for (scope, selector), params in gin.config._CONFIG.items():
+    try:
+      configurable = gin.config._REGISTRY.get_match(selector)
+    except (KeyError, ValueError):
+      configurable = None
+    out.append((scope, selector, params, configurable))
+  return out
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import gin
 
 
+from llamarl_jax import compat
 from llamarl_jax import config as run_config
 from llamarl_jax.config import ConfigError, above, at_least, between, one_of  # noqa: F401  (ConfigError re-exported)
 
@@ -136,14 +137,8 @@ def _resolve_macro(value):
 def _bindings() -> list[tuple[str, str, Any, dict[str, Any]]]:
   """(scope, configurable name, wrapped fn/class, {param: value}) of every parsed binding."""
   out = []
-  for (scope, selector), params in gin.config._CONFIG.items():  # gin has no public iterator over scopes
-    if selector == "gin.macro":
-      continue
-    try:
-      configurable = gin.config._REGISTRY.get_match(selector)
-    except (KeyError, ValueError):
-      continue
-    if configurable is None:
+  for scope, selector, params, configurable in compat.gin_parsed_bindings():
+    if selector == "gin.macro" or configurable is None:
       continue
     out.append((scope, configurable.name, configurable.wrapped, dict(params)))
   return out

@@ -72,12 +72,12 @@ def main(argv=None) -> list[dict]:
         times.append(time.perf_counter() - t0)
         tokens.append(sum(map(len, rows)))
         ordered = sorted(rows, key=len)
-        computed.append(sum(rm._bucket([np.asarray(r) for r in ordered[i:i + rm.batch_rows]])[0].size
-                            for i in range(0, n, rm.batch_rows)))
+        computed.append(sum(int(np.prod(rm.chunk_shape(len(chunk), max(map(len, chunk)))))
+                            for chunk in (ordered[i:i + rm.batch_rows] for i in range(0, n, rm.batch_rows))))
       med = statistics.median(times)
       row = {"model": size, "params": rm.config.num_params(), "rows": n, "first_s": first, "rows_per_s": n / med,
              "tokens_per_s": float(np.mean(tokens)) / med, "padded": 1 - sum(tokens) / sum(computed),
-             "programs": compat.jit_cache_size(rm._scores)}
+             "programs": rm.num_programs}
       out.append(row)
       print(f"{size:>12} {row['params'] / 1e6:7.1f}M {n:5d} {first:12.2f} {row['rows_per_s']:9.1f} "
             f"{row['tokens_per_s']:10.0f} {row['padded']:7.1%} {row['programs']:8d}")

@@ -104,7 +104,7 @@ def probe_seed(gin_files, bindings, seed: int, every: int, eval_size: int, train
     params = place(params, jax.numpy.float32,
                    parallel.param_shardings(params, parallel.logical_axes(abstract_model(config)), mesh))
   source = experiment.configured_prompt_source().with_tokenizer(tokenizer)
-  prefix = (source._init_args.get("task_kwargs") or {}).get("demo_prefix", "")
+  prefix = (source.fingerprint().get("task_kwargs") or {}).get("demo_prefix", "")
   examples = source.heldout().next_batch(eval_size)
   prompts = [ex.encode(tokenizer) for ex in examples]
   truths = [ex.ground_truth for ex in examples]

@@ -184,3 +184,21 @@ def test_with_triton_one_gpu_runs_the_kernel_and_meshes_keep_xla():
   assert decode_attention_choice("pallas_fused", "gpu", 1) == "pallas_fused"  # opt-in by name
   assert decode_attention_choice("auto", "gpu", 2) == "auto"
   assert decode_attention_choice("reduce", "gpu", 1) == "reduce"
+
+
+def test_gin_parsed_bindings_lists_scoped_bindings_with_their_configurable():
+  import gin
+
+  @gin.configurable("compat_probe")
+  def probe(a=1, b=2):
+    return a + b
+
+  with gin.unlock_config():
+    gin.parse_config(["compat_probe.a = 5", "eval/compat_probe.b = 7"])
+  try:
+    got = {(scope, c.name): (dict(params), c.wrapped.__qualname__)
+           for scope, _, params, c in compat.gin_parsed_bindings() if c is not None}
+    assert got[("", "compat_probe")] == ({"a": 5}, probe.__qualname__)
+    assert got[("eval", "compat_probe")] == ({"b": 7}, probe.__qualname__)
+  finally:
+    gin.clear_config()

@@ -124,3 +124,27 @@ def test_every_room_has_a_layer_and_imports_only_below_it():
   upward = sorted({(a, b) for a, targets in graph.items() for b in targets
                    if _room(a) != _room(b) and _room(a) in LAYER and LAYER[_room(b)] >= LAYER[_room(a)]})
   assert upward == [], f"imports of a room at or above the importer's layer: {upward}"
+
+
+# `llamarl_jax/compat.py` is the one module that reaches into other packages' internals (JAX's, gin's);
+# os._exit is public (the underscore is its name)
+PRIVATE_READS_ALLOWED = {"llamarl_jax/compat.py"}
+PUBLIC_UNDERSCORED = {"os._exit"}
+
+
+def test_no_module_or_script_reads_another_objects_private_attributes():
+  """`x._name` only on self / cls: code that needs another module's internals goes through a public
+  method, or through compat.py when the module is a third party's."""
+  root = PACKAGE.parent
+  found = []
+  for base in ("llamarl_jax", "scripts"):
+    for path in sorted((root / base).rglob("*.py")):
+      rel = str(path.relative_to(root))
+      if rel in PRIVATE_READS_ALLOWED:
+        continue
+      for node in ast.walk(ast.parse(path.read_text(), rel)):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            and ast.unparse(node) not in PUBLIC_UNDERSCORED):
+          found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+  assert found == [], found

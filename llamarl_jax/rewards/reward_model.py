@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llamarl_jax import parallel
+from llamarl_jax import compat, parallel
 from llamarl_jax.model import hf
 from llamarl_jax.model.llama import (ModelConfig, abstract_model, merge_params, prepare_params, resolve_attention,
                                      scan_hidden_states, split_params, stacked_shardings, unstack_layers)
@@ -182,6 +182,11 @@ class RewardModel:
 
     return self._scores.lower(self.params, arg((rows, width), jnp.int32), arg((rows,), jnp.int32),
                               arg((rows,), jnp.int32))
+
+  @property
+  def num_programs(self) -> int:
+    """Scoring programs compiled so far (one per chunk shape seen)."""
+    return compat.jit_cache_size(self._scores)
 
   def chunk_shape(self, rows: int, longest: int) -> tuple[int, int]:
     """(rows, width) of the device arrays for `rows` rows of up to `longest` tokens (`score_tokens`
