@@ -43,7 +43,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from llamarl_jax.rewards import math as math_reward
+from llamarl_jax.rewards import math_extract
 from llamarl_jax.rewards import synthetic
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def extract_label(answer: str, answer_format: str) -> str | None:
     i = answer.rfind("####")
     return answer[i + 4:].strip().replace(",", "") if i >= 0 else None
   if answer_format == "boxed":
-    return math_reward.last_boxed(answer)
+    return math_extract.last_boxed(answer)
   raise ValueError(f"answer_format must be 'raw', 'gsm8k' or 'boxed', got {answer_format!r}")
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from llamarl_jax.rewards import get_reward_fn
 from llamarl_jax.rewards import math as M
+from llamarl_jax.rewards import math_expr, math_extract
 
 # (response, ground truth, expected reward)
 GSM8K_CASES = [
@@ -142,19 +143,19 @@ def test_registered_as_math():
     ("0.1+0.2", Fraction(3, 10)), (r"4\sqrt{9}", Fraction(12)), ("8^{2/3}", Fraction(4)), ("2(3)(4)", Fraction(24)),
 ])
 def test_evaluate_exact(text, value):
-  assert M.evaluate(M.parse(text)) == value
+  assert math_expr.evaluate(math_expr.parse(text)) == value
 
 
 @pytest.mark.parametrize("text", ["1/0", r"\sqrt{-4}", "0^-1", "2^100000", "(-8)^{1/2}"])
 def test_evaluate_rejects(text):
-  with pytest.raises(M.ParseError):
-    M.evaluate(M.parse(text))
+  with pytest.raises(math_expr.ParseError):
+    math_expr.evaluate(math_expr.parse(text))
 
 
 @pytest.mark.parametrize("text", ["", "1+", "(1", "1)", "f(x)!", r"\sin{x}", "1 @ 2", "x_1"])
 def test_parse_rejects(text):
-  with pytest.raises(M.ParseError):
-    M.evaluate(M.parse(text, allow_vars=False))
+  with pytest.raises(math_expr.ParseError):
+    math_expr.evaluate(math_expr.parse(text, allow_vars=False))
 
 
 @pytest.mark.parametrize("response,answer", [
@@ -165,10 +166,11 @@ def test_parse_rejects(text):
     ("a 1,234.5 b", "1,234.5"), ("3 then -4", "-4"), ("nothing", None), ("at least 5", None),
 ])
 def test_extract_answer(response, answer):
-  assert M.extract_answer(response) == answer
+  assert math_extract.extract_answer(response) == answer
 
 
-# The kinds of answers verifiers disagree on, one rule each (see the module docstring of rewards.math).
+# The kinds of answers verifiers disagree on, one rule each (see the module docstrings of rewards.math_extract,
+# rewards.math_parse and rewards.math_compare).
 
 # Self-correction and spraying: the last stated answer counts when every different earlier one is withdrawn
 # ("wait", "wrong", "no:", "mistake", ...) and at most MAX_DISTINCT_ANSWERS are stated; a withdrawal after the
@@ -356,13 +358,13 @@ def test_identities_and_planes(response, truth, expected):
     (r"e^{2}", {}, math.e ** 2), (r"\sin x \cos x", {"x": 0.4}, math.sin(0.4) * math.cos(0.4)),
 ])
 def test_functions_evaluate(text, env, value):
-  assert M.evaluate(M.parse(text), env) == pytest.approx(value, rel=1e-12)
+  assert math_expr.evaluate(math_expr.parse(text), env) == pytest.approx(value, rel=1e-12)
 
 
 @pytest.mark.parametrize("text", [r"\ln 0", r"\ln(-1)", r"\arcsin 2", r"\exp(\exp(100))", r"\sin"])
 def test_functions_reject_outside_their_domain(text):
-  with pytest.raises(M.ParseError):
-    M.evaluate(M.parse(text))
+  with pytest.raises(math_expr.ParseError):
+    math_expr.evaluate(math_expr.parse(text))
 
 
 def test_doubled_backslashes_are_halved_only_when_every_command_is_doubled():

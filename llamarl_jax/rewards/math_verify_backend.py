@@ -30,7 +30,8 @@ except ImportError as e:  # an optional dependency: say how to get it
   raise ImportError("reward_fn='math_verify' needs the Math-Verify library, which is not installed: "
                     "pip install 'llamarl_jax[math]' (or pip install math-verify)") from e
 
-from llamarl_jax.rewards.math import MAX_RESPONSE_CHARS, extract_ground_truth
+from llamarl_jax.rewards.math import extract_ground_truth
+from llamarl_jax.rewards.math_extract import MAX_RESPONSE_CHARS
 
 PARSE_TIMEOUT_S = 5    # math_verify.parse's default (seconds, integer: signal.alarm)
 VERIFY_TIMEOUT_S = 5   # math_verify.verify's default

@@ -12,7 +12,7 @@ train/heldout partition of the problem space by a stable hash of the prompt (no 
 ever appears in training).
 
 Verifiers (`score_arithmetic`, `score_countdown`) never evaluate model text as code: Countdown
-expressions go through the restricted parser of `llamarl_jax.rewards.math` (numbers, + - * /,
+expressions go through the restricted parser of `llamarl_jax.rewards.math_expr` (numbers, + - * /,
 parentheses; no unary signs, powers, variables or implicit multiplication), evaluated exactly.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import ClassVar, Union
 
-from llamarl_jax.rewards import math as math_reward
+from llamarl_jax.rewards import math_expr
 
 HELDOUT_MODULUS = 16  # 1 in 16 problems (by prompt hash) is held out for evaluation
 
@@ -90,8 +90,8 @@ class ArithmeticTask:
   def sample(self, rng: random.Random) -> TaskInstance:
     terms = [str(_operand(rng, rng.randint(self.min_digits, self.max_digits))) for _ in range(self.num_operands)]
     expr = terms[0] + "".join(rng.choice(self.ops) + t for t in terms[1:])
-    value = math_reward.evaluate(math_reward.parse(expr, allow_vars=False, implicit_mul=False,
-                                                   allow_pow=False, allow_latex=False))
+    value = math_expr.evaluate(math_expr.parse(expr, allow_vars=False, implicit_mul=False,
+                                               allow_pow=False, allow_latex=False))
     answer = str(int(value))
     demo = answer
     if value < 0 and self.demo_sign_error and rng.random() < self.demo_sign_error:
@@ -214,15 +214,15 @@ def score_countdown(response_text: str, ground_truth: str) -> float:
     return 0.0
   expr = response_text.strip().split("\n", 1)[0].split("=", 1)[0].replace("×", "*").replace("÷", "/")
   try:
-    ast = math_reward.parse(expr, allow_vars=False, implicit_mul=False, allow_pow=False,
-                            allow_unary=False, allow_latex=False)
-    used = math_reward.literals(ast)
+    ast = math_expr.parse(expr, allow_vars=False, implicit_mul=False, allow_pow=False,
+                          allow_unary=False, allow_latex=False)
+    used = math_expr.literals(ast)
     if any(not lit.isdigit() for lit in used):
       return 0.0  # decimals are not among the given numbers
     if Counter(int(lit) for lit in used) - Counter(numbers):
       return 0.0  # a number used more often than given (or not given at all)
-    return 1.0 if math_reward.evaluate(ast) == target else 0.0
-  except math_reward.ParseError:
+    return 1.0 if math_expr.evaluate(ast) == target else 0.0
+  except math_expr.ParseError:
     return 0.0
 
 
