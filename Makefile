@@ -26,7 +26,7 @@ RUN_ENV = $(XLA_ENV) --cpu_devices 4 --
 TEST_WORKERS ?= 2
 TEST_PAR = -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install install-gpu run run-fp8 run-rm run-gpu test test-slow test-all test-cost test-gpu bench bench-gpu study study-offpolicy clean
+.PHONY: install install-gpu install-cuda-compile run run-fp8 run-rm run-gpu test test-slow test-all test-cost test-gpu test-cuda-compile bench bench-gpu gpu-check study study-offpolicy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -91,6 +91,30 @@ test-cost: install
 test-gpu: install-gpu
 	JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false $(BIN)/python -m pytest -q $(ARGS)
 
+# The GPU programs of the main configurations compiled for an H100 on this machine, no GPU attached
+# (tests/cuda_compile/; shared/GPU.md "Checking GPU programs without a GPU"): a lowering or compile error
+# fails, and so does a program whose kernels, bytes or memory leave tests/cuda_compile/bounds.json's band
+# (LLAMARL_RECORD_BOUNDS=1 records new figures). JAX's CUDA plugin matching this jaxlib, ptxas
+# (nvidia-cuda-nvcc) and cuDNN (its attention's lowering needs the library) go into CUDA_SITE with
+# --no-deps, beside the virtualenv, which stays CPU-only: 0.9 GB of wheels (pip's cache serves a reinstall),
+# 1.7 GB installed, once (the stamp). LLAMARL_CUDA_COMPILE=1 runs the tier; `make test` skips it.
+CUDA_SITE ?= $(if $(filter python3,$(PY)),.cuda-site,.cuda-site-$(PYVER))
+CUDA_STAMP := $(CUDA_SITE)/.installed-stamp
+CUDA_ENV = LLAMARL_CUDA_COMPILE=1 JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=$(abspath $(CUDA_SITE)) \
+  PATH=$(abspath $(CUDA_SITE))/nvidia/cuda_nvcc/bin:$$PATH $(BIN)/python -m llamarl_jax.compat $(XLA_ARGS) --
+
+$(CUDA_STAMP): $(STAMP)
+	rm -rf $(CUDA_SITE)
+	v=$$($(BIN)/python -c 'import jaxlib; print(jaxlib.__version__)') && \
+	  $(BIN)/python -m pip install -q --no-deps --target $(CUDA_SITE) "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" \
+	    nvidia-cuda-nvcc-cu12 "nvidia-cudnn-cu12>=9.8"
+	touch $(CUDA_STAMP)
+
+install-cuda-compile: $(CUDA_STAMP)
+
+test-cuda-compile: install-cuda-compile
+	$(CUDA_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load tests/cuda_compile $(ARGS)
+
 # One GPU at Llama-3.2-1B shapes from random weights (configs/llama3_1b_1gpu.gin, no download): the memory
 # plan, 8 RL steps of 64 rows x 1536 tokens (colocated, slot engine, bf16 generator), then where the time went
 # (also in the run directory's summary.json).
@@ -100,9 +124,16 @@ run-gpu: install-gpu
 # One command for the GPU numbers: results/bench_gpu/bench_gpu.{md,json} (written after each section). Measured
 # on one H200 (shared/GPU.md, BENCHMARKS.md): the trainer, PyTorch-peer, decode and transformers sections in one
 # call, the engine and profile sections in another; the whole command has not run end to end on a GPU. The JSON
-# calibrates the step-time model: python -m llamarl_jax.perf_model --calibrate results/bench_gpu/bench_gpu.json
+# calibrates the step-time model: python -m llamarl_jax.measure.perf_model --calibrate results/bench_gpu/bench_gpu.json
 bench-gpu: install-gpu
 	$(BIN)/python -m scripts.bench_gpu --out results/bench_gpu $(ARGS)
+
+# Every GPU-only path against a reference on one GPU, within 8 minutes (scripts/gpu_check.py): one line
+# per section (pass / FAIL / figure), results/gpu_check/gpu_check.{json,md} written after each section.
+# ARGS=--dry_run: every section at toy sizes on the CPU (CI), without the CUDA wheels.
+GPU_CHECK_DRY = $(findstring --dry_run,$(ARGS))
+gpu-check: $(if $(GPU_CHECK_DRY),install,install-gpu)
+	$(if $(GPU_CHECK_DRY),$(XLA_ENV) --,) $(BIN)/python -m scripts.gpu_check --out results/gpu_check $(ARGS)
 
 bench: install
 	$(TEST_ENV) $(BIN)/python scripts/bench_generate.py
@@ -111,7 +142,7 @@ bench: install
 	$(TEST_ENV) $(BIN)/python scripts/bench_async.py
 	JAX_PLATFORMS=cpu $(BIN)/python scripts/bench_multiprocess.py
 	$(BIN)/python scripts/bench_verify.py
-	$(BIN)/python -m llamarl_jax.perf_model
+	$(BIN)/python -m llamarl_jax.measure.perf_model
 
 # The learning-quality study (scripts/study.py, BENCHMARKS.md): 8 cells x 5 seeds from one shared SFT
 # checkpoint; resumable (finished runs under runs/study are skipped). Plots need the [study] extra.

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
+from llamarl_jax.live import LiveResource
 from llamarl_jax.model.fp8 import QUANTIZATIONS
 from llamarl_jax.model.llama import ATTENTION_IMPLEMENTATIONS, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
 from llamarl_jax.model.paged_attention import PAGED_IMPLEMENTATIONS
@@ -40,12 +41,6 @@ LR_SCHEDULES = ("constant", "cosine")
 
 class ConfigError(ValueError):
   """A configuration value is invalid; the message names each bad field, what was expected and found."""
-
-
-class LiveResource:
-  """Base of the objects that hold processes, threads or devices (a reward worker pool): never a
-  setting. A config field holding one is refused (`RewardConfig.fn`); the executors subclass it, so
-  the config needs no import of them."""
 
 
 def at_least(lo) -> Rule:

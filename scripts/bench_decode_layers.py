@@ -6,7 +6,7 @@ trainer's layout, and the layers unrolled (the engine's model) or under `lax.sca
 Nothing runs and nothing is allocated: each step (`SlotPrograms.decode_step`: the paged forward of one token
 per slot, the lm_head, sampling, the slot state's update; every slot running) is lowered from abstract
 shapes and compiled by XLA's GPU compiler for the H100 target description (`bench_generate --bytes_target`,
-no autotuning without the device). Kernels are counted from the optimized module (`paged.kernel_counts`:
+no autotuning without the device). Kernels are counted from the optimized module (`hlo.kernel_counts`:
 fusions, GEMMs, custom calls, other launches; a scan's body times its trip count); per layer is the
 difference between the model at L and L - 1 layers, the rest (embedding, final norm, lm_head,
 sampling, state) is the remainder. Bytes are `decode_step_cost`'s (XLA's cost analysis with the
@@ -20,7 +20,6 @@ chunk of steps in a `while_loop`, unrolled layers) compile time in each layout.
 """
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -76,11 +75,13 @@ def step_cost(programs, weight_layout, prompt, n_gen, scanned: bool) -> dict:
 
   from llamarl_jax.generation import paged
   from llamarl_jax.generation.paged import KVPages
+  from llamarl_jax.measure import hlo
+  from llamarl_jax.measure.decode_cost import decode_step_cost
   from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
   from llamarl_jax.model.llama import prepare_params
 
   if not scanned:
-    return programs.decode_step_cost(prompt, n_gen)
+    return decode_step_cost(programs, prompt, n_gen)
   c, lay = programs.config, programs.layout
   bs = lay.block_size
   need = int(np.sum(-(-prompt // bs) + -(-n_gen // bs)))
@@ -103,19 +104,19 @@ def step_cost(programs, weight_layout, prompt, n_gen, scanned: bool) -> dict:
   compiled = compile_lowered(lowered, DECODE_COMPILER_OPTIONS)
   compile_s = time.perf_counter() - t0
   text = compiled.as_text()
-  xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
-  over = float(paged.fused_index_overcount(text)) if generic else 0.0
-  library = float(paged.library_call_bytes(text)) if generic else 0.0
+  xla_bytes, generic = hlo.compiled_bytes_accessed(compiled)
+  over = float(hlo.fused_index_overcount(text)) if generic else 0.0
+  library = float(hlo.library_call_bytes(text)) if generic else 0.0
   kernel = 0.0
   if 'custom_call_target="__gpu$xla.gpu.triton"' in text and programs.attention_form == "pallas":
     from llamarl_jax.model.paged_kernel import kernel_bytes
     kernel = c.num_layers * kernel_bytes(num_rows=programs.num_slots, num_heads=c.num_heads,
                                          num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=bs,
                                          live_entries=need, itemsize=jnp.dtype(c.dtype).itemsize)
-  ideal = paged.ideal_step_bytes(c, prompt + n_gen)
+  ideal = hlo.ideal_step_bytes(c, prompt + n_gen)
   total = xla_bytes - over + kernel + library
   return {"bytes": total, "ideal": ideal["total"], "ratio": total / ideal["total"], "num_entries": num_entries,
-          "kernels": paged.kernel_counts(text), "compile_s": compile_s}
+          "kernels": hlo.kernel_counts(text), "compile_s": compile_s}
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ attached (`bench_generate --bytes_target h100`; needs JAX's CUDA plugin), for bf
 with XLA's default GEMMs ("xla defaults": split-K, each GEMM's fp32 partial sums written and summed
 by the next kernel) and with the decode programs' options (`slot_programs.DECODE_COMPILER_OPTIONS`,
 what the engine compiles). Bytes: `decode_step_cost`'s (XLA's cost analysis of the GPU's fusions,
-gathers and scatters charged what they touch); kernels: `paged.kernel_counts`, "kernels / layers"
+gathers and scatters charged what they touch); kernels: `hlo.kernel_counts`, "kernels / layers"
 all of them over the layers, "per layer" a decoder layer's own (the step's count minus the count of
 the same step with one layer, over the other layers). "fp8, lm_head fp8": the fp8 generator with
 `quantize_lm_head` (the logits an fp8 GEMM; decode options only). --max_kernels_per_layer N exits
@@ -65,6 +65,7 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
   from scripts import bench_generate
   from llamarl_jax.generation import Sampler, SamplingParams
   from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, SlotPrograms
+  from llamarl_jax.measure.decode_cost import decode_step_cost
   from llamarl_jax.model.hf import config_from_hf
 
   mesh = bench_generate.target_mesh("h100")
@@ -92,10 +93,10 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
           return SlotPrograms(cfg, Sampler(cfg, mesh, quantize=quantize, quantize_lm_head=head), num_slots=slots,
                               pad_id=0, max_prompt_len=Pm, chunk_steps=16, kv_block_size=16,
                               sampling=SamplingParams(temperature=0, max_new_tokens=T - Pm))
-        c = programs(config).decode_step_cost(prompt, live - prompt, compiler_options=options)
+        c = decode_step_cost(programs(config), prompt, live - prompt, compiler_options=options)
         # a layer's kernels: the step's minus the same step's with one layer, over the other layers
-        c1 = programs(dataclasses.replace(config, num_layers=1)).decode_step_cost(prompt, live - prompt,
-                                                                                  compiler_options=options)
+        c1 = decode_step_cost(programs(dataclasses.replace(config, num_layers=1)), prompt, live - prompt,
+                              compiler_options=options)
         per_layer = (c["kernels"]["total"] - c1["kernels"]["total"]) / (config.num_layers - 1)
         ratio = "" if quantize is None else f"{c['bytes'] / bf16[label]:.2f}x"
         bf16.setdefault(label, c["bytes"])

@@ -54,9 +54,9 @@ Rows get live lengths uniform in --bytes_live (prompt part up to --bytes_prompt)
 --bytes_cache positions. "xla" is XLA's count as is; "bytes" charges a fused gather what it reads and
 an in-place scatter what it updates, not their whole operand (the generic cost analysis charges a
 fusion's gathered or scattered-into operand in full: the whole KV pool per layer;
-`paged.fused_index_overcount`). A "floor" row runs the same step over a dense cache of 3 positions
+`hlo.fused_index_overcount`). A "floor" row runs the same step over a dense cache of 3 positions
 per row (everything but the attention's KV reads), so (bytes - floor) / live KV is the attention's
-cost per byte of live KV. Kernels: the compiled step's kernel launches (`paged.kernel_counts`), with
+cost per byte of live KV. Kernels: the compiled step's kernel launches (`hlo.kernel_counts`), with
 the generator's weights in the serving layout (Q/K/V and gate/up fused; `--weight_layout hf`: the
 trainer's). No timing is run.
 --bytes_target h100: the same programs compiled by XLA's GPU compiler for an H100 (target description
@@ -352,6 +352,7 @@ def bytes_table(config, args, name, mesh=None):
 
   from llamarl_jax.generation import Sampler, SamplingParams
   from llamarl_jax.generation.slot_programs import SlotPrograms
+  from llamarl_jax.measure.decode_cost import decode_step_cost
 
   S, T, Pm = args.slots, args.bytes_cache, args.bytes_prompt
   lo, hi = (int(x) for x in args.bytes_live.split(","))
@@ -377,7 +378,7 @@ def bytes_table(config, args, name, mesh=None):
         f"compiled for {device.device_kind} ({device.platform}{', no device attached' if args.bytes_target != 'default' else ''}), "
         f"jax {jax.__version__}")
   print(f"# weights: {sampler.layout}; "
-        "kernels: launches of the compiled step (paged.kernel_counts; meaningful for a GPU target)")
+        "kernels: launches of the compiled step (hlo.kernel_counts; meaningful for a GPU target)")
   print("| layout | entries | bytes/step | xla (as is) | ideal (weights + live KV) | layers' weights | bytes / ideal | "
         "(bytes - floor) / live KV | kernels (GEMMs) |")
   print("|---|---|---|---|---|---|---|---|---|")
@@ -385,11 +386,11 @@ def bytes_table(config, args, name, mesh=None):
   # the same step over a dense cache of 3 positions per row: its weights' kernels, norms and sampling
   tiny = SlotPrograms(config, Sampler(config, mesh, layout=weights, quantize=quantize), num_slots=S, sampling=dataclasses.replace(sampling, max_new_tokens=2),
                       max_prompt_len=1, chunk_steps=args.chunk_steps, pad_id=0, kv_block_size=args.kv_block_size)
-  floor = tiny.decode_step_cost(ones, ones, layout="dense")
+  floor = decode_step_cost(tiny, ones, ones, layout="dense")
   rows = []
   for layout, p, m in (("paged", prompt, live - prompt), ("dense", prompt, live - prompt),
                        ("floor: the step over 3 cached positions per row", ones, ones)):
-    c = floor if m is ones else programs.decode_step_cost(p, m, layout=layout)
+    c = floor if m is ones else decode_step_cost(programs, p, m, layout=layout)
     attn = "-" if m is ones else f"{(c['bytes'] - floor['bytes']) / c['kv']:.2f}x"
     print(f"| {layout} | {c['num_entries'] or '-'} | {_gb(c['bytes'])} | {_gb(c['xla_bytes'])} | "
           f"{_gb(c['ideal'])} ({_gb(c['weights'])} + {_gb(c['kv'])}) | {_gb(c['layer_weights'])} | {c['ratio']:.2f}x | {attn} | "

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The GPU benchmark in one command (`make bench-gpu`): the numbers that matter, as a markdown table
-and a JSON file (the input of `python -m llamarl_jax.perf_model --calibrate`). Each section prints
+and a JSON file (the input of `python -m llamarl_jax.measure.perf_model --calibrate`). Each section prints
 its own seconds; the whole command has not run end to end on a GPU (BENCHMARKS.md).
 
 Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):

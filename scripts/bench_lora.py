@@ -91,7 +91,7 @@ def step_cost(config, mesh, *, batch: int, cache_len: int, lora=None) -> dict:
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from llamarl_jax.generation import paged
+  from llamarl_jax.measure import hlo
   from llamarl_jax.model import lora as lora_lib
   from llamarl_jax.model.llama import KVCache, abstract_model, split_params
 
@@ -109,11 +109,11 @@ def step_cost(config, mesh, *, batch: int, cache_len: int, lora=None) -> dict:
   compiled = jax.jit(lambda p, a, t, c: decode_step(graphdef, p, a, scale, t, c), donate_argnums=(3,),
                      out_shardings=repl).lower(params, adapters, tokens, cache).compile()
   seconds = time.perf_counter() - t0
-  xla_bytes, generic = paged.compiled_bytes_accessed(compiled)
+  xla_bytes, generic = hlo.compiled_bytes_accessed(compiled)
   text = compiled.as_text()
-  over = float(paged.fused_index_overcount(text)) if generic else 0.0
-  library = float(paged.library_call_bytes(text)) if generic else 0.0
-  cost = paged.generic_cost_analysis(compiled)
+  over = float(hlo.fused_index_overcount(text)) if generic else 0.0
+  library = float(hlo.library_call_bytes(text)) if generic else 0.0
+  cost = hlo.generic_cost_analysis(compiled)
   adapter_bytes = 0 if adapters is None else sum(x.size * 2 for x in jax.tree.leaves(adapters))
   return {"bytes": xla_bytes - over + library, "flops": float((cost or {}).get("flops", float("nan"))),
           "kernels": kernel_count(text), "adapter_bytes": adapter_bytes, "compile_s": seconds}

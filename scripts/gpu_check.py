@@ -424,7 +424,8 @@ def _engine_figure(config, params, cfg, env, quantize, head, form) -> dict:
   import jax
   import numpy as np
 
-  from llamarl_jax.generation import SamplingParams, paged
+  from llamarl_jax.generation import SamplingParams
+  from llamarl_jax.measure import hlo
   from llamarl_jax.generation.engine import SlotEngine
 
   S, P, R, chunks = cfg["slots"], cfg["decode_prompt"], cfg["decode_R"], cfg["decode_chunks"]
@@ -448,7 +449,7 @@ def _engine_figure(config, params, cfg, env, quantize, head, form) -> dict:
     engine.step()
   kernels = bench_gpu.top_kernels(trace / "decode")
   live = np.full(S, P + (2 + chunks) * steps)  # the traced chunk's positions, on average
-  ideal = paged.ideal_step_bytes(config, live, params=engine.programs.param_avals)
+  ideal = hlo.ideal_step_bytes(config, live, params=engine.programs.param_avals)
   bw = env["peak_bandwidth"]
   roofline_ms = ideal["total"] / bw * 1e3 if bw else None
   paths = engine.programs.paths

@@ -88,15 +88,15 @@ def test_controller_keys_are_refused_naming_the_typed_key(parsed, tmp_path, monk
 # gives two of its generator's GPUs to the reward model (its memory plan is checked instead)
 @pytest.mark.parametrize("name", [c for c in CONFIGS if c != "llama3_8b_rm.gin"])
 def test_meshes_are_what_the_commented_perf_model_command_chooses(parsed, name, capsys):
-  """Each file quotes the `python -m llamarl_jax.perf_model ...` command its layout came from; rerun it."""
+  """Each file quotes the `python -m llamarl_jax.measure.perf_model ...` command its layout came from; rerun it."""
   import ast
   import shlex
 
-  from llamarl_jax import perf_model
+  from llamarl_jax.measure import perf_model
 
   text = (ROOT / "configs" / name).read_text()
-  command = next(line for line in text.splitlines() if "python -m llamarl_jax.perf_model" in line)
-  perf_model.main(shlex.split(command.split("llamarl_jax.perf_model", 1)[1]))
+  command = next(line for line in text.splitlines() if "python -m llamarl_jax.measure.perf_model" in line)
+  perf_model.main(shlex.split(command.split("llamarl_jax.measure.perf_model", 1)[1]))
   from llamarl_jax.config import new_key
 
   printed = next(line for line in capsys.readouterr().out.splitlines() if "run bindings:" in line)

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llamarl_jax"
 # bottom first: a room may import only rooms of lower layers (and itself)
 LAYERS = (
     ("compat", "gpu_paths", "ports", "stats", "schedule", "compile_cache", "parallel", "metrics", "time_breakdown",
-     "tokenizer", "replay", "checkpoint", "perf_model", "tools"),
+     "tokenizer", "replay", "checkpoint", "tools", "live"),
     ("batch", "distributed", "losses", "advantages"),  # the batch contract; losses are pure functions
     ("model", "mismatch"),
     ("transfer", "rewards"),
@@ -24,6 +24,7 @@ LAYERS = (
     ("runners",),
     ("controller",),
     ("experiment",),
+    ("measure",),  # the step-time model, byte accounting, decode cost: no runtime module imports it
 )
 LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 
@@ -148,3 +149,18 @@ def test_no_module_or_script_reads_another_objects_private_attributes():
             and ast.unparse(node) not in PUBLIC_UNDERSCORED):
           found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
   assert found == [], found
+
+
+def test_the_docs_name_every_room_with_its_layer():
+  """docs/ARCHITECTURE.md's layer table lists each room at its layer here; README's Layout names every
+  package directory."""
+  root = PACKAGE.parent
+  arch = (root / "docs" / "ARCHITECTURE.md").read_text()
+  rows = {int(line.split("|")[1]): line.split("|")[2] for line in arch.splitlines()
+          if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+  for room, layer in LAYER.items():
+    name = f"`{room}/`" if (PACKAGE / room).is_dir() else f"`{room}`"
+    assert name in rows.get(layer, ""), f"docs/ARCHITECTURE.md: {name} not in layer {layer}'s row"
+  readme = (root / "README.md").read_text()
+  for d in sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+    assert f"llamarl_jax/{d}/" in readme, f"README's Layout does not name llamarl_jax/{d}/"

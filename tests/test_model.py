@@ -195,7 +195,7 @@ QWEN_CONFIGS = {
 def test_released_qwen_configs_translate(family):
   """The released shapes load as the right family with the released parameter counts (the same count
   as perf_model's), and Qwen's documented long-context switch (yarn, factor 4 over 32768) is applied."""
-  from llamarl_jax import perf_model
+  from llamarl_jax.measure import perf_model
   from llamarl_jax.model.hf import config_from_hf
   from llamarl_jax.model.llama import rope_attention_factor
 

@@ -16,6 +16,8 @@ import pytest
 from llamarl_jax.generation import Sampler, SamplingParams, paged
 from llamarl_jax.generation.paged import PageLayout, live_blocks_bound, live_entries
 from llamarl_jax.generation.slot_programs import SlotPrograms
+from llamarl_jax.measure import hlo
+from llamarl_jax.measure.decode_cost import decode_step_cost
 from llamarl_jax.model import ModelConfig
 from llamarl_jax.model.paged_attention import paged_attention_reference, paged_decode_attention
 
@@ -297,7 +299,7 @@ def test_fused_index_overcount_charges_what_a_gather_reads():
   table = jax.ShapeDtypeStruct((1000, 64), jnp.float32)
   idx = jax.ShapeDtypeStruct((10,), jnp.int32)
   compiled = jax.jit(lambda t, i: jnp.take(t, i, axis=0) * 2).lower(table, idx).compile()
-  over = paged.fused_index_overcount(compiled.as_text())
+  over = hlo.fused_index_overcount(compiled.as_text())
   if jax.default_backend() == "cpu":
     assert over == (1000 - 10) * 64 * 4
 
@@ -337,7 +339,7 @@ def test_fused_index_overcount_charges_a_scatter_its_updates_and_any_fused_gathe
   """The scatter fusion is charged its whole [100, 8] f32 target read and written (2 x 3200 bytes);
   it touches 4 rows (128 bytes) each way. The gather inside a reduction fusion (kInput, not only
   the CPU's loop fusions) is charged the table (3200) for 5 rows (160)."""
-  assert paged.fused_index_overcount(_FUSED_HLO) == 2 * (3200 - 128) + (3200 - 160)
+  assert hlo.fused_index_overcount(_FUSED_HLO) == 2 * (3200 - 128) + (3200 - 160)
 
 
 # A GEMM a GPU compiler handed to cuBLAS: a custom call with a workspace in its result tuple.
@@ -356,8 +358,8 @@ ENTRY %main (x: bf16[64,2048], w: bf16[2048,8192]) -> bf16[64,8192] {
 def test_library_call_bytes_charges_a_cublas_gemm_its_operands_and_output():
   """x [64, 2048], w [2048, 8192] in, [64, 8192] out, bf16: 2 x (131072 + 16777216 + 524288) bytes;
   the 4 MiB workspace and other custom calls are not counted."""
-  assert paged.library_call_bytes(_CUBLAS_HLO) == 2 * (64 * 2048 + 2048 * 8192 + 64 * 8192)
-  assert paged.library_call_bytes(_FUSED_HLO) == 0
+  assert hlo.library_call_bytes(_CUBLAS_HLO) == 2 * (64 * 2048 + 2048 * 8192 + 64 * 8192)
+  assert hlo.library_call_bytes(_FUSED_HLO) == 0
 
 
 # -- one decode step's bytes (XLA's cost analysis from abstract shapes) -------------------------------
@@ -376,7 +378,7 @@ def _step_cost(max_new_tokens, layout, exact=False):
   programs = SlotPrograms(COST_CONFIG, Sampler(COST_CONFIG), num_slots=S, sampling=sampling, max_prompt_len=Pm,
                           chunk_steps=8, pad_id=0)
   need = int(np.sum(-(-prompt // 16) + -(-(live - prompt) // 16)))
-  return programs.decode_step_cost(prompt, live - prompt, layout=layout, num_entries=need if exact else None)
+  return decode_step_cost(programs, prompt, live - prompt, layout=layout, num_entries=need if exact else None)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the bounds are the CPU compiler's")
@@ -413,7 +415,7 @@ def test_decode_step_cost_refuses_the_interpreted_kernel():
   programs = SlotPrograms(COST_CONFIG, Sampler(COST_CONFIG), num_slots=4, sampling=sampling, max_prompt_len=16,
                           chunk_steps=8, pad_id=0, paged_attention="pallas")
   with pytest.raises(ValueError, match="interpret mode.*bytes_target h100"):
-    programs.decode_step_cost(np.full(4, 8), np.full(4, 8))
+    decode_step_cost(programs, np.full(4, 8), np.full(4, 8))
 
 
 # Two Pallas (Triton) calls as a GPU's optimized HLO has them: an fp8 activation kernel and another.
@@ -435,5 +437,5 @@ def test_pallas_call_bytes_charges_the_named_kernels_their_operands_and_results(
   fp32 scales: 64 x 2048 x (2 + 4 + 2 + 1) + 256 bytes; the attention kernel is not named, so not
   counted (its pools' reads are `kernel_bytes`')."""
   from llamarl_jax.model.fp8_kernels import KERNEL_NAMES
-  assert paged.pallas_call_bytes(_PALLAS_HLO, KERNEL_NAMES) == 64 * 2048 * 9 + 256
-  assert paged.pallas_call_bytes(_PALLAS_HLO, ("other",)) == 0
+  assert hlo.pallas_call_bytes(_PALLAS_HLO, KERNEL_NAMES) == 64 * 2048 * 9 + 256
+  assert hlo.pallas_call_bytes(_PALLAS_HLO, ("other",)) == 0

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from llamarl_jax import perf_model as pm
+from llamarl_jax.measure import perf_model as pm
 
 # CALIBRATED was chosen by a grid search to reproduce these six published step times, so the two
 # tests below only guard that fit against accidental change; they say nothing about predictive power

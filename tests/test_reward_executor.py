@@ -154,3 +154,13 @@ def test_worker_max_tasks_recycles_by_age():
 def test_memory_settings_are_checked():
   with pytest.raises(ValueError, match="worker_max_rss_mb must be > 0"):
     RewardExecutor(fns.slow_match, worker_max_rss_mb=0, inline=True)
+
+
+def test_the_worker_side_imports_no_jax():
+  """A reward worker process imports this module: it must stay free of JAX and Flax (hundreds of MB
+  in each worker, past `worker_max_rss_mb` at once)."""
+  import subprocess
+  import sys
+  code = "import sys, llamarl_jax.executors.reward; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -174,7 +174,7 @@ def test_qkv_stays_unfused_where_kv_heads_do_not_shard_like_heads(prompts):
 def test_kernel_counts_reads_launches_from_a_compiled_modules_text():
   """Entry instructions that launch a kernel, by kind; a known-trip-count loop's body and condition
   once per trip; bookkeeping (parameters, tuples, bitcasts) none."""
-  from llamarl_jax.generation.paged import kernel_counts
+  from llamarl_jax.measure.hlo import kernel_counts
 
   text = """HloModule m
 

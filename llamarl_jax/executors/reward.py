@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 import gin
 import numpy as np
 
-from llamarl_jax.config import LiveResource
+from llamarl_jax.live import LiveResource
 from llamarl_jax.rewards import get_reward_fn
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ The two systems compared, as in the paper:
 
 Calibration: `CALIBRATED` is one set of constants for every model size, chosen by a coarse grid
 search over plausible values so that the six step times LlamaRL published are all reproduced within
-25% (`python -m llamarl_jax.perf_model` prints the table; currently within 12%). The workload is an
+25% (`python -m llamarl_jax.measure.perf_model` prints the table; currently within 12%). The workload is an
 assumption, not read from the paper (we could not get its experimental details): 128 prompts x 8
 samples, 512 prompt tokens, responses of mean 1536 and max 4096 tokens (`PAPER_WORKLOAD`). What carries
 the 405B baseline's 10x is mostly the cross-node tensor parallelism of its bf16 generator: with
@@ -54,7 +54,7 @@ generator is the slot engine (continuous batching over as many KV slots as the m
 `controller_bindings` sets `engine_slots`), and its meshes have no pipeline axis; its fp8 generator
 (`GeneratorConfig.quantize='fp8'`) is modelled by `quantize="fp8"`.
 
-Measured calibration: `python -m llamarl_jax.perf_model --calibrate results.json` reads the JSON of
+Measured calibration: `python -m llamarl_jax.measure.perf_model --calibrate results.json` reads the JSON of
 `make bench-gpu` (scripts/bench_gpu.py) and replaces the assumed efficiencies with the measured ones
 (`calibrate`: training MFU, decode bandwidth efficiency and per-step overhead, weight-push link
 efficiency when it crossed devices), then predicts the paper's configurations with them.

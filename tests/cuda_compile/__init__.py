@@ -1,0 +1,1 @@
+"""The CUDA compile tier (a package, so its conftest does not shadow tests/conftest.py)."""
