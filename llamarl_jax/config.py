@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar
 from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
 from llamarl_jax.live import LiveResource
 from llamarl_jax.model.fp8 import QUANTIZATIONS
-from llamarl_jax.model.llama import ATTENTION_IMPLEMENTATIONS, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
+from llamarl_jax.model.forward import ATTENTION_IMPLEMENTATIONS, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
 from llamarl_jax.model.paged_attention import PAGED_IMPLEMENTATIONS
 from llamarl_jax.schedule import VERSION_SCHEDULES
 

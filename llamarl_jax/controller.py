@@ -1,15 +1,8 @@
-"""The single controller: builds the executors on their meshes, runs them, evaluates, checkpoints (LlamaRL).
+"""The single controller: holds the executors the builders make (`build`), runs them, evaluates, checkpoints (LlamaRL).
 
-The Controller owns the parts and the run's state; the loops live in `llamarl_jax/runners/`:
-
-  runners/single_process.py    one process: generator, reward and trainer threads (colocated or not)
-  runners/trainer_process.py   a trainer process of a multi-process job
-  runners/generator_process.py a generator process of a multi-process job
-  runners/reward_process.py    a reward process of a multi-process job (the reward model's own group)
-
-Each runner takes (Executors, RunState, StepRecorder, RunConfig) and returns the new RunState; the
-version schedule they share (which version generates batch k, its seed, which weights to keep, the
-transfer order, the lag check) is `schedule.py`. docs/ARCHITECTURE.md has the picture.
+The loops live in `llamarl_jax/runners/` (one process; a trainer, generator or reward process of a
+multi-process job): each takes (Executors, RunState, StepRecorder, RunConfig) and returns the new
+RunState; the version schedule they share is `schedule.py`. docs/ARCHITECTURE.md has the picture.
 
 Policy versions: the trainer's params after s optimizer steps are version s. Batch k is generated
 with version >= k - max_policy_lag and trained at step k, so every trained rollout satisfies
@@ -36,20 +29,15 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from llamarl_jax import distributed, parallel
+from llamarl_jax import build, distributed, parallel
 from llamarl_jax.checkpoint import Checkpointer
 from llamarl_jax.compile_cache import enable_persistent_cache
 from llamarl_jax.config import RunConfig
-from llamarl_jax.executors.generator import rollout_sampling, run_generator
 from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.executors.scoring import score_evaluation
-from llamarl_jax.executors.trainer import TrainerExecutor, run_trainer_options
-from llamarl_jax.executors.weight_sync import WeightSync
-from llamarl_jax.generation.sampler import Sampler
 from llamarl_jax.metrics import MetricsLogger
-from llamarl_jax.model import fp8, hf
-from llamarl_jax.model import lora as lora_lib
-from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import abstract_model
 from llamarl_jax.runners.common import Executors, RunState, StepRecorder, overlap_seconds, schedule_metrics  # noqa: F401
 from llamarl_jax.runners.single_process import ExecutorFailed  # noqa: F401  (re-exported)
 from llamarl_jax.schedule import versions_kept
@@ -80,8 +68,8 @@ class Controller:
     self.shapes = RunShapes.of(model_config, config) if shapes is None else shapes
     self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
     self.prompt_source, self.run_dir, self.progress = prompt_source, Path(run_dir), progress
-    r, g, t = config.rollout, config.generator, config.train
-    self.sampling = rollout_sampling(r, tokenizer)
+    r, t = config.rollout, config.train
+    self.sampling = build.rollout_sampling(r, tokenizer)
     self.trainer_mesh, self.generator_mesh = parallel.make_meshes(**dataclasses.asdict(config.mesh))
     enable_persistent_cache()  # on a GPU: a restarted or repeated run loads its programs (`compile_cache`)
     config.check_layout(parallel.batch_divisor(self.trainer_mesh), jax.process_count())
@@ -94,61 +82,41 @@ class Controller:
     self.is_generator = jax.process_index() in self.roles.generator
     self.is_reward = multi and jax.process_index() in self.roles.reward  # a process of the reward model's group
     self.is_main = jax.process_index() == self.roles.trainer_leader  # logs, checkpoints' metadata, summary
-    abstract = abstract_model(model_config)
-    axes = parallel.logical_axes(abstract)
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jax.numpy.float32), split_params(abstract)[1])
-    self._model_shapes = shapes
+    axes = parallel.logical_axes(abstract_model(model_config))
+    shapes = self._model_shapes = build.model_shapes(model_config)
     gen_shardings = parallel.param_shardings(shapes, axes, self.generator_mesh)
-    self.generator_dtype = jax.numpy.dtype(g.dtype)
     ex = Executors(tokenizer=tokenizer, prompt_source=prompt_source,
                    device_turn=threading.Lock() if config.mesh.colocated else contextlib.nullcontext())
     self.checkpointer = None
     if self.is_trainer:
-      ref_params = None
-      if t.loss_kwargs.get("kl_coef"):
-        ref_params = params if t.reference_path is None else hf.load_reference_params(t.reference_path, model_config)
-      adapters = None
-      if t.lora is not None and t.lora.adapter_path:
-        adapters = lora_lib.load_peft_adapter(t.lora.adapter_path, model_config, t.lora)
-      ex.trainer = TrainerExecutor(model_config, self.trainer_mesh, params, ref_params=ref_params,
-                                   adapters=adapters, lora_seed=r.seed, **run_trainer_options(config))
+      ex.trainer = build.trainer(model_config, config, self.trainer_mesh, params)
       self.checkpointer = Checkpointer(self.run_dir / "checkpoints", max_to_keep=t.keep_checkpoints,
                                        processes=self.roles.trainer if multi else None)
     self._owns_reward = reward is None
     self.sampler = self.env = None
     if self.is_generator:
-      gen_config = model_config.replace(param_dtype=g.dtype, dtype=g.dtype)
-      self.sampler = Sampler(gen_config, self.generator_mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize,
-                             quantize_lm_head=g.quantize_lm_head)
-      ex.reward = reward if reward is not None else RewardExecutor(
-          config.reward.fn, num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
-      if config.reward.model_path:
-        from llamarl_jax.executors.reward_model import RewardModelExecutor
-
-        if multi:  # it scores in the reward processes; here: its token rows and the combination
-          ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, weights=False)
-        else:
-          ex.reward_model = RewardModelExecutor.for_run(config, tokenizer, self.generator_mesh, ex.device_turn)
+      self.sampler = build.sampler(model_config, config, self.generator_mesh, tokenizer)
+      ex.reward = reward if reward is not None else build.reward(config)
+      if config.reward.model_path:  # in many processes it scores in the reward processes: here its rows only
+        ex.reward_model = (build.reward_model(config.reward, tokenizer, weights=False) if multi else
+                           build.run_reward_model(config, tokenizer, self.generator_mesh, ex.device_turn))
       from llamarl_jax.envs import make_environment
 
       self.env = make_environment(config.env)
-      ex.generator = run_generator(self.sampler, tokenizer, prompt_source, self.sampling, config, self.shapes,
-                                   device_turn=ex.device_turn if config.mesh.colocated else None,
-                                   score=ex.reward.score, env=self.env)
+      ex.generator = build.generator(self.sampler, tokenizer, prompt_source, self.sampling, config, self.shapes,
+                                     device_turn=ex.device_turn if config.mesh.colocated else None,
+                                     score=ex.reward.score, env=self.env)
     if self.is_reward:
-      from llamarl_jax.executors.reward_model import RewardModelExecutor
-
-      ex.reward_model = RewardModelExecutor.from_config(config.reward, tokenizer, mesh=self.reward_mesh)
+      ex.reward_model = build.reward_model(config.reward, tokenizer, mesh=self.reward_mesh)
+    base = lambda: ex.trainer.base_params  # noqa: E731  (LoRA: the frozen base the generator merges into)
     if multi:
-      from llamarl_jax.multiprocess.protocol import Context, weight_plan
+      from llamarl_jax.multiprocess.protocol import Context
 
-      plan = weight_plan(model_config, shapes, axes, gen_shardings, self.trainer_mesh, self.generator_mesh,
-                         dtype=self.generator_dtype, lora=t.lora, base=lambda: ex.trainer.base_params,
-                         quantize=g.quantize, quantize_lm_head=g.quantize_lm_head)
+      plan = build.weight_plan(config, model_config, shapes, axes, gen_shardings, self.trainer_mesh,
+                               self.generator_mesh, base=base)
       ex.mp = Context(self.roles, plan, self.trainer_mesh, self.generator_mesh)
     else:
-      ex.weights = WeightSync.for_run(config, model_config, axes, gen_shardings, self.generator_mesh,
-                                      base=lambda: ex.trainer.base_params)
+      ex.weights = build.weights(config, model_config, axes, gen_shardings, self.generator_mesh, base=base)
     self.ex = ex
     self.state = RunState()
     self.recorder = StepRecorder(logger=logger if self.is_main else None, checkpoint_every=t.checkpoint_every,
@@ -297,14 +265,10 @@ class Controller:
   def _generator_abstract(self) -> Any:
     """A kept version as a checkpoint holds it: one process, generator params; across processes the
     wire arrays (a LoRA policy's: its adapters)."""
-    if self.mp is not None:
-      return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                          self.mp.weights.shapes, self.mp.weights.wire_src)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, self.generator_dtype), self._model_shapes)
-    if self.ex.weights.quantize:
-      shapes = fp8.quantized_shapes(self._model_shapes, self.generator_dtype, lm_head=self.ex.weights.quantize_lm_head)
+    if self.mp is None:
+      return self.ex.weights.version_layout(self._model_shapes)
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                        shapes, self.ex.weights.out_shardings)
+                        self.mp.weights.shapes, self.mp.weights.wire_src)
 
   def checkpoint_dirs(self) -> list[int]:
     """Every checkpoint step directory of the run (complete or not). Every process calls it."""

@@ -26,7 +26,9 @@ from llamarl_jax.controller import Controller
 from llamarl_jax.data import PromptSource
 from llamarl_jax.metrics import START, WANDB_MODES, MetricsLogger, wandb_available
 from llamarl_jax.model import hf
-from llamarl_jax.model.llama import Llama, ModelConfig, abstract_model, resolve_attention, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import resolve_attention
+from llamarl_jax.model.llama import Llama, abstract_model, split_params
 from llamarl_jax.shapes import RunShapes
 from llamarl_jax.time_breakdown import format_breakdown
 from llamarl_jax.train.state import init_state

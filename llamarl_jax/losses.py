@@ -59,270 +59,38 @@ never be split across microbatches (splitting the batch axis is fine).
 
 For numerical safety, log-ratios are clipped to +-20 before exponentiation (a ratio beyond
 e^20 ~ 5e8 is treated as e^20; its gradient is then 0 in the ratio-through-clamp/PPO forms).
+
+The pieces every loss shares (the checks and masking of the inputs, the KL and entropy terms, the
+aggregation, the metric reductions) live in `loss_terms`; the building blocks
+`kl_estimate`, `entropy_from_logits`, `aggregate` and `masked_mean` are importable from here too.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Callable, NamedTuple
+from typing import Callable
 
-import chex
 import jax
 import jax.numpy as jnp
 
+from llamarl_jax.loss_terms import (AGGREGATIONS, KL_ESTIMATORS, LOG_RATIO_LIMIT, aggregate, as_float,
+                                    check_choice, check_positive, clipped_log_ratio, clipped_surrogate,
+                                    count_metrics, detached_pg, entropy_from_logits, finish_policy_loss,
+                                    float32_metrics, kl_estimate, masked_mean, policy_inputs, ratio_stats,
+                                    sequence_log_ratio, sequence_mean)
+
+__all__ = ["AGGREGATIONS", "AIPO_FORMS", "DEFAULT_RHO_MAX", "KL_ESTIMATORS", "LOG_RATIO_LIMIT", "LOSSES", "MIS_LEVELS",
+           "SEQUENCE_METRICS", "TRAINER_LOSSES", "aggregate", "aipo_loss", "bradley_terry_loss", "cispo_loss",
+           "decoupled_ppo_loss", "entropy_from_logits", "get_loss", "gspo_loss", "kl_estimate", "masked_mean",
+           "mis_loss", "nll_loss", "ppo_clip_loss", "seq_tis_loss", "value_loss"]
+
 Array = jax.Array
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 AIPO_FORMS = ("detached", "clamped")
 DEFAULT_RHO_MAX = 2.0
-LOG_RATIO_LIMIT = 20.0
 MIS_LEVELS = ("token", "sequence", "geometric")
 # Metrics that are means over sequences (not tokens): combine microbatches weighted by policy/num_seqs.
 SEQUENCE_METRICS = frozenset({"rollout_corr/rollout_rs_seq_masked_fraction"})
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-
-def _as_float(x) -> Array:
-  """`x` as an array of at least float32 (bf16/f16 are upcast; f64 stays f64 under x64)."""
-  x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def masked_mean(values: Array, mask: Array) -> Array:
-  """Mean of `values` over positions where `mask` is nonzero; 0 when there are none."""
-  valid = jnp.asarray(mask) != 0
-  total = jnp.sum(jnp.where(valid, values, 0))
-  return total / jnp.maximum(jnp.sum(valid), 1)
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-  if value not in choices:
-    raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_positive(name: str, value) -> None:
-  if isinstance(value, (int, float)) and not value > 0:
-    raise ValueError(f"{name} must be > 0, got {value}")
-
-
-# ----------------------------------------------------------------------------- building blocks
-
-
-def kl_estimate(logprobs: Array, ref_logprobs: Array, kind: str = "k3") -> Array:
-  """Per-token estimate of KL(q || p) from tokens sampled from q (Schulman, "Approximating KL").
-
-  logprobs = log q(x), ref_logprobs = log p(x), any matching shapes; returns that shape. With
-  log_r = log p(x) - log q(x) (clipped to +-20):
-    k1 = -log_r                 unbiased, high variance, can be negative per token
-    k2 = log_r^2 / 2            biased (accurate when q ~ p), nonnegative
-    k3 = (e^log_r - 1) - log_r  unbiased, nonnegative, low variance (the GRPO penalty)
-  E.g. the KL-to-reference penalty is kl_estimate(log pi, log pi_ref); the off-policyness
-  KL(mu || pi) of a batch sampled from mu is kl_estimate(log mu, log pi).
-  """
-  _check_choice("kind", kind, KL_ESTIMATORS)
-  logprobs, ref_logprobs = _as_float(logprobs), _as_float(ref_logprobs)
-  chex.assert_equal_shape([logprobs, ref_logprobs],
-                          custom_message="kl_estimate: logprobs and ref_logprobs must have the same shape")
-  log_r = jnp.clip(ref_logprobs - logprobs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-  if kind == "k1":
-    return -log_r
-  if kind == "k2":
-    return 0.5 * jnp.square(log_r)
-  return jnp.expm1(log_r) - log_r
-
-
-def entropy_from_logits(logits: Array) -> Array:
-  """Entropy H = -sum_v p_v log p_v of softmax(logits) over the last axis.
-
-  logits [..., V] (any float dtype; computed in float32) -> [...] float32. Safe for -inf logits
-  (masked vocabulary entries): their 0 * log 0 terms are 0 in value and gradient.
-  """
-  logp = jax.nn.log_softmax(_as_float(logits), axis=-1)
-  p = jnp.exp(logp)
-  return -jnp.sum(p * jnp.where(p > 0, logp, 0.0), axis=-1)
-
-
-def _aggregate(values: Array, valid: Array, mode: str, loss_norm_constant) -> Array:
-  values = jnp.where(valid, values, 0)
-  if mode == "token_mean":
-    return jnp.sum(values) / jnp.maximum(jnp.sum(valid), 1)
-  tokens_per_seq = jnp.sum(valid, axis=-1)
-  num_seqs = jnp.maximum(jnp.sum(tokens_per_seq > 0), 1)
-  if mode == "seq_mean_token_mean":
-    seq_means = jnp.sum(values, axis=-1) / jnp.maximum(tokens_per_seq, 1)
-    return jnp.sum(seq_means) / num_seqs
-  norm = values.shape[-1] if loss_norm_constant is None else loss_norm_constant
-  return jnp.sum(values) / (norm * num_seqs)
-
-
-def aggregate(values: Array, mask: Array, mode: str = "token_mean",
-              loss_norm_constant: float | None = None) -> Array:
-  """Reduce per-token values `[B, T]` to a scalar over the valid (mask != 0) tokens.
-
-  "token_mean":          sum(m * v) / sum(m)
-  "seq_mean_token_mean": mean over sequences with >= 1 valid token of sum_t(m v) / sum_t(m)
-  "seq_sum_norm":        mean over sequences with >= 1 valid token of sum_t(m v) / C, where
-                         C = loss_norm_constant (default: T, the padded length). Dr. GRPO: a
-                         constant C keeps long and short responses' tokens on the same scale.
-  Empty batches give 0.
-  """
-  _check_choice("aggregation", mode, AGGREGATIONS)
-  if loss_norm_constant is not None:
-    _check_positive("loss_norm_constant", loss_norm_constant)
-  values = _as_float(values)
-  chex.assert_rank(values, 2, custom_message="aggregate: values must be [batch, seq]")
-  chex.assert_shape(mask, values.shape,
-                    custom_message=f"aggregate: mask must have the shape of values {values.shape}")
-  return _aggregate(values, jnp.asarray(mask) != 0, mode, loss_norm_constant)
-
-
-# ----------------------------------------------------------------------------- shared loss plumbing
-
-
-class _Tokens(NamedTuple):
-  """Checked, upcast inputs; every array is 0 at masked positions (so nothing there can leak)."""
-
-  logprobs: Array            # [B, T] differentiable
-  behaviour_logprobs: Array  # [B, T] constant
-  advantages: Array          # [B, T] constant
-  valid: Array               # [B, T] bool
-  ref_logprobs: Array | None
-  entropy: Array | None
-
-
-def _prepare(logprobs, behaviour_logprobs, advantages, mask, *, ref_logprobs, entropy,
-             aggregation, kl_estimator, loss_norm_constant, loss_name, **extra_token_arrays):
-  _check_choice("aggregation", aggregation, AGGREGATIONS)
-  _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
-  if loss_norm_constant is not None:
-    _check_positive("loss_norm_constant", loss_norm_constant)
-  chex.assert_rank(logprobs, 2, custom_message=(
-      f"{loss_name}: logprobs must be [batch, seq]; for one sequence add a leading axis (x[None])"))
-  chex.assert_type(logprobs, float, custom_message=f"{loss_name}: logprobs must be floating point")
-  shape = jnp.shape(logprobs)
-  token_arrays = dict(behaviour_logprobs=behaviour_logprobs, ref_logprobs=ref_logprobs,
-                      entropy=entropy, **extra_token_arrays)
-  for name, x in token_arrays.items():
-    if x is not None:
-      chex.assert_shape(x, shape, custom_message=(
-          f"{loss_name}: {name} must have the shape of logprobs {shape}, got {jnp.shape(x)}"))
-      chex.assert_type(x, float, custom_message=f"{loss_name}: {name} must be floating point")
-  chex.assert_shape(mask, shape, custom_message=(
-      f"{loss_name}: mask must have the shape of logprobs {shape}, got {jnp.shape(mask)}"))
-  adv_msg = (f"{loss_name}: advantages must be per sequence [batch] = {shape[:1]} or per token "
-             f"[batch, seq] = {shape}, got {jnp.shape(advantages)}")
-  if jnp.ndim(advantages) == 1:
-    chex.assert_shape(advantages, shape[:1], custom_message=adv_msg)
-    advantages = jnp.asarray(advantages)[:, None]
-  else:
-    chex.assert_shape(advantages, shape, custom_message=adv_msg)
-
-  valid = jnp.asarray(mask) != 0
-
-  def clean(x, constant=True):
-    if x is None:
-      return None
-    x = jnp.where(valid, _as_float(x), 0.0)
-    return jax.lax.stop_gradient(x) if constant else x
-
-  tokens = _Tokens(logprobs=clean(logprobs, constant=False),
-                   behaviour_logprobs=clean(behaviour_logprobs),
-                   advantages=clean(jnp.broadcast_to(_as_float(advantages), shape)),
-                   valid=valid, ref_logprobs=clean(ref_logprobs), entropy=clean(entropy, constant=False))
-  extras = {name: clean(x) for name, x in extra_token_arrays.items()}
-  return tokens, extras
-
-
-def _log_ratio(numerator: Array, denominator: Array) -> Array:
-  return jnp.clip(numerator - denominator, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-
-
-def _reduce_token_metrics(stats: dict[str, tuple[str, Array]], valid: Array) -> dict[str, Array]:
-  """{name: (reduction, per-token values [B, T])} -> {name: scalar} over the valid tokens.
-
-  reduction is "mean", "max" or "min"; an empty mask gives 0.
-  """
-  any_valid = jnp.any(valid)
-  out = {}
-  for name, (reduction, values) in stats.items():
-    values = jax.lax.stop_gradient(jnp.asarray(values, jnp.float32))
-    if reduction == "mean":
-      out[name] = masked_mean(values, valid)
-    elif reduction == "max":
-      out[name] = jnp.where(any_valid, jnp.max(jnp.where(valid, values, -jnp.inf)), 0.0)
-    else:
-      out[name] = jnp.where(any_valid, jnp.min(jnp.where(valid, values, jnp.inf)), 0.0)
-  return out
-
-
-def _sequence_log_ratio(log_ratio: Array, valid: Array, *, geometric: bool) -> Array:
-  """Per row `[B, 1]`: log prod_t r_t (sum over valid tokens) or, geometric, its mean over them.
-
-  Clipped to +-LOG_RATIO_LIMIT like every log-ratio here; rows without valid tokens give 0 (ratio 1).
-  """
-  total = jnp.sum(jnp.where(valid, log_ratio, 0.0), axis=-1, keepdims=True)
-  if geometric:
-    total = total / jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)
-  return jnp.clip(total, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-
-
-def _sequence_mean(values: Array, valid: Array) -> Array:
-  """Mean of per-row `values` `[B]` over the rows with at least one valid token; 0 when none."""
-  has = jnp.any(valid, axis=-1)
-  values = jax.lax.stop_gradient(jnp.asarray(values, jnp.float32))
-  return jnp.sum(jnp.where(has, values, 0.0)) / jnp.maximum(jnp.sum(has), 1)
-
-
-def _ratio_stats(log_ratio: Array) -> dict[str, tuple[str, Array]]:
-  ratio = jnp.exp(log_ratio)
-  return {"policy/ratio_mean": ("mean", ratio), "policy/ratio_max": ("max", ratio),
-          "policy/ratio_min": ("min", ratio)}
-
-
-def _clipped_surrogate(log_ratio: Array, advantages: Array, eps_low, eps_high):
-  """Per-token PPO loss -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) and its clip statistics."""
-  _check_positive("eps_low", eps_low)
-  _check_positive("eps_high", eps_high)
-  ratio = jnp.exp(log_ratio)
-  clipped_ratio = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-  per_token = -jnp.minimum(ratio * advantages, clipped_ratio * advantages)
-  ratio_sg = jax.lax.stop_gradient(ratio)
-  clipped_high = (advantages > 0) & (ratio_sg > 1.0 + eps_high)
-  clipped_low = (advantages < 0) & (ratio_sg < 1.0 - eps_low)
-  stats = {"policy/frac_clipped": ("mean", clipped_high | clipped_low),
-           "policy/frac_clipped_low": ("mean", clipped_low),
-           "policy/frac_clipped_high": ("mean", clipped_high)}
-  return per_token, stats
-
-
-def _finish(pg: Array, tokens: _Tokens, stats: dict[str, tuple[str, Array]], *, kl_coef,
-            kl_estimator, entropy_coef, aggregation,
-            loss_norm_constant) -> tuple[Array, dict[str, Array]]:
-  """Add the optional KL/entropy terms, aggregate, and compute the metrics."""
-  valid = tokens.valid
-  terms = {"loss/pg": (1.0, pg)}  # name: (coefficient, per-token values)
-  if tokens.ref_logprobs is not None:
-    kl = kl_estimate(tokens.logprobs, tokens.ref_logprobs, kl_estimator)
-    terms["loss/kl"] = (kl_coef, kl)
-    stats["policy/kl_ref"] = ("mean", kl)
-  if tokens.entropy is not None:
-    terms["loss/entropy"] = (-entropy_coef, tokens.entropy)
-    stats["policy/entropy"] = ("mean", tokens.entropy)
-  stats["policy/kl_behaviour"] = ("mean", kl_estimate(tokens.behaviour_logprobs, tokens.logprobs))
-
-  metrics = {name: coef * _aggregate(values, valid, aggregation, loss_norm_constant)
-             for name, (coef, values) in terms.items()}
-  total = sum(metrics.values())
-  metrics["loss/total"] = total
-  metrics.update(_reduce_token_metrics(stats, valid))
-  metrics["policy/num_tokens"] = jnp.sum(valid)
-  metrics["policy/num_seqs"] = jnp.sum(jnp.any(valid, axis=-1))
-  metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
-  return total, metrics
-
 
 # ----------------------------------------------------------------------------- the losses
 
@@ -358,22 +126,21 @@ def aipo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mas
   policy/frac_truncated is the fraction of valid tokens with r_t > rho_max.
   rho_max: > 0; typically 2..10; float("inf") disables truncation.
   """
-  _check_choice("form", form, AIPO_FORMS)
-  _check_positive("rho_max", rho_max)
-  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
-                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
-                       loss_norm_constant=loss_norm_constant, loss_name="aipo_loss")
-  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
+  check_choice("form", form, AIPO_FORMS)
+  check_positive("rho_max", rho_max)
+  inputs = policy_inputs("aipo_loss", logprobs, behaviour_logprobs, advantages, mask,
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy,
+                         entropy_coef=entropy_coef, aggregation=aggregation,
+                         loss_norm_constant=loss_norm_constant)
+  log_ratio = clipped_log_ratio(inputs.logprobs, inputs.behaviour_logprobs)
   log_rho = jnp.log(jnp.asarray(rho_max, log_ratio.dtype))
   weight = jnp.exp(jnp.minimum(log_ratio, log_rho))
   if form == "detached":
-    pg = -jax.lax.stop_gradient(weight) * tokens.advantages * tokens.logprobs
+    pg = detached_pg(weight, inputs)
   else:
-    pg = -weight * tokens.advantages
-  stats = {**_ratio_stats(log_ratio), "policy/frac_truncated": ("mean", log_ratio > log_rho)}
-  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                 entropy_coef=entropy_coef, aggregation=aggregation,
-                 loss_norm_constant=loss_norm_constant)
+    pg = -weight * inputs.advantages
+  stats = {**ratio_stats(log_ratio), "policy/frac_truncated": ("mean", log_ratio > log_rho)}
+  return finish_policy_loss(pg, inputs, stats)
 
 
 def ppo_clip_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
@@ -395,14 +162,13 @@ def ppo_clip_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array,
   DAPO: eps_low = 0.2, eps_high = 0.28. KL/entropy terms, shapes, aggregation and metrics: see
   `aipo_loss` and the module docstring.
   """
-  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
-                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
-                       loss_norm_constant=loss_norm_constant, loss_name="ppo_clip_loss")
-  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
-  pg, clip_stats = _clipped_surrogate(log_ratio, tokens.advantages, eps_low, eps_high)
-  return _finish(pg, tokens, {**_ratio_stats(log_ratio), **clip_stats}, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                 entropy_coef=entropy_coef, aggregation=aggregation,
-                 loss_norm_constant=loss_norm_constant)
+  inputs = policy_inputs("ppo_clip_loss", logprobs, behaviour_logprobs, advantages, mask,
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy,
+                         entropy_coef=entropy_coef, aggregation=aggregation,
+                         loss_norm_constant=loss_norm_constant)
+  log_ratio = clipped_log_ratio(inputs.logprobs, inputs.behaviour_logprobs)
+  pg, clip_stats = clipped_surrogate(log_ratio, inputs.advantages, eps_low, eps_high)
+  return finish_policy_loss(pg, inputs, {**ratio_stats(log_ratio), **clip_stats})
 
 
 def decoupled_ppo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
@@ -428,26 +194,24 @@ def decoupled_ppo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: A
   describe r_t = pi/pi_prox), plus policy/frac_truncated (pi_prox/mu > rho_max) and
   policy/behaviour_ratio_mean|max (pi_prox/mu before truncation).
   """
-  _check_positive("rho_max", rho_max)
-  tokens, extras = _prepare(logprobs, behaviour_logprobs, advantages, mask,
-                            ref_logprobs=ref_logprobs, entropy=entropy, aggregation=aggregation,
-                            kl_estimator=kl_estimator, loss_norm_constant=loss_norm_constant,
-                            loss_name="decoupled_ppo_loss", proximal_logprobs=proximal_logprobs)
-  prox = extras["proximal_logprobs"]
-  log_ratio = _log_ratio(tokens.logprobs, prox)
-  log_weight = _log_ratio(prox, tokens.behaviour_logprobs)
+  check_positive("rho_max", rho_max)
+  inputs = policy_inputs("decoupled_ppo_loss", logprobs, behaviour_logprobs, advantages, mask,
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy,
+                         entropy_coef=entropy_coef, aggregation=aggregation,
+                         loss_norm_constant=loss_norm_constant, proximal_logprobs=proximal_logprobs)
+  prox = inputs.extras["proximal_logprobs"]
+  log_ratio = clipped_log_ratio(inputs.logprobs, prox)
+  log_weight = clipped_log_ratio(prox, inputs.behaviour_logprobs)
   log_rho = jnp.log(jnp.asarray(rho_max, log_weight.dtype))
   weight = jnp.exp(jnp.minimum(log_weight, log_rho))
-  surrogate, clip_stats = _clipped_surrogate(log_ratio, tokens.advantages, eps_low, eps_high)
+  surrogate, clip_stats = clipped_surrogate(log_ratio, inputs.advantages, eps_low, eps_high)
   pg = weight * surrogate
   behaviour_ratio = jnp.exp(log_weight)
-  stats = {**_ratio_stats(log_ratio), **clip_stats,
+  stats = {**ratio_stats(log_ratio), **clip_stats,
            "policy/frac_truncated": ("mean", log_weight > log_rho),
            "policy/behaviour_ratio_mean": ("mean", behaviour_ratio),
            "policy/behaviour_ratio_max": ("max", behaviour_ratio)}
-  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                 entropy_coef=entropy_coef, aggregation=aggregation,
-                 loss_norm_constant=loss_norm_constant)
+  return finish_policy_loss(pg, inputs, stats)
 
 
 def gspo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
@@ -480,18 +244,17 @@ def gspo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mas
   policy/ratio_* describe s_i (token-weighted mean; max and min over sequences), policy/frac_clipped*
   the fraction of tokens whose sequence is clipped.
   """
-  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
-                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
-                       loss_norm_constant=loss_norm_constant, loss_name="gspo_loss")
-  token_log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
-  log_s = _sequence_log_ratio(token_log_ratio, tokens.valid, geometric=True)  # [B, 1]
+  inputs = policy_inputs("gspo_loss", logprobs, behaviour_logprobs, advantages, mask,
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy,
+                         entropy_coef=entropy_coef, aggregation=aggregation,
+                         loss_norm_constant=loss_norm_constant)
+  token_log_ratio = clipped_log_ratio(inputs.logprobs, inputs.behaviour_logprobs)
+  log_s = sequence_log_ratio(token_log_ratio, inputs.valid, geometric=True)  # [B, 1]
   log_s_token = (jax.lax.stop_gradient(log_s)
-                 + tokens.logprobs - jax.lax.stop_gradient(tokens.logprobs))  # value log s_i
-  pg, clip_stats = _clipped_surrogate(log_s_token, tokens.advantages, eps_low, eps_high)
-  stats = {**_ratio_stats(jnp.broadcast_to(log_s, token_log_ratio.shape)), **clip_stats}
-  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                 entropy_coef=entropy_coef, aggregation=aggregation,
-                 loss_norm_constant=loss_norm_constant)
+                 + inputs.logprobs - jax.lax.stop_gradient(inputs.logprobs))  # value log s_i
+  pg, clip_stats = clipped_surrogate(log_s_token, inputs.advantages, eps_low, eps_high)
+  stats = {**ratio_stats(jnp.broadcast_to(log_s, token_log_ratio.shape)), **clip_stats}
+  return finish_policy_loss(pg, inputs, stats)
 
 
 def cispo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
@@ -528,24 +291,23 @@ def cispo_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, ma
   policy/frac_truncated and policy/frac_truncated_low are the fractions of tokens whose weight hit
   1 + eps_high and 1 - eps_low.
   """
-  _check_positive("eps_low", eps_low)
-  _check_positive("eps_high", eps_high)
+  check_positive("eps_low", eps_low)
+  check_positive("eps_high", eps_high)
   if isinstance(eps_low, (int, float)) and eps_low > 1:
     raise ValueError(f"eps_low must be in (0, 1] (the weight's lower bound 1 - eps_low >= 0; 1 means "
                      f"no lower bound), got {eps_low}")
-  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
-                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
-                       loss_norm_constant=loss_norm_constant, loss_name="cispo_loss")
-  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
+  inputs = policy_inputs("cispo_loss", logprobs, behaviour_logprobs, advantages, mask,
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy,
+                         entropy_coef=entropy_coef, aggregation=aggregation,
+                         loss_norm_constant=loss_norm_constant)
+  log_ratio = clipped_log_ratio(inputs.logprobs, inputs.behaviour_logprobs)
   ratio = jnp.exp(log_ratio)
   low, high = 1.0 - jnp.asarray(eps_low, ratio.dtype), 1.0 + jnp.asarray(eps_high, ratio.dtype)
-  weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))
-  pg = -weight * tokens.advantages * tokens.logprobs
-  stats = {**_ratio_stats(log_ratio), "policy/frac_truncated": ("mean", ratio > high),
+  weight = jnp.clip(ratio, low, high)
+  pg = detached_pg(weight, inputs)
+  stats = {**ratio_stats(log_ratio), "policy/frac_truncated": ("mean", ratio > high),
            "policy/frac_truncated_low": ("mean", ratio < low)}
-  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                 entropy_coef=entropy_coef, aggregation=aggregation,
-                 loss_norm_constant=loss_norm_constant)
+  return finish_policy_loss(pg, inputs, stats)
 
 
 def seq_tis_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
@@ -575,26 +337,25 @@ def seq_tis_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, 
   1/C; verl counts sequences); policy/frac_truncated = rollout_is_ratio_fraction_high; the rest as
   in `aipo_loss` (policy/ratio_* describe the token ratios pi/mu).
   """
-  _check_positive("is_threshold", is_threshold)
-  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
-                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
-                       loss_norm_constant=loss_norm_constant, loss_name="seq_tis_loss")
-  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
-  log_seq = jnp.broadcast_to(_sequence_log_ratio(log_ratio, tokens.valid, geometric=False),
+  check_positive("is_threshold", is_threshold)
+  inputs = policy_inputs("seq_tis_loss", logprobs, behaviour_logprobs, advantages, mask,
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy,
+                         entropy_coef=entropy_coef, aggregation=aggregation,
+                         loss_norm_constant=loss_norm_constant)
+  log_ratio = clipped_log_ratio(inputs.logprobs, inputs.behaviour_logprobs)
+  log_seq = jnp.broadcast_to(sequence_log_ratio(log_ratio, inputs.valid, geometric=False),
                              log_ratio.shape)
   log_c = jnp.log(jnp.asarray(is_threshold, log_ratio.dtype))
-  weight = jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_seq, log_c)))
-  pg = -weight * tokens.advantages * tokens.logprobs
+  weight = jnp.exp(jnp.minimum(log_seq, log_c))
+  pg = detached_pg(weight, inputs)
   seq_ratio = jnp.exp(log_seq)
-  stats = {**_ratio_stats(log_ratio), "policy/frac_truncated": ("mean", log_seq > log_c),
+  stats = {**ratio_stats(log_ratio), "policy/frac_truncated": ("mean", log_seq > log_c),
            "rollout_corr/rollout_is_mean": ("mean", weight),
            "rollout_corr/rollout_is_max": ("max", seq_ratio),
            "rollout_corr/rollout_is_min": ("min", seq_ratio),
            "rollout_corr/rollout_is_ratio_fraction_high": ("mean", log_seq > log_c),
            "rollout_corr/rollout_is_ratio_fraction_low": ("mean", log_seq < -log_c)}
-  return _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                 entropy_coef=entropy_coef, aggregation=aggregation,
-                 loss_norm_constant=loss_norm_constant)
+  return finish_policy_loss(pg, inputs, stats)
 
 
 def mis_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
@@ -630,21 +391,22 @@ def mis_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask
   rollout_corr/rollout_rs_seq_masked_fraction (sequences with a rejected token, a per-sequence mean);
   the rest as in `aipo_loss` (policy/ratio_* describe the token ratios pi/mu).
   """
-  _check_choice("level", level, MIS_LEVELS)
-  _check_positive("rs_threshold", rs_threshold)
+  check_choice("level", level, MIS_LEVELS)
+  check_positive("rs_threshold", rs_threshold)
   if rs_threshold_lower is None:
     rs_threshold_lower = 1.0 / rs_threshold
-  _check_positive("rs_threshold_lower", rs_threshold_lower)
+  check_positive("rs_threshold_lower", rs_threshold_lower)
   if (isinstance(rs_threshold, (int, float)) and isinstance(rs_threshold_lower, (int, float))
       and rs_threshold_lower > rs_threshold):
     raise ValueError(f"rs_threshold_lower ({rs_threshold_lower}) must be <= rs_threshold ({rs_threshold})")
-  tokens, _ = _prepare(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
-                       entropy=entropy, aggregation=aggregation, kl_estimator=kl_estimator,
-                       loss_norm_constant=loss_norm_constant, loss_name="mis_loss")
-  valid = tokens.valid
-  log_ratio = _log_ratio(tokens.logprobs, tokens.behaviour_logprobs)
+  inputs = policy_inputs("mis_loss", logprobs, behaviour_logprobs, advantages, mask,
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy,
+                         entropy_coef=entropy_coef, aggregation=aggregation,
+                         loss_norm_constant=loss_norm_constant)
+  valid = inputs.valid
+  log_ratio = clipped_log_ratio(inputs.logprobs, inputs.behaviour_logprobs)
   log_rho = log_ratio if level == "token" else jnp.broadcast_to(
-      _sequence_log_ratio(log_ratio, valid, geometric=level == "geometric"), log_ratio.shape)
+      sequence_log_ratio(log_ratio, valid, geometric=level == "geometric"), log_ratio.shape)
   log_rho = jax.lax.stop_gradient(log_rho)
   log_hi = jnp.log(jnp.asarray(rs_threshold, log_rho.dtype))
   log_lo = jnp.log(jnp.asarray(rs_threshold_lower, log_rho.dtype))
@@ -652,19 +414,17 @@ def mis_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask
   keep = ~(high | low)
   rho = jnp.exp(log_rho)
   weight = jnp.where(keep, 1.0 if level == "geometric" else rho, 0.0)
-  pg = -weight * tokens.advantages * tokens.logprobs
-  stats = {**_ratio_stats(log_ratio),
+  pg = detached_pg(weight, inputs)
+  stats = {**ratio_stats(log_ratio),
            "rollout_corr/rollout_rs_mean": ("mean", rho),
            "rollout_corr/rollout_rs_max": ("max", rho),
            "rollout_corr/rollout_rs_min": ("min", rho),
            "rollout_corr/rollout_rs_ratio_fraction_high": ("mean", high),
            "rollout_corr/rollout_rs_ratio_fraction_low": ("mean", low),
            "rollout_corr/rollout_rs_masked_fraction": ("mean", ~keep)}
-  total, metrics = _finish(pg, tokens, stats, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                           entropy_coef=entropy_coef, aggregation=aggregation,
-                           loss_norm_constant=loss_norm_constant)
+  total, metrics = finish_policy_loss(pg, inputs, stats)
   seq_rejected = jnp.any(valid & ~keep, axis=-1)
-  metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = _sequence_mean(seq_rejected, valid)
+  metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = sequence_mean(seq_rejected, valid)
   return total, metrics
 
 
@@ -679,19 +439,19 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
   Returns (loss, metrics): critic/vf_loss, critic/vf_clipfrac (tokens where the clipped error is the
   larger), critic/vpred_mean, critic/num_tokens."""
   valid = jnp.asarray(mask) != 0
-  values = _as_float(values)
-  old, target = jax.lax.stop_gradient(_as_float(old_values)), jax.lax.stop_gradient(_as_float(returns))
+  values = as_float(values)
+  old, target = jax.lax.stop_gradient(as_float(old_values)), jax.lax.stop_gradient(as_float(returns))
   unclipped = jnp.square(values - target)
   if clip is None:
     per_token, clipped_more = unclipped, jnp.zeros_like(valid)
   else:
-    _check_positive("clip", clip)
+    check_positive("clip", clip)
     clipped = jnp.square(old + jnp.clip(values - old, -clip, clip) - target)
     per_token, clipped_more = jnp.maximum(unclipped, clipped), clipped > unclipped
   loss = 0.5 * masked_mean(per_token, valid)
   metrics = {"critic/vf_loss": loss, "critic/vf_clipfrac": masked_mean(clipped_more, valid),
              "critic/vpred_mean": masked_mean(values, valid), "critic/num_tokens": jnp.sum(valid)}
-  return loss, {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+  return loss, float32_metrics(metrics)
 
 
 def nll_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask: Array, *,
@@ -703,9 +463,9 @@ def nll_loss(logprobs: Array, behaviour_logprobs: Array, advantages: Array, mask
   Returns (loss, metrics)."""
   del behaviour_logprobs, advantages, ref_logprobs, entropy
   valid = jnp.asarray(mask) != 0
-  loss = aggregate(-_as_float(logprobs), valid, aggregation, loss_norm_constant)
-  metrics = {"loss/total": loss, "policy/num_tokens": jnp.sum(valid), "policy/num_seqs": jnp.sum(jnp.any(valid, axis=-1))}
-  return loss, {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+  loss = aggregate(-as_float(logprobs), valid, aggregation, loss_norm_constant)
+  metrics = {"loss/total": loss, **count_metrics(valid)}
+  return loss, float32_metrics(metrics)
 
 
 def bradley_terry_loss(chosen_scores: Array, rejected_scores: Array, mask: Array | None = None, *,
@@ -719,7 +479,7 @@ def bradley_terry_loss(chosen_scores: Array, rejected_scores: Array, mask: Array
   loss/total; rm/accuracy (the fraction with d > 0, a tie counting one half: a constant model scores
   0.5); rm/margin_mean (mean d); rm/chosen_mean, rm/rejected_mean; rm/num_pairs.
   """
-  chosen, rejected = _as_float(chosen_scores), _as_float(rejected_scores)
+  chosen, rejected = as_float(chosen_scores), as_float(rejected_scores)
   valid = jnp.ones(chosen.shape, bool) if mask is None else jnp.asarray(mask) != 0
   count = jnp.sum(valid).astype(jnp.float32)
   mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) / jnp.maximum(count, 1.0)
@@ -728,7 +488,7 @@ def bradley_terry_loss(chosen_scores: Array, rejected_scores: Array, mask: Array
   metrics = {"loss/total": loss, "rm/accuracy": mean(jnp.where(d > 0, 1.0, jnp.where(d == 0, 0.5, 0.0))),
              "rm/margin_mean": mean(d), "rm/chosen_mean": mean(jnp.where(valid, chosen, 0.0)),
              "rm/rejected_mean": mean(jnp.where(valid, rejected, 0.0)), "rm/num_pairs": count}
-  return loss, {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+  return loss, float32_metrics(metrics)
 
 
 # Read-only name -> loss table (for configs: Controller(loss="aipo", loss_kwargs={...})).

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llamarl_jax.config import RunConfig
-from llamarl_jax.model.llama import ModelConfig
+from llamarl_jax.model.config import ModelConfig
 from llamarl_jax.shapes import RunShapes
 
 GB = 1e9
@@ -190,15 +190,6 @@ def generator_weight_bytes(model_config: ModelConfig, dtype, mesh) -> float:
   shardings = parallel.param_shardings(params, parallel.logical_axes(abstract), mesh)
   return device_bytes(jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings))
 
-
-def abstract_trainer(model_config: ModelConfig, run: RunConfig, mesh):
-  """A `TrainerExecutor` of shapes only (nothing allocated) with the run's trainer settings."""
-  from llamarl_jax.executors.trainer import TrainerExecutor, run_trainer_options
-  from llamarl_jax.model.llama import abstract_model, split_params
-
-  shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), split_params(abstract_model(model_config))[1])
-  ref = shapes if run.train.loss_kwargs.get("kl_coef") else None
-  return TrainerExecutor(model_config, mesh, shapes, ref_params=ref, **run_trainer_options(run))
 
 
 def train_step_memory(trainer, batch_size: int, prompt_len: int, resp_len: int) -> dict[str, float]:
@@ -346,7 +337,9 @@ def plan_run(model_config: ModelConfig, run: RunConfig, *, eval_rows: int, shape
   if capacity is None and limit is None:
     capacity, limit = device_limit(device)
   shapes = RunShapes.of(model_config, run) if shapes is None else shapes
-  trainer = abstract_trainer(model_config, run, mesh)
+  from llamarl_jax import build
+
+  trainer = build.abstract_trainer(model_config, run, mesh)
   do_compile = limit is not None if compile is None else compile
   step = (train_step_memory(trainer, shapes.rows, shapes.prompt_limit, shapes.response_width)
           if do_compile else None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from llamarl_jax.config import RunConfig
 from llamarl_jax.generation.paged import PageLayout
 from llamarl_jax.generation.sampler import prompt_bucket
-from llamarl_jax.model.llama import ModelConfig
+from llamarl_jax.model.config import ModelConfig
 
 DEFAULT_PROMPT_LIMIT = 512  # the slot engine's first-prompt limit when GeneratorConfig.max_prompt_len is unset
 

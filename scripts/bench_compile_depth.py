@@ -9,7 +9,8 @@ two checkouts compare directly:
 """
 import sys, time, jax, jax.numpy as jnp
 from llamarl_jax.model.logprobs import token_logprobs
-from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import abstract_model, split_params
 for L in map(int, sys.argv[1:]):
   c = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=L, num_heads=4,
                   num_kv_heads=2, tie_word_embeddings=True)

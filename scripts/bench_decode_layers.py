@@ -42,7 +42,8 @@ class ScannedModel:
     import jax.numpy as jnp
     from flax import nnx
 
-    from llamarl_jax.model.llama import rms_norm, rope_frequencies
+    from llamarl_jax.model.config import rope_frequencies
+    from llamarl_jax.model.llama import rms_norm
     from llamarl_jax.model.paged_attention import PagedLayer
 
     c, p = self.config, self.params
@@ -78,7 +79,7 @@ def step_cost(programs, weight_layout, prompt, n_gen, scanned: bool) -> dict:
   from llamarl_jax.measure import hlo
   from llamarl_jax.measure.decode_cost import decode_step_cost
   from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
-  from llamarl_jax.model.llama import prepare_params
+  from llamarl_jax.model.forward import prepare_params
 
   if not scanned:
     return decode_step_cost(programs, prompt, n_gen)
@@ -142,7 +143,7 @@ def main(argv=None):
   from llamarl_jax.generation import Sampler, SamplingParams
   from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
   from llamarl_jax.generation.slot_programs import SlotPrograms
-  from llamarl_jax.model.llama import HF_LAYOUT, ModelConfig
+  from llamarl_jax.model.config import HF_LAYOUT, ModelConfig
 
   mesh = bench_generate.target_mesh(args.target)
   sizes = {**bench_generate.SIZES, "8b": (128256, 4096, 14336, 32, 32, 8)}

@@ -134,7 +134,8 @@ def main(argv=None):
   from scripts import bench_generate
   from llamarl_jax.generation import Sampler
   from llamarl_jax.model import fp8
-  from llamarl_jax.model.llama import ModelConfig, abstract_model, init_model, merge_params, split_params
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import abstract_model, init_model, merge_params, split_params
 
   vocab, d, f, layers, heads, kv = bench_generate.SIZES[args.size]
   config = ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=heads,

@@ -363,7 +363,7 @@ def bytes_table(config, args, name, mesh=None):
   live = rng.randint(lo, hi + 1, S)
   prompt = np.minimum(rng.randint(max(1, Pm // 4), Pm + 1, S), live - 1)
   sampling = SamplingParams(temperature=0, max_new_tokens=T - Pm)
-  from llamarl_jax.model.llama import HF_LAYOUT
+  from llamarl_jax.model.config import HF_LAYOUT
   weights = HF_LAYOUT if getattr(args, "weight_layout", "serving") == "hf" else None  # None: the serving layout
   quantize = getattr(args, "quantize", None)
   sampler = Sampler(config, mesh, layout=weights, quantize=quantize)

@@ -36,7 +36,7 @@ NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
 
 
 def model_config(size: str):
-  from llamarl_jax.model.llama import ModelConfig
+  from llamarl_jax.model.config import ModelConfig
 
   vocab, d, f, layers, heads, kv, hd, tied = SIZES[size]
   return ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=heads,
@@ -50,7 +50,8 @@ def decode_step(graphdef, params, adapters, lora_scale, tokens, cache):
   Returns (next tokens `[B]`, the cache with this token's K/V written)."""
   import jax.numpy as jnp
 
-  from llamarl_jax.model.llama import KVCache, LoraLayer, merge_params, rope_frequencies
+  from llamarl_jax.model.config import rope_frequencies
+  from llamarl_jax.model.llama import KVCache, LoraLayer, merge_params
 
   model = merge_params(graphdef, params)
   c = model.config

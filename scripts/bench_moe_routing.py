@@ -27,7 +27,7 @@ def measure(config, params, prompts, sampling, dtype: str) -> list[dict]:
   from llamarl_jax.generation.engine import SlotEngine
   from llamarl_jax.batch import routing_in_trainer_layout, trainer_layout
   from llamarl_jax.model import moe
-  from llamarl_jax.model.llama import prepare_params
+  from llamarl_jax.model.forward import prepare_params
   from llamarl_jax.model.logprobs import policy_logprobs
 
   gen_config = config.replace(dtype=dtype, param_dtype=dtype)

@@ -90,7 +90,8 @@ def compile_h100(layout: str, microbatches: int) -> None:
 
   from llamarl_jax import compat, parallel
   from llamarl_jax.executors.trainer import TrainerExecutor
-  from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import abstract_model, split_params
 
   text = (Path(__file__).resolve().parent / "gpu_targets" / "h100_sxm.pbtxt").read_text()
   mesh = parallel.make_mesh(topologies.get_topology_desc("h100", "cuda", target_config=text,

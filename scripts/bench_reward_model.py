@@ -25,7 +25,8 @@ compat.ensure_cpu_devices(8)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from llamarl_jax.model.llama import ModelConfig, init_model, split_params  # noqa: E402
+from llamarl_jax.model.config import ModelConfig  # noqa: E402
+from llamarl_jax.model.llama import init_model, split_params  # noqa: E402
 from llamarl_jax.rewards.reward_model import RewardModel  # noqa: E402
 
 

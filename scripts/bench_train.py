@@ -48,7 +48,7 @@ SIZES = {
 
 
 def model_config(name, dtype, layers=None):
-  from llamarl_jax.model.llama import ModelConfig
+  from llamarl_jax.model.config import ModelConfig
 
   vocab, d, f, size_layers, heads, kv, tied = SIZES[name]
   layers = layers or size_layers

@@ -54,7 +54,7 @@ MODES = {"fp32 -> fp32": ("float32", None, None), "fp32 -> bf16": ("bfloat16", N
 
 
 def model_config(name):
-  from llamarl_jax.model.llama import ModelConfig
+  from llamarl_jax.model.config import ModelConfig
 
   vocab, d, f, layers, heads, kv = SIZES[name]
   return ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=heads,

@@ -190,7 +190,8 @@ def lag0_logprobs_section(cfg, env) -> dict:
 
   from llamarl_jax.mismatch import mismatch_metrics
   from llamarl_jax.model import init_model, split_params
-  from llamarl_jax.model.llama import abstract_model, resolve_attention
+  from llamarl_jax.model.forward import resolve_attention
+  from llamarl_jax.model.llama import abstract_model
   from llamarl_jax.model.logprobs import token_logprobs
 
   config = _config(cfg, cfg["numerics_layers"])
@@ -282,7 +283,7 @@ def cudnn_packed_section(cfg, env) -> dict:
   import jax.numpy as jnp
   import numpy as np
 
-  from llamarl_jax.model.llama import Segments, segment_attention
+  from llamarl_jax.model.attention import Segments, segment_attention
 
   if env["backend"] != "gpu":
     raise SkipSection("cuDNN needs a GPU")
@@ -357,7 +358,8 @@ def trainer_step_section(cfg, env) -> dict:
 
   from llamarl_jax.batch import trainer_layout
   from llamarl_jax.model import init_model, split_params
-  from llamarl_jax.model.llama import abstract_model, merge_params, resolve_attention
+  from llamarl_jax.model.forward import resolve_attention
+  from llamarl_jax.model.llama import abstract_model, merge_params
   from llamarl_jax.model.logprobs import token_logprobs
 
   config = _config(cfg, cfg["numerics_layers"], dtype="bfloat16")

@@ -95,7 +95,8 @@ def main(argv=None) -> dict:
   from llamarl_jax.data import PromptSource
   from llamarl_jax.executors.reward import RewardExecutor
   from llamarl_jax.config import OptimizerConfig, run_config
-  from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import Llama, split_params
   from llamarl_jax.tokenizer import make_char_tokenizer
 
   tokenizer = make_char_tokenizer()

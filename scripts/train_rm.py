@@ -84,7 +84,8 @@ def load_model(args):
   from flax import nnx
 
   from llamarl_jax.model import hf
-  from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import Llama, split_params
   from llamarl_jax.train.reward_model import reward_model_params
 
   if args.init:

@@ -81,7 +81,8 @@ def lora_case() -> None:
   from llamarl_jax import parallel
   from llamarl_jax.config import LoraConfig
   from llamarl_jax.model import lora as lora_lib
-  from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import Llama, split_params
   from llamarl_jax.parallel import to_host
   from llamarl_jax.transfer import LoraPlan, WeightPlan
 

@@ -90,7 +90,7 @@ def test_jit_cache_size_counts_compiled_programs():
 
 
 def test_cudnn_entry_point_takes_the_arguments_passed_to_it():
-  """`model.llama.segment_attention` passes (q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets,
+  """`model.attention.segment_attention` passes (q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets,
   kv_offsets) positionally, then scale and mask_type: the entry point's parameters must be those."""
   attention, mask_type = compat.cudnn_dot_product_attention()
   params = list(inspect.signature(attention).parameters)

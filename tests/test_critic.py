@@ -15,7 +15,8 @@ from llamarl_jax import losses, parallel
 from llamarl_jax.config import ConfigError, CriticConfig, OptimizerConfig, run_config
 from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.batch import RolloutBatch, ScoredBatch
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import Llama, split_params
 from llamarl_jax.train.placement import put_batch
 
 

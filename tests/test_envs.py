@@ -19,7 +19,8 @@ from llamarl_jax.envs.episodes import EnvironmentFailed, ToolSteps, _bucket
 from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
 from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch, ScoredBatch
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import Llama, split_params
 from llamarl_jax.model.logprobs import token_logprobs
 from llamarl_jax.tokenizer import make_char_tokenizer
 

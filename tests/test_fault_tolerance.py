@@ -155,7 +155,8 @@ def _controller(tmp_path, reward, **kw):
   from llamarl_jax.controller import Controller
   from llamarl_jax.data import PromptSource
   from llamarl_jax.config import OptimizerConfig, run_config
-  from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import Llama, split_params
   from llamarl_jax.tokenizer import make_char_tokenizer
 
   tok = make_char_tokenizer()
@@ -233,7 +234,8 @@ def test_a_reference_of_another_architecture_is_refused(tmp_path):
   from flax import nnx
 
   from llamarl_jax.model import hf
-  from llamarl_jax.model.llama import Llama, ModelConfig
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import Llama
 
   other = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                       max_position_embeddings=64, tie_word_embeddings=True)

@@ -36,7 +36,8 @@ from llamarl_jax.executors.weight_sync import WeightSync
 from llamarl_jax.generation import Sampler, SamplingParams
 from llamarl_jax.generation.engine import SlotEngine, rollout_from_groups
 from llamarl_jax.model import fp8, lora as lora_lib
-from llamarl_jax.model.llama import WeightLayout, abstract_model, merge_params, split_params
+from llamarl_jax.model.config import WeightLayout
+from llamarl_jax.model.llama import abstract_model, merge_params, split_params
 from llamarl_jax.model.serving import serving_params
 from sequence_layout import sequence_layout
 from test_sampler import R, full_forward_logits, intended_logprobs

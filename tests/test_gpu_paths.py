@@ -8,7 +8,7 @@ import pytest
 
 from llamarl_jax import gpu_paths
 from llamarl_jax.generation.slot_programs import GPU_KERNEL_PREFERENCE, decode_attention_choice
-from llamarl_jax.model.llama import ATTENTION_IMPLEMENTATIONS, resolve_attention
+from llamarl_jax.model.forward import ATTENTION_IMPLEMENTATIONS, resolve_attention
 from llamarl_jax.model.paged_attention import PAGED_IMPLEMENTATIONS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llamarl_jax"
 # bottom first: a room may import only rooms of lower layers (and itself)
 LAYERS = (
     ("compat", "gpu_paths", "ports", "stats", "schedule", "compile_cache", "parallel", "metrics", "time_breakdown",
-     "tokenizer", "replay", "checkpoint", "tools", "live"),
+     "tokenizer", "replay", "checkpoint", "tools", "live", "loss_terms"),  # loss_terms: the losses' shared pieces
     ("batch", "distributed", "losses", "advantages"),  # the batch contract; losses are pure functions
     ("model", "mismatch"),
     ("transfer", "rewards"),
@@ -20,8 +20,8 @@ LAYERS = (
     ("generation", "train"),
     ("envs", "data", "shapes"),
     ("executors", "config_check"),
-    ("multiprocess", "memory_plan"),
-    ("runners",),
+    ("multiprocess", "build"),  # build: the composition root (a RunConfig -> the executors)
+    ("memory_plan", "runners"),
     ("controller",),
     ("experiment",),
     ("measure",),  # the step-time model, byte accounting, decode cost: no runtime module imports it

@@ -23,7 +23,9 @@ from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.executors.weight_sync import WeightSync, tree_bytes
 from llamarl_jax.batch import RolloutBatch, ScoredBatch
 from llamarl_jax.model import lora as lora_lib
-from llamarl_jax.model.llama import Llama, ModelConfig, prepare_params, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import prepare_params
+from llamarl_jax.model.llama import Llama, split_params
 from llamarl_jax.model.logprobs import policy_logprobs
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

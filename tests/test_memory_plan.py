@@ -13,7 +13,7 @@ import pytest
 
 from llamarl_jax import memory_plan
 from llamarl_jax.memory_plan import MemoryPlanError, device_bytes, slot_pool_bytes
-from llamarl_jax.model.llama import ModelConfig
+from llamarl_jax.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,

@@ -197,7 +197,7 @@ def test_released_qwen_configs_translate(family):
   as perf_model's), and Qwen's documented long-context switch (yarn, factor 4 over 32768) is applied."""
   from llamarl_jax.measure import perf_model
   from llamarl_jax.model.hf import config_from_hf
-  from llamarl_jax.model.llama import rope_attention_factor
+  from llamarl_jax.model.config import rope_attention_factor
 
   config = config_from_hf(QWEN_CONFIGS[family])
   assert (config.model_type, config.qkv_bias, config.qk_norm) == (family, family == "qwen2", family == "qwen3")

@@ -16,7 +16,8 @@ import torch
 from flax import nnx
 
 from llamarl_jax.model import load_hf_checkpoint, save_hf_checkpoint
-from llamarl_jax.model.llama import prepare_params, scan_hidden_states, split_params
+from llamarl_jax.model.forward import prepare_params, scan_hidden_states
+from llamarl_jax.model.llama import split_params
 
 # name: overrides of conftest's tiny Qwen3-MoE (2 layers, 4 experts, top-2, all layers sparse)
 CONFIGS = {
@@ -188,7 +189,7 @@ def test_static_sampler_and_slot_engine_greedy_equal_transformers_generate(make_
 
 def tiny_moe_config():
   """A tiny Qwen3-MoE of our own (sparse, dense, sparse layers; 4 experts, top-2)."""
-  from llamarl_jax.model.llama import ModelConfig
+  from llamarl_jax.model.config import ModelConfig
 
   return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                      head_dim=8, max_position_embeddings=64, rope_theta=10000.0, model_type="qwen3_moe",
@@ -491,7 +492,7 @@ def test_routing_replay_is_refused_where_it_cannot_replay():
   from llamarl_jax import parallel
   from llamarl_jax.config import ConfigError, RunConfig, run_config
   from llamarl_jax.executors.trainer import TrainerExecutor
-  from llamarl_jax.model.llama import ModelConfig
+  from llamarl_jax.model.config import ModelConfig
 
   assert run_config(routing_replay=True).train.routing_replay is True
   with pytest.raises(ConfigError, match="routing_replay"):
@@ -513,7 +514,7 @@ def test_bad_moe_configs_are_refused_with_the_field_named():
   """A qwen3_moe config.json without its expert fields, and a ModelConfig with more experts per token
   than experts, are refused naming what is wrong."""
   from llamarl_jax.model.hf import CheckpointError, config_from_hf
-  from llamarl_jax.model.llama import ModelConfig
+  from llamarl_jax.model.config import ModelConfig
 
   hf = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_experts_per_tok=2)

@@ -266,7 +266,7 @@ def test_lora_two_processes_give_the_one_process_metrics_moving_only_adapters(wa
   generator mesh), and each push moved exactly the adapters' bytes."""
   from llamarl_jax.config import LoraConfig
   from llamarl_jax.model import lora as lora_lib
-  from llamarl_jax.model.llama import ModelConfig
+  from llamarl_jax.model.config import ModelConfig
 
   lora = ["--gin_param=TrainConfig.lora = @LoraConfig()", "--gin_param=LoraConfig.rank = 8",
           "--gin_param=LoraConfig.alpha = 16.0", "--gin_param=OptimizerConfig.lr = 3e-3", *warm_start]
@@ -295,7 +295,7 @@ def test_fp8_two_processes_give_the_one_process_metrics(warm_start, tmp_path, lo
   run's (quantising is per-channel max and division: the same bits on any sharding), each push moved
   under half of the fp32 model's bytes, and the mismatch metrics see the fp8 gap at lag 0 (the fp32
   generator's is ~1e-9, test_controller)."""
-  from llamarl_jax.model.llama import ModelConfig
+  from llamarl_jax.model.config import ModelConfig
 
   adapters = ["--gin_param=TrainConfig.lora = @LoraConfig()", "--gin_param=LoraConfig.rank = 8",
               "--gin_param=LoraConfig.alpha = 16.0"] if lora else ["--gin_param=GeneratorConfig.quantize_lm_head = True"]

@@ -21,7 +21,8 @@ from llamarl_jax import parallel
 from llamarl_jax.config import LoraConfig, OptimizerConfig
 from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.batch import RolloutBatch, ScoredBatch
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import Llama, split_params
 from llamarl_jax.train.layout import pack_rows
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

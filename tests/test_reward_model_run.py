@@ -13,12 +13,14 @@ import jax
 import numpy as np
 import pytest
 
+from llamarl_jax import build
 from llamarl_jax.config import ConfigError, DynamicSampling, OptimizerConfig, RunConfig, run_config
 from llamarl_jax.controller import Controller, ExecutorFailed, overlap_seconds
 from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.executors.scoring import combine_rewards
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import Llama, split_params
 from llamarl_jax.rewards import get_reward_fn
 from llamarl_jax.rewards.reward_model import RewardModel
 from llamarl_jax.tokenizer import make_char_tokenizer
@@ -287,7 +289,7 @@ def test_a_stuck_reward_model_times_out_naming_the_reward_executor_and_keeps_eve
 
 
 def test_a_reward_model_without_weights_builds_the_rows_and_combination_of_the_loaded_one(reward_model_dir, tokenizer):
-  """What a generator process holds across processes (`from_config(weights=False)`): no device arrays,
+  """What a generator process holds across processes (`build.reward_model(weights=False)`): no device arrays,
   and the same token rows and combined rewards as the loaded model's executor, which scores them."""
   from types import SimpleNamespace
 
@@ -296,8 +298,8 @@ def test_a_reward_model_without_weights_builds_the_rows_and_combination_of_the_l
   from llamarl_jax.executors.reward_model import RewardModelExecutor
 
   reward = RewardConfig(model_path=str(reward_model_dir), rule_weight=0.5, model_weight=2.0, model_normalize="group")
-  loaded = RewardModelExecutor.from_config(reward, tokenizer)
-  rows_only = RewardModelExecutor.from_config(reward, tokenizer, weights=False)
+  loaded = build.reward_model(reward, tokenizer)
+  rows_only = build.reward_model(reward, tokenizer, weights=False)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(rows_only.model.params))
   examples = [PromptExample(prompt=f"Q: {a}+1=? A:", ground_truth=str(a + 1), task="arithmetic", index=a) for a in (3, 7)]
   prompts = [ex.encode(tokenizer) for ex in examples]

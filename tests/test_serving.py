@@ -18,8 +18,8 @@ from llamarl_jax import parallel
 from llamarl_jax.generation import Sampler, SamplingParams
 from llamarl_jax.generation.engine import SlotEngine
 from llamarl_jax.model import save_hf_checkpoint
-from llamarl_jax.model.llama import (HF_LAYOUT, ModelConfig, WeightLayout, abstract_model, init_model, merge_params,
-                                     split_params)
+from llamarl_jax.model.config import HF_LAYOUT, ModelConfig, WeightLayout
+from llamarl_jax.model.llama import abstract_model, init_model, merge_params, split_params
 from llamarl_jax.model.serving import serving_layout, serving_params
 
 FUSED = WeightLayout(fused_qkv=True, fused_mlp=True)

@@ -20,7 +20,8 @@ from llamarl_jax.data import PromptSource
 from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.config import OptimizerConfig, run_config
 from llamarl_jax.experiment import run_with_evals
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import Llama, split_params
 from llamarl_jax.tokenizer import make_char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -163,7 +163,8 @@ def test_a_synchronous_runs_generation_part_is_the_engines_own_time(tmp_path):
   from llamarl_jax.controller import Controller
   from llamarl_jax.data import PromptSource
   from llamarl_jax.executors.reward import RewardExecutor
-  from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import Llama, split_params
   from llamarl_jax.tokenizer import make_char_tokenizer
 
   tok = make_char_tokenizer()

@@ -118,7 +118,8 @@ def trained(tmp_path_factory):
   from flax import nnx
 
   from llamarl_jax.model import hf
-  from llamarl_jax.model.llama import Llama, ModelConfig
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import Llama
   from llamarl_jax.tokenizer import make_char_tokenizer
   from scripts import train_rm
 
@@ -189,7 +190,8 @@ def test_export_loads_in_transformers_with_our_scores(trained):
 
 
 def test_reward_model_params_from_a_policy():
-  from llamarl_jax.model.llama import ModelConfig, init_model, split_params
+  from llamarl_jax.model.config import ModelConfig
+  from llamarl_jax.model.llama import init_model, split_params
   from llamarl_jax.train.reward_model import reward_model_params
 
   config = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,

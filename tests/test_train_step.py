@@ -12,7 +12,8 @@ from flax import nnx
 from llamarl_jax import compat
 from llamarl_jax import losses
 from llamarl_jax.config import OptimizerConfig
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import Llama, split_params
 from llamarl_jax.model.logprobs import token_logprobs
 from llamarl_jax.train import StepSpec, init_state, train_step
 

@@ -31,7 +31,8 @@ from llamarl_jax import parallel
 from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
 from llamarl_jax.batch import RolloutBatch, ScoredBatch
 from llamarl_jax.mismatch import MISMATCH_LAGS
-from llamarl_jax.model.llama import Llama, ModelConfig, merge_params, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import Llama, merge_params, split_params
 from llamarl_jax.model.logprobs import token_logprobs
 from llamarl_jax.train.layout import group_by_length, width_bucket
 from llamarl_jax.train.state import lr_schedule, make_optimizer

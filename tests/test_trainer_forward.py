@@ -23,9 +23,10 @@ from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.generation import Sampler, SamplingParams
 from llamarl_jax.batch import trainer_layout
 from llamarl_jax.model import load_hf_checkpoint, split_params
-from llamarl_jax.model.llama import (ModelConfig, abstract_model, chunked_token_logprobs, lm_head_weight,
-                                     prepare_params, remat_policy, resolve_attention, scan_hidden_states,
-                                     unstack_layers)
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import (chunked_token_logprobs, lm_head_weight, prepare_params, remat_policy,
+                                       resolve_attention, scan_hidden_states, unstack_layers)
+from llamarl_jax.model.llama import abstract_model
 from llamarl_jax.model.logprobs import token_logprobs
 
 logprobs_fn = jax.jit(token_logprobs, static_argnums=0,

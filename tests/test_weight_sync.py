@@ -11,7 +11,8 @@ import pytest
 from llamarl_jax import parallel
 from llamarl_jax.executors.weight_sync import WeightSync, tree_bytes
 from llamarl_jax.model import fp8
-from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import abstract_model, split_params
 
 # vocab, hidden and mlp split 4 ways; the 2 kv heads do not, so wk / wv stay replicated over tp.
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

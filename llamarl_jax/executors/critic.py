@@ -17,7 +17,7 @@ import numpy as np
 
 from llamarl_jax import parallel
 from llamarl_jax.config import CriticConfig
-from llamarl_jax.model.llama import ModelConfig
+from llamarl_jax.model.config import ModelConfig
 from llamarl_jax.train import critic as critic_lib
 from llamarl_jax.train.placement import init_opt_state, make_placement, place, place_opt_state
 from llamarl_jax.train.state import make_optimizer

@@ -484,32 +484,3 @@ class GeneratorExecutor:
         **draw["counters"]})  # data/truncated_prompts, data/skipped_rows as of this batch's draw (+ episodes)
     self._busy = 0.0
     return Generated(index, rollout, draw["examples"], draw["data_state"], metrics, **episodes)
-
-
-def run_generator(sampler: Sampler, tokenizer, prompt_source, sampling: SamplingParams, config, shapes, *,
-                  device_turn: Any, score: Callable, env: Any) -> GeneratorExecutor:
-  """The `GeneratorExecutor` of a run: its `RunConfig` `config` (rollout, schedule, generator) and
-  `shapes.RunShapes` (the slot engine's lanes, staged slots and prompt width). score: the run's
-  `RewardExecutor.score` (dynamic sampling uses it)."""
-  r, g = config.rollout, config.generator
-  engine = None
-  if g.engine == "slots":
-    engine = SlotEngine(sampler.config, sampler.mesh, lanes=shapes.lanes, sampling=sampling,
-                        max_prompt_len=shapes.engine_prompt_len, chunk_steps=g.chunk_steps, pad_id=sampler.pad_id,
-                        recompute_kv=g.recompute_kv, kv_block_size=shapes.kv_block_size,
-                        chunks_in_flight=g.chunks_in_flight, paged_attention=g.paged_attention,
-                        min_decode_width=g.min_decode_width, staged_slots=shapes.staged_slots, quantize=g.quantize,
-                        quantize_lm_head=g.quantize_lm_head)
-  return GeneratorExecutor(sampler, tokenizer, prompt_source, sampling, prompts_per_step=r.prompts_per_step,
-                           max_policy_lag=config.schedule.max_policy_lag,
-                           version_schedule=config.schedule.version_schedule, seed=r.seed, delay_s=g.delay_s,
-                           device_turn=device_turn, engine=engine, dynamic_sampling=r.dynamic_sampling,
-                           score=score if r.dynamic_sampling else None, env=env, env_config=config.env)
-
-
-def rollout_sampling(rollout, tokenizer) -> SamplingParams:
-  """How a run samples: its `RolloutConfig`'s settings; the tokenizer's end-of-sequence token stops a row."""
-  stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-  return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                        max_new_tokens=rollout.max_new_tokens, n=rollout.samples_per_prompt, stop_token_ids=stop_ids,
-                        seed=rollout.seed)

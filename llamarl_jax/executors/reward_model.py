@@ -15,7 +15,7 @@ reaches the trainer (every trained step is kept; with `TrainConfig.checkpoint_ev
 end writes a checkpoint of the last one).
 
 Across processes the work splits at the rows: a generator process builds them (`batch_rows`, with a
-model of shapes only: `from_config(weights=False)`), the reward processes score them (`score_rows`,
+model of shapes only: `build.reward_model(weights=False)`), the reward processes score them (`score_rows`,
 `runners/reward_process.py`), and the generator processes combine the scores with the rule rewards
 (`combine`): the same functions as `score_and_combine` in one process.
 """
@@ -23,7 +23,6 @@ model of shapes only: `from_config(weights=False)`), the reward processes score 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from typing import Sequence
 
@@ -60,27 +59,6 @@ class RewardModelExecutor:
       raise ValueError(f"{name}: the policy's tokenizer has {len(policy_tokenizer)} tokens but the reward model's "
                        f"vocabulary {model.config.vocab_size}, and the reward model has no tokenizer to re-tokenise "
                        "the text with: save the reward model with its tokenizer")
-
-  @classmethod
-  def from_config(cls, reward: RewardConfig, policy_tokenizer, *, mesh=None, device_turn=None,
-                  weights: bool = True) -> "RewardModelExecutor":
-    """The reward model of `reward.model_path` in `reward.model_dtype`, on `mesh`. weights=False: its
-    config and tokenizer only, for `batch_rows` and `combine` (a generator process of a multi-process
-    run, whose reward model scores in the reward processes)."""
-    from llamarl_jax.rewards.reward_model import RewardModel
-
-    model = RewardModel.from_pretrained(reward.model_path, dtype=reward.model_dtype, mesh=mesh, weights=weights)
-    return cls(model, policy_tokenizer, reward, name=f"reward model {reward.model_path}", device_turn=device_turn)
-
-  @classmethod
-  def for_run(cls, config, policy_tokenizer, generator_mesh, device_turn) -> "RewardModelExecutor":
-    """A run's reward model (`RunConfig` `config`): on its own mesh (`MeshConfig.reward_dp`), else on
-    the generator's; colocated on one shared mesh it takes turns with the others (`device_turn`)."""
-    from llamarl_jax import parallel
-
-    own_mesh = parallel.make_reward_mesh(**dataclasses.asdict(config.mesh))
-    turn = device_turn if config.mesh.colocated and own_mesh is None else None
-    return cls.from_config(config.reward, policy_tokenizer, mesh=own_mesh or generator_mesh, device_turn=turn)
 
   def rows(self, item, texts: Sequence[str] | None = None) -> list[list[int]]:
     """The reward model's token row of each row of the batch (see the module docstring)."""

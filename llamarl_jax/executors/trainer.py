@@ -24,7 +24,8 @@ from llamarl_jax.config import CriticConfig, LoraConfig, OptimizerConfig
 from llamarl_jax.executors.critic import CriticExecutor
 from llamarl_jax.batch import ScoredBatch
 from llamarl_jax.model import lora as lora_lib
-from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, ModelConfig, remat_policy, resolve_attention
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import DEFAULT_LOGPROB_CHUNK, remat_policy, resolve_attention
 from llamarl_jax.train.placement import (abstract_state, initial_state, make_placement, place, place_trained,
                                          put_batch, restore_state)
 from llamarl_jax.train.programs import TrainPrograms
@@ -32,19 +33,6 @@ from llamarl_jax.train.state import make_optimizer, state_dict
 from llamarl_jax.train.step import StepSpec
 
 Array = jax.Array
-
-
-def run_trainer_options(run) -> dict:
-  """The `TrainerExecutor` keyword settings a `RunConfig` sets (the Controller's trainer and the memory
-  plan's abstract one are built from the same)."""
-  t, r = run.train, run.rollout
-  return dict(optimizer=t.optimizer, loss=t.loss, loss_kwargs=t.loss_kwargs, microbatches=t.microbatches,
-              remat=t.remat, attention=t.attention, logprob_chunk=t.logprob_chunk,
-              group_by_length=t.group_by_length, scan_layers=t.scan_layers,
-              temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
-              reference_is_initial=t.reference_path is None, lora=t.lora, base_dtype=run.generator.dtype,
-              pack=t.pack, tokens_per_microbatch=t.tokens_per_microbatch, critic=t.critic,
-              routing_replay=t.routing_replay)
 
 
 class TrainerExecutor:

@@ -85,26 +85,17 @@ class WeightSync:
     self._merge = jax.jit(lambda base, adapters: finish(merge_adapters(base, adapters, lora_scale, self.dtype)),
                           out_shardings=self.out_shardings)
 
-  @classmethod
-  def for_run(cls, config, model_config, axes, gen_shardings, generator_mesh, *, base) -> "WeightSync":
-    """A one-process run's weight sync (`RunConfig` `config`): the generator dtype and quantisation;
-    the 'fixed' schedule keeps every pending version; with LoRA a push moves the adapters and the
-    generator merges them into the frozen base (`base()`: the trainer's)."""
-    from llamarl_jax import parallel
-    from llamarl_jax.model import lora as lora_lib
-
-    g, lora = config.generator, config.train.lora
-    kw = {}
-    if lora is not None:
-      kw = dict(adapter_shardings=parallel.param_shardings(lora_lib.adapter_shapes(model_config, lora),
-                                                           lora_lib.adapter_axes(axes, lora), generator_mesh),
-                lora_scale=lora_lib.scale(lora), base=base)
-    return cls(gen_shardings, dtype=g.dtype, quantize=g.quantize, quantize_lm_head=g.quantize_lm_head,
-               keep_pending=config.schedule.version_schedule == "fixed", **kw)
-
   @property
   def lora(self) -> bool:
     return self.adapter_shardings is not None
+
+  def version_layout(self, model_shapes: Any) -> Any:
+    """A version as the generator holds it (and a checkpoint keeps it), as sharded
+    `ShapeDtypeStruct`s: `model_shapes` (the trainer's params) in this sync's dtype and precision."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, self.dtype), model_shapes)
+    if self.quantize:
+      shapes = fp8.quantized_shapes(model_shapes, self.dtype, lm_head=self.quantize_lm_head)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, self.out_shardings)
 
   def _generator_base(self) -> int:
     """LoRA: move the trainer's base to the generator if it is not the tree moved last; its bytes (0: held)."""

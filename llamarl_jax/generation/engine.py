@@ -79,7 +79,7 @@ from llamarl_jax.compile_cache import enable_persistent_cache
 from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, validate_prompts)
 from llamarl_jax.generation.slot_programs import ChunkResult, SlotPrograms, SlotState, token_keys  # noqa: F401
-from llamarl_jax.model.llama import ModelConfig, WeightLayout
+from llamarl_jax.model.config import ModelConfig, WeightLayout
 
 Array = jax.Array
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llamarl_jax.model.llama import ModelConfig
+from llamarl_jax.model.config import ModelConfig
 
 Array = jax.Array
 

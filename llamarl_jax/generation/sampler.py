@@ -45,8 +45,8 @@ from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.model import serving
 from llamarl_jax.model import fp8 as fp8_lib
 from llamarl_jax.model.fp8 import QUANTIZATIONS
-from llamarl_jax.model.llama import (HF_LAYOUT, KVCache, Llama, ModelConfig, WeightLayout, abstract_model, merge_params,
-                                     split_params)
+from llamarl_jax.model.config import HF_LAYOUT, ModelConfig, WeightLayout
+from llamarl_jax.model.llama import KVCache, Llama, abstract_model, merge_params, split_params
 
 Array = jax.Array
 

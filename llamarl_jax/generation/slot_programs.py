@@ -48,7 +48,8 @@ from llamarl_jax import compat, gpu_paths, parallel
 from llamarl_jax.generation import paged
 from llamarl_jax.generation.paged import KVPages, PageLayout
 from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits
-from llamarl_jax.model.llama import KVCache, ModelConfig, merge_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import KVCache, merge_params
 from llamarl_jax.model import paged_attention as paged_attention_module
 from llamarl_jax.model.paged_attention import PagedKVCache
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llamarl_jax import compat
-from llamarl_jax.model.llama import ModelConfig
+from llamarl_jax.model.config import ModelConfig
 
 
 def ideal_step_bytes(config: ModelConfig, live_lengths, dtype=None, params=None) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out: `config.json` + `*.safetensors` <-> our `Llama`.
 
-Families (`llamarl_jax.model.llama.FAMILIES`, chosen by config.json's `model_type`): Llama 3 / 3.1 /
+Families (`llamarl_jax.model.config.FAMILIES`, chosen by config.json's `model_type`): Llama 3 / 3.1 /
 3.2 (`LlamaForCausalLM`), Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`), Qwen3 dense (`Qwen3ForCausalLM`),
 Qwen3-MoE (`Qwen3MoeForCausalLM`: per sparse layer a router `mlp.gate` and one tensor per expert and
 projection, `mlp.experts.{e}.{gate,up,down}_proj`, stacked into `[experts, ...]` arrays here). Each
@@ -32,7 +32,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from llamarl_jax import parallel
-from llamarl_jax.model.llama import FAMILIES, HF_LAYOUT, ROPE_TYPES, Llama, ModelConfig, abstract_model, split_params
+from llamarl_jax.model.config import FAMILIES, HF_LAYOUT, ROPE_TYPES, ModelConfig
+from llamarl_jax.model.llama import Llama, abstract_model, split_params
 
 
 class CheckpointError(ValueError):

@@ -1,13 +1,12 @@
-"""Llama 3 / 3.1 / 3.2, the dense Qwen2 / Qwen2.5 / Qwen3 families and Qwen3-MoE in Flax NNX.
+"""Llama 3 / 3.1 / 3.2, the dense Qwen2 / Qwen2.5 / Qwen3 families and Qwen3-MoE in Flax NNX: the
+modules (RMSNorm, Attention, MLP, MoE, Block, Llama) and the model's forwards (prefill, decode over a
+KV cache, decode over a paged cache).
 
-One config dataclass, one model file (gpt-fast style). The families share one decoder and differ in
-two switches of the attention block, chosen by `ModelConfig.model_type` (see `FAMILIES`):
-  llama   the base decoder: RMSNorm, GQA, RoPE (optionally llama3- or yarn-scaled), SwiGLU MLP
-  qwen2   + a bias on the q, k and v projections (Qwen2 and Qwen2.5)
-  qwen3   + RMSNorm over each q and k head (its own `[head_dim]` scale) before RoPE; no bias.
-          `head_dim` is explicit and may differ from hidden_size / num_heads.
-  qwen3_moe  qwen3 whose sparse layers (`ModelConfig.is_moe_layer`) replace the MLP by experts
-          (`MoE`: a router and `num_experts` SwiGLU experts, top-k routing, `model.moe`).
+One model file (gpt-fast style) over one config dataclass, `model.config.ModelConfig`, whose
+`model_type` sets the attention block's switches (`model.config.FAMILIES`); a sparse layer
+(`ModelConfig.is_moe_layer`) replaces the MLP by experts (`MoE`, `model.moe`). The trainer's scanned
+forward over the same `Block` is `model.forward`.
+
 Every parameter carries a `logical_axes` metadata tuple (`vocab`, `embed`, `heads`, `kv_heads`,
 `head_dim`, `mlp`, `norm`) that `llamarl_jax.parallel` maps onto mesh axes (fsdp, tp).
 
@@ -46,10 +45,8 @@ one token per row: the decode step of the slot engine, reading only each row's l
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import types
 from typing import Any
 
 import flax.struct
@@ -57,149 +54,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from llamarl_jax import compat, gpu_paths
 from llamarl_jax.model import fp8 as fp8_lib
 from llamarl_jax.model import fp8_kernels
 from llamarl_jax.model import moe as moe_lib
 from llamarl_jax.model import paged_attention
+from llamarl_jax.model.attention import Segments, apply_rope, decode_attention, rope_cos_sin, segment_attention
+from llamarl_jax.model.config import HF_LAYOUT, ModelConfig, WeightLayout, rope_attention_factor, rope_frequencies
 from llamarl_jax.model.paged_attention import PagedKVCache, PagedLayer, rope_rotate, write_and_attend
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-  """What sets a model family apart: its HF class name and the attention block's two switches."""
-
-  architecture: str  # the transformers class `save_hf_checkpoint` names in config.json
-  qkv_bias: bool     # bias on the q, k, v projections (not on o)
-  qk_norm: bool      # RMSNorm over each q and k head before RoPE
-
-
-FAMILIES = types.MappingProxyType({  # HF config.json `model_type` -> Family (read-only)
-    "llama": Family("LlamaForCausalLM", qkv_bias=False, qk_norm=False),
-    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
-    "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True),
-})
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Architecture of a Llama 3 / Qwen2 / Qwen3 model (field names follow HF's configs where they exist)."""
-
-  vocab_size: int = 128256
-  hidden_size: int = 4096
-  intermediate_size: int = 14336
-  num_layers: int = 32
-  num_heads: int = 32
-  num_kv_heads: int = 8
-  head_dim: int | None = None  # defaults to hidden_size // num_heads
-  rms_norm_eps: float = 1e-5
-  rope_theta: float = 500000.0
-  # None, or as in HF config.json: {"rope_type": "llama3", "factor", "low_freq_factor",
-  # "high_freq_factor", "original_max_position_embeddings"}, or {"rope_type": "yarn", "factor",
-  # "original_max_position_embeddings", optional "beta_fast", "beta_slow", "attention_factor",
-  # "mscale", "mscale_all_dim", "truncate"}.
-  rope_scaling: tuple[tuple[str, Any], ...] | None = None
-  max_position_embeddings: int = 8192
-  tie_word_embeddings: bool = False
-  model_type: str = "llama"  # the family, a key of FAMILIES: "llama", "qwen2", "qwen3"
-  # The head: 0 = the causal LM's lm_head (logits over the vocabulary); n >= 1 = a score head of n
-  # outputs per position (HF `*ForSequenceClassification`; num_labels = 1: a reward model or critic).
-  num_labels: int = 0
-  # Mixture of experts (qwen3_moe; HF's names): layer i is sparse when num_experts > 0, i is not in
-  # mlp_only_layers and (i + 1) % decoder_sparse_step == 0; a sparse layer's MLP is num_experts SwiGLU
-  # experts of moe_intermediate_size, num_experts_per_tok of them per token (`model.moe`), the others
-  # are dense MLPs of intermediate_size. router_aux_loss_coef: the load-balancing loss's weight.
-  num_experts: int = 0
-  num_experts_per_tok: int = 0
-  moe_intermediate_size: int = 0
-  norm_topk_prob: bool = False
-  decoder_sparse_step: int = 1
-  mlp_only_layers: tuple[int, ...] = ()
-  router_aux_loss_coef: float = 0.0
-  param_dtype: str = "float32"
-  dtype: str = "float32"  # compute dtype (activations, matmuls, KV cache)
-
-  def __post_init__(self):
-    if self.head_dim is None:
-      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-    if isinstance(self.rope_scaling, dict):
-      object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-    if self.model_type not in FAMILIES:
-      raise ValueError(f"model_type {self.model_type!r} is not a supported family; supported: {sorted(FAMILIES)}")
-    if self.num_labels < 0:
-      raise ValueError(f"num_labels must be 0 (a causal LM) or >= 1 (a score head), got {self.num_labels}")
-    object.__setattr__(self, "mlp_only_layers", tuple(sorted(int(i) for i in self.mlp_only_layers)))
-    if self.num_experts:
-      if self.model_type != "qwen3_moe":
-        raise ValueError(f"num_experts={self.num_experts} needs model_type 'qwen3_moe' (got {self.model_type!r})")
-      if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
-        raise ValueError(f"a MoE config needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
-                         f"({self.num_experts}) and moe_intermediate_size >= 1 (got {self.moe_intermediate_size})")
-      if self.decoder_sparse_step < 1:
-        raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
-
-  @property
-  def family(self) -> Family:
-    return FAMILIES[self.model_type]
-
-  @property
-  def architecture(self) -> str:
-    """The transformers class of this model: the family's causal LM, or its sequence classifier."""
-    causal = self.family.architecture
-    return causal.replace("ForCausalLM", "ForSequenceClassification") if self.num_labels else causal
-
-  @property
-  def qkv_bias(self) -> bool:
-    return self.family.qkv_bias
-
-  @property
-  def qk_norm(self) -> bool:
-    return self.family.qk_norm
-
-  def is_moe_layer(self, i: int) -> bool:
-    """Whether layer i's MLP is the experts (transformers' Qwen3MoeDecoderLayer rule)."""
-    return bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
-
-  @property
-  def moe_layers(self) -> tuple[int, ...]:
-    return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
-
-  @property
-  def rope_scaling_dict(self) -> dict | None:
-    return None if self.rope_scaling is None else dict(self.rope_scaling)
-
-  def replace(self, **kw) -> "ModelConfig":
-    return dataclasses.replace(self, **kw)
-
-  def num_params(self) -> int:
-    d, f, v, L, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers, self.head_dim
-    qkv_out = hd * (self.num_heads + 2 * self.num_kv_heads)
-    attn = d * qkv_out + self.num_heads * hd * d + self.qkv_bias * qkv_out + self.qk_norm * 2 * hd
-    n_moe = len(self.moe_layers)
-    per_layer = attn + 2 * d
-    moe = n_moe * (d * self.num_experts + 3 * d * self.moe_intermediate_size * self.num_experts)
-    head = d * self.num_labels if self.num_labels else (0 if self.tie_word_embeddings else v * d)
-    return L * per_layer + (L - n_moe) * 3 * d * f + moe + v * d + head + d
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightLayout:
-  """Which projections a model holds fused (the generator's serving layout); the default, nothing
-  fused, is the trainer's and checkpoints' (Hugging Face's projections)."""
-
-  fused_qkv: bool = False  # wqkv (and bqkv) instead of wq, wk, wv (bq, bk, bv)
-  fused_mlp: bool = False  # w_gate_up instead of w_gate, w_up
-  fp8: bool = False        # projections in float8_e4m3fn + per-output-channel scales (`model.fp8`)
-  fp8_lm_head: bool = False  # the lm_head in float8_e4m3fn + a scale per vocabulary row (tied: its own copy)
-
-
-HF_LAYOUT = WeightLayout()
 
 
 @flax.struct.dataclass
@@ -223,80 +86,6 @@ class KVCache:
   @property
   def max_len(self) -> int:
     return self.k[0].shape[1]
-
-
-ROPE_TYPES = ("default", "llama3", "yarn")
-
-
-def _rope_type(scaling: dict | None) -> str:
-  rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
-  if rope_type not in ROPE_TYPES:
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-  return rope_type
-
-
-def rope_frequencies(config: ModelConfig) -> Array:
-  """Inverse frequencies `[head_dim // 2]` (fp32), with llama3 or yarn `rope_scaling` applied."""
-  dim = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-  scaling = config.rope_scaling_dict
-  rope_type = _rope_type(scaling)
-  if rope_type == "default":
-    return inv_freq
-  factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
-  if rope_type == "yarn":
-    return _yarn_frequencies(inv_freq, dim, config.rope_theta, factor, old_len, scaling)
-  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-  wavelen = 2 * math.pi / inv_freq
-  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-  smooth = (old_len / wavelen - low) / (high - low)
-  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-  is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-  return jnp.where(is_medium, smoothed, scaled)
-
-
-def _yarn_frequencies(inv_freq: Array, dim: int, theta: float, factor: float, old_len: int, scaling: dict) -> Array:
-  """YaRN (arXiv 2309.00071): dimensions that rotate fewer than `beta_slow` times over the original
-  context are interpolated (divided by `factor`), those rotating more than `beta_fast` times are kept,
-  with a linear ramp between (the correction range, rounded outwards unless `truncate` is false)."""
-  beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-
-  def dim_of(rotations):  # the dimension index that turns `rotations` times over old_len positions
-    return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-  low, high = dim_of(beta_fast), dim_of(beta_slow)
-  if scaling.get("truncate", True):
-    low, high = math.floor(low), math.ceil(high)
-  low, high = max(low, 0), min(high, dim - 1)
-  high = high + 0.001 if low == high else high
-  ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
-  return inv_freq / factor * ramp + inv_freq * (1 - ramp)
-
-
-def rope_attention_factor(config: ModelConfig) -> float:
-  """The factor YaRN multiplies cos and sin by (so attention logits by its square); 1 otherwise."""
-  scaling = config.rope_scaling_dict
-  if _rope_type(scaling) != "yarn":
-    return 1.0
-  if scaling.get("attention_factor") is not None:
-    return float(scaling["attention_factor"])
-  mscale = lambda m: 1.0 if scaling["factor"] <= 1 else 0.1 * m * math.log(scaling["factor"]) + 1.0
-  if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-    return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
-  return mscale(1.0)
-
-
-def rope_cos_sin(positions: Array, inv_freq: Array, scale: float = 1.0) -> tuple[Array, Array]:
-  """fp32 cos, sin `[*positions.shape, D]` of RoPE at `positions`, times `scale`."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., D/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)
-  return jnp.cos(angles) * scale, jnp.sin(angles) * scale
-
-
-def apply_rope(x: Array, positions: Array, inv_freq: Array, scale: float = 1.0) -> Array:
-  """Rotate-half RoPE (HF convention). x `[B, T, H, D]`, positions `[B, T]`; cos, sin times `scale`."""
-  cos, sin = rope_cos_sin(positions, inv_freq, scale)
-  return rope_rotate(x, cos[:, :, None, :], sin[:, :, None, :])
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, scale=None) -> nnx.Param:
@@ -348,24 +137,6 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
   return scale.astype(x.dtype) * xf.astype(x.dtype)
 
 
-def decode_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-  """Attention of one query per row over the cache, reading `k`, `v` in their cache layout.
-
-  q `[B, 1, H, D]`; k, v `[B, S, KV, D]`; mask `[B, S]` bool. Returns `[B, 1, H, D]`. Written as
-  multiply-reduce (fp32 accumulation) rather than a batched matmul: a dot with batch dims (B, KV)
-  makes XLA transpose the whole cache to `[B, KV, S, D]` every decode step, which costs more than
-  the attention itself.
-  """
-  B, _, H, D = q.shape
-  KV = k.shape[2]
-  qg = q.reshape(B, KV, H // KV, D).astype(jnp.float32) * (1.0 / math.sqrt(D))
-  scores = jnp.sum(qg[:, None] * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [B, S, KV, G]
-  scores = jnp.where(mask[:, :, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=1)
-  out = jnp.sum(probs[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [B, KV, G, D]
-  return out.reshape(B, 1, H, D).astype(q.dtype)
-
-
 @flax.struct.dataclass
 class LoraLayer:
   """One block's LoRA adapters for the trainer's unmerged forward (`llamarl_jax.model.lora`).
@@ -404,36 +175,6 @@ def with_lora(y: Array, x: Array, name: str, lora: LoraLayer | None) -> Array:
   h = x.reshape(*x.shape[:2], -1) @ a.reshape(-1, rank).astype(x.dtype)
   delta = (h @ b.reshape(rank, -1).astype(x.dtype)) * jnp.asarray(lora.scale, x.dtype)
   return y + delta.reshape(y.shape).astype(y.dtype)
-
-
-@flax.struct.dataclass
-class Segments:
-  """Packed rows: several sequences (segments) laid end to end in each row of `[B, T]` tokens.
-
-  ids `[B, T]` int32: the segment of each position (equal ids = one sequence; 0 at a row's unused
-  end, after its last segment). seqlens `[B, S]` int32: each row's segment lengths in
-  order, -1 past its last segment; offsets `[B, S + 1]` int32: their first positions, -1 past the
-  last (the form cuDNN's packed fused attention takes). Positions restart at 0 in each segment (the
-  caller's `positions`)."""
-
-  ids: Array
-  seqlens: Array
-  offsets: Array
-
-
-def segment_attention(q: Array, k: Array, v: Array, segments: Segments, implementation: str) -> Array:
-  """Causal attention that never crosses a segment: q `[B, T, H, D]`, k, v `[B, T, KV, D]` ->
-  `[B, T, H, D]`. 'cudnn': cuDNN's fused kernel over packed segments (per-segment lengths and offsets,
-  nothing `[T, T]` in memory; JAX offers it on Hopper GPUs and newer), the outputs outside every
-  segment set to 0 (the kernel does not define them); 'xla': a `[B, T, T]` mask of equal segment ids
-  under the causal one."""
-  if implementation == "cudnn":
-    cudnn_attention, MaskType = compat.cudnn_dot_product_attention()
-    out = cudnn_attention(q, k, v, None, None, segments.seqlens, segments.seqlens, segments.offsets,
-                          segments.offsets, scale=1.0 / math.sqrt(q.shape[-1]), mask_type=MaskType.CAUSAL)
-    return jnp.where((segments.ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
-  same = segments.ids[:, :, None] == segments.ids[:, None, :]
-  return jax.nn.dot_product_attention(q, k, v, mask=same[:, None], is_causal=True, implementation="xla")
 
 
 class Attention(nnx.Module):
@@ -830,263 +571,3 @@ def abstract_model(config: ModelConfig, layout: WeightLayout = HF_LAYOUT) -> Lla
   """The model with shape/dtype stand-ins instead of arrays (nnx.eval_shape: nothing allocated or
   computed): for graphdefs, parameter shapes, logical axes and abstract inputs of lowered programs."""
   return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), layout=layout))
-
-
-# --------------------------------------------------------------------------------------------------
-# The trainer's forward: right-padded rows from position 0, layers under `lax.scan` over stacked
-# parameters (compile time flat in depth), fused causal attention with per-row lengths, and the
-# lm_head + log-prob + entropy in chunks of the sequence. The model, checkpoints and the sampler keep
-# the unrolled per-layer layout (decode updates each layer's cache in place); `prepare_params` stacks
-# the layers for the trainer, cast to the compute dtype in the same pass (once per step).
-
-ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "xla")
-REMAT_POLICIES = ("none", "matmuls", "full")
-# Positions per chunk of the trainer's lm_head + log-prob (`chunked_token_logprobs`): a [rows, 256,
-# vocab] fp32 block at a time (8 rows x 256 x 128256 = 0.98 x 2^28 elements); a response of at most
-# 256 tokens is one chunk, the unchunked computation.
-DEFAULT_LOGPROB_CHUNK = 256
-
-
-def resolve_attention(implementation: str, platform: str, dtype, packed: bool = False) -> str:
-  """The attention kernel the trainer runs: 'auto' is 'cudnn' on a CUDA GPU in bf16/fp16 (the only
-  dtypes cuDNN's fused kernel takes) where `gpu_paths` records cuDNN's form for the layout as passed
-  on a GPU (packed: its segment-offset form, `segment_attention`), 'xla' elsewhere. 'cudnn' where it
-  cannot run is an error (never a silent fallback); chosen by name it runs whether or not it has
-  passed (opt-in). `platform`: a device platform ('cpu', 'gpu', 'cuda', 'tpu')."""
-  if implementation not in ATTENTION_IMPLEMENTATIONS:
-    raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}")
-  gpu = platform in ("gpu", "cuda")
-  half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  if implementation == "auto":
-    setting = "packed_attention" if packed else "trainer_attention"
-    return "cudnn" if gpu and half and gpu_paths.passed(setting, "cudnn") else "xla"
-  if implementation == "cudnn" and not (gpu and half):
-    raise ValueError(f"attention='cudnn' (cuDNN fused attention) needs a CUDA GPU and a bfloat16/float16 "
-                     f"compute dtype; got platform {platform!r}, dtype {jnp.dtype(dtype).name}. Use "
-                     "attention='xla', or 'auto' (cuDNN where it can run, XLA elsewhere)")
-  return implementation
-
-
-def remat_policy(remat) -> str:
-  """Normalise a remat setting: True -> 'full', False/None -> 'none', else one of REMAT_POLICIES.
-
-  'none' keeps every activation; 'matmuls' saves the outputs of the (non-batched) matmuls and
-  recomputes the rest (norms, RoPE, activations, attention); 'full' keeps only each layer's input."""
-  if remat is None or remat is False:
-    return "none"
-  if remat is True:
-    return "full"
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"remat must be one of {REMAT_POLICIES} (or a bool: True = 'full'), got {remat!r}")
-  return remat
-
-
-def layer_runs(layers: dict) -> list[tuple[int, int]]:
-  """Maximal runs `[(start, stop), ...]` of consecutive layers with the same parameter structure and
-  shapes: one run for a dense model or a MoE model whose every layer is sparse, several when dense
-  and sparse layers alternate (`decoder_sparse_step`, `mlp_only_layers`). `layers`: {i: layer tree}."""
-  sig = lambda t: (jax.tree.structure(t), tuple(getattr(x, "shape", None) for x in jax.tree.leaves(t)))
-  runs, start = [], 0
-  for i in range(1, len(layers) + 1):
-    if i == len(layers) or sig(layers[i]) != sig(layers[start]):
-      runs.append((start, i))
-      start = i
-  return runs
-
-
-def _stack(layers, runs, f):
-  """{i: tree} -> one stacked tree (a single run) or a tuple of stacked trees, one per run."""
-  stacked = tuple(jax.tree.map(lambda *xs: jnp.stack([f(x) for x in xs]), *[layers[i] for i in range(a, b)])
-                  for a, b in runs)
-  return stacked[0] if len(stacked) == 1 else stacked
-
-
-def prepare_params(params: dict, dtype) -> dict:
-  """The trainer's compute copy of `params` (the `split_params` dict): every leaf cast to `dtype` and
-  the per-layer dicts stacked on a leading `[num_layers]` axis under "layers" (a tuple of such stacks,
-  one per `layer_runs` run, when layers of different structure alternate). Differentiable: the
-  gradient w.r.t. the result maps back with `unstack_layers` (and a cast)."""
-  dtype = jnp.dtype(dtype)
-  layers = params["layers"]
-  out = {k: jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items() if k != "layers"}
-  out["layers"] = _stack(layers, layer_runs(layers), lambda x: x.astype(dtype))
-  return out
-
-
-def stacked_shardings(shardings: dict, mesh) -> dict:
-  """`prepare_params`' layout of a `split_params`-shaped tree of shardings: each layer leaf's sharding
-  with a replicated leading `[num_layers]` axis (per run of layers of one structure, `layer_runs`)."""
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  stack = lambda layer: jax.tree.map(lambda sh: NamedSharding(mesh, PartitionSpec(None, *sh.spec)), layer)  # noqa: E731
-  runs = layer_runs(shardings["layers"])
-  stacked = tuple(stack(shardings["layers"][a]) for a, _ in runs)
-  return {**{k: v for k, v in shardings.items() if k != "layers"}, "layers": stacked[0] if len(stacked) == 1 else stacked}
-
-
-def stacked_runs(layers) -> tuple:
-  """`prepare_params`' "layers" as a tuple of stacked runs (one element for a single run)."""
-  return layers if isinstance(layers, tuple) else (layers,)
-
-
-def unstack_layers(prepared: dict) -> dict:
-  """Inverse layout of `prepare_params` (dtypes unchanged): "layers" back to {0: ..., 1: ...}."""
-  out = {k: v for k, v in prepared.items() if k != "layers"}
-  out["layers"], i = {}, 0
-  for run in stacked_runs(prepared["layers"]):
-    for j in range(jax.tree.leaves(run)[0].shape[0]):
-      out["layers"][i] = jax.tree.map(lambda x: x[j], run)
-      i += 1
-  return out
-
-
-@functools.lru_cache(maxsize=None)
-def _block_graphdef(config: ModelConfig, moe: bool = False):
-  return nnx.split(nnx.eval_shape(lambda: Block(config, nnx.Rngs(0), moe=moe)))[0]
-
-
-@flax.struct.dataclass
-class MoeTrace:
-  """The routing of a MoE forward, over its MoE layers in order: topk `[B, T, moe layers, k]` int32
-  (each token's experts), counts and prob_sum `[moe layers, experts]` (`moe.RouterStats`, over the
-  real tokens), num_tokens: the real tokens counted (`moe.load_balancing_loss`'s denominator)."""
-
-  topk: Array
-  counts: Array
-  prob_sum: Array
-  num_tokens: Array
-
-  def aux_loss(self) -> Array:
-    """transformers' load-balancing loss (`moe.load_balancing_loss`) of this forward."""
-    return moe_lib.load_balancing_loss(self.counts, self.prob_sum, self.num_tokens)
-
-
-def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengths: Array, *,
-                       attention: str = "xla", remat="none", scan_layers: bool = True,
-                       lora: dict | None = None, lora_scale: float = 1.0, lora_dropout: float = 0.0,
-                       dropout_key: Array | None = None, positions: Array | None = None,
-                       replay: Array | None = None, with_routing: bool = False, mesh=None):
-  """Final-norm hidden states `[B, T, E]` of right-padded rows, the layers under `lax.scan`.
-
-  prepared: `prepare_params(params, config.dtype)`. tokens `[B, T]`: each row's sequence from
-  position 0 (positions are 0..T-1), valid up to `lengths` `[B]`; states past a row's length are
-  not meaningful. attention: 'xla' or 'cudnn' (see `resolve_attention`); remat: see `remat_policy`.
-  Packed rows: `lengths` a `Segments` and `positions` `[B, T]` (restarting at 0 in each segment):
-  attention stays within each segment (`segment_attention`).
-  scan_layers=False unrolls the scan (the same program, one copy per layer): compile time grows with
-  depth, but a small model on a CPU steps faster unrolled (the main job's trainer step: BENCHMARKS.md),
-  XLA:CPU's loop over stacked layers costing more than the layers themselves.
-  The same math as `Llama.hidden_states` (the same Block code runs on each layer's slice); layers of
-  different structure (dense and MoE) run as consecutive scans, one per `layer_runs` run.
-  lora: LoRA adapters in the layout `prepare_params` gives (`model.lora.init_adapters`' tree with
-  "layers" stacked), added unmerged to the projections they adapt, times `lora_scale` (alpha / rank),
-  their inputs dropped out with probability `lora_dropout` from `dropout_key` (a key per layer).
-  MoE models: replay `[B, T, moe layers, k]` int32 replays those experts (`model.moe`); with
-  `with_routing=True` the result is (hidden, `MoeTrace`) (the trace None for a dense model); mesh:
-  the trainer's mesh, whose `expert` axis (if > 1) computes the experts in parallel (`moe.grouped_swiglu`).
-  """
-  dt = jnp.dtype(config.dtype)
-  B, T = tokens.shape
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  inv_freq = rope_frequencies(config)
-  if isinstance(lengths, Segments):
-    token_mask = lengths.ids > 0
-  else:
-    lengths = lengths.astype(jnp.int32)
-    token_mask = jnp.arange(T)[None, :] < lengths[:, None]
-  runs = stacked_runs(prepared["layers"])
-  if lora is not None and len(runs) > 1:
-    raise ValueError("LoRA adapters need layers of one structure; this model alternates dense and MoE layers")
-
-  def make_layer(graphdef):
-    def layer(x, xs):
-      layer_params, layer_lora, layer_key, layer_replay = xs
-      adapters = None if layer_lora is None else LoraLayer(layer_lora, lora_scale, layer_key, lora_dropout)
-      routing = Routing(token_mask=token_mask, replay=layer_replay, mesh=mesh)
-      x, _, stats = nnx.merge(graphdef, layer_params)(x, positions, inv_freq, None, None, lengths, attention,
-                                                      adapters, routing)
-      return x, stats
-
-    policy = remat_policy(remat)
-    if policy == "full":
-      layer = jax.checkpoint(layer, prevent_cse=False)
-    elif policy == "matmuls":
-      layer = jax.checkpoint(layer, prevent_cse=False,
-                             policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return layer
-
-  x = jnp.take(prepared["embed"], tokens, axis=0).astype(dt)
-  keys = None
-  if lora is not None and lora_dropout > 0 and dropout_key is not None:
-    keys = jax.random.split(dropout_key, config.num_layers)
-  traces, start, moe_index = [], 0, 0
-  for run in runs:
-    n = jax.tree.leaves(run)[0].shape[0]
-    moe = config.is_moe_layer(start)
-    run_replay = None
-    if moe and replay is not None:  # [B, T, moe layers, k] -> this run's [n, B, T, k]
-      run_replay = jnp.moveaxis(replay[:, :, moe_index:moe_index + n], 2, 0).astype(jnp.int32)
-    run_keys = None if keys is None else keys[start:start + n]
-    run_lora = None if lora is None else lora["layers"]
-    x, stats = jax.lax.scan(make_layer(_block_graphdef(config, moe)), x, (run, run_lora, run_keys, run_replay),
-                            unroll=not scan_layers)
-    if stats is not None:
-      traces.append(stats)
-      moe_index += n
-    start += n
-  x = rms_norm(x, prepared["final_norm"]["scale"], config.rms_norm_eps)
-  if not with_routing:
-    return x
-  if not traces:
-    return x, None
-  cat = lambda name: jnp.concatenate([getattr(t, name) for t in traces], axis=0)
-  trace = MoeTrace(topk=jnp.moveaxis(cat("topk"), 0, 2), counts=cat("counts"), prob_sum=cat("prob_sum"),
-                   num_tokens=jnp.sum(token_mask.astype(jnp.float32)))
-  return x, trace
-
-
-def lm_head_weight(config: ModelConfig, prepared: dict) -> Array:
-  """The `[embed, vocab]` output projection (the embedding's transpose when tied)."""
-  if config.num_labels:
-    raise ValueError(f"a score-head model ({config.architecture}) has no lm_head; its head is "
-                     "prepared['score'] [embed, num_labels]")
-  return prepared["embed"].T if config.tie_word_embeddings else prepared["lm_head"]
-
-
-def chunked_token_logprobs(hidden: Array, w: Array, tokens: Array, *, temperature: float = 1.0,
-                           chunk: int | None = None, with_entropy: bool = True) -> tuple[Array, Array | None]:
-  """Log-prob and entropy of `tokens` under softmax(hidden @ w / temperature), without the full logits.
-
-  hidden `[B, R, E]`, w `[E, V]`, tokens `[B, R]` int. Returns (logprobs, entropy), both fp32
-  `[B, R]` (entropy None unless `with_entropy`). With `chunk` (positions per chunk) smaller than R, the R axis is cut into chunks that a
-  `lax.scan` visits one at a time under `jax.checkpoint`: only one `[B, chunk, V]` logits array is
-  alive, in the forward and in the backward pass (which recomputes it). `chunk=None` (or >= R):
-  one piece, the plain computation. The logits are accumulated in fp32 whatever hidden's dtype; the
-  backward pass sums w's gradient over chunks in w's dtype (bf16 when the trainer computes in bf16:
-  a few chunks' partial sums, each from an fp32-accumulated matmul).
-  """
-  B, R, _ = hidden.shape
-
-  def piece(h, t):  # h [B, c, E], t [B, c] -> logprobs, entropy [B, c]
-    logits = jnp.einsum("bce,ev->bcv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
-    logits = logits / temperature
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, t[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    if not with_entropy:
-      return picked - log_z, None
-    entropy = log_z - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
-    return picked - log_z, entropy
-
-  if chunk is None or chunk >= R:
-    return piece(hidden, tokens)
-  if chunk < 1:
-    raise ValueError(f"chunk must be a positive number of positions (or None), got {chunk}")
-  n = -(-R // chunk)
-  pad = n * chunk - R
-  h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, -1).swapaxes(0, 1)
-  t = jnp.pad(tokens, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
-  step = jax.checkpoint(lambda carry, ht: (carry, piece(*ht)), prevent_cse=False)
-  _, (logprobs, entropy) = jax.lax.scan(step, None, (h, t))
-  unchunk = lambda x: None if x is None else x.swapaxes(0, 1).reshape(B, n * chunk)[:, :R]
-  return unchunk(logprobs), unchunk(entropy)

@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from llamarl_jax.batch import trainer_layout
-from llamarl_jax.model.llama import (ModelConfig, Segments, chunked_token_logprobs, lm_head_weight, merge_params,
-                                     prepare_params, scan_hidden_states)
+from llamarl_jax.model.attention import Segments
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import chunked_token_logprobs, lm_head_weight, prepare_params, scan_hidden_states
+from llamarl_jax.model.llama import merge_params
 
 Array = jax.Array
 

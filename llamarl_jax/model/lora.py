@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llamarl_jax.model.llama import ModelConfig, abstract_model, split_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.llama import abstract_model, split_params
 
 # target name -> (module, our parameter, HF / PEFT module name, number of input axes of our layout)
 TARGETS = {

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from llamarl_jax import parallel
 from llamarl_jax.model import fp8
-from llamarl_jax.model.llama import ModelConfig, WeightLayout
+from llamarl_jax.model.config import ModelConfig, WeightLayout
 
 # fused name -> the unfused parts it replaces, per module of a layer
 # (fp8 weights: their per-output-channel scales fuse like the values, `model.fp8`)

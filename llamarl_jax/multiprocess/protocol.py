@@ -39,7 +39,7 @@ which scores the batches in order (every program on the reward mesh).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -151,28 +151,3 @@ class Context:
       dst = {k: parallel.batch_sharding(self.trainer_mesh, len(shapes[k])) for k in fields}
       self._rows[key] = RowPlan(structs, dst, self.generator_mesh)
     return self._rows[key]
-
-
-def weight_plan(model_config, shapes, axes, gen_shardings, trainer_mesh, generator_mesh, *, dtype, lora=None,
-                base: Callable[[], Any] | None = None, quantize: str | None = None, quantize_lm_head: bool = False):
-  """The W(v) transfer of a run: trainer params (`shapes`: fp32 structs) -> generator layout in `dtype`
-  (`WeightPlan`); with `quantize='fp8'` quantised on the trainer, so fp8 values and their scales cross
-  (`model.fp8`; `quantize_lm_head`: the lm_head too); with LoRA (`lora`: its `LoraConfig`) the adapters every push and the frozen base
-  (`base()`: the trainer's) when it changed, merged (and then quantised) on the generator (`LoraPlan`)."""
-  from llamarl_jax import parallel
-  from llamarl_jax.model import fp8
-  from llamarl_jax.model import lora as lora_lib
-  from llamarl_jax.transfer import LoraPlan, WeightPlan
-
-  plan = WeightPlan(gen_shardings, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes),
-                    trainer_mesh, transform=lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
-  head = dict(lm_head=quantize_lm_head)
-  if quantize == "fp8" and lora is None:
-    return WeightPlan(fp8.quantized_shardings(gen_shardings, **head), fp8.quantized_shapes(shapes, dtype, **head),
-                      trainer_mesh, transform=lambda p: fp8.quantize_params(p, dtype, **head))
-  if lora is None:
-    return plan
-  adapter_shapes = lora_lib.adapter_shapes(model_config, lora)
-  adapters = WeightPlan(parallel.param_shardings(adapter_shapes, lora_lib.adapter_axes(axes, lora), generator_mesh),
-                        adapter_shapes, trainer_mesh)
-  return LoraPlan(plan, adapters, base=base, lora_scale=lora_lib.scale(lora), dtype=dtype)

@@ -32,8 +32,10 @@ import numpy as np
 
 from llamarl_jax import compat, parallel
 from llamarl_jax.model import hf
-from llamarl_jax.model.llama import (ModelConfig, abstract_model, merge_params, prepare_params, resolve_attention,
-                                     scan_hidden_states, split_params, stacked_shardings, unstack_layers)
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import (prepare_params, resolve_attention, scan_hidden_states, stacked_shardings,
+                                       unstack_layers)
+from llamarl_jax.model.llama import abstract_model, merge_params, split_params
 
 Array = jax.Array
 

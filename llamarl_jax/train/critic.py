@@ -35,7 +35,8 @@ from llamarl_jax import losses
 from llamarl_jax.advantages import gae
 from llamarl_jax.config import CriticConfig
 from llamarl_jax.batch import trainer_layout
-from llamarl_jax.model.llama import ModelConfig, prepare_params, scan_hidden_states
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import prepare_params, scan_hidden_states
 from llamarl_jax.train.state import applied_updates, lr_schedule, make_optimizer
 from llamarl_jax.train.step import split_microbatches
 

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from llamarl_jax import parallel
 from llamarl_jax.batch import trainer_layout
-from llamarl_jax.model.llama import Segments
+from llamarl_jax.model.attention import Segments
 from llamarl_jax.model.logprobs import packed_logprobs
 from llamarl_jax.train.metrics import valid_counts
 from llamarl_jax.train.state import TrainState

@@ -23,7 +23,9 @@ from llamarl_jax import parallel
 from llamarl_jax.config import LoraConfig
 from llamarl_jax.batch import ROUTING_FIELD, TRAIN_FIELDS, ScoredBatch
 from llamarl_jax.model import lora as lora_lib
-from llamarl_jax.model.llama import Llama, ModelConfig, split_params, stacked_shardings
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import stacked_shardings
+from llamarl_jax.model.llama import Llama, split_params
 from llamarl_jax.train.state import TrainState
 
 

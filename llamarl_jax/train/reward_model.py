@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from llamarl_jax import losses
-from llamarl_jax.model.llama import ModelConfig, prepare_params
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import prepare_params
 from llamarl_jax.rewards.reward_model import scores_at
 from llamarl_jax.train.state import TrainState
 from llamarl_jax.train.step import StepSpec, apply_update, prepare

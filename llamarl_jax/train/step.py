@@ -34,7 +34,8 @@ from llamarl_jax.config import LoraConfig, OptimizerConfig
 from llamarl_jax.batch import routing_in_trainer_layout, trainer_layout
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model import moe as moe_lib
-from llamarl_jax.model.llama import DEFAULT_LOGPROB_CHUNK, ModelConfig, prepare_params, unstack_layers
+from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.forward import DEFAULT_LOGPROB_CHUNK, prepare_params, unstack_layers
 from llamarl_jax.model.logprobs import policy_logprobs
 from llamarl_jax.train.metrics import combine_metrics, loss_share, valid_counts
 from llamarl_jax.train.state import TrainState, applied_updates, lr_schedule, make_optimizer

@@ -30,7 +30,7 @@ import jax
 from llamarl_jax import compat, experiment, parallel
 from llamarl_jax.config import RunConfig
 from llamarl_jax.measure import hlo
-from llamarl_jax.model.llama import ModelConfig
+from llamarl_jax.model.config import ModelConfig
 from llamarl_jax.shapes import RunShapes
 from scripts import bench_generate
 
@@ -84,10 +84,10 @@ def meshes(run: Run) -> tuple:
 
 
 def slot_programs(run: Run, mesh, *, paged_attention: str | None = None):
-  """The slot engine's `SlotPrograms` as a run builds them (`executors.generator.run_generator` ->
+  """The slot engine's `SlotPrograms` as a run builds them (`build.generator` ->
   `SlotEngine`: the generator's dtype and quantisation, the run's lanes, slots, prompt width, KV
   blocks, chunk and sampling), without compiling or allocating; paged_attention: the config's unless given."""
-  from llamarl_jax.executors.generator import rollout_sampling
+  from llamarl_jax.build import rollout_sampling
   from llamarl_jax.generation import Sampler
   from llamarl_jax.generation.slot_programs import SlotPrograms
 

@@ -20,7 +20,7 @@ def _run():
 
 
 def test_train_step(figures):
-  from llamarl_jax.memory_plan import abstract_trainer
+  from llamarl_jax.build import abstract_trainer
 
   run = _run()
   trainer = abstract_trainer(run.model, run.config, h100.meshes(run)[0])

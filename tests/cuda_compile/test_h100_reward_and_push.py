@@ -19,7 +19,7 @@ import jax
 import pytest
 
 from cuda_compile import h100
-from llamarl_jax import memory_plan, parallel
+from llamarl_jax import build, memory_plan, parallel
 from llamarl_jax.executors.weight_sync import WeightSync
 from llamarl_jax.model.llama import abstract_model
 
@@ -69,9 +69,9 @@ def test_weight_push(push, figures):
   trainer_mesh, generator_mesh, _ = h100.meshes(run)
   abstract = abstract_model(run.model)
   axes = parallel.logical_axes(abstract)
-  trainer = memory_plan.abstract_trainer(run.model, run.config, trainer_mesh)
-  sync = WeightSync.for_run(run.config, run.model, axes, parallel.param_shardings(trainer.params, axes, generator_mesh),
-                            generator_mesh, base=lambda: None)
+  trainer = build.abstract_trainer(run.model, run.config, trainer_mesh)
+  sync = build.weights(run.config, run.model, axes, parallel.param_shardings(trainer.params, axes, generator_mesh),
+                       generator_mesh, base=lambda: None)
   wire = figures.add(f"push/{push}/wire", h100.compile_program(
       jax.jit(lambda params: sync.wire(params)[0]).trace(trainer.params).lower().compile)).compiled
   same = jax.tree.leaves(jax.tree.map(lambda x, want: x.sharding.is_equivalent_to(want, len(x.shape)),

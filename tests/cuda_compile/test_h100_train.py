@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from cuda_compile import h100
-from llamarl_jax.memory_plan import abstract_trainer
+from llamarl_jax.build import abstract_trainer
 from llamarl_jax.train.placement import abstract_batch
 
 
