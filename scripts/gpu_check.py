@@ -82,8 +82,7 @@ DRY = dict(model=TOY, numerics_layers=2, decode_layers=2, paged=(4, 16, 32, 4, 6
            decode_prompt=8, decode_R=32, decode_chunks=2, pack_rows=4, pack_steps=1)
 
 
-class SkipSection(Exception):
-  """A section that cannot run here; its reason goes into the report."""
+SkipSection = bench_gpu.SkipSection  # a section that cannot run here; its reason goes into the report
 
 
 def _check(name: str, value: float, bound: float, why: str, *, above: bool = False) -> dict:
@@ -464,8 +463,6 @@ def _engine_figure(config, params, cfg, env, quantize, head, form) -> dict:
 
 
 def decode_section(cfg, env) -> dict:
-  import jax.numpy as jnp
-
   from llamarl_jax.model import init_model, split_params
 
   config = _config(cfg, cfg["decode_layers"], dtype="bfloat16", param_dtype="bfloat16")
@@ -478,7 +475,6 @@ def decode_section(cfg, env) -> dict:
       rows.append(_engine_figure(config, params, cfg, env, quantize, head, form))
       print(f"    decode {rows[-1]['weights']}, {rows[-1]['paged_attention']}: {rows[-1]['ms_per_step']:.3f} ms/step",
             flush=True)
-  del jnp
   return {"slots": cfg["slots"], "layers": config.num_layers, "rows": rows,
           "figures": [f"{r['weights']} / {r['paged_attention']}: {r['ms_per_step']:.2f} ms/step" +
                       (f" ({r['of_roofline']:.0%} of the bytes roofline)" if r["of_roofline"] else "")
