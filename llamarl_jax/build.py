@@ -30,7 +30,7 @@ from llamarl_jax.generation.engine import SlotEngine
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
 from llamarl_jax.model import fp8, hf
 from llamarl_jax.model import lora as lora_lib
-from llamarl_jax.model.config import ModelConfig
+from llamarl_jax.model.config import ModelConfig, WeightLayout
 from llamarl_jax.model.llama import abstract_model, split_params
 from llamarl_jax.shapes import RunShapes
 
@@ -45,11 +45,10 @@ def trainer_options(run: RunConfig) -> dict:
   t, r = run.train, run.rollout
   return dict(optimizer=t.optimizer, loss=t.loss, loss_kwargs=t.loss_kwargs, microbatches=t.microbatches,
               remat=t.remat, attention=t.attention, logprob_chunk=t.logprob_chunk,
-              group_by_length=t.group_by_length, scan_layers=t.scan_layers,
+              layout=t.layout, scan_layers=t.scan_layers,
               temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
               reference_is_initial=t.reference_path is None, lora=t.lora, base_dtype=run.generator.dtype,
-              pack=t.pack, tokens_per_microbatch=t.tokens_per_microbatch, critic=t.critic,
-              routing_replay=t.routing_replay)
+              critic=t.critic, routing_replay=t.routing_replay)
 
 
 def model_shapes(model_config: ModelConfig) -> dict:
@@ -94,12 +93,10 @@ def rollout_sampling(rollout, tokenizer) -> SamplingParams:
 
 
 def sampler(model_config: ModelConfig, run: RunConfig, mesh, tokenizer) -> Sampler:
-  """The generator's model copy on `mesh`: `GeneratorConfig.dtype` and its precision (`quantize`,
-  `quantize_lm_head`)."""
+  """The generator's model copy on `mesh`: `GeneratorConfig.dtype` and its precision (`quantize`)."""
   g = run.generator
   config = model_config.replace(param_dtype=g.dtype, dtype=g.dtype)
-  return Sampler(config, mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize,
-                 quantize_lm_head=g.quantize_lm_head)
+  return Sampler(config, mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize)
 
 
 def generator(sampler: Sampler, tokenizer, prompt_source, sampling: SamplingParams, run: RunConfig,
@@ -114,8 +111,8 @@ def generator(sampler: Sampler, tokenizer, prompt_source, sampling: SamplingPara
                         max_prompt_len=shapes.engine_prompt_len, chunk_steps=g.chunk_steps, pad_id=sampler.pad_id,
                         recompute_kv=g.recompute_kv, kv_block_size=shapes.kv_block_size,
                         chunks_in_flight=g.chunks_in_flight, paged_attention=g.paged_attention,
-                        min_decode_width=g.min_decode_width, staged_slots=shapes.staged_slots, quantize=g.quantize,
-                        quantize_lm_head=g.quantize_lm_head)
+                        min_decode_width=g.min_decode_width, staged_slots=shapes.staged_slots,
+                        quantize=sampler.layout.quantize)
   return GeneratorExecutor(sampler, tokenizer, prompt_source, sampling, prompts_per_step=r.prompts_per_step,
                            max_policy_lag=run.schedule.max_policy_lag,
                            version_schedule=run.schedule.version_schedule, seed=r.seed, delay_s=g.delay_s,
@@ -169,7 +166,7 @@ def weights(run: RunConfig, model_config: ModelConfig, axes, gen_shardings, gene
     kw = dict(adapter_shardings=parallel.param_shardings(lora_lib.adapter_shapes(model_config, lora),
                                                          lora_lib.adapter_axes(axes, lora), generator_mesh),
               lora_scale=lora_lib.scale(lora), base=base)
-  return WeightSync(gen_shardings, dtype=g.dtype, quantize=g.quantize, quantize_lm_head=g.quantize_lm_head,
+  return WeightSync(gen_shardings, dtype=g.dtype, quantize=g.quantize,
                     keep_pending=run.schedule.version_schedule == "fixed", **kw)
 
 
@@ -177,7 +174,7 @@ def weight_plan(run: RunConfig, model_config: ModelConfig, shapes, axes, gen_sha
                 *, base: Callable[[], Any] | None = None):
   """A multi-process run's W(v) transfer: trainer params (`shapes`: fp32 structs) -> the generator's
   layout in `GeneratorConfig.dtype` (`transfer.WeightPlan`); with `quantize='fp8'` quantised on the
-  trainer, so fp8 values and their scales cross (`model.fp8`; `quantize_lm_head`: the lm_head too);
+  trainer, so fp8 values and their scales cross (`model.fp8`; 'fp8+lm_head': the lm_head too);
   with LoRA the adapters every push and the frozen base (`base()`: the trainer's) when it changed,
   merged (and then quantised) on the generator (`transfer.LoraPlan`)."""
   from llamarl_jax.transfer import LoraPlan, WeightPlan
@@ -186,8 +183,9 @@ def weight_plan(run: RunConfig, model_config: ModelConfig, shapes, axes, gen_sha
   dtype = jax.numpy.dtype(g.dtype)
   plan = WeightPlan(gen_shardings, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes),
                     trainer_mesh, transform=lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
-  head = dict(lm_head=g.quantize_lm_head)
-  if g.quantize == "fp8" and lora is None:
+  wire = WeightLayout(quantize=g.quantize)  # Hugging Face's projections in the generator's precision
+  head = dict(lm_head=wire.fp8_lm_head)
+  if wire.fp8 and lora is None:
     return WeightPlan(fp8.quantized_shardings(gen_shardings, **head), fp8.quantized_shapes(shapes, dtype, **head),
                       trainer_mesh, transform=lambda p: fp8.quantize_params(p, dtype, **head))
   if lora is None:

@@ -4,14 +4,16 @@
   RolloutConfig    what is sampled per step (prompts, samples, sampling parameters, advantages, seed)
   GeneratorConfig  how it is sampled (engine, slots, chunk, dtype of the generator's weights)
   TrainConfig      the objective and the optimizer (loss, its kwargs, KL reference, microbatches, remat,
-                   checkpoints; a critic: CriticConfig)
+                   checkpoints; a critic: CriticConfig; the step's layout: TrainLayout), with its parts in
+                   `train_config` (re-exported here)
   ScheduleConfig   the asynchronous part (max_policy_lag, version schedule, buffer, stall timeout)
   RewardConfig     the reward function and its worker pool; optionally a reward model combined with it
   EnvConfig        what an episode is: one turn, or turns with tool calls (llamarl_jax.envs)
   RunConfig        the seven together, with the checks that need more than one of them
 
-Each field is checked in exactly one place: its class's `RULES` (applied by `__post_init__`, and by
-`config_check` to gin bindings before anything is built, so every bad binding is reported at once).
+Each field is checked in exactly one place: its class's `RULES` (`field_rules`: applied by
+`__post_init__`, and by `config_check` to gin bindings before anything is built, so every bad binding
+is reported at once).
 Choice lists come from the modules that own them (losses, advantages, schedule, ...), never repeated.
 No gin here: `experiment.py` registers these classes with gin (`MeshConfig.trainer_fsdp = 2`, ...).
 A gin binding of a flat `Controller.<key>` gets an error naming the typed key that holds the setting
@@ -23,91 +25,24 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
+from llamarl_jax.field_rules import ConfigError, Validated, above, at_least, between, int_at_least, one_of
 from llamarl_jax.live import LiveResource
-from llamarl_jax.model.fp8 import QUANTIZATIONS
-from llamarl_jax.model.forward import ATTENTION_IMPLEMENTATIONS, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
+from llamarl_jax.model.config import WeightLayout, quantize_problem
 from llamarl_jax.model.paged_attention import PAGED_IMPLEMENTATIONS
 from llamarl_jax.schedule import VERSION_SCHEDULES
-
-Rule = Callable[[Any], "str | None"]  # a value -> None if fine, else what was expected
+from llamarl_jax.train_config import (  # noqa: F401  (re-exported: the trainer's section of the run's configuration)
+    LORA_TARGETS, LR_SCHEDULES, TRAIN_LAYOUTS, CriticConfig, LoraConfig, OptimizerConfig, TrainConfig, TrainLayout,
+    loss_kwargs_problems, loss_names)
 
 GENERATOR_ENGINES = ("slots", "static")
 GENERATOR_DTYPES = ("float32", "bfloat16", "float16")
-LR_SCHEDULES = ("constant", "cosine")
-
-
-class ConfigError(ValueError):
-  """A configuration value is invalid; the message names each bad field, what was expected and found."""
-
-
-def at_least(lo) -> Rule:
-  return lambda v: None if v >= lo else f">= {lo}"
-
-
-def int_at_least(lo) -> Rule:
-  return lambda v: None if isinstance(v, int) and not isinstance(v, bool) and v >= lo else f"an int >= {lo}"
-
-
-def above(lo) -> Rule:
-  return lambda v: None if v > lo else f"> {lo}"
-
-
-def between(lo, hi, *, lo_open=False) -> Rule:
-  def rule(v):
-    ok = (lo < v if lo_open else lo <= v) and v <= hi
-    return None if ok else f"in {'(' if lo_open else '['}{lo}, {hi}]"
-  return rule
-
-
-def one_of(*choices) -> Rule:
-  return lambda v: None if v in choices else f"one of {list(choices)}"
-
-
-def loss_names() -> tuple[str, ...]:
-  from llamarl_jax import losses
-
-  return losses.TRAINER_LOSSES
-
-
-def _loss_rule(v):
-  return one_of(*loss_names())(v)
-
-
-class _Validated:
-  """Mixin: `__post_init__` applies the class's `RULES` ({field: rule}) and raises one `ConfigError`."""
-
-  RULES: ClassVar[dict[str, Rule]] = {}
-
-  def __post_init__(self):
-    problems = field_problems(type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-    if problems:
-      raise ConfigError(f"invalid {type(self).__name__}: " + "; ".join(problems))
-
-  def replace(self, **changes):
-    return dataclasses.replace(self, **changes)
-
-
-def field_problems(cls, values: dict[str, Any]) -> list[str]:
-  """'Class.field: expected ..., got ...' for every value of `values` that breaks `cls.RULES`."""
-  out = []
-  for name, value in values.items():
-    rule = cls.RULES.get(name)
-    if rule is None:
-      continue
-    try:
-      why = rule(value)
-    except TypeError:
-      why = "a value of the annotated type"
-    if why is not None:
-      out.append(f"{cls.__name__}.{name}: expected {why}, got {value!r}")
-  return out
 
 
 @dataclass(frozen=True)
-class MeshConfig(_Validated):
+class MeshConfig(Validated):
   """Device counts of the meshes (`parallel.make_meshes`); colocated: trainer and generator on one mesh,
   taking turns. reward_dp x reward_tp: the reward model's own devices after theirs
   (`parallel.make_reward_mesh`; across processes, those of the reward processes); reward_dp = 0: it
@@ -127,7 +62,7 @@ class MeshConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class OverlongShaping(_Validated):
+class OverlongShaping(Validated):
   """DAPO's overlong reward shaping and overlong filtering (Yu et al. 2025, arXiv:2503.14476, sec. 3.4).
 
   buffer_len: L_cache, the soft-penalty zone: responses longer than max_new_tokens - buffer_len get
@@ -149,7 +84,7 @@ class OverlongShaping(_Validated):
 
 
 @dataclass(frozen=True)
-class DynamicSampling(_Validated):
+class DynamicSampling(Validated):
   """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, eq. 11): drop the groups whose
   rewards are all equal (zero advantage under group-relative estimators: no signal) and keep drawing
   prompts until the batch holds prompts_per_step informative groups.
@@ -168,7 +103,7 @@ class DynamicSampling(_Validated):
 
 
 @dataclass(frozen=True)
-class RolloutConfig(_Validated):
+class RolloutConfig(Validated):
   """Per step: `prompts_per_step` prompts x `samples_per_prompt` samples, sampled with these settings;
   advantages by `advantage_estimator` (advantages.py). `seed` fixes every batch's sampling noise.
   DAPO's `overlong` reward shaping and `dynamic_sampling` (None: off) shape what a batch holds."""
@@ -202,7 +137,7 @@ class RolloutConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class GeneratorConfig(_Validated):
+class GeneratorConfig(Validated):
   """The generator: `engine` 'slots' (a `SlotEngine`: continuous batching over `slots` KV slots,
   default rows per step) or 'static' (`Sampler.generate` per batch).
   Slot engine settings: decode chunks of `chunk_steps`; prompts up to `max_prompt_len` tokens, default
@@ -216,11 +151,12 @@ class GeneratorConfig(_Validated):
   `min_decode_width` the fewest rows a decode chunk computes when few slots are busy (the batch
   shrinks to the busy slots in halvings; None: slots / 16; = slots: it never shrinks); `staged_slots`
   KV slots beyond `slots`: prompts prefilled ahead that decode chunks admit on device as rows finish.
-  Both: `dtype` of the weights; `quantize` None or 'fp8' (the projections in float8_e4m3fn with
-  per-output-channel scales, computed as fp8 GEMMs; the trainer quantises before the wire, or the
-  generator after a LoRA merge: `model.fp8`); `quantize_lm_head` with 'fp8' the lm_head in fp8 too (a
-  scale per vocabulary row; tied embeddings: an fp8 copy for the logits, the lookup in `dtype`);
-  `delay_s` emulates a slower remote engine per batch (benchmarks, overlap tests)."""
+  Both: `dtype` of the weights; `quantize` their precision (`model.config.QUANTIZATIONS`): None (all
+  in `dtype`), 'fp8' (the projections in float8_e4m3fn with per-output-channel scales, computed as
+  fp8 GEMMs; the trainer quantises before the wire, or the generator after a LoRA merge: `model.fp8`)
+  or 'fp8+lm_head' (the lm_head in fp8 too, a scale per vocabulary row; tied embeddings: an fp8 copy
+  for the logits, the lookup in `dtype`); `delay_s` emulates a slower remote engine per batch
+  (benchmarks, overlap tests)."""
   engine: str = "slots"
   slots: int = 0
   chunk_steps: int = 16
@@ -233,7 +169,6 @@ class GeneratorConfig(_Validated):
   recompute_kv: bool = False
   dtype: str = "float32"
   quantize: str | None = None
-  quantize_lm_head: bool = False
   delay_s: float = 0.0
   RULES: ClassVar = {"engine": one_of(*GENERATOR_ENGINES), "slots": at_least(0), "chunk_steps": at_least(1),
                      "kv_block_size": at_least(1), "chunks_in_flight": at_least(1),
@@ -241,193 +176,11 @@ class GeneratorConfig(_Validated):
                      "max_prompt_len": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "min_decode_width": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "staged_slots": at_least(0),
-                     "dtype": one_of(*GENERATOR_DTYPES), "quantize": lambda v: None if v in QUANTIZATIONS else (
-                         "None or 'fp8' ('fp8': weights in float8_e4m3fn decoded as fp8 GEMMs, the only "
-                         "quantised generator; there is no 'int8')"),
-                     "delay_s": at_least(0.0)}
-
-  def __post_init__(self):
-    super().__post_init__()
-    if self.quantize_lm_head and self.quantize != "fp8":
-      raise ConfigError(f"GeneratorConfig.quantize_lm_head = True puts the lm_head of the fp8 generator in fp8; it "
-                        f"needs GeneratorConfig.quantize = 'fp8' (got {self.quantize!r}): set quantize = 'fp8' or "
-                        "quantize_lm_head = False")
+                     "dtype": one_of(*GENERATOR_DTYPES), "quantize": quantize_problem, "delay_s": at_least(0.0)}
 
 
 @dataclass(frozen=True)
-class OptimizerConfig(_Validated):
-  """AdamW with linear warmup, then a constant or cosine learning rate, and global-norm clipping.
-
-  The learning rate of update k (k = 0, 1, ...) is `lr * (k + 1) / warmup_steps` during warmup (the
-  first update is not wasted at lr 0), then `lr` ("constant") or a cosine from `lr` down to
-  `lr * final_lr_ratio` at `total_steps` ("cosine"; it stays there afterwards). Weight decay (decoupled)
-  applies to matrices only, not to norm scales. `max_grad_norm <= 0` disables clipping.
-  """
-  lr: float = 1e-6
-  warmup_steps: int = 0
-  schedule: str = "constant"
-  total_steps: int = 1000
-  weight_decay: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  max_grad_norm: float = 1.0
-  final_lr_ratio: float = 0.0
-  RULES: ClassVar = {"lr": at_least(0.0), "warmup_steps": at_least(0), "schedule": one_of(*LR_SCHEDULES),
-                     "total_steps": at_least(1), "weight_decay": at_least(0.0), "b1": between(0.0, 1.0),
-                     "b2": between(0.0, 1.0), "eps": above(0.0), "final_lr_ratio": between(0.0, 1.0)}
-
-
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the decoder's projections (model/lora.py)
-
-
-@dataclass(frozen=True)
-class LoraConfig(_Validated):
-  """LoRA policies (`llamarl_jax.model.lora`): the base weights frozen in the generator's dtype, fp32
-  adapters `a` `[in, rank]`, `b` `[rank, out]` on the `targets` projections, the update
-  `alpha / rank * a @ b`; only the adapters are trained, checkpointed with their optimizer state and
-  pushed to the generator (which merges them into its weights). `dropout`: LoRA dropout on the
-  adapters' input in the trainer's forward (0: off). `adapter_path`: a PEFT adapter directory to start
-  from (its r, lora_alpha and target_modules must be rank, alpha and targets); None: `b` = 0, the
-  policy starts equal to its base."""
-  rank: int = 8
-  alpha: float = 16.0
-  targets: tuple | list = ("q", "k", "v", "o", "gate", "up", "down")
-  dropout: float = 0.0
-  adapter_path: str | None = None
-  RULES: ClassVar = {"rank": int_at_least(1), "alpha": above(0.0),
-                     "dropout": lambda v: None if 0.0 <= v < 1.0 else "in [0, 1)",
-                     "targets": lambda v: (None if isinstance(v, (tuple, list)) and v and set(v) <= set(LORA_TARGETS)
-                                           and len(set(v)) == len(v)
-                                           else f"a non-empty list of distinct names from {list(LORA_TARGETS)}")}
-
-  def __post_init__(self):
-    super().__post_init__()
-    object.__setattr__(self, "targets", tuple(self.targets))  # gin binds lists
-
-
-@dataclass(frozen=True)
-class CriticConfig(_Validated):
-  """PPO with a critic (`llamarl_jax.train.critic`): a value model trained beside the policy on the
-  trainer's mesh, and token-level GAE advantages from its values in place of the rollout's per-row
-  advantages (`RolloutConfig.advantage_estimator` is then unused); every `TrainConfig.loss` takes them.
-
-  path: an HF `*ForSequenceClassification` directory (one label) to start the critic from; None: the
-    policy's weights (after a warm start: the warm-started policy) with a fresh zero score head.
-  optimizer: the critic's own AdamW (its own learning rate and schedule).
-  value_clip: PPO's value clipping: each update's values stay within value_clip of the values the
-    returns were computed from (`losses.value_loss`); None: unclipped. It binds from the second of
-    `updates_per_step` updates on (the first starts at those values).
-  updates_per_step: critic updates on each batch (full batch each, gradient accumulation over
-    `TrainConfig.microbatches`).
-  warmup_steps: the first steps train the critic only; the policy keeps its weights (its version still
-    advances with the step, so the schedule and checkpoints are unchanged).
-  gamma, lam: GAE's discount and trace decay (`advantages.gae`); the outcome reward sits at each
-    response's last token.
-  whiten: advantages standardised over the batch's valid tokens (mean 0, std 1, as verl does).
-  Values come from the critic of the step that trains a row, also for rows generated by an older
-  policy under the lag bound (see `train.critic`)."""
-  path: str | None = None
-  optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
-  value_clip: float | None = 0.5
-  updates_per_step: int = 1
-  warmup_steps: int = 0
-  gamma: float = 1.0
-  lam: float = 0.95
-  whiten: bool = True
-  RULES: ClassVar = {"value_clip": lambda v: None if v is None or v > 0 else "None or > 0",
-                     "updates_per_step": int_at_least(1), "warmup_steps": int_at_least(0),
-                     "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "whiten": one_of(False, True)}
-
-
-@dataclass(frozen=True)
-class TrainConfig(_Validated):
-  """The trainer: `loss` (a name in losses.TRAINER_LOSSES) with `loss_kwargs`; a KL reference (`reference_path`,
-  an HF directory; None = the policy RL starts from) when loss_kwargs has `kl_coef`; the optimizer;
-  `microbatches` per step (gradient accumulation), `remat` ('none' | 'matmuls': save matmul outputs |
-  'full'; True = 'full'); a checkpoint every `checkpoint_every` steps (0: only at exit), the newest
-  `keep_checkpoints` kept. `attention`: the trainer's kernel ('auto': cuDNN fused attention on a GPU
-  in bf16/fp16, XLA elsewhere; 'cudnn' where it cannot run is an error at start; 'xla');
-  `logprob_chunk`: positions per chunk of the lm_head + log-prob (None: unchunked). `group_by_length`:
-  sort each step's rows by length into its microbatches, each run at the width of its longest row
-  (on a ladder of 4 widths an octave: one compiled program per width seen), instead of every
-  microbatch at the batch's full width; the same loss and gradient, far less padding on long-tailed
-  batches when microbatches hold few rows (16 microbatches of 64 long-tail rows: 25% padded tokens
-  instead of 611%). Off by default: a step is then one fused program, and short or equal-length
-  batches gain nothing. `scan_layers`: the layers under one `lax.scan` (compile time flat in depth);
-  False unrolls them (faster steps for small models on a CPU: the tiny configs). `lora`: a
-  `LoraConfig` trains LoRA adapters on a frozen base instead of every weight (None: full fine-tuning).
-  `critic`: a `CriticConfig` turns on PPO with a value model (None: critic-free advantages).
-  `pack`: pack each step's rows end to end into rows of `tokens_per_microbatch` tokens (at least the
-  batch's prompt + response width), attention kept within each sequence; a microbatch is one packed
-  row per data-parallel shard, as many as the packing needs: the same loss and gradient, computed
-  tokens close to the real ones whatever the length mix, and one compiled step program (`microbatches`
-  stays 1, `group_by_length` off). `routing_replay`: a mixture-of-experts policy's forward in the
-  trainer uses the experts the generator recorded for each token (`RolloutBatch.routing`) instead of
-  its own top-k, its router still trained through their probabilities (`model.moe`); the share of
-  tokens routed differently is logged either way (`moe/routing_disagreement`). Needs a MoE model,
-  single-turn rollouts (the generators record routing per turn) and the padded or length-grouped
-  layout (pack = False)."""
-  loss: str = "aipo"
-  loss_kwargs: dict = field(default_factory=dict)
-  reference_path: str | None = None
-  optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-  microbatches: int = 1
-  remat: bool | str = False
-  checkpoint_every: int = 0
-  keep_checkpoints: int = 2
-  attention: str = "auto"
-  logprob_chunk: int | None = DEFAULT_LOGPROB_CHUNK
-  group_by_length: bool = False
-  scan_layers: bool = True
-  lora: LoraConfig | None = None
-  pack: bool = False
-  tokens_per_microbatch: int | None = None
-  critic: CriticConfig | None = None
-  routing_replay: bool = False
-  RULES: ClassVar = {"loss": _loss_rule, "microbatches": at_least(1), "checkpoint_every": at_least(0),
-                     "keep_checkpoints": at_least(1),
-                     "remat": one_of(False, True, *REMAT_POLICIES), "attention": one_of(*ATTENTION_IMPLEMENTATIONS),
-                     "logprob_chunk": lambda v: None if v is None or v >= 1 else "None or >= 1",
-                     "group_by_length": one_of(False, True), "scan_layers": one_of(False, True),
-                     "pack": one_of(False, True), "routing_replay": one_of(False, True),
-                     "tokens_per_microbatch": lambda v: None if v is None or v >= 1 else "None or >= 1"}
-
-  def __post_init__(self):
-    super().__post_init__()
-    if self.pack and (not self.tokens_per_microbatch or self.microbatches != 1 or self.group_by_length):
-      raise ConfigError(f"TrainConfig.pack = True needs tokens_per_microbatch (a packed row's tokens, at least the "
-                        f"prompt + response width; got {self.tokens_per_microbatch}), microbatches = 1 (got "
-                        f"{self.microbatches}: the packing sets them) and group_by_length = False (got "
-                        f"{self.group_by_length})")
-    if self.critic is not None and self.pack:
-      raise ConfigError("TrainConfig.critic with TrainConfig.pack = True: the critic trains on the padded or "
-                        "length-grouped layout; set TrainConfig.pack = False")
-    if self.routing_replay and self.pack:
-      raise ConfigError("TrainConfig.routing_replay = True with TrainConfig.pack = True: the packed step does not "
-                        "replay routing; set TrainConfig.pack = False (the padded or length-grouped layout replays)")
-    problems = loss_kwargs_problems(self.loss, self.loss_kwargs)
-    if problems:
-      raise ConfigError(f"invalid TrainConfig.loss_kwargs: {problems}")
-
-
-def loss_kwargs_problems(loss: str, kwargs: Any) -> str | None:
-  """Keys of `loss_kwargs` must be parameters of the chosen loss (a typo would only fail at trace)."""
-  import inspect
-
-  from llamarl_jax import losses
-
-  if not isinstance(kwargs, dict) or loss not in losses.TRAINER_LOSSES:
-    return None
-  params = set(inspect.signature(losses.get_loss(loss)).parameters)
-  reserved = {"logprobs", "behaviour_logprobs", "advantages", "mask", "ref_logprobs", "entropy"}
-  bad = sorted(k for k in kwargs if k not in params or k in reserved)
-  return None if not bad else (f"keyword arguments of the {loss!r} loss ({sorted(params - reserved)}); "
-                               f"unknown: {bad}")
-
-
-@dataclass(frozen=True)
-class ScheduleConfig(_Validated):
+class ScheduleConfig(Validated):
   """The asynchronous schedule (schedule.py): batch k trains at step k from a version at most
   `max_policy_lag` older ('fixed': exactly max(v0, k - lag), reproducible; 'latest': the newest within
   the bound). At most `buffer_capacity` scored batches wait for the trainer; the trainer waits at most
@@ -447,7 +200,7 @@ STEP_MARGIN_S = 30.0  # an env.step's limit beyond its tool's: a sandboxed call'
 
 
 @dataclass(frozen=True)
-class EnvConfig(_Validated):
+class EnvConfig(Validated):
   """The episode an example becomes (`llamarl_jax.envs`): 'single_turn' (one model turn, scored by the
   reward function: the default) or 'tools' (`ToolEnvironment`: a turn
   that is a tool call `name(args)` gets the tool's output appended as an observation and the model
@@ -508,7 +261,7 @@ REWARD_MODEL_NORMALIZATIONS = ("none", "batch", "group")
 
 
 @dataclass(frozen=True)
-class RewardConfig(_Validated):
+class RewardConfig(Validated):
   """`fn`: a reward name (rewards.REWARD_FNS) or a callable, scored in `workers` processes, `timeout_s`
   each. A pool the caller owns (e.g. one shared by the runs of a study) is handed to the Controller
   (`Controller(reward=...)`); `fn` then names it (`RewardExecutor.name`).
@@ -548,7 +301,7 @@ class RewardConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class RunConfig(_Validated):
+class RunConfig(Validated):
   """Everything the Controller needs besides the model, its weights, the tokenizer and the prompts."""
   mesh: MeshConfig = field(default_factory=MeshConfig)
   rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -607,7 +360,7 @@ class RunConfig(_Validated):
 
   def record(self) -> dict:
     """What a checkpoint records of this config (a resume compares it: checkpoint.RESUMABLE_CHANGES)."""
-    r, g = self.rollout, self.generator
+    r, weights = self.rollout, WeightLayout(quantize=self.generator.quantize)
     return {
         "optimizer": dataclasses.asdict(self.train.optimizer),
         "loss": {"name": self.train.loss, **self.train.loss_kwargs},
@@ -618,8 +371,9 @@ class RunConfig(_Validated):
                     "seed": r.seed,
                     **({"overlong": dataclasses.asdict(r.overlong)} if r.overlong.enabled else {}),
                     **({"dynamic_sampling": dataclasses.asdict(r.dynamic_sampling)} if r.dynamic_sampling else {})},
-        "generator": {"dtype": str(g.dtype), "quantize": g.quantize,
-                      **({"quantize_lm_head": True} if g.quantize_lm_head else {})},
+        # the precision as the projections' and whether the lm_head is fp8 as well
+        "generator": {"dtype": str(self.generator.dtype), "quantize": "fp8" if weights.fp8 else None,
+                      **({"quantize_lm_head": True} if weights.fp8_lm_head else {})},
         "reward": self.reward.name,
         **({"reward_model": {k: getattr(self.reward, k) for k in ("model_path", "model_weight", "rule_weight",
                                                                   "model_gate", "model_normalize", "model_dtype")}}
@@ -652,7 +406,6 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "engine_paged_attention": ("generator", "paged_attention"),
     "engine_min_decode_width": ("generator", "min_decode_width"), "engine_staged_slots": ("generator", "staged_slots"),
     "generator_dtype": ("generator", "dtype"), "quantize": ("generator", "quantize"),
-    "quantize_lm_head": ("generator", "quantize_lm_head"),
     "generator_delay_s": ("generator", "delay_s"),
     **{k: ("train", k) for k in ("loss", "loss_kwargs", "reference_path", "optimizer", "microbatches", "remat",
                                  "checkpoint_every", "keep_checkpoints", "attention", "logprob_chunk",
@@ -691,9 +444,16 @@ def run_config(base: RunConfig | None = None, **flat) -> RunConfig:
 _CONTROLLER_BINDING = re.compile(r"(?<![\w.])Controller\.(\w+)\s*=")
 
 
+# Typed keys whose setting is one value of another key: a binding of one names the key that holds it.
+FOLDED_KEYS = {"GeneratorConfig.quantize_lm_head": "GeneratorConfig.quantize = 'fp8+lm_head' (the fp8 lm_head is "
+                                                   "one of the generator's precisions, model.config.QUANTIZATIONS)"}
+_FOLDED_BINDING = re.compile(r"(?<![\w.])(" + "|".join(re.escape(k) for k in FOLDED_KEYS) + r")\s*=")
+
+
 def flat_binding_problems(text: str) -> list[str]:
-  """One line per `Controller.<key> = ...` binding in gin text (a flat key), naming the typed key that holds it."""
-  out = []
+  """One line per `Controller.<key> = ...` binding in gin text (a flat key), naming the typed key that holds it,
+  and per binding of a `FOLDED_KEYS` key, naming the setting that holds it."""
+  out = [f"{key}: use {FOLDED_KEYS[key]}" for key in dict.fromkeys(_FOLDED_BINDING.findall(text))]
   for key in dict.fromkeys(_CONTROLLER_BINDING.findall(text)):
     out.append(f"Controller.{key}: " + (f"use {new_key(key)}" if key in FLAT_KEYS
                                          else "no setting of that name (see llamarl_jax/config.py)"))

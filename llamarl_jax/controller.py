@@ -13,9 +13,8 @@ builds only its role's executors (`distributed.derive_roles`) and `run` runs tha
 `evaluate`, `restore_checkpoint`, `checkpoint_dirs` and `latest_checkpoint_step` are then called by
 every process, like collectives.
 
-Exact resume ('fixed' schedule): a checkpoint at step r also holds the generator-dtype weights of
-versions max(v0, r - max_policy_lag) .. r - 1 (`schedule.versions_kept`), so the resumed run generates
-every batch with the same version, prompts and seed as an uninterrupted run.
+Exact resume ('fixed' schedule): a checkpoint also holds the generator weights of the versions the
+next batches are generated with (`runners.common.checkpoint_contents`).
 """
 
 from __future__ import annotations
@@ -33,12 +32,17 @@ from llamarl_jax import build, distributed, parallel
 from llamarl_jax.checkpoint import Checkpointer
 from llamarl_jax.compile_cache import enable_persistent_cache
 from llamarl_jax.config import RunConfig
+from llamarl_jax.envs import make_environment
 from llamarl_jax.executors.reward import RewardExecutor
 from llamarl_jax.executors.scoring import score_evaluation
 from llamarl_jax.metrics import MetricsLogger
 from llamarl_jax.model.config import ModelConfig
 from llamarl_jax.model.llama import abstract_model
-from llamarl_jax.runners.common import Executors, RunState, StepRecorder, overlap_seconds, schedule_metrics  # noqa: F401
+from llamarl_jax.multiprocess.protocol import Context
+from llamarl_jax.runners import generator_process, reward_process, single_process, trainer_process
+from llamarl_jax.runners.common import (Executors, RunState, StepRecorder, checkpoint_contents, checkpoint_position,
+                                        checkpoint_target)
+from llamarl_jax.runners.common import overlap_seconds, schedule_metrics  # noqa: F401  (re-exported)
 from llamarl_jax.runners.single_process import ExecutorFailed  # noqa: F401  (re-exported)
 from llamarl_jax.schedule import versions_kept
 from llamarl_jax.shapes import RunShapes
@@ -100,8 +104,6 @@ class Controller:
       if config.reward.model_path:  # in many processes it scores in the reward processes: here its rows only
         ex.reward_model = (build.reward_model(config.reward, tokenizer, weights=False) if multi else
                            build.run_reward_model(config, tokenizer, self.generator_mesh, ex.device_turn))
-      from llamarl_jax.envs import make_environment
-
       self.env = make_environment(config.env)
       ex.generator = build.generator(self.sampler, tokenizer, prompt_source, self.sampling, config, self.shapes,
                                      device_turn=ex.device_turn if config.mesh.colocated else None,
@@ -110,8 +112,6 @@ class Controller:
       ex.reward_model = build.reward_model(config.reward, tokenizer, mesh=self.reward_mesh)
     base = lambda: ex.trainer.base_params  # noqa: E731  (LoRA: the frozen base the generator merges into)
     if multi:
-      from llamarl_jax.multiprocess.protocol import Context
-
       plan = build.weight_plan(config, model_config, shapes, axes, gen_shardings, self.trainer_mesh,
                                self.generator_mesh, base=base)
       ex.mp = Context(self.roles, plan, self.trainer_mesh, self.generator_mesh)
@@ -143,12 +143,7 @@ class Controller:
   def logger(self, logger: MetricsLogger | None) -> None:
     self.recorder.logger = logger if self.is_main else None
 
-  @property
-  def timeline(self) -> list[tuple[str, float, float]]:
-    """(executor, start, end) perf_counter intervals of real work: "generate", "reward", "train" (with
-    the weight sync). Tests and scripts/bench_async.py measure overlap with it."""
-    generated = self.ex.generator.timeline if self.ex.generator is not None else []
-    return sorted(generated + self.ex.timeline, key=lambda t: t[1])
+  timeline = property(lambda self: self.ex.work_timeline())  # (executor, start, end): `Executors.work_timeline`
 
   def run_record(self) -> dict:
     """What a checkpoint records about the run that wrote it; a resume compares it (checkpoint.py)."""
@@ -174,8 +169,6 @@ class Controller:
     call `run` for the steps up to the evaluation, then `evaluate` in every process
     (`experiment.run_with_evals` does; under the 'fixed' schedule the split does not change training).
     """
-    from llamarl_jax.runners import generator_process, reward_process, single_process, trainer_process
-
     show = self.progress and self.is_main
     self.recorder.state = None
     if self.mp is None:
@@ -207,15 +200,7 @@ class Controller:
   # checkpoints
 
   def _save(self, state: RunState) -> None:
-    first = state.step if state.first_version is None else state.first_version
-    lag, schedule = self.config.schedule.max_policy_lag, self.config.schedule.version_schedule
-    versions = [v for v in versions_kept(state.step, lag, first, schedule) if v in state.kept]
-    payload = self.trainer.state_dict()
-    if versions:
-      payload = {**payload, "generator_versions": {str(v): state.kept[v] for v in versions}}
-    meta = {"step": state.step, "policy_version": state.step, "seed": self.config.rollout.seed,
-            "data_state": state.data_state, "max_policy_lag": lag, "version_schedule": schedule,
-            "first_version": first, "generator_versions": versions}
+    payload, meta = checkpoint_contents(state, self.trainer.state_dict(), self.config)
     self.checkpointer.save(state.step, payload, meta, config=self.run_record())
 
   def restore_checkpoint(self, step: int | None = None, *, allow_changes: Sequence[str] = ()) -> int:
@@ -226,36 +211,24 @@ class Controller:
     (`checkpointer.skipped`). Restores trainer state, data position, and the generator weights that
     make the resumed 'fixed' schedule identical to an uninterrupted run.
     """
-    lag, schedule = self.config.schedule.max_policy_lag, self.config.schedule.version_schedule
-
-    def target(meta):
-      payload = self.trainer.state_dict()
-      if meta.get("generator_versions"):
-        gen = self._generator_abstract()
-        payload = {**payload, "generator_versions": {str(v): gen for v in meta["generator_versions"]}}
-      return payload
-
     restored, kept = None, {}
     if self.is_trainer:
-      step, payload, meta = self.checkpointer.restore(target, step, config=self.run_record(),
-                                                      allow_changes=allow_changes)
+      step, payload, meta = self.checkpointer.restore(
+          lambda meta: checkpoint_target(meta, self.trainer.state_dict(), self._generator_abstract), step,
+          config=self.run_record(), allow_changes=allow_changes)
       gen = payload.pop("generator_versions", {})
       self.trainer.load_state_dict(payload)
       if self.mp is not None:  # the wire arrays the trainer sends (numpy when they were host-local)
         gen = {v: jax.device_put(p, self.mp.weights.wire_src) for v, p in gen.items()}
       kept = {int(v): p for v, p in gen.items()}
-      first = meta.get("first_version")
-      exact = first is not None and all(v in kept for v in versions_kept(int(meta["step"]), lag, int(first), schedule))
-      restored = {"step": int(meta["step"]), "data_state": meta.get("data_state"),
-                  "first_version": int(first) if exact else None}
-    if self.mp is not None:  # the generator processes take the step, data position and schedule
-      restored = self.mp.facts.share("restored", restored, source=self.roles.trainer_leader)
-    self.state = RunState(step=restored["step"], first_version=restored["first_version"],
-                          data_state=restored["data_state"], kept=kept)
+      restored = checkpoint_position(meta, kept, self.config)
+    restored = self._from_trainer_leader("restored", restored)  # the generator processes take the position
+    self.state = RunState(**restored, kept=kept)
     if restored["data_state"] is not None:
       self.prompt_source.load_state_dict(restored["data_state"])
     if self.ex.weights is not None:  # a restore into a controller that had run on: its versions are stale
       self.ex.weights.clear()
+    lag, schedule = self.config.schedule.max_policy_lag, self.config.schedule.version_schedule
     if self.state.first_version is None and versions_kept(self.step, lag, 0, schedule) and self.is_main:
       log.warning("checkpoint step %d holds no generator weights for the versions before it: batches %d.. "
                   "are generated from version %d on (valid under the lag bound, not identical to an "
@@ -272,14 +245,15 @@ class Controller:
 
   def checkpoint_dirs(self) -> list[int]:
     """Every checkpoint step directory of the run (complete or not). Every process calls it."""
-    dirs = self.checkpointer.step_dirs() if self.is_trainer else None
-    return dirs if self.mp is None else self.mp.facts.share("checkpoint_dirs", dirs, source=self.roles.trainer_leader)
+    return self._from_trainer_leader("checkpoint_dirs", self.checkpointer.step_dirs() if self.is_trainer else None)
 
   def latest_checkpoint_step(self) -> int | None:
     """The newest complete checkpoint step (None if none). Every process calls it."""
-    step = self.checkpointer.latest_step() if self.is_trainer else None
-    return step if self.mp is None else self.mp.facts.share("latest_checkpoint", step,
-                                                           source=self.roles.trainer_leader)
+    return self._from_trainer_leader("latest_checkpoint", self.checkpointer.latest_step() if self.is_trainer else None)
+
+  def _from_trainer_leader(self, name: str, value: Any) -> Any:
+    """`value` as the trainer leader has it (across processes every process calls this, in the same order)."""
+    return value if self.mp is None else self.mp.facts.share(name, value, source=self.roles.trainer_leader)
 
   # ----------------------------------------------------------------------------------------------
   # evaluation
@@ -305,10 +279,8 @@ class Controller:
       if params is None:
         with self.ex.device_turn:
           params, _ = self.ex.weights.to_generator(self.trainer.params)
-      # Episodes as in training (one turn, or turns with tools), each generate call taking the device turn.
-      gen = self.ex.generator
-      rollout = gen.sample(examples, 0, params, 0, greedy=True, n=1, record=False)
-      sampled = gen.sample(examples, seed, params, 0, n=samples, record=False) if samples else None
+      # episodes as in training (one turn, or turns with tools), each generate call taking the device turn
+      rollout, sampled = self.ex.generator.evaluation_episodes(examples, params, samples=samples, seed=seed)
       if self.mp is None or jax.process_index() == self.roles.generator_leader:
         result = score_evaluation(self.tokenizer, self.ex.reward, examples, rollout, sampled, samples)
     if self.mp is not None:
@@ -317,12 +289,8 @@ class Controller:
     return result
 
   def close(self) -> None:
-    if self.ex.generator is not None:
-      self.ex.generator.close()
-    if self.ex.weights is not None:
-      self.ex.weights.close()
-    if self.ex.reward is not None and self._owns_reward:
-      self.ex.reward.close()
-    if self.checkpointer is not None:
-      self.checkpointer.close()
+    """Stop the executors the Controller owns (a caller's reward executor stays open)."""
+    for part in (self.ex.generator, self.ex.weights, self.ex.reward if self._owns_reward else None, self.checkpointer):
+      if part is not None:
+        part.close()
 

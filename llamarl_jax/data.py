@@ -231,9 +231,20 @@ class PromptSource:
       return
     self.task = None
     self.reward = reward or "math"
+    self._rows = self._read_rows(files, prompt_field=prompt_field, answer_field=answer_field,
+                                 answer_format=answer_format, bad_rows=bad_rows, split=split,
+                                 heldout_fraction=heldout_fraction)
+    if max_prompt_tokens is not None and tokenizer is not None and overlong_prompts == "error":
+      self._check_prompt_lengths()
+
+  def _read_rows(self, files, *, prompt_field: str | None, answer_field: str | None, answer_format: str | None,
+                 bad_rows: str, split: str, heldout_fraction: float) -> list[tuple[int, str, str, str, str]]:
+    """The usable rows of `split` in `files`: (row index, question, ground truth, reference, "file:line").
+    Each file's layout is detected from its rows (or named by the fields); bad rows raise (`bad_rows =
+    "error"`) or are skipped and counted (`skipped_rows`, `skip_reasons`, the first few logged), rows of
+    the other split counted (`other_split_rows`). No usable row: an error with those counts."""
     if answer_field is not None and prompt_field is None or prompt_field is not None and answer_field is None:
       raise ValueError("pass both prompt_field and answer_field, or neither (to detect GSM8K/MATH columns)")
-    # (row index, question, ground truth, reference, "file:line")
     rows: list[tuple[int, str, str, str, str]] = []
     first_skips: list[str] = []
     index = 0
@@ -271,9 +282,7 @@ class PromptSource:
       raise ValueError(f"no usable {split!r} rows in {files!r} ({self.skipped_rows} bad: "
                        f"{dict(self.skip_reasons)}; {self.other_split_rows} in the other split)"
                        + (f"; first bad rows: {'; '.join(first_skips)}" if first_skips else ""))
-    self._rows = rows
-    if max_prompt_tokens is not None and tokenizer is not None and overlong_prompts == "error":
-      self._check_prompt_lengths()
+    return rows
 
   # ----------------------------------------------------------------------------------------------
   # context limit

@@ -48,7 +48,7 @@ def parse_gin(files, bindings=()) -> None:
   for text in [*(_gin_text(f) for f in files), *bindings]:
     problems += cfg.flat_binding_problems(text)
   if problems:
-    raise ConfigError("the run's settings are typed configs (llamarl_jax/config.py), not Controller.* keys; "
+    raise ConfigError("the run's settings are typed configs (llamarl_jax/config.py), each set by one key; "
                       "rename these binding(s):\n  " + "\n  ".join(dict.fromkeys(problems)))
   gin.parse_config_files_and_bindings(list(files), list(bindings))
 
@@ -288,8 +288,8 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   `checkpoint.RESUMABLE_CHANGES` (e.g. ['optimizer.lr']); the evaluation settings below are among them.
 
   Logs: JSONL, TensorBoard (`tensorboard`) and, with `wandb_project`, Weights & Biases (`wandb_mode`
-  'offline' by default: written under run_dir/wandb, `wandb sync` uploads it) with the run's config,
-  every logged row, and at the end the time breakdown and the memory plan in its summary.
+  'offline' by default: written under run_dir/wandb, needing no network; `wandb sync` uploads it) with
+  the run's configuration, every logged row, and at the end the time breakdown and the memory plan.
 
   Held-out evaluations (`evaluate_and_log`): greedy accuracy, plus a sampled pass@1 from `eval_samples`
   draws per problem when > 0, logged at the step they were taken (JSONL/TensorBoard `eval/*`) and
@@ -305,61 +305,24 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
   knobs that help, unless `memory_check` is False. At the end: where the wall time went
   (`time_breakdown`; printed, in the summary's "time_breakdown").
 
-  `wandb_project`: Weights & Biases beside JSONL and TensorBoard (`metrics.MetricsLogger`): the run's
-  configuration, every logged row, the time breakdown and the memory plan; `wandb_mode="offline"` needs
-  no network.
-
   Across processes every process runs this: the trainer processes do the SFT, training, checkpoints
   and export, the generator processes generation, rewards and the evaluations' sampling; process 0
   (the trainer leader) writes the config, the logs, the summary and the export.
   """
-  check_bindings()
-  rules = RANGES["run_experiment"]  # the gin check's rules, also when called from Python
-  problems = [f"run_experiment.{k} = {v!r}: expected {why}" for k, v in
-              (("rl_steps", rl_steps), ("eval_size", eval_size), ("eval_every", eval_every),
-               ("eval_samples", eval_samples), ("eval_window", eval_window)) if (why := rules[k](v))]
-  if wandb_project and not wandb_available():
-    problems.append(f"run_experiment.wandb_project = {wandb_project!r} needs the wandb package: "
-                    "pip install -e '.[wandb]' (or unset wandb_project)")
-  if wandb_mode not in WANDB_MODES:
-    problems.append(f"run_experiment.wandb_mode = {wandb_mode!r}: expected one of {WANDB_MODES}")
-  if problems:
-    raise ConfigError("; ".join(problems))
+  _check_arguments(rl_steps=rl_steps, eval_size=eval_size, eval_every=eval_every, eval_samples=eval_samples,
+                   eval_window=eval_window, wandb_project=wandb_project, wandb_mode=wandb_mode)
   run_dir = Path(run_dir)
   main = jax.process_index() == 0
   progress = progress and main
   t_start = time.perf_counter()
-  run_config = configured_run_config()
-  model_config = build_policy(weights=False)[0]
-  shapes = RunShapes.of(model_config, run_config)  # one geometry: the memory plan's, the engine's, the data's
-  plan = None
-  if jax.process_count() == 1:  # from shapes only: nothing is allocated before it is checked
-    from llamarl_jax import memory_plan
-    from llamarl_jax.compile_cache import enable_persistent_cache
-
-    enable_persistent_cache()  # on a GPU: the plan's compile of the train step is the run's first one's
-    plan = memory_plan.plan_run(model_config, run_config, shapes=shapes,
-                                eval_rows=eval_size * max(1, eval_samples))
-    if progress:
-      print(plan.table())
-    if memory_check:
-      plan.check()
+  run_config, shapes, plan = _plan_run(eval_rows=eval_size * max(1, eval_samples), show=progress,
+                                       check=memory_check)
   config, params, tokenizer = build_policy(weights=jax.process_index() in process_roles().trainer)
   lora = run_config.train.lora
   if lora is not None and lora.adapter_path and sft:
     raise ConfigError(f"LoraConfig.adapter_path = {lora.adapter_path!r} with run_experiment.sft = True: the warm "
                       "start would fine-tune the base under the adapter; set run_experiment.sft = False")
-  rl_source = configured_prompt_source() if rl_source is None else rl_source
-  if rl_source.tokenizer is None:  # format prompts with the model's chat template, when it has one
-    rl_source = rl_source.with_tokenizer(tokenizer)
-  if eval_source is not None and eval_source.tokenizer is None:
-    eval_source = eval_source.with_tokenizer(tokenizer)
-  # The prompts are checked against the generator's limit before anything is compiled: an overlong row
-  # is refused (file:line) or cut and counted at start, not after the engine's warm-up.
-  for source in (rl_source, eval_source):
-    if source is not None:
-      source.limit_prompts(shapes.prompt_limit)
-  eval_examples = (eval_source or rl_source.heldout()).next_batch(eval_size) if eval_size else []
+  rl_source, eval_examples = _prompts(rl_source, eval_source, tokenizer, shapes.prompt_limit, eval_size)
   controller = Controller(config, params, tokenizer, rl_source, run_dir=run_dir, config=run_config, shapes=shapes,
                           progress=progress)
   controller.evaluation_config = {"size": eval_size, "every": eval_every, "samples": eval_samples,
@@ -369,12 +332,8 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
     restored = _resume_or_refuse(controller, run_dir, resume=resume, allow_changes=resume_allow_changes,
                                  progress=progress)
     if main:
-      run_dir.mkdir(parents=True, exist_ok=True)
-      (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
-      logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project, wandb_mode=wandb_mode,
-                             config={**controller.run_record(), "gin": gin.config_str()} if wandb_project else None,
-                             rewind_to=START if restored is None else restored)
-      controller.logger = logger
+      logger = controller.logger = _open_logs(controller, run_dir, restored, tensorboard=tensorboard,
+                                              wandb_project=wandb_project, wandb_mode=wandb_mode)
     controller.recorder.breakdown.add("warmup", time.perf_counter() - t_start)  # building and compiling
     summary = _sft_rl_eval_export(controller, config, tokenizer, rl_source, sft_source, eval_examples,
                                   run_dir=run_dir, rl_steps=rl_steps, sft=sft, restored=restored, export=export,
@@ -388,18 +347,91 @@ def run_experiment(*, run_dir: str = "runs/tiny", rl_steps: int = 60, sft_source
       controller.close()
     if logger is not None and summary is None:  # a failed or interrupted run: the logs end here
       logger.close()
-  summary["total_seconds"] = time.perf_counter() - t_start
+  _finish_summary(summary, controller, plan, logger, run_dir, seconds=time.perf_counter() - t_start,
+                  show=progress, write=main)
+  return summary
+
+
+def _check_arguments(*, wandb_project: str | None, wandb_mode: str | None, **counts: int) -> None:
+  """The gin bindings (`config_check`) and `run_experiment`'s own arguments checked, each problem named."""
+  check_bindings()
+  rules = RANGES["run_experiment"]  # the gin check's rules, also when called from Python
+  problems = [f"run_experiment.{k} = {v!r}: expected {why}" for k, v in counts.items() if (why := rules[k](v))]
+  if wandb_project and not wandb_available():
+    problems.append(f"run_experiment.wandb_project = {wandb_project!r} needs the wandb package: "
+                    "pip install -e '.[wandb]' (or unset wandb_project)")
+  if wandb_mode not in WANDB_MODES:
+    problems.append(f"run_experiment.wandb_mode = {wandb_mode!r}: expected one of {WANDB_MODES}")
+  if problems:
+    raise ConfigError("; ".join(problems))
+
+
+def _plan_run(*, eval_rows: int, show: bool, check: bool):
+  """(RunConfig, RunShapes, memory plan) of the bound config. The plan (one process; None across
+  processes) comes from shapes only: nothing is allocated before it is checked (`check`: a plan over
+  the device's limit raises); `show` prints it."""
+  run_config = configured_run_config()
+  model_config = build_policy(weights=False)[0]
+  shapes = RunShapes.of(model_config, run_config)  # one geometry: the memory plan's, the engine's, the data's
+  if jax.process_count() > 1:
+    return run_config, shapes, None
+  from llamarl_jax import memory_plan
+  from llamarl_jax.compile_cache import enable_persistent_cache
+
+  enable_persistent_cache()  # on a GPU: the plan's compile of the train step is the run's first one's
+  plan = memory_plan.plan_run(model_config, run_config, shapes=shapes, eval_rows=eval_rows)
+  if show:
+    print(plan.table())
+  if check:
+    plan.check()
+  return run_config, shapes, plan
+
+
+def _prompts(rl_source: PromptSource | None, eval_source: PromptSource | None, tokenizer, prompt_limit: int,
+             eval_size: int) -> tuple[PromptSource, list]:
+  """(the RL prompt source, the held-out examples): the sources formatted with the model's chat template
+  when they have no tokenizer of their own, and their prompts checked against the generator's limit
+  before anything is compiled (an overlong row is refused, file:line, or cut and counted at start, not
+  after the engine's warm-up). The examples: `eval_size` of `eval_source`, else of the RL source's
+  held-out split."""
+  rl_source = configured_prompt_source() if rl_source is None else rl_source
+  if rl_source.tokenizer is None:
+    rl_source = rl_source.with_tokenizer(tokenizer)
+  if eval_source is not None and eval_source.tokenizer is None:
+    eval_source = eval_source.with_tokenizer(tokenizer)
+  for source in (rl_source, eval_source):
+    if source is not None:
+      source.limit_prompts(prompt_limit)
+  examples = (eval_source or rl_source.heldout()).next_batch(eval_size) if eval_size else []
+  return rl_source, examples
+
+
+def _open_logs(controller: Controller, run_dir: Path, restored: int | None, *, tensorboard: bool,
+               wandb_project: str | None, wandb_mode: str | None) -> MetricsLogger:
+  """Process 0: the run's gin config written to run_dir (config.gin; config.resume_<step>.gin on a
+  resume) and its `MetricsLogger`, rewound to the restored step."""
+  run_dir.mkdir(parents=True, exist_ok=True)
+  (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
+  return MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project, wandb_mode=wandb_mode,
+                       config={**controller.run_record(), "gin": gin.config_str()} if wandb_project else None,
+                       rewind_to=START if restored is None else restored)
+
+
+def _finish_summary(summary: dict, controller: Controller, plan, logger: MetricsLogger | None, run_dir: Path, *,
+                    seconds: float, show: bool, write: bool) -> None:
+  """The run's total seconds, memory plan and time breakdown added to `summary`; the last two logged
+  (then the logs closed), the breakdown printed (`show`), summary.json written (`write`)."""
+  summary["total_seconds"] = seconds
   if plan is not None:
     summary["memory_plan"] = plan.as_dict()
-  summary["time_breakdown"] = controller.recorder.breakdown.report(summary["total_seconds"], controller.timeline)
+  summary["time_breakdown"] = controller.recorder.breakdown.report(seconds, controller.timeline)
   if logger is not None:
     logger.log_summary({k: summary[k] for k in ("time_breakdown", "memory_plan") if k in summary})
     logger.close()
-  if progress:
+  if show:
     print(format_breakdown(summary["time_breakdown"]))
-  if main:
+  if write:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-  return summary
 
 
 def evaluate_and_log(controller: Controller, examples, *, samples: int = 0,

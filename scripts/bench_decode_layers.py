@@ -78,7 +78,7 @@ def step_cost(programs, weight_layout, prompt, n_gen, scanned: bool) -> dict:
   from llamarl_jax.generation.paged import KVPages
   from llamarl_jax.measure import hlo
   from llamarl_jax.measure.decode_cost import decode_step_cost
-  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
+  from llamarl_jax.generation.program_set import DECODE_COMPILER_OPTIONS, compile_lowered
   from llamarl_jax.model.forward import prepare_params
 
   if not scanned:
@@ -141,7 +141,7 @@ def main(argv=None):
 
   from scripts import bench_generate
   from llamarl_jax.generation import Sampler, SamplingParams
-  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
+  from llamarl_jax.generation.program_set import DECODE_COMPILER_OPTIONS, compile_lowered
   from llamarl_jax.generation.slot_programs import SlotPrograms
   from llamarl_jax.model.config import HF_LAYOUT, ModelConfig
 

@@ -19,12 +19,12 @@ where a block's own scale helps most.
 <= 128, live lengths 100..500: `bench_generate --bytes`' rows) compiled for an H100 with no GPU
 attached (`bench_generate --bytes_target h100`; needs JAX's CUDA plugin), for bf16 and fp8 weights,
 with XLA's default GEMMs ("xla defaults": split-K, each GEMM's fp32 partial sums written and summed
-by the next kernel) and with the decode programs' options (`slot_programs.DECODE_COMPILER_OPTIONS`,
+by the next kernel) and with the decode programs' options (`program_set.DECODE_COMPILER_OPTIONS`,
 what the engine compiles). Bytes: `decode_step_cost`'s (XLA's cost analysis of the GPU's fusions,
 gathers and scatters charged what they touch); kernels: `hlo.kernel_counts`, "kernels / layers"
 all of them over the layers, "per layer" a decoder layer's own (the step's count minus the count of
 the same step with one layer, over the other layers). "fp8, lm_head fp8": the fp8 generator with
-`quantize_lm_head` (the logits an fp8 GEMM; decode options only). --max_kernels_per_layer N exits
+`quantize='fp8+lm_head'` (the logits an fp8 GEMM; decode options only). --max_kernels_per_layer N exits
 with an error when a decoder layer launches more (the check of the kernel budget; a CPU-only install
 cannot run it).
 
@@ -64,7 +64,8 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
 
   from scripts import bench_generate
   from llamarl_jax.generation import Sampler, SamplingParams
-  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, SlotPrograms
+  from llamarl_jax.generation.program_set import DECODE_COMPILER_OPTIONS
+  from llamarl_jax.generation.slot_programs import SlotPrograms
   from llamarl_jax.measure.decode_cost import decode_step_cost
   from llamarl_jax.model.hf import config_from_hf
 
@@ -78,19 +79,19 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
   print("| shapes | weights | GEMMs compiled with | bytes / step | fp8 / bf16 | ideal (weights + live KV) | "
         "kernels (GEMMs) | kernels / layers | per layer |")
   print("|---|---|---|---|---|---|---|---|---|")
-  # (label, Sampler's quantize, quantize_lm_head); the fp8 lm_head with the decode options only
-  weights = (("bf16", None, False), ("fp8", "fp8", False), ("fp8, lm_head fp8", "fp8", True))
+  # (label, Sampler's quantize); the fp8 lm_head with the decode options only
+  weights = (("bf16", None), ("fp8", "fp8"), ("fp8, lm_head fp8", "fp8+lm_head"))
   rows, over = [], []
   for size in sizes:
     config = config_from_hf(bench_generate.hf_config(size).to_dict(), dtype=jax.numpy.bfloat16)
     bf16 = {}
     for options, label in (({}, "xla defaults"), (None, "decode options")):
-      for name, quantize, head in weights:
-        if head and options is not None:
+      for name, quantize in weights:
+        if quantize == "fp8+lm_head" and options is not None:
           continue
 
         def programs(cfg):
-          return SlotPrograms(cfg, Sampler(cfg, mesh, quantize=quantize, quantize_lm_head=head), num_slots=slots,
+          return SlotPrograms(cfg, Sampler(cfg, mesh, quantize=quantize), num_slots=slots,
                               pad_id=0, max_prompt_len=Pm, chunk_steps=16, kv_block_size=16,
                               sampling=SamplingParams(temperature=0, max_new_tokens=T - Pm))
         c = decode_step_cost(programs(config), prompt, live - prompt, compiler_options=options)
@@ -103,7 +104,7 @@ def step_costs(sizes, slots=64, max_kernels_per_layer=None):
         print(f"| {size} | {name} | {label} | {c['bytes'] / 1e9:.3f} GB | {ratio} | "
               f"{c['ideal'] / 1e9:.3f} GB | {c['kernels']['total']} ({c['kernels']['gemm']}) | "
               f"{c['kernels']['total'] / config.num_layers:.1f} | {per_layer:.1f} |", flush=True)
-        rows.append(dict(size=size, quantize=quantize, lm_head=head, options=label, bytes=c["bytes"],
+        rows.append(dict(size=size, quantize=quantize, options=label, bytes=c["bytes"],
                          ideal=c["ideal"], kernels=c["kernels"], kernels_per_layer=per_layer))
         if options is None and max_kernels_per_layer is not None and per_layer > max_kernels_per_layer:
           over.append(f"{size} {name}: {per_layer:.1f} kernels per layer")

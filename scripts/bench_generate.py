@@ -171,15 +171,15 @@ def cpu_model():
   return platform.processor() or "unknown"
 
 
-def our_runner(config, model, prompts, quantize=None, quantize_lm_head=False):
+def our_runner(config, model, prompts, quantize=None):
   """run(max_new_tokens) -> RolloutBatch, greedy, blocking; params placed once up front (quantize='fp8':
-  quantised there too, the lm_head too with quantize_lm_head). The runner's `weight_bytes`: what a decode
+  quantised there too; 'fp8+lm_head': the lm_head too). The runner's `weight_bytes`: what a decode
   step reads of them (not the embedding)."""
   import jax
 
   from llamarl_jax.generation import Sampler, SamplingParams
 
-  sampler = Sampler(config, quantize=quantize, quantize_lm_head=quantize_lm_head)
+  sampler = Sampler(config, quantize=quantize)
   params = sampler.place_params(model)  # the timed calls see resident weights, as the generator does
   run = lambda r: jax.block_until_ready(sampler.generate(params, prompts, SamplingParams(temperature=0, max_new_tokens=r)))
   run.weight_bytes = sum(x.nbytes for k, v in params.items() if k != "embed" for x in jax.tree.leaves(v))

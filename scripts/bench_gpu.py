@@ -14,7 +14,7 @@ Sections (Llama-3.2-1B shapes, random weights, bf16 unless said):
   decode      greedy decode per step at B16 / B64 / B256 (prompt 128) vs the HBM roofline
               (scripts/bench_generate: weights + mean valid KV bytes per step / step / peak bandwidth),
               with the weights in the compute dtype and in fp8 (GeneratorConfig.quantize='fp8'; with
-              --fp8_lm_head the fp8 rows' lm_head in fp8 too, GeneratorConfig.quantize_lm_head)
+              --fp8_lm_head the fp8 rows' lm_head in fp8 too, GeneratorConfig.quantize='fp8+lm_head')
   transformers the same weights in transformers (bf16, `generate`, dynamic cache, no torch.compile),
               decode per step at B64; skipped when torch has no CUDA
   engine      slot engine vs static sampler on a long-tail workload and one of equal lengths (every slot
@@ -297,18 +297,17 @@ def decode_section(cfg, env, args) -> dict:
   peak_bw = args.peak_bandwidth or env["peak_bandwidth"] or 0.0
   rng = np.random.RandomState(0)
   rows = []
-  labels = {None: jnp.dtype(args.dtype).name, "fp8": "fp8+lm_head" if args.fp8_lm_head else "fp8"}
-  for quantize in (None, "fp8"):  # the generator's weights in the compute dtype, then in fp8 (fp8 GEMMs)
+  fp8 = "fp8+lm_head" if args.fp8_lm_head else "fp8"
+  for quantize in (None, fp8):  # the generator's weights in the compute dtype, then in fp8 (fp8 GEMMs)
     for B in cfg["decode_batches"]:
       prompts = rng.randint(1, config.vocab_size, (B, P)).tolist()
-      ours = bench_generate.our_runner(config, model, prompts, quantize=quantize,
-                                       quantize_lm_head=bool(quantize) and args.fp8_lm_head)
+      ours = bench_generate.our_runner(config, model, prompts, quantize=quantize)
       ours(R), ours(1)  # compile both lengths
       full, one = bench_generate.best_times([lambda: ours(R), lambda: ours(1)], cfg["repeats"])
       step = (full - one) / (R - 1)
       frac = (bench_generate.decode_roofline(config, B, P, R, step, jnp.dtype(args.dtype).itemsize, peak_bw,
                                              weight_bytes=ours.weight_bytes) if peak_bw else None)
-      rows.append({"weights": labels[quantize], "batch": B, "step_ms": step * 1e3,
+      rows.append({"weights": quantize or jnp.dtype(args.dtype).name, "batch": B, "step_ms": step * 1e3,
                    "tokens_per_s": B / step, "roofline": frac, "weight_bytes": ours.weight_bytes})
   vocab, d, f, layers, heads, kv = bench_generate.SIZES[name]
   shape = dict(name=name, layers=layers, hidden=d, heads=heads, kv_heads=kv, intermediate=f, vocab=vocab, tied=False)

@@ -89,7 +89,7 @@ def compile_h100(layout: str, microbatches: int) -> None:
   from jax.experimental import topologies
 
   from llamarl_jax import compat, parallel
-  from llamarl_jax.executors.trainer import TrainerExecutor
+  from llamarl_jax.executors.trainer import TrainerExecutor, TrainLayout
   from llamarl_jax.model.config import ModelConfig
   from llamarl_jax.model.llama import abstract_model, split_params
 
@@ -100,7 +100,7 @@ def compile_h100(layout: str, microbatches: int) -> None:
                        num_kv_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
                        tie_word_embeddings=True, dtype="bfloat16")
   B, P, R = 64, 512, 8192
-  kw = dict(pack=True, tokens_per_microbatch=P + R) if layout == "packed" else dict(microbatches=microbatches)
+  kw = dict(layout=TrainLayout("packed", P + R)) if layout == "packed" else dict(microbatches=microbatches)
   trainer = TrainerExecutor(config, mesh, split_params(abstract_model(config))[1], attention="cudnn", remat="matmuls",
                             **kw)
   start = time.perf_counter()

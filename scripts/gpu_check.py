@@ -421,7 +421,7 @@ def main_job_section(cfg, env) -> dict:
   return {**row, "checks": checks}
 
 
-def _engine_figure(config, params, cfg, env, quantize, head, form) -> dict:
+def _engine_figure(config, params, cfg, env, quantize, form) -> dict:
   import jax
   import numpy as np
 
@@ -434,7 +434,7 @@ def _engine_figure(config, params, cfg, env, quantize, head, form) -> dict:
   t0 = time.perf_counter()
   engine = SlotEngine(config, lanes=S, sampling=SamplingParams(temperature=1.0, max_new_tokens=R),
                       max_prompt_len=P, chunk_steps=steps, chunks_in_flight=1, progress=False, quantize=quantize,
-                      quantize_lm_head=head, paged_attention=form)
+                      paged_attention=form)
   rng = np.random.RandomState(0)
   placed = engine.sampler.place_params(params)
   engine.swap(placed, 0)
@@ -456,7 +456,7 @@ def _engine_figure(config, params, cfg, env, quantize, head, form) -> dict:
   paths = engine.programs.paths
   del engine, placed
   jax.clear_caches()
-  return {"weights": "bf16" if quantize is None else ("fp8 + fp8 lm_head" if head else "fp8"),
+  return {"weights": {None: "bf16", "fp8": "fp8", "fp8+lm_head": "fp8 + fp8 lm_head"}[quantize],
           "paged_attention": paths["paged_attention"], "ms_per_step": ms, "roofline_ms": roofline_ms,
           "of_roofline": roofline_ms / ms if roofline_ms else None, "ideal_bytes": ideal["total"],
           "kernels_per_step": kernels["events"] / steps, "kernel_source": kernels["source"], "warmup_s": warm}
@@ -468,11 +468,11 @@ def decode_section(cfg, env) -> dict:
   config = _config(cfg, cfg["decode_layers"], dtype="bfloat16", param_dtype="bfloat16")
   params = split_params(init_model(config, seed=0))[1]
   rows = []
-  for quantize, head in ((None, False), ("fp8", False), ("fp8", True)):
+  for quantize in (None, "fp8", "fp8+lm_head"):
     for form in ("auto", "pallas_fused"):
       if form == "pallas_fused" and env["backend"] != "gpu" and not env["dry_run"]:
         continue
-      rows.append(_engine_figure(config, params, cfg, env, quantize, head, form))
+      rows.append(_engine_figure(config, params, cfg, env, quantize, form))
       print(f"    decode {rows[-1]['weights']}, {rows[-1]['paged_attention']}: {rows[-1]['ms_per_step']:.3f} ms/step",
             flush=True)
   return {"slots": cfg["slots"], "layers": config.num_layers, "rows": rows,
@@ -486,7 +486,7 @@ def packing_section(cfg, env) -> dict:
   import numpy as np
 
   from llamarl_jax import parallel
-  from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
+  from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor, TrainLayout
 
   dry = env["dry_run"]
   lengths, width = bench_packing.long_tail_batches(1)
@@ -508,7 +508,7 @@ def packing_section(cfg, env) -> dict:
   tokens = int(P * rows + resp.sum())
   out = []
   for layout, kw in (("padded", dict(microbatches=rows // 2 if rows >= 4 else 1)),
-                     ("packed", dict(pack=True, tokens_per_microbatch=width,
+                     ("packed", dict(layout=TrainLayout("packed", width),
                                      attention="cudnn" if env["backend"] == "gpu" else "xla"))):
     from flax import nnx
     from llamarl_jax.model.llama import Llama, split_params

@@ -139,7 +139,7 @@ def test_without_triton_the_engine_takes_xlas_paged_attention_with_one_warning(t
   which needs the kernel, is off too) and says why in one line; asking for the kernel is an error; the
   kernels' compiler parameters name the reason. The XLA form the engine then runs ('reduce' on a GPU)
   equals a float64 reference over the same blocks."""
-  from llamarl_jax.generation.slot_programs import decode_attention_choice
+  from llamarl_jax.generation.program_set import decode_attention_choice
   from llamarl_jax.model.paged_attention import (paged_decode_attention, resolve_paged_implementation,
                                                  target_platform)
 
@@ -178,7 +178,7 @@ def test_without_triton_the_engine_takes_xlas_paged_attention_with_one_warning(t
 
 def test_with_triton_one_gpu_runs_the_kernel_and_meshes_keep_xla():
   from llamarl_jax import gpu_paths
-  from llamarl_jax.generation.slot_programs import GPU_KERNEL_PREFERENCE, decode_attention_choice
+  from llamarl_jax.generation.program_set import GPU_KERNEL_PREFERENCE, decode_attention_choice
   chosen = decode_attention_choice("auto", "gpu", 1)  # the preferred kernel form that has passed on a GPU
   assert chosen == next(f for f in GPU_KERNEL_PREFERENCE if gpu_paths.passed("paged_attention", f))
   assert decode_attention_choice("pallas_fused", "gpu", 1) == "pallas_fused"  # opt-in by name

@@ -75,9 +75,10 @@ def test_controller_keys_are_refused_naming_the_typed_key(parsed, tmp_path, monk
   old = tmp_path / "old.gin"
   old.write_text("include 'old_base.gin'\nController.max_policy_lag = 2\nController.trainer_fdsp = 4\n")
   with pytest.raises(ConfigError) as info:
-    experiment.parse_gin([str(old)], ["Controller.reward_fn = 'math'"])
+    experiment.parse_gin([str(old)], ["Controller.reward_fn = 'math'", "GeneratorConfig.quantize_lm_head = True"])
   message = str(info.value)
   for line in ("Controller.max_policy_lag: use ScheduleConfig.max_policy_lag",
+               "GeneratorConfig.quantize_lm_head: use GeneratorConfig.quantize = 'fp8+lm_head'",
                "Controller.generator_engine: use GeneratorConfig.engine",
                "Controller.reward_fn: use RewardConfig.fn",
                "Controller.trainer_fdsp: no setting of that name"):

@@ -240,12 +240,12 @@ def test_resumed_synchronous_run_reproduces_uninterrupted_metrics(policy, tokeni
 def test_fp8_generator_weights_kept_in_a_checkpoint_restore_bit_for_bit(policy, tokenizer, tmp_path):
   """At lag 1 a checkpoint holds the generator weights of the version the next batch is generated
   with; with fp8 they are the quantised tree (float8_e4m3fn projections, fp32 scales; with
-  `quantize_lm_head` the fp8 copy of the tied embedding for the logits too), restored as saved, and
+  'fp8+lm_head' the fp8 copy of the tied embedding for the logits too), restored as saved, and
   the resumed run goes on."""
   import jax
   import jax.numpy as jnp
 
-  kw = dict(max_policy_lag=1, seed=3, checkpoint_every=2, quantize="fp8", quantize_lm_head=True)
+  kw = dict(max_policy_lag=1, seed=3, checkpoint_every=2, quantize="fp8+lm_head")
   first = make_controller(policy, tokenizer, tmp_path, **kw)
   try:
     first.run(2)

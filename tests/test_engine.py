@@ -389,7 +389,7 @@ def test_a_process_exits_cleanly_with_an_engine_alive():
 
 
 def test_decode_widths():
-  from llamarl_jax.generation.slot_programs import decode_widths
+  from llamarl_jax.generation.program_set import decode_widths
   assert decode_widths(64) == (64, 16, 4)  # quarters, down to 64 / 16
   assert decode_widths(16) == (16, 4, 1)
   assert decode_widths(256) == (256, 64, 16)  # at most three widths by default
@@ -638,15 +638,15 @@ def test_device_idle_does_not_count_the_time_between_batches(model, prompts):
 
 
 def _watched_chunk(steps):
-  """A dispatched chunk as the watcher thread sees it (`_InFlight`'s fields), its result's `steps` given."""
+  """A dispatched chunk as the watcher thread sees it (`InFlight`'s fields), its result's `steps` given."""
   import threading
   import types
 
-  from llamarl_jax.generation import engine as engine_module
+  from llamarl_jax.generation import inflight
 
   chunk = types.SimpleNamespace(local=types.SimpleNamespace(steps=steps), error=None, done_at=None,
                                 done=threading.Event())
-  chunk.get = lambda: engine_module._InFlight.get(chunk)
+  chunk.get = lambda: inflight.InFlight.get(chunk)
   return chunk
 
 
@@ -656,7 +656,7 @@ def test_a_chunk_that_fails_on_the_device_raises_in_the_thread_driving_the_engin
   import queue
   import threading
 
-  from llamarl_jax.generation import engine as engine_module
+  from llamarl_jax.generation import inflight
 
   class Failed:  # a chunk result whose computation failed on the device
     def block_until_ready(self):
@@ -664,7 +664,7 @@ def test_a_chunk_that_fails_on_the_device_raises_in_the_thread_driving_the_engin
 
   chunk = _watched_chunk(Failed())
   chunks = queue.SimpleQueue()
-  watcher = threading.Thread(target=engine_module._watch, args=(chunks,), daemon=True)
+  watcher = threading.Thread(target=inflight.watch, args=(chunks,), daemon=True)
   watcher.start()
   chunks.put(chunk)
   with pytest.raises(RuntimeError, match="device lost"):
@@ -681,9 +681,9 @@ def test_the_engines_end_waits_for_a_hung_chunk_at_most_watcher_exit_s(monkeypat
   import queue
   import threading
 
-  from llamarl_jax.generation import engine as engine_module
+  from llamarl_jax.generation import inflight
 
-  monkeypatch.setattr(engine_module, "WATCHER_EXIT_S", 0.3)
+  monkeypatch.setattr(inflight, "WATCHER_EXIT_S", 0.3)
   release = threading.Event()
 
   class Hung:  # a chunk result the device does not finish until released
@@ -692,11 +692,11 @@ def test_the_engines_end_waits_for_a_hung_chunk_at_most_watcher_exit_s(monkeypat
 
   chunk = _watched_chunk(Hung())
   chunks = queue.SimpleQueue()
-  watcher = threading.Thread(target=engine_module._watch, args=(chunks,), daemon=True)
+  watcher = threading.Thread(target=inflight.watch, args=(chunks,), daemon=True)
   watcher.start()
   chunks.put(chunk)
   t0 = time.monotonic()
-  engine_module._stop_watcher(chunks, watcher)
+  inflight.stop_watcher(chunks, watcher)
   waited = time.monotonic() - t0
   assert 0.3 <= waited < 2.0 and watcher.is_alive()
   assert "still running on the device 0.3 s after the engine ended" in capsys.readouterr().err

@@ -14,7 +14,7 @@ Tolerances:
 - against the unquantised policy they differ (over the whole vocabulary at temperature 0.8): e4m3's
   4 significant bits per weight and activation move a token's log-prob by 0.075 nats on average on
   this 32-wide model, 0.29 at most (measured); asserted > 1e-2 and < 1 nat at the largest token.
-- the fp8 lm_head (`quantize_lm_head`, tied embeddings as Llama-3.2-1B's): behaviour log-probs against
+- the fp8 lm_head (`quantize='fp8+lm_head'`, tied embeddings as Llama-3.2-1B's): behaviour log-probs against
   the teacher-forced fp8 trunk's final hidden states quantised per row (ml_dtypes' e4m3 rounding)
   times the de-quantised lm_head in float64: the hidden states agree with decode's as above, the
   32-term product differs by fp32 accumulation (~1e-7 relative), so 1e-4 as above (measured: at most
@@ -46,7 +46,7 @@ from test_serving import random_params, tiny
 CONFIG = tiny()
 TIED = tiny(tie_word_embeddings=True)  # the fp8 lm_head's case: a copy of the embedding for the logits
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=R, n=2, seed=5)
-FUSED_FP8 = WeightLayout(fused_qkv=True, fused_mlp=True, fp8=True)
+FUSED_FP8 = WeightLayout(fused_qkv=True, fused_mlp=True, quantize="fp8")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def tied_params():
 @pytest.fixture(scope="module")
 def head_sampler():
   """fp8 projections and an fp8 lm_head, tied embeddings."""
-  return Sampler(TIED, quantize="fp8", quantize_lm_head=True, batch_multiple=8)
+  return Sampler(TIED, quantize="fp8+lm_head", batch_multiple=8)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_the_slot_engine_samples_what_the_fp8_sampler_samples(lm_head, request, 
   params = request.getfixturevalue("tied_params" if lm_head else "params")
   params_b = perturbed(params) if lm_head else request.getfixturevalue("params_b")
   eng = SlotEngine(config, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
-                   kv_block_size=4, quantize="fp8", quantize_lm_head=lm_head)
+                   kv_block_size=4, quantize="fp8+lm_head" if lm_head else "fp8")
   assert eng.sampler.layout.fp8 and eng.sampler.layout.fp8_lm_head == lm_head and eng.programs.num_compiled <= 8
   static = sampler.generate(params, prompts, SAMPLED)
   batch = eng.generate(params, prompts, SAMPLED)
@@ -216,15 +216,16 @@ def test_the_fused_fp8_decode_samples_what_the_fp8_sampler_samples(model_type, s
   one kernel (`Block.decode_fp8`, `fp8_kernels`; Pallas interpret mode here), the attention kernel
   reading q from the Q/K/V GEMM's output (with Qwen2's bias; Qwen3's q/k norms: q given): the
   static fp8 sampler's tokens and log-probs (1e-5: fp32 summation order, as the unfused engine).
-  Qwen3 here with tied embeddings and the fp8 lm_head (`quantize_lm_head`) after the fused layers."""
+  Qwen3 here with tied embeddings and the fp8 lm_head ('fp8+lm_head') after the fused layers."""
   from llamarl_jax.model.paged_attention import target_platform
   head = model_type == "qwen3"
+  quantize = "fp8+lm_head" if head else "fp8"
   config = CONFIG if model_type == "llama" else tiny(model_type, tie_word_embeddings=head)
   if model_type != "llama":
     params = random_params(config)
-    sampler = Sampler(config, quantize="fp8", quantize_lm_head=head, batch_multiple=8)
+    sampler = Sampler(config, quantize=quantize, batch_multiple=8)
   eng = SlotEngine(config, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
-                   kv_block_size=4, quantize="fp8", quantize_lm_head=head, paged_attention="pallas_fused")
+                   kv_block_size=4, quantize=quantize, paged_attention="pallas_fused")
   assert eng.sampler.layout.fp8_lm_head == head
   with target_platform("cpu", "pallas_fused"):
     assert abstract_model(config, eng.sampler.layout).fused_fp8_decode()
@@ -243,7 +244,7 @@ def test_the_fused_fp8_decode_samples_what_the_fp8_sampler_samples(model_type, s
 @pytest.mark.slow
 def test_lora_push_merges_then_quantises_on_the_generator(params, prompts):
   """A LoRA push moves the fp32 adapters; the generator merges them into its base and quantises the
-  merged weights, the (untied) lm_head too (`quantize_lm_head`), in one program on its devices:
+  merged weights, the (untied) lm_head too ('fp8+lm_head'), in one program on its devices:
   exactly `quantize_params(merge_adapters(...), lm_head=True)`, and the sampler's log-probs are that
   fp8 policy's."""
   lora = LoraConfig(rank=4, alpha=8.0)
@@ -253,7 +254,7 @@ def test_lora_push_merges_then_quantises_on_the_generator(params, prompts):
   adapters = jax.tree.map(lambda s: 0.05 * np.random.RandomState(s.size % 97).randn(*s.shape).astype(np.float32),
                           lora_lib.adapter_shapes(CONFIG, lora))
   sync = WeightSync(parallel.param_shardings(split_params(abstract)[1], axes, gen_mesh), dtype=jnp.float32,
-                    quantize="fp8", quantize_lm_head=True, lora_scale=lora_lib.scale(lora), base=lambda: params,
+                    quantize="fp8+lm_head", lora_scale=lora_lib.scale(lora), base=lambda: params,
                     adapter_shardings=parallel.param_shardings(lora_lib.adapter_shapes(CONFIG, lora),
                                                                lora_lib.adapter_axes(axes, lora), gen_mesh))
   metrics = sync.push(jax.device_put(adapters, parallel.param_shardings(adapters, lora_lib.adapter_axes(axes, lora),
@@ -266,7 +267,7 @@ def test_lora_push_merges_then_quantises_on_the_generator(params, prompts):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert a.dtype == b.dtype and a.sharding.mesh == gen_mesh
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  sampler = Sampler(CONFIG, gen_mesh, quantize="fp8", quantize_lm_head=True)
+  sampler = Sampler(CONFIG, gen_mesh, quantize="fp8+lm_head")
   batch = sampler.generate(got, prompts, SAMPLED)
   np.testing.assert_allclose(batch.behaviour_logprobs, token_logprobs(fp8_model(sampler, want), batch),
                              atol=1e-4, rtol=0)
@@ -312,17 +313,15 @@ def test_quantize_takes_fp8_and_names_it_for_int8():
   assert GeneratorConfig(quantize="fp8").quantize == "fp8"
   with pytest.raises(ConfigError, match=r"GeneratorConfig.quantize.*'fp8'.*there is no 'int8'"):
     GeneratorConfig(quantize="int8")
-  with pytest.raises(ValueError, match="quantize must be one of"):
+  with pytest.raises(ValueError, match=r"WeightLayout.quantize \(GeneratorConfig.quantize\): expected None, 'fp8' or "
+                                       r"'fp8\+lm_head'.*got 'int8'"):
     Sampler(CONFIG, quantize="int8")
-  # the fp8 lm_head is an option of the fp8 generator only, and of a causal LM's head only
-  assert GeneratorConfig(quantize="fp8", quantize_lm_head=True).quantize_lm_head
-  with pytest.raises(ConfigError, match=r"quantize_lm_head = True .* needs GeneratorConfig.quantize = 'fp8' "
-                                        r"\(got None\)"):
-    GeneratorConfig(quantize_lm_head=True)
-  with pytest.raises(ValueError, match="quantize_lm_head=True .* needs quantize='fp8'"):
-    Sampler(CONFIG, quantize_lm_head=True)
+  # the fp8 lm_head is one precision of the three, and a causal LM's head only
+  layout = Sampler(CONFIG, quantize="fp8+lm_head").layout
+  assert GeneratorConfig(quantize="fp8+lm_head").quantize == layout.quantize == "fp8+lm_head"
+  assert layout.fp8 and layout.fp8_lm_head and not Sampler(CONFIG, quantize="fp8").layout.fp8_lm_head
   with pytest.raises(ValueError, match="score-head model .* no lm_head"):
-    Sampler(tiny(num_labels=1), quantize="fp8", quantize_lm_head=True)
+    Sampler(tiny(num_labels=1), quantize="fp8+lm_head")
   # with LoRA and across processes
   config = RunConfig(generator=GeneratorConfig(quantize="fp8"), train=TrainConfig(lora=LoraConfig(rank=4)))
   config.check_layout(1, 2)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from llamarl_jax import gpu_paths
-from llamarl_jax.generation.slot_programs import GPU_KERNEL_PREFERENCE, decode_attention_choice
+from llamarl_jax.generation.program_set import GPU_KERNEL_PREFERENCE, decode_attention_choice
 from llamarl_jax.model.forward import ATTENTION_IMPLEMENTATIONS, resolve_attention
 from llamarl_jax.model.paged_attention import PAGED_IMPLEMENTATIONS
 

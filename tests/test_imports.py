@@ -12,10 +12,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llamarl_jax"
 # bottom first: a room may import only rooms of lower layers (and itself)
 LAYERS = (
     ("compat", "gpu_paths", "ports", "stats", "schedule", "compile_cache", "parallel", "metrics", "time_breakdown",
-     "tokenizer", "replay", "checkpoint", "tools", "live", "loss_terms"),  # loss_terms: the losses' shared pieces
+     "tokenizer", "replay", "checkpoint", "tools", "live", "loss_terms", "field_rules"),  # loss_terms: the losses'
+    # shared pieces; field_rules: the configuration fields' rules
     ("batch", "distributed", "losses", "advantages"),  # the batch contract; losses are pure functions
     ("model", "mismatch"),
-    ("transfer", "rewards"),
+    ("transfer", "rewards", "train_config"),  # train_config: the trainer's section of the configuration
     ("config",),
     ("generation", "train"),
     ("envs", "data", "shapes"),

@@ -18,7 +18,7 @@ from flax import nnx
 
 from conftest import mesh_at_most
 from llamarl_jax import parallel
-from llamarl_jax.config import LoraConfig, OptimizerConfig
+from llamarl_jax.config import LoraConfig, OptimizerConfig, TrainLayout
 from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.executors.weight_sync import WeightSync, tree_bytes
 from llamarl_jax.batch import RolloutBatch, ScoredBatch
@@ -191,7 +191,7 @@ def test_adapters_shard_like_the_matrices_they_adapt_and_train_the_same(lora_run
   one-device run's do (summation order only: 1e-5 on adapters after lr-1e-2 Adam steps)."""
   trainer = TrainerExecutor(CONFIG, parallel.make_mesh(jax.devices()[:4], fsdp=2, tp=2), base_params,
                             optimizer=OPT, loss_kwargs={"rho_max": 2.0}, lora=LORA, microbatches=2,
-                            group_by_length=True, remat="full", logprob_chunk=3)
+                            layout=TrainLayout("grouped"), remat="full", logprob_chunk=3)
   P_ = jax.sharding.PartitionSpec
   spec = lambda x: x.sharding.spec
   layer = trainer.params["layers"][0]

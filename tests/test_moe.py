@@ -318,6 +318,64 @@ def test_fsdp_routes_each_devices_own_rows():
   np.testing.assert_allclose(outs["fsdp"], outs["one"], atol=1e-5, rtol=0)
 
 
+EP_MESH = {"data": 2, "expert": 2, "tp": 2}  # 8 devices, each holding 2 of tiny_moe_config's 4 experts
+
+
+@pytest.mark.devices(8)
+@pytest.mark.slow
+def test_an_expert_parallel_generator_samples_what_one_device_samples():
+  """A generator mesh of data=2 x expert=2 x tp=2 samples the one-device generator's tokens and experts
+  at every position, in the static sampler and in the slot engine (temperature 1, seed 1), with
+  log-probs within 1e-5 (fp32: the experts' partial sums add up over `expert` in another order; 1e-6
+  measured)."""
+  from llamarl_jax import parallel
+  from llamarl_jax.generation import Sampler, SamplingParams
+  from llamarl_jax.generation.engine import SlotEngine
+
+  config = tiny_moe_config()
+  params = moe_params(config)
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1)
+  runs = {}
+  for name, mesh in (("one", parallel.make_mesh(jax.devices()[:1])),
+                     ("ep", parallel.make_mesh(jax.devices()[:8], **EP_MESH))):
+    static = jax.device_get(Sampler(config, mesh, batch_multiple=8).generate(params, routing_prompts(), sampling))
+    engine = SlotEngine(config, mesh, lanes=8, sampling=sampling, max_prompt_len=16, chunk_steps=3,
+                        prompt_buckets=(16,), kv_block_size=4, min_decode_width=8, progress=False)
+    runs[name] = {"static": static, "slots": engine.generate(params, routing_prompts(), sampling)}
+  for way in ("static", "slots"):
+    one, ep = runs["one"][way], runs["ep"][way]
+    np.testing.assert_array_equal(ep.response_tokens, one.response_tokens, err_msg=way)
+    np.testing.assert_array_equal(ep.routing, one.routing, err_msg=way)
+    np.testing.assert_allclose(ep.behaviour_logprobs, one.behaviour_logprobs, atol=1e-5, rtol=0, err_msg=way)
+
+
+@pytest.mark.devices(8)
+def test_an_expert_parallel_generators_decode_exchanges_only_partial_sums():
+  """The slot engine's decode step on data=2 x expert=2 x tp=2 runs its MoE layers over the mesh
+  (`moe.grouped_swiglu`): each device computes its own experts for its data group's rows and the
+  `[lanes / data, embed]` partial outputs are summed over `expert`; no collective moves the
+  `[lanes * k, ...]` rows sorted by expert, nor an expert's weights. (XLA partitioning the layer
+  itself all-reduces those rows, and at Qwen3-30B-A3B's sizes on H100s all-gathers every expert's
+  weights: BENCHMARKS.md.)"""
+  import re
+
+  from llamarl_jax import parallel
+  from llamarl_jax.generation import Sampler, SamplingParams
+  from llamarl_jax.generation.slot_programs import SlotPrograms
+
+  config = tiny_moe_config()
+  sampler = Sampler(config, parallel.make_mesh(jax.devices()[:8], **EP_MESH), prompt_buckets=(16,))
+  lanes, E, F, X, k = 8, config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok
+  programs = SlotPrograms(config, sampler, num_slots=lanes, sampling=SamplingParams(max_new_tokens=8, n=2),
+                          max_prompt_len=16, chunk_steps=2, pad_id=0, kv_block_size=4, min_decode_width=lanes)
+  decode = next(key for key in programs.program_keys() if key[0] == "decode")
+  text = programs.lower(decode).compile().as_text()
+  moved = set(re.findall(r"= f32\[([0-9,]*)\]\S* (all-reduce|all-gather|all-to-all|reduce-scatter)", text))
+  assert (f"{lanes // 2},{E}", "all-reduce") in moved, moved
+  weights = {s for x in (X, X // 2) for f in (F, F // 2) for s in (f"{x},{E},2,{f}", f"{x},{f},{E}")}
+  assert not {(s, op) for s, op in moved if s.startswith(f"{lanes * k},") or s in weights}, moved
+
+
 # -- routing replay ------------------------------------------------------------------------------
 
 # Every routing test samples these prompts (8 rows: 2 samples each, 8 new tokens); the static sampler

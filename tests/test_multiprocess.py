@@ -290,7 +290,7 @@ def test_lora_two_processes_give_the_one_process_metrics_moving_only_adapters(wa
 def test_fp8_two_processes_give_the_one_process_metrics(warm_start, tmp_path, lora):
   """An fp8 generator, 3 steps: the trainer process quantises before the wire, the fp8 values and
   scales cross, the generator process fuses them and samples with fp8 GEMMs, the fp8 lm_head's copy
-  of the tied embedding included (`quantize_lm_head`); LoRA: the adapters cross, the generator
+  of the tied embedding included ('fp8+lm_head'); LoRA: the adapters cross, the generator
   process merges and quantises (the lm_head in the generator dtype). Every per-step metric equals the one-process
   run's (quantising is per-channel max and division: the same bits on any sharding), each push moved
   under half of the fp32 model's bytes, and the mismatch metrics see the fp8 gap at lag 0 (the fp32
@@ -298,8 +298,9 @@ def test_fp8_two_processes_give_the_one_process_metrics(warm_start, tmp_path, lo
   from llamarl_jax.model.config import ModelConfig
 
   adapters = ["--gin_param=TrainConfig.lora = @LoraConfig()", "--gin_param=LoraConfig.rank = 8",
-              "--gin_param=LoraConfig.alpha = 16.0"] if lora else ["--gin_param=GeneratorConfig.quantize_lm_head = True"]
-  quantized = ["--gin_param=GeneratorConfig.quantize = 'fp8'", *adapters, *warm_start]
+              "--gin_param=LoraConfig.alpha = 16.0"] if lora else []
+  quantize = "'fp8'" if lora else "'fp8+lm_head'"
+  quantized = [f"--gin_param=GeneratorConfig.quantize = {quantize}", *adapters, *warm_start]
   _train(tmp_path / "one", 3, *quantized)
   status, out = _launch(2, _args(tmp_path / "two", 3, *quantized), timeout_s=300)
   assert status == 0, out

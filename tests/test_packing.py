@@ -18,7 +18,7 @@ from flax import nnx
 from conftest import mesh_at_most
 from llamarl_jax import compat
 from llamarl_jax import parallel
-from llamarl_jax.config import LoraConfig, OptimizerConfig
+from llamarl_jax.config import ConfigError, LoraConfig, OptimizerConfig, TrainLayout
 from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.batch import RolloutBatch, ScoredBatch
 from llamarl_jax.model.config import ModelConfig
@@ -102,8 +102,9 @@ def test_packed_step_equals_padded_step(case, params):
   batch = make_batch(7)
   mesh = parallel.make_mesh(jax.devices()[:1]) if case != "cispo_lora_remat" else mesh_at_most(fsdp=2)
   runs = {}
-  for name, pack in [("padded", {}), ("packed", {"pack": True, "tokens_per_microbatch": TOKENS})]:
-    trainer = TrainerExecutor(CONFIG, mesh, params, optimizer=OPT, loss=loss, loss_kwargs=loss_kwargs, **opts, **pack)
+  for name, layout in [("padded", TrainLayout()), ("packed", TrainLayout("packed", TOKENS))]:
+    trainer = TrainerExecutor(CONFIG, mesh, params, optimizer=OPT, loss=loss, loss_kwargs=loss_kwargs, **opts,
+                              layout=layout)
     metrics = trainer.step(batch)
     runs[name] = (metrics, host(trainer.opt_state[0].mu))
   (padded, mu_padded), (packed, mu_packed) = runs["padded"], runs["packed"]
@@ -127,10 +128,10 @@ def test_packed_step_equals_padded_step(case, params):
 
 def test_pack_needs_a_token_budget_that_holds_a_row(params):
   mesh = parallel.make_mesh(jax.devices()[:1])
-  with pytest.raises(ValueError, match="tokens_per_microbatch"):
-    TrainerExecutor(CONFIG, mesh, params, pack=True)
-  with pytest.raises(ValueError, match="microbatches = 1"):
-    TrainerExecutor(CONFIG, mesh, params, pack=True, tokens_per_microbatch=TOKENS, microbatches=2)
-  trainer = TrainerExecutor(CONFIG, mesh, params, pack=True, tokens_per_microbatch=P + R - 1)
+  with pytest.raises(ConfigError, match="tokens_per_microbatch"):
+    TrainerExecutor(CONFIG, mesh, params, layout=TrainLayout("packed"))
+  with pytest.raises(ConfigError, match="microbatches = 1"):
+    TrainerExecutor(CONFIG, mesh, params, layout=TrainLayout("packed", TOKENS), microbatches=2)
+  trainer = TrainerExecutor(CONFIG, mesh, params, layout=TrainLayout("packed", P + R - 1))
   with pytest.raises(ValueError, match="at least P \\+ R"):
     trainer.step(make_batch(1))

@@ -198,7 +198,7 @@ def test_the_kernel_reads_and_rotates_q_from_the_projection_output(scaled, form)
 def test_decode_programs_compile_with_their_options_or_xlas_defaults_where_unknown():
   """`compile_lowered` passes the decode programs' XLA options (no split-K GEMMs) to the compiler;
   an XLA that does not know an option compiles with its defaults; any other error is raised."""
-  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
+  from llamarl_jax.generation.program_set import DECODE_COMPILER_OPTIONS, compile_lowered
 
   class Lowered:  # records what it was compiled with; knows only `known`
     def __init__(self, known, error="INVALID_ARGUMENT: No such compile option: '{}'"):

@@ -28,7 +28,7 @@ from conftest import mesh_at_most
 from sequence_layout import sequence_layout
 from llamarl_jax import compat
 from llamarl_jax import parallel
-from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor
+from llamarl_jax.executors.trainer import OptimizerConfig, TrainerExecutor, TrainLayout
 from llamarl_jax.batch import RolloutBatch, ScoredBatch
 from llamarl_jax.mismatch import MISMATCH_LAGS
 from llamarl_jax.model.config import ModelConfig
@@ -454,8 +454,8 @@ def grouped_runs(model_params):
   kw = dict(optimizer=OPT, loss_kwargs={"rho_max": 2.0, "entropy_coef": 0.01, "aggregation": "seq_sum_norm"},
             microbatches=32 // ROWS_PER_MICROBATCH, ref_params=model_params[1], kl_coef=0.1)
   runs = {}
-  for name, mesh, group in [("ungrouped", one_device_mesh(), False), ("grouped", mesh_at_most(fsdp=2), True)]:
-    trainer = TrainerExecutor(LONG_CONFIG, mesh, model_params[1], group_by_length=group, **kw)
+  for name, mesh, kind in [("ungrouped", one_device_mesh(), "padded"), ("grouped", mesh_at_most(fsdp=2), "grouped")]:
+    trainer = TrainerExecutor(LONG_CONFIG, mesh, model_params[1], layout=TrainLayout(kind), **kw)
     metrics, states = run_steps(trainer, batch, 2)
     runs[name] = {"metrics": metrics, "states": states, "trainer": trainer}
   return batch, runs

@@ -113,7 +113,7 @@ def test_push_reports_seconds_bytes_and_throughput(setup):
 
 
 def test_rejects_unknown_quantization(setup):
-  with pytest.raises(ValueError, match="quantize must be None or 'fp8'"):
+  with pytest.raises(ValueError, match=r"WeightLayout.quantize .*expected None, 'fp8' or 'fp8\+lm_head'"):
     WeightSync(setup[1], quantize="int8")
 
 

@@ -235,6 +235,13 @@ class GeneratorExecutor:
                         tool_steps=self.tool_steps, batch_multiple=self.sampler.batch_multiple,
                         pad_id=self.sampler.pad_id)
 
+  def evaluation_episodes(self, examples, params: Any, *, samples: int, seed: int) -> tuple[Episodes, Episodes | None]:
+    """A held-out evaluation's episodes of `examples` under `params` (not recorded): greedy, and with
+    `samples` > 0 that many sampled per problem, drawn with `seed`."""
+    greedy = self.sample(examples, 0, params, 0, greedy=True, n=1, record=False)
+    sampled = self.sample(examples, seed, params, 0, n=samples, record=False) if samples else None
+    return greedy, sampled
+
   def close(self) -> None:
     """Stop the tool threads and the environment's tools (idempotent)."""
     if self.tool_steps is not None:

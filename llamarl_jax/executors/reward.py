@@ -147,6 +147,18 @@ def _shutdown(workers: list[_Worker]) -> None:
   workers.clear()
 
 
+class _PoolCall:
+  """One `score` call's work in the worker pool: the samples not handed out yet (`todo`) and not
+  answered yet (`remaining`), the rewards and counts it fills, and the worker starts that failed since
+  the last one came up (past 3 per worker the call gives up)."""
+
+  def __init__(self, responses: list[str], ground_truths: list[str], rewards: np.ndarray, counts):
+    self.responses, self.ground_truths, self.rewards, self.counts = responses, ground_truths, rewards, counts
+    self.todo = collections.deque(range(len(responses)))
+    self.remaining = len(responses)
+    self.failed_starts = 0
+
+
 @gin.configurable(allowlist=["worker_max_tasks", "worker_max_rss_mb", "worker_memory_limit_mb", "max_chunk",
                              "startup_timeout_s"])
 class RewardExecutor(LiveResource):
@@ -288,117 +300,121 @@ class RewardExecutor(LiveResource):
         self.recent_errors.append(f"{type(e).__name__}: {str(e)[:200]}")
 
   def _score_pool(self, responses: list[str], ground_truths: list[str], rewards: np.ndarray, counts) -> None:
-    todo = collections.deque(range(len(responses)))
-    remaining = len(responses)
-    failed_starts = 0
-
-    def fail_current(w: _Worker, kind: str, message: str) -> None:
-      """The sample w is working on scores 0 (counted as `kind`); the rest of its chunk goes back."""
-      nonlocal remaining
-      if w.chunk:
-        counts[kind] += 1
-        self.recent_errors.append(f"{kind}: {message}")
-        w.chunk.popleft()  # rewards already 0
-        remaining -= 1
-        todo.extendleft(reversed(w.chunk))
-      w.chunk.clear()
-
-    def replace(slot: int, kind: str = "worker_restarts") -> None:
-      nonlocal failed_starts
-      self._workers[slot].kill()
-      counts[kind] += 1
-      try:
-        self._workers[slot] = self._new_worker()
-      except Exception as e:  # noqa: BLE001 - e.g. out of processes: the dead worker stays, retried later
-        failed_starts += 1
-        self.recent_errors.append(f"could not start a reward worker: {type(e).__name__}: {e}")
-        time.sleep(0.1)
-
-    def drain(w: _Worker) -> bool:
-      """Handle every message waiting from w; True when w is gone (EOF, load error, cut-off message)."""
-      nonlocal remaining, failed_starts
-      try:
-        while w.conn.poll():
-          msg = w.conn.recv()
-          if msg[0] == "ready":
-            w.ready, failed_starts = True, 0
-          elif msg[0] == "load_error":
-            self.recent_errors.append(f"load_error: {msg[1]}")
-            return True
-          else:
-            index, r, status, message = msg
-            if not w.chunk or w.chunk[0] != index:
-              continue  # stale (cannot happen with in-order workers; be safe)
-            w.chunk.popleft()
-            remaining -= 1
-            w.tasks += 1
-            w.progress = time.monotonic()
-            if status == _OK:
-              rewards[index] = r
-            else:
-              counts["errors"] += 1
-              self.recent_errors.append(message)
-              w.out_of_memory |= message.startswith("MemoryError")
-      except Exception:  # noqa: BLE001 - EOF, closed handle, or a message cut off by a kill
-        return True
-      return False
-
-    while remaining:
-      now = time.monotonic()
-      for slot, w in enumerate(self._workers):  # hand out work to idle workers
-        if w.ready and not w.chunk and todo and (why := self._worn_out(w)):
-          log.info("reward worker %d recycled: %s", w.proc.pid, why)
-          replace(slot, "worker_recycles")
-          continue
-        if w.ready and not w.chunk and todo:
-          size = max(1, min(self.max_chunk, len(todo) // (2 * self.num_workers)))
-          w.chunk.extend(todo.popleft() for _ in range(min(size, len(todo))))
-          w.progress = now
-          try:
-            w.conn.send([(i, responses[i], ground_truths[i]) for i in w.chunk])
-          except (OSError, ValueError):  # died while idle: nothing was running on it
-            todo.extendleft(reversed(w.chunk))
-            w.chunk.clear()
-            replace(slot)
+    """Score in the worker pool: hand out chunks, wait for an answer, a death or a deadline, collect,
+    until every sample is answered or scored 0 (also when workers keep failing to start)."""
+    call = _PoolCall(responses, ground_truths, rewards, counts)
+    while call.remaining:
+      self._hand_out(call)
       deadlines = [w.progress + self.timeout_s if w.chunk else w.started + self.startup_timeout_s
                    for w in self._workers if w.chunk or not w.ready]
       timeout = max(min(deadlines) - time.monotonic(), 0.0) if deadlines else 1.0
       wait_any([w.conn for w in self._workers if not w.closed] +
                [w.proc.sentinel for w in self._workers if not w.closed], timeout=timeout)
-
-      for slot, w in enumerate(self._workers):
-        if w.closed:  # a failed start left this slot empty: try again
-          replace(slot)
-          continue
-        dead = drain(w)
-        if not dead and not w.proc.is_alive():
-          dead = True
-          drain(w)  # answers sent just before it died are still in the pipe
-        if dead:
-          if not w.ready:
-            failed_starts += 1
-          w.proc.join(timeout=1.0)  # its pipe closed: it is exiting; reap it for the exit code
-          fail_current(w, "errors", f"worker exited (exit code {w.proc.exitcode})")
-          replace(slot)
-        elif w.chunk and time.monotonic() - w.progress > self.timeout_s:
-          fail_current(w, "timeouts", f"sample ran past {self.timeout_s}s")
-          replace(slot)
-        elif not w.ready and time.monotonic() - w.started > self.startup_timeout_s:
-          failed_starts += 1
-          self.recent_errors.append(f"worker did not start within {self.startup_timeout_s}s")
-          replace(slot)
-
-      if not remaining:  # start the replacements of worn-out workers now, off the next call's path
+      self._collect(call)
+      if not call.remaining:  # start the replacements of worn-out workers now, off the next call's path
         for slot, w in enumerate(self._workers):
           if not w.closed and (why := self._worn_out(w)):
             log.info("reward worker %d recycled: %s", w.proc.pid, why)
-            replace(slot, "worker_recycles")
-      if failed_starts > 3 * self.num_workers:  # workers cannot start at all: give up on this batch
-        counts["errors"] += remaining
+            self._replace(call, slot, "worker_recycles")
+      if call.failed_starts > 3 * self.num_workers:  # workers cannot start at all: give up on this batch
+        call.counts["errors"] += call.remaining
         self.recent_errors.append("reward workers keep failing to start; remaining samples scored 0")
         for slot in range(len(self._workers)):  # fresh workers: no stale answers in the next call
-          replace(slot)
+          self._replace(call, slot)
         return
+
+  def _hand_out(self, call: _PoolCall) -> None:
+    """A chunk of the samples not handed out yet to each idle worker (a worn-out one is recycled first)."""
+    now = time.monotonic()
+    for slot, w in enumerate(self._workers):
+      if w.ready and not w.chunk and call.todo and (why := self._worn_out(w)):
+        log.info("reward worker %d recycled: %s", w.proc.pid, why)
+        self._replace(call, slot, "worker_recycles")
+        continue
+      if w.ready and not w.chunk and call.todo:
+        size = max(1, min(self.max_chunk, len(call.todo) // (2 * self.num_workers)))
+        w.chunk.extend(call.todo.popleft() for _ in range(min(size, len(call.todo))))
+        w.progress = now
+        try:
+          w.conn.send([(i, call.responses[i], call.ground_truths[i]) for i in w.chunk])
+        except (OSError, ValueError):  # died while idle: nothing was running on it
+          call.todo.extendleft(reversed(w.chunk))
+          w.chunk.clear()
+          self._replace(call, slot)
+
+  def _collect(self, call: _PoolCall) -> None:
+    """Every worker's answers taken; a worker that died, ran past `timeout_s` on a sample or did not
+    start within `startup_timeout_s` replaced (its current sample failed, the rest of its chunk back)."""
+    for slot, w in enumerate(self._workers):
+      if w.closed:  # a failed start left this slot empty: try again
+        self._replace(call, slot)
+        continue
+      dead = self._drain(call, w)
+      if not dead and not w.proc.is_alive():
+        dead = True
+        self._drain(call, w)  # answers sent just before it died are still in the pipe
+      if dead:
+        if not w.ready:
+          call.failed_starts += 1
+        w.proc.join(timeout=1.0)  # its pipe closed: it is exiting; reap it for the exit code
+        self._fail_current(call, w, "errors", f"worker exited (exit code {w.proc.exitcode})")
+        self._replace(call, slot)
+      elif w.chunk and time.monotonic() - w.progress > self.timeout_s:
+        self._fail_current(call, w, "timeouts", f"sample ran past {self.timeout_s}s")
+        self._replace(call, slot)
+      elif not w.ready and time.monotonic() - w.started > self.startup_timeout_s:
+        call.failed_starts += 1
+        self.recent_errors.append(f"worker did not start within {self.startup_timeout_s}s")
+        self._replace(call, slot)
+
+  def _drain(self, call: _PoolCall, w: _Worker) -> bool:
+    """Handle every message waiting from w; True when w is gone (EOF, load error, cut-off message)."""
+    try:
+      while w.conn.poll():
+        msg = w.conn.recv()
+        if msg[0] == "ready":
+          w.ready, call.failed_starts = True, 0
+        elif msg[0] == "load_error":
+          self.recent_errors.append(f"load_error: {msg[1]}")
+          return True
+        else:
+          index, r, status, message = msg
+          if not w.chunk or w.chunk[0] != index:
+            continue  # stale (cannot happen with in-order workers; be safe)
+          w.chunk.popleft()
+          call.remaining -= 1
+          w.tasks += 1
+          w.progress = time.monotonic()
+          if status == _OK:
+            call.rewards[index] = r
+          else:
+            call.counts["errors"] += 1
+            self.recent_errors.append(message)
+            w.out_of_memory |= message.startswith("MemoryError")
+    except Exception:  # noqa: BLE001 - EOF, closed handle, or a message cut off by a kill
+      return True
+    return False
+
+  def _fail_current(self, call: _PoolCall, w: _Worker, kind: str, message: str) -> None:
+    """The sample w is working on scores 0 (counted as `kind`); the rest of its chunk goes back."""
+    if w.chunk:
+      call.counts[kind] += 1
+      self.recent_errors.append(f"{kind}: {message}")
+      w.chunk.popleft()  # rewards already 0
+      call.remaining -= 1
+      call.todo.extendleft(reversed(w.chunk))
+    w.chunk.clear()
+
+  def _replace(self, call: _PoolCall, slot: int, kind: str = "worker_restarts") -> None:
+    """A fresh worker in `slot` (counted as `kind`); a failed start leaves the dead one there, retried later."""
+    self._workers[slot].kill()
+    call.counts[kind] += 1
+    try:
+      self._workers[slot] = self._new_worker()
+    except Exception as e:  # noqa: BLE001 - e.g. out of processes: the dead worker stays, retried later
+      call.failed_starts += 1
+      self.recent_errors.append(f"could not start a reward worker: {type(e).__name__}: {e}")
+      time.sleep(0.1)
 
   # ----------------------------------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 `llamarl_jax.train` on it (LlamaRL's trainer). It places the state (`train.placement`: initial,
 loaded, restored from a checkpoint) and each batch (rows over `data` x `fsdp`), and calls the step's
 programs (`train.programs.TrainPrograms`: jitted with explicit shardings, the trained state donated)
-in the run's layout: padded (default), `group_by_length`, or `pack` into `tokens_per_microbatch`-token
-rows; all three give the same loss, gradient and metrics (up to fp32 summation order). With `lora`,
+in the run's layout (`TrainLayout`): padded (default), grouped by length, or packed into rows of a
+token budget; all three give the same loss, gradient and metrics (up to fp32 summation order). With `lora`,
 what is trained is LoRA adapters on a frozen base held in `base_dtype`. With `critic` (a
 `CriticConfig`), a value model trained beside the policy on the same mesh (`executors.critic`) gives
 each step's rows token-level GAE advantages before the policy's step, then takes its own optimizer
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from llamarl_jax import gpu_paths, losses, mismatch, parallel
-from llamarl_jax.config import CriticConfig, LoraConfig, OptimizerConfig
+from llamarl_jax.config import CriticConfig, LoraConfig, OptimizerConfig, TrainLayout
 from llamarl_jax.executors.critic import CriticExecutor
 from llamarl_jax.batch import ScoredBatch
 from llamarl_jax.model import lora as lora_lib
@@ -42,18 +42,19 @@ class TrainerExecutor:
   params: initial params (`split_params` dict; host or device, any dtype; copied, cast to fp32, sharded;
   `jax.ShapeDtypeStruct`s: an abstract trainer that can only `lower_step`). loss / loss_kwargs: a name
   in `losses.TRAINER_LOSSES` and its settings. microbatches: gradient-accumulation slices (B a multiple
-  of microbatches * data * fsdp). group_by_length / pack + tokens_per_microbatch: the step's layout
-  (`train.programs`). ref_params: a frozen reference policy for a KL penalty (`kl_coef`), in the
-  compute dtype; reference_is_initial: `load_params` replaces it too. lora: a `LoraConfig`: `params`
-  become the frozen base (in `base_dtype`), the adapters (`adapters`, or initialised from
-  `lora_seed`) are trained. `params` returns the live trained arrays (the next `step` donates them);
-  `policy_params()` is the whole policy. critic: a `CriticConfig`: a value model (`self.critic`, an
-  `executors.critic.CriticExecutor`) from `critic.path` or from `params` with a fresh head, on this
-  mesh; each `step` takes the rows' rewards (`ScoredBatch.rewards`) to GAE advantages with it.
+  of microbatches * data * fsdp). layout: the step's layout (`TrainLayout`: padded, grouped or packed;
+  `train.programs`), checked against the other settings by `TrainLayout.check`. ref_params: a frozen
+  reference policy for a KL penalty (`kl_coef`), in the compute dtype; reference_is_initial:
+  `load_params` replaces it too. lora: a `LoraConfig`: `params` become the frozen base (in
+  `base_dtype`), the adapters (`adapters`, or initialised from `lora_seed`) are trained. `params`
+  returns the live trained arrays (the next `step` donates them); `policy_params()` is the whole
+  policy. critic: a `CriticConfig`: a value model (`self.critic`, an `executors.critic.CriticExecutor`)
+  from `critic.path` or from `params` with a fresh head, on this mesh; each `step` takes the rows'
+  rewards (`ScoredBatch.rewards`) to GAE advantages with it.
   A MoE policy's batches carry the generator's recorded routing (`RolloutBatch.routing`; -1 when a
   batch has none): each step logs `moe/routing_disagreement`, the share of recorded (token, MoE layer)
   pairs whose top-k the trainer's router chooses differently; routing_replay: the policy's forward
-  uses the recorded experts (padded and length-grouped layouts; not with pack).
+  uses the recorded experts (padded and length-grouped layouts; not packed).
   """
 
   def __init__(self, config: ModelConfig, mesh: Mesh, params: Any, *,
@@ -62,38 +63,30 @@ class TrainerExecutor:
                temperature: float = 1.0, ref_params: Any = None, kl_coef: float = 0.0,
                reference_is_initial: bool = False, attention: str = "auto",
                logprob_chunk: int | None = DEFAULT_LOGPROB_CHUNK, platform: str | None = None,
-               group_by_length: bool = False, scan_layers: bool = True,
+               layout: TrainLayout = TrainLayout(), scan_layers: bool = True,
                rules: Mapping[str, str | None] = parallel.RULES, lora: LoraConfig | None = None,
-               base_dtype="float32", adapters: Any = None, lora_seed: int = 0, pack: bool = False,
-               tokens_per_microbatch: int | None = None, critic: CriticConfig | None = None,
-               routing_replay: bool = False):
+               base_dtype="float32", adapters: Any = None, lora_seed: int = 0,
+               critic: CriticConfig | None = None, routing_replay: bool = False):
     loss_kwargs = dict(loss_kwargs or {})
     if routing_replay and not config.num_experts:
       raise ValueError("routing_replay=True replays a mixture-of-experts policy's recorded routing, but this model "
                        f"is dense ({config.model_type!r}, num_experts=0); set routing_replay=False")
-    if routing_replay and pack:
-      raise ValueError("routing_replay=True runs on the padded or length-grouped layout; the packed step (pack=True) "
-                       "does not replay routing: set pack=False")
     if (kl_coef or loss_kwargs.get("kl_coef")) and ref_params is None:
       raise ValueError("a KL penalty (kl_coef > 0) needs ref_params, the reference policy's params")
     if kl_coef:
       if loss_kwargs.get("kl_coef", kl_coef) != kl_coef:
         raise ValueError(f"kl_coef given twice: {kl_coef} and loss_kwargs {loss_kwargs['kl_coef']}")
       loss_kwargs["kl_coef"] = kl_coef
-    if pack and (group_by_length or microbatches != 1 or not tokens_per_microbatch or tokens_per_microbatch < 1):
-      raise ValueError(f"pack=True takes its microbatches from the token budget: it needs tokens_per_microbatch >= 1 "
-                       f"(got {tokens_per_microbatch}), microbatches = 1 (got {microbatches}) and group_by_length off "
-                       f"(got {group_by_length})")
-    if critic is not None and pack:
-      raise ValueError("a critic trains on the padded or length-grouped layout; pack=True is not supported with it")
+    self.layout = layout.check(microbatches=microbatches, critic=critic is not None,
+                               routing_replay=bool(routing_replay))
     self.config, self.mesh, self.lora, self.base_dtype = config, mesh, lora, jnp.dtype(base_dtype)
     self.optimizer_config = optimizer or OptimizerConfig()
-    self.microbatches, self.group_by_length, self.pack = microbatches, bool(group_by_length), bool(pack)
+    self.microbatches = microbatches
     self.remat, self.logprob_chunk, self.temperature = remat_policy(remat), logprob_chunk, float(temperature)
     self.platform = platform or mesh.devices.flat[0].platform  # the step's target (`lower_step`)
-    self.attention = resolve_attention(attention, self.platform, config.dtype, packed=self.pack)
+    self.attention = resolve_attention(attention, self.platform, config.dtype, packed=layout.packed)
     gpu_paths.announce("trainer", self.platform,
-                       {"packed_attention" if self.pack else "trainer_attention": self.attention})
+                       {"packed_attention" if layout.packed else "trainer_attention": self.attention})
     self.reference_is_initial = reference_is_initial
     self.busy_seconds = 0.0
     tx = make_optimizer(self.optimizer_config)
@@ -102,7 +95,7 @@ class TrainerExecutor:
         model=config, loss=losses.get_loss(loss, trainer=True), optimizer=self.optimizer_config,
         loss_kwargs=loss_kwargs, microbatches=microbatches, temperature=self.temperature, attention=self.attention,
         logprob_chunk=logprob_chunk, remat=self.remat, scan_layers=bool(scan_layers), lora=lora, lora_seed=lora_seed,
-        tokens_per_microbatch=tokens_per_microbatch if pack else None, routing_replay=bool(routing_replay),
+        layout=layout, routing_replay=bool(routing_replay),
         mesh=mesh, param_shardings=pl.params,
         compute_shardings=pl.compute, model_compute_shardings=pl.model_compute)
     self.loss_kwargs = loss_kwargs
@@ -116,8 +109,7 @@ class TrainerExecutor:
                                              else adapters)
       self.state = initial_state(pl, tx, trained, base=None if lora is None else params, base_dtype=self.base_dtype,
                                  ref=ref_params, ref_dtype=compute_dtype)
-    self.programs = TrainPrograms(self.spec, pl, group_by_length=self.group_by_length, with_base=lora is not None,
-                                  with_ref=ref_params is not None)
+    self.programs = TrainPrograms(self.spec, pl, with_base=lora is not None, with_ref=ref_params is not None)
     self.critic = None if critic is None else CriticExecutor(
         critic, config, mesh, batch_shardings=pl.batch, microbatches=self.microbatches,
         attention=self.attention, scan_layers=self.spec.scan_layers, rules=rules, params=params, abstract=self.abstract)
@@ -170,7 +162,7 @@ class TrainerExecutor:
   # the step
 
   def lower_step(self, batch_size: int, prompt_len: int, resp_len: int):
-    """The train step (packed with `pack`, else the fused padded step: a grouped step's worst case)
+    """The train step (packed for a packed layout, else the fused padded step: a grouped step's worst case)
     lowered for `self.platform` from abstract shapes (`jax.stages.Lowered`). Nothing is allocated."""
     return self.programs.lower(self.state, batch_size, prompt_len, resp_len, self.platform)
 

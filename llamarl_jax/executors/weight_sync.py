@@ -6,9 +6,9 @@ the shards device to device (NVLink / ICI on accelerators); nothing goes through
 
 With `quantize="fp8"` each layer's projections are quantised on the trainer mesh to float8_e4m3fn
 with an fp32 scale per output channel (`model.fp8.quantize_params`); embeddings, norms, biases and
-the lm_head are cast to the generator dtype (with `quantize_lm_head` the lm_head is quantised too, a
-scale per vocabulary row; tied embeddings: an fp8 copy crosses beside the embedding, +1 byte per
-embedding weight on the wire). The fp8 values and scales are what crosses the meshes
+the lm_head are cast to the generator dtype (with `quantize="fp8+lm_head"` the lm_head is quantised
+too, a scale per vocabulary row; tied embeddings: an fp8 copy crosses beside the embedding, +1 byte
+per embedding weight on the wire). The fp8 values and scales are what crosses the meshes
 (the projections at half of bf16's bytes) and what the generator keeps: its sampler fuses them into
 the serving layout as they are and computes with fp8 GEMMs, never de-quantising a weight. The
 generator then samples from a slightly different policy than the trainer's, which is exactly the
@@ -35,6 +35,7 @@ import numpy as np
 
 from llamarl_jax.metrics import append_bounded
 from llamarl_jax.model import fp8
+from llamarl_jax.model.config import WeightLayout
 from llamarl_jax.model.lora import merge_adapters
 
 
@@ -47,9 +48,10 @@ class WeightSync:
 
   gen_shardings: pytree of `NamedSharding` on the generator mesh (same structure as params).
   dtype: the generator's parameter dtype (e.g. bfloat16).
-  quantize: None or 'fp8' (the versions held are then `fp8.quantize_params` trees, their shardings
-    `fp8.quantized_shardings(gen_shardings)`: `self.out_shardings`). quantize_lm_head: with 'fp8', the
-    lm_head in fp8 too (`fp8.quantize_params(..., lm_head=True)`).
+  quantize: the versions' precision (`model.config.QUANTIZATIONS`): None, or 'fp8' / 'fp8+lm_head'
+    (the versions held are then `fp8.quantize_params` trees, the lm_head quantised too with
+    'fp8+lm_head'; their shardings `fp8.quantized_shardings(gen_shardings)`: `self.out_shardings`).
+    `self.layout`: the versions' layout (Hugging Face's projections in this precision).
   keep_pending: keep every pushed version until the generator `take`s it or a newer one (the 'fixed'
     schedule asks for exact versions; at most max_policy_lag + 1 copies wait on the generator mesh).
     False keeps only the newest (the 'latest' schedule).
@@ -60,18 +62,14 @@ class WeightSync:
 
   def __init__(self, gen_shardings: Any, dtype=jnp.bfloat16, quantize: str | None = None,
                keep_pending: bool = False, adapter_shardings: Any = None,
-               lora_scale: float = 1.0, base: Any = None, quantize_lm_head: bool = False):
-    if quantize not in fp8.QUANTIZATIONS:
-      raise ValueError(f"quantize must be None or 'fp8', got {quantize!r}")
-    if quantize_lm_head and quantize != "fp8":
-      raise ValueError(f"quantize_lm_head=True needs quantize='fp8', got quantize={quantize!r}")
+               lora_scale: float = 1.0, base: Any = None):
+    self.layout = WeightLayout(quantize=quantize)
     if adapter_shardings is not None and base is None:
       raise ValueError("a LoRA WeightSync (adapter_shardings) needs base, a callable returning the frozen base")
     self.gen_shardings = gen_shardings
-    head = dict(lm_head=bool(quantize_lm_head))
-    self.out_shardings = fp8.quantized_shardings(gen_shardings, **head) if quantize else gen_shardings
+    head = dict(lm_head=self.layout.fp8_lm_head)
+    self.out_shardings = fp8.quantized_shardings(gen_shardings, **head) if self.layout.fp8 else gen_shardings
     self.dtype = jnp.dtype(dtype)
-    self.quantize, self.quantize_lm_head = quantize, bool(quantize_lm_head)
     self.keep_pending = keep_pending
     self._cond = threading.Condition()
     self._versions: dict[int, Any] = {}  # policy version -> generator params
@@ -81,7 +79,7 @@ class WeightSync:
     self._quant = jax.jit(lambda p: fp8.quantize_params(p, self.dtype, **head))
     self.adapter_shardings, self._base_fn = adapter_shardings, base
     self._base_source = self._base = None  # the trainer's base tree last moved, and its generator copy
-    finish = (lambda p: fp8.quantize_params(p, **head)) if quantize else (lambda p: p)
+    finish = (lambda p: fp8.quantize_params(p, **head)) if self.layout.fp8 else (lambda p: p)
     self._merge = jax.jit(lambda base, adapters: finish(merge_adapters(base, adapters, lora_scale, self.dtype)),
                           out_shardings=self.out_shardings)
 
@@ -93,8 +91,8 @@ class WeightSync:
     """A version as the generator holds it (and a checkpoint keeps it), as sharded
     `ShapeDtypeStruct`s: `model_shapes` (the trainer's params) in this sync's dtype and precision."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, self.dtype), model_shapes)
-    if self.quantize:
-      shapes = fp8.quantized_shapes(model_shapes, self.dtype, lm_head=self.quantize_lm_head)
+    if self.layout.fp8:
+      shapes = fp8.quantized_shapes(model_shapes, self.dtype, lm_head=self.layout.fp8_lm_head)
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, self.out_shardings)
 
   def _generator_base(self) -> int:
@@ -112,7 +110,7 @@ class WeightSync:
     generator-mesh shardings it is `device_put` into."""
     if self.lora:
       return params, self.adapter_shardings
-    if self.quantize == "fp8":
+    if self.layout.fp8:
       return self._quant(params), self.out_shardings
     return self._cast(params), self.gen_shardings
 

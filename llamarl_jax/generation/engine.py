@@ -56,7 +56,8 @@ a GPU JAX's persistent compilation cache keeps them across processes (`compile_c
 `num_traces` counts traces (tests assert it).
 
 The device programs (insert, decode, recompute over `SlotState` and the KV cache) are
-`slot_programs.SlotPrograms`; this module is the host's scheduling around them.
+`slot_programs.SlotPrograms`, the chunks in flight and their watcher thread `inflight`; this module
+is the host's scheduling around them.
 """
 
 from __future__ import annotations
@@ -65,9 +66,7 @@ import collections
 import dataclasses
 import queue
 import sys
-import threading
 import time
-import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -77,6 +76,7 @@ from jax.sharding import Mesh
 from llamarl_jax import parallel
 from llamarl_jax.compile_cache import enable_persistent_cache
 from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
+from llamarl_jax.generation.inflight import InFlight, start_watcher
 from llamarl_jax.generation.sampler import (DEFAULT_PROMPT_BUCKETS, Sampler, SamplingParams, validate_prompts)
 from llamarl_jax.generation.slot_programs import ChunkResult, SlotPrograms, SlotState, token_keys  # noqa: F401
 from llamarl_jax.model.config import ModelConfig, WeightLayout
@@ -163,66 +163,6 @@ def rollout_from_groups(groups: Sequence[Completed], *, pad_id: int = 0,
       routing=routing)
 
 
-class _InFlight:
-  """A dispatched decode chunk: its `ChunkResult` on its way to the host, the slots' generation
-  numbers when it was dispatched, whether prompts were queued then (the steady state of a stream:
-  `slot_utilization_queued`), and what the engine's watcher thread saw when it blocked on the result:
-  when the device finished it (`done_at`: exact to a thread wake-up, no polling) or the error it
-  failed with (`error`); `done` is set after either."""
-
-  def __init__(self, result: ChunkResult, gen: np.ndarray, queued: bool, width: int):
-    # a replicated result: every process reads its own local copy (one device's shard)
-    # A MoE model's routing stays on the device: `_harvest` copies only the finished slots' rows.
-    self.local = jax.tree.map(lambda x: x.addressable_data(0), result)
-    for x in jax.tree.leaves(self.local.replace(routing=None)):
-      x.copy_to_host_async()
-    self.gen, self.queued, self.width = gen, queued, width
-    self.done_at: float | None = None
-    self.error: Exception | None = None
-    self.done = threading.Event()
-
-  def get(self) -> ChunkResult:
-    """The results as host numpy (`routing`: still on the device), once the watcher saw the device
-    finish the chunk; a chunk that failed on the device raises its error here, in the thread that
-    drives the engine."""
-    self.done.wait()
-    if self.error is not None:
-      raise self.error
-    return jax.tree.map(np.asarray, self.local.replace(routing=None)).replace(routing=self.local.routing)
-
-
-# Seconds the engine's end waits for its watcher thread, blocked on the last chunk dispatched: a
-# healthy chunk (chunk_steps decode steps) takes milliseconds to a few seconds even on the largest
-# models; a chunk still running after this is a hung device, and the process ends without it.
-WATCHER_EXIT_S = 10.0
-
-
-def _watch(chunks: "queue.SimpleQueue[_InFlight | None]") -> None:
-  """The watcher thread: block on each chunk in dispatch order; note when the device finished it, or
-  the error it failed with (`_InFlight.get` raises it in the engine's thread)."""
-  while (chunk := chunks.get()) is not None:
-    try:
-      chunk.local.steps.block_until_ready()
-    except Exception as e:  # noqa: BLE001 - handed to the engine's thread by get()
-      chunk.error = e
-    chunk.done_at = time.perf_counter()
-    chunk.done.set()
-
-
-def _stop_watcher(chunks: "queue.SimpleQueue[_InFlight | None]", watcher: threading.Thread) -> None:
-  """End the watcher thread and wait for it (at most WATCHER_EXIT_S): when the engine is collected,
-  or at interpreter exit (weakref.finalize's atexit hook), where a daemon thread still running when
-  finalization starts is killed mid-call (an abort: 'terminate called after throwing an instance of
-  ...', exit status 134). A watcher still blocked after the wait is on a hung device: said on stderr."""
-  chunks.put(None)
-  if watcher is not threading.current_thread():
-    watcher.join(timeout=WATCHER_EXIT_S)
-    if watcher.is_alive():
-      print(f"slot engine: a decode chunk was still running on the device {WATCHER_EXIT_S:g} s after the engine "
-            "ended (a hung device?); not waiting for it (at interpreter exit the process may abort)",
-            file=sys.stderr, flush=True)
-
-
 class SlotEngine:
   """Continuous-batching generator over `lanes` + `staged_slots` KV-cache slots (see the module docstring).
 
@@ -250,19 +190,19 @@ class SlotEngine:
   paged_attention: the decode attention's form (`paged_attention.PAGED_IMPLEMENTATIONS`: 'auto',
     'reduce', 'dot', 'pallas', the one-kernel form of `paged_kernel`, or 'pallas_fused', that kernel
     writing the new key and value itself); 'auto' is, on one GPU, the kernel form `gpu_paths` records
-    as passed on a GPU (`slot_programs.decode_attention_choice`), XLA's 'reduce' on a sharded GPU
+    as passed on a GPU (`program_set.decode_attention_choice`), XLA's 'reduce' on a sharded GPU
     mesh, 'dot' on the CPU.
   staged_slots: KV slots beyond the lanes: queued prompts
     are prefilled into them ahead and a decode chunk admits them into lanes as lanes free, on device
     (FIFO), so finished rows are refilled at the next step without a host round trip while staged
     slots last (0: a freed lane waits for the host's insert after it harvested the chunk).
-  min_decode_width: the fewest rows a decode chunk computes (`slot_programs.decode_widths`: the
+  min_decode_width: the fewest rows a decode chunk computes (`program_set.decode_widths`: the
     lanes, then quarterings; default lanes / 16; lanes: the batch never shrinks). A row's samples do not depend on it (its keys
     and math are per row; tests compare with the static sampler).
   layout: the weights' layout in the programs (`Sampler`'s; default the serving layout, Q/K/V and
     gate/up fused, `model.serving`); `swap` takes the trainer's layout and fuses on the mesh.
-  quantize: None or 'fp8' (`Sampler`'s: the programs compute with fp8 weights, `model.fp8`);
-    quantize_lm_head: the lm_head in fp8 too (`Sampler`'s).
+  quantize: the weights' precision (`Sampler`'s: None, 'fp8' or 'fp8+lm_head'; the programs compute
+    with fp8 weights, `model.fp8`).
 
   Driving it: `swap(params, version)`; `submit(prompts, seed=..., version=..., tag=...)`; then
   `step()` until `idle`; each step returns the groups that completed. `generate(params, prompts)`
@@ -276,9 +216,9 @@ class SlotEngine:
                kv_block_size: int = 16, paged_attention: str = "auto", min_decode_width: int | None = None,
                staged_slots: int = 0, prefill_tokens: int = 1024, prompt_bucket_count: int = 3,
                progress: bool = True, rules: Mapping[str, str | None] = parallel.RULES,
-               layout: WeightLayout | None = None, quantize: str | None = None, quantize_lm_head: bool = False):
+               layout: WeightLayout | None = None, quantize: str | None = None):
     self.sampler = Sampler(config, mesh, pad_id=pad_id, prompt_buckets=prompt_buckets, rules=rules, layout=layout,
-                           quantize=quantize, quantize_lm_head=quantize_lm_head)
+                           quantize=quantize)
     self.config, self.mesh, self.pad_id = config, self.sampler.mesh, int(pad_id)
     divisor = parallel.batch_divisor(self.mesh)
     if lanes < 1 or lanes % divisor:
@@ -323,9 +263,9 @@ class SlotEngine:
     # insert, tightened at each harvest to what it had run by then (a staged slot may wait for a lane)
     self._since = np.zeros(num_slots, np.int64)
     self._gen = np.zeros(num_slots, np.int64)  # bumped when a slot is filled: results of older chunks skip it
-    self._inflight: collections.deque[_InFlight] = collections.deque()
-    self._last_chunk: _InFlight | None = None  # the last dispatched chunk (device idle time)
-    self._gaps: list[tuple[float, _InFlight]] = []  # (first dispatch after it, chunk): idle if it was done by then
+    self._inflight: collections.deque[InFlight] = collections.deque()
+    self._last_chunk: InFlight | None = None  # the last dispatched chunk (device idle time)
+    self._gaps: list[tuple[float, InFlight]] = []  # (first dispatch after it, chunk): idle if it was done by then
     self._gap_noted = False  # the first dispatch after the last chunk was noted
     self._watched: queue.SimpleQueue | None = None  # the watcher thread's chunks (started on first dispatch)
     self._queue: collections.deque[_Group] = collections.deque()
@@ -405,13 +345,10 @@ class SlotEngine:
           self.params, self._cache, self._state, np.int32(self.version), np.int32(refill_at),
           width=width, num_entries=num_entries)
       self._since[busy] += self.chunk_steps
-      self._last_chunk, self._gap_noted = _InFlight(result, self._gen.copy(), bool(self._queue), width), False
+      self._last_chunk, self._gap_noted = InFlight(result, self._gen.copy(), bool(self._queue), width), False
       self._inflight.append(self._last_chunk)
       if self._watched is None:
-        self._watched = queue.SimpleQueue()
-        watcher = threading.Thread(target=_watch, args=(self._watched,), name="slot-engine-watcher", daemon=True)
-        watcher.start()
-        weakref.finalize(self, _stop_watcher, self._watched, watcher)  # the thread ends with the engine
+        self._watched = start_watcher(self)  # the thread ends with the engine
       self._watched.put(self._last_chunk)
       self.stats["chunks"] += 1
       dispatched = True
@@ -605,7 +542,7 @@ class SlotEngine:
         self.stats["device_idle_s"] += max(0.0, t - chunk.done_at)
     self._gaps = keep
 
-  def _harvest(self, chunk: "_InFlight") -> list[Completed]:
+  def _harvest(self, chunk: "InFlight") -> list[Completed]:
     """Wait for a chunk's results; free the slots whose sequences finished in it (and were filled
     before it was dispatched); return the groups that are now complete."""
     t = time.perf_counter()

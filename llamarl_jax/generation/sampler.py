@@ -44,8 +44,7 @@ from llamarl_jax import parallel
 from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.model import serving
 from llamarl_jax.model import fp8 as fp8_lib
-from llamarl_jax.model.fp8 import QUANTIZATIONS
-from llamarl_jax.model.config import HF_LAYOUT, ModelConfig, WeightLayout
+from llamarl_jax.model.config import HF_LAYOUT, QUANTIZATIONS, ModelConfig, WeightLayout
 from llamarl_jax.model.llama import KVCache, Llama, abstract_model, merge_params, split_params
 
 Array = jax.Array
@@ -238,23 +237,26 @@ class _Static:
 class Sampler:
   """Generates rollouts for one model architecture on one generator mesh.
 
-  mesh: a `(data, fsdp, tp)` mesh (see `parallel.make_mesh`); None = the first device. Params are
-    sharded with `param_shardings(rules)` (tensor parallel over `tp`), the batch over data x fsdp.
+  mesh: a `(data, fsdp, expert, tp)` mesh (see `parallel.make_mesh`); None = the first device. Params
+    are sharded with `param_shardings(rules)` (tensor parallel over `tp`), the batch over data x fsdp;
+    the forwards run a MoE model's expert layers over it (`moe.grouped_swiglu`: each device routes its
+    own rows; an `expert` axis computes the experts in parallel, each device its own).
   pad_id: written in padded prompt slots and after a row's finish.
   prompt_buckets: prompt lengths are rounded up to the next bucket (past the largest: to a multiple
     of it), so prompts of similar length share one compiled program.
   batch_multiple: the batch (n_prompts * n) is padded up to a multiple of this (default: the mesh's
     data x fsdp size; always rounded to a multiple of it). A larger value means fewer recompiles
     for a varying number of prompts.
-  layout: the weights' layout on this mesh (`WeightLayout`; default `serving.serving_layout`: Q/K/V
-    and gate/up fused). `place_params` takes the trainer's (Hugging Face's) layout and fuses on this
-    mesh; `graphdef` and `param_shardings` are the serving layout's.
-  quantize: None, or 'fp8': the serving weights' projections in float8_e4m3fn with per-output-channel
-    scales, computed as fp8 GEMMs (`model.fp8`); `place_params` quantises unquantised params on this
-    mesh, after the fusion's inputs are placed, and fuses params that arrive quantised as they are.
-  quantize_lm_head: with quantize='fp8', the lm_head in float8_e4m3fn too (a scale per vocabulary
-    row; tied embeddings: an fp8 copy for the logits, the lookup in the generator dtype), the logits
-    an fp8 GEMM (`model.fp8`); `place_params` quantises it here unless it arrives quantised.
+  layout: which projections the weights on this mesh hold fused (`WeightLayout`; default
+    `serving.serving_layout`: Q/K/V and gate/up fused; its precision is `quantize`). `place_params`
+    takes the trainer's (Hugging Face's) layout and fuses on this mesh; `graphdef` and
+    `param_shardings` are the serving layout's (`self.layout`).
+  quantize: the weights' precision, one of `model.config.QUANTIZATIONS`: None (the generator dtype),
+    'fp8' (the projections in float8_e4m3fn with per-output-channel scales, computed as fp8 GEMMs,
+    `model.fp8`) or 'fp8+lm_head' (the lm_head too, a scale per vocabulary row; tied embeddings: an
+    fp8 copy for the logits, the lookup in the generator dtype). `place_params` quantises what
+    arrives unquantised on this mesh, after the fusion's inputs are placed, and fuses what arrives
+    quantised as it is.
 
   `num_traces` counts how often the prefill/decode functions were traced (= compiled).
   """
@@ -262,12 +264,7 @@ class Sampler:
   def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, pad_id: int = 0,
                prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, batch_multiple: int | None = None,
                rules: Mapping[str, str | None] = parallel.RULES, layout: WeightLayout | None = None,
-               quantize: str | None = None, quantize_lm_head: bool = False):
-    if quantize not in QUANTIZATIONS:
-      raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {quantize!r}")
-    if quantize_lm_head and quantize != "fp8":
-      raise ValueError(f"quantize_lm_head=True puts the lm_head of an fp8 generator in fp8; it needs quantize='fp8', "
-                       f"got quantize={quantize!r}")
+               quantize: str | None = None):
     self.config = config
     self.mesh = mesh if mesh is not None else parallel.make_mesh(jax.devices()[:1])
     self.pad_id = int(pad_id)
@@ -278,21 +275,21 @@ class Sampler:
     self.batch_multiple = math.lcm(divisor, int(batch_multiple or divisor))
     self.rules = dict(rules)
 
-    self.layout = serving.serving_layout(config, self.mesh, rules) if layout is None else layout
-    if quantize == "fp8":
-      self.layout = dataclasses.replace(self.layout, fp8=True, fp8_lm_head=bool(quantize_lm_head))
-    # the layouts params arrive in: the trainer's and checkpoints' (Hugging Face's), and its fp8 forms
-    # (the lm_head quantised with the projections or not)
+    fused = serving.serving_layout(config, self.mesh, rules) if layout is None else layout
+    self.layout = dataclasses.replace(fused, quantize=quantize)
+    # the layouts params arrive in: the trainer's and checkpoints' (Hugging Face's projections), in this
+    # sampler's precision or a lower one (`QUANTIZATIONS` is ordered); what is missing is quantised here
     self.hf_shardings = self._shardings(HF_LAYOUT)
-    self.arrival_layouts = (HF_LAYOUT,) if not self.layout.fp8 else (
-        HF_LAYOUT, WeightLayout(fp8=True), *((WeightLayout(fp8=True, fp8_lm_head=True),) if self.layout.fp8_lm_head else ()))
+    self.arrival_layouts = tuple(WeightLayout(quantize=q)
+                                 for q in QUANTIZATIONS[:QUANTIZATIONS.index(self.layout.quantize) + 1])
     self._arrival_shardings = {a: self._shardings(a) for a in self.arrival_layouts[1:]}
     abstract = abstract_model(config, self.layout)
     self.graphdef, shapes = split_params(abstract)
     self.param_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
     self.param_shardings = parallel.param_shardings(shapes, parallel.logical_axes(abstract), self.mesh, rules)
     self._fuse = jax.jit(serving.fuse, out_shardings=serving.fused_part(self.param_shardings))
-    layers_layout = dataclasses.replace(self.layout, fp8_lm_head=False)
+    # the projections' program: the fp8 lm_head is `_quantize_head`'s
+    layers_layout = dataclasses.replace(self.layout, quantize="fp8" if self.layout.fp8 else None)
     self._quantize = jax.jit(lambda layers: serving.serving_params({"layers": layers}, layers_layout)["layers"],
                              out_shardings=self.param_shardings["layers"])
     if self.layout.fp8_lm_head:
@@ -462,7 +459,8 @@ class Sampler:
                        v=(self.cache_sharding,) * self.config.num_layers, index=self._repl))
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
     x, cache, routing = model.routed_hidden_states(tokens, positions, cache,
-                                                   self._cache_mask(prompt_mask, static.max_new_tokens))
+                                                   self._cache_mask(prompt_mask, static.max_new_tokens),
+                                                   mesh=self.mesh)
     logits = model.logits(x[:, -1])  # only the last position's logits are needed
     token, logprob = self._sample(static, jax.random.fold_in(key, 0), logits, temperature, top_p)
     return (cache, token, logprob) + (() if routing is None else (routing,))
@@ -502,7 +500,7 @@ class Sampler:
     def body(state):
       t, cache, prev, done, stopped, lengths, tokens, logprobs, routing = state
       positions = (prompt_len + t - 1)[:, None]  # the previous token sits at position len + t - 1
-      x, cache, topk = model.routed_hidden_states(prev[:, None], positions, cache, cache_mask)
+      x, cache, topk = model.routed_hidden_states(prev[:, None], positions, cache, cache_mask, mesh=self.mesh)
       if routing is not None:  # the experts of response token t - 1 as this step's input
         routing = jax.lax.dynamic_update_slice(routing, jnp.where(done[:, None, None, None], -1, topk),
                                                (0, t - 1, 0, 0))

@@ -12,15 +12,11 @@ device (`paged.live_entries`) from per-row lengths, TB a static size the host pi
 the program set (`num_entries`), so the bytes a step reads follow each row's length, not the
 cache's maximum (`measure.decode_cost.decode_step_cost` measures it).
 
-The program set is fixed by the configuration and small (`program_keys`; at most 8 at 64 slots,
-prompts of 1024 and responses of 4096): insert per prompt bucket (the largest `prompt_bucket_count`
-of the sampler's buckets up to Pm) with a fixed group count each (`prefill_tokens` / bucket, at most
-`max_insert`); decode per width (`decode_widths`: the lanes, then quarterings) with one entry size,
-the most that width can read - the Pallas kernel walks each row's own blocks, so the size costs it
-nothing - and, for the XLA forms, whose gathers read every listed entry, a quarter size beside the
-full one at the full width; recompute when swaps recompute the KV cache. `compile` lowers them all
-and compiles them concurrently (XLA releases the GIL), ahead of the first call; `shared` hands a
-second engine of the same configuration the first one's programs.
+The program set (`program_keys`: insert per prompt bucket, decode per width and entry count, the
+recompute) is fixed by the configuration and small; `program_set` derives it, picks the paged
+attention and holds the decode programs' XLA options. `compile` lowers them all and compiles them
+concurrently (XLA releases the GIL), ahead of the first call; `shared` hands a second engine of the
+same configuration the first one's programs.
 
 Exactness: the model code, the sampling step (`sample_logits`) and the behaviour log-probs are the
 static sampler's; token t of row r of a request with seed s draws with fold_in(fold_in(key(s), t), r)
@@ -44,9 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llamarl_jax import compat, gpu_paths, parallel
+from llamarl_jax import gpu_paths, parallel
 from llamarl_jax.generation import paged
 from llamarl_jax.generation.paged import KVPages, PageLayout
+from llamarl_jax.generation.program_set import (DECODE_COMPILER_OPTIONS, compile_lowered, decode_attention,
+                                                decode_widths, entry_plan, insert_plan)
 from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits
 from llamarl_jax.model.config import ModelConfig
 from llamarl_jax.model.llama import KVCache, merge_params
@@ -54,29 +52,6 @@ from llamarl_jax.model import paged_attention as paged_attention_module
 from llamarl_jax.model.paged_attention import PagedKVCache
 
 Array = jax.Array
-
-# XLA options a decode program compiles with. A decode GEMM has one row per slot (M <= a few hundred)
-# and a long contraction; XLA's GPU compiler splits such a GEMM's contraction over thread blocks
-# (split-K) and writes each block's fp32 partial sums to memory for a second pass to add: at 1B
-# shapes, 64 slots, compiled for an H100, 0.53 GB per step, more than half the fp8 layers' weights
-# (BENCHMARKS.md, "Kernels and bytes of a decode step"). Without split-K the GEMM writes its result
-# once and the residual add fuses with the next norm. A GPU option (the CPU compiler ignores it;
-# an XLA that lacks it compiles with its defaults, `compile_lowered`); on a GPU the autotuner then
-# picks tiles without split-K (its speed there is not measured yet).
-DECODE_COMPILER_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
-
-
-def compile_lowered(lowered, options: dict | None = None):
-  """`lowered.compile(compiler_options=options)`; where this XLA does not know one of the options
-  (they are experimental flags that may move between versions), compiled with its defaults."""
-  if not options:
-    return lowered.compile()
-  try:
-    return lowered.compile(compiler_options=options)
-  except Exception as e:  # jax raises XlaRuntimeError / JaxRuntimeError: "No such compile option: ..."
-    if "No such compile option" not in str(e):
-      raise
-    return lowered.compile()
 
 
 @flax.struct.dataclass
@@ -151,27 +126,6 @@ class ChunkResult:
   routing: Array | None = None
 
 
-def decode_widths(num_slots: int, divisor: int = 1, min_width: int | None = None) -> tuple[int, ...]:
-  """The row counts decode chunks are compiled for, largest first: `num_slots`, then its quarterings
-  down to `min_width` (default: num_slots / 16, at least 1; so at most three widths), each a
-  multiple of `divisor` (the mesh's data x fsdp: rows stay sharded like the slots). A chunk computes
-  the smallest width that holds every busy slot, so a batch's last long rows do not drag every slot
-  through each step; quarters rather than halves keep the program set small (each width is a
-  compilation of the whole decode chunk); `min_width = num_slots`: never shrink."""
-  if min_width is None:
-    min_width = max(1, -(-num_slots // 16))
-  if min_width < 1:
-    raise ValueError(f"min_decode_width must be >= 1, got {min_width}")
-  out, w = [num_slots], num_slots
-  while w % 4 == 0 and w // 4 >= min_width:
-    w //= 4
-    if w % divisor == 0:
-      out.append(w)
-  if 1 < w < 4 and min_width == 1 and divisor == 1:  # a width of 2 or 3 left: then one row
-    out.append(1)
-  return tuple(out)
-
-
 def token_keys(key_data: Array, t: Array, row: Array) -> Array:
   """Per-row PRNG keys `[S]` for token index t `[S]` of row `row` `[S]` under seed keys `key_data [S, K]`.
 
@@ -186,30 +140,6 @@ def token_keys(key_data: Array, t: Array, row: Array) -> Array:
 _SHARED: "collections.OrderedDict[tuple, SlotPrograms]" = collections.OrderedDict()
 _SHARED_LOCK = threading.Lock()
 SHARED_PROGRAM_SETS = 8  # configurations kept
-
-
-# The kernel forms 'auto' may take on one GPU, most preferred first (the fused step moves fewer bytes
-# and launches fewer kernels: BENCHMARKS.md); `gpu_paths` says which have passed on a GPU.
-GPU_KERNEL_PREFERENCE = ("pallas_fused", "pallas")
-
-
-def decode_attention_choice(requested: str, platform: str, num_devices: int) -> str:
-  """The paged decode attention a slot engine runs: `requested` ('auto', 'reduce', 'dot', 'pallas',
-  'pallas_fused') on a generator mesh of `num_devices` on `platform`. 'auto' on one GPU is the first
-  Pallas kernel form of `GPU_KERNEL_PREFERENCE` that `gpu_paths` records as passed on a GPU (each live
-  block read once; its decode step against XLA's: BENCHMARKS.md) where this JAX has Pallas' Triton
-  backend, else XLA's form with one warning naming the reason; sharded meshes keep XLA's form (a
-  Pallas call is not partitioned). A kernel form on a GPU without the backend is an error."""
-  missing = compat.pallas_triton_missing() if platform == "gpu" else None
-  if requested in paged_attention_module.KERNEL_FORMS and missing is not None:
-    raise ValueError(f"paged_attention={requested!r} needs Pallas' Triton backend, which this JAX lacks ({missing}); "
-                     "use paged_attention='auto' (XLA's form)")
-  if requested == "auto" and platform == "gpu" and num_devices == 1:
-    if missing is None:
-      return gpu_paths.gpu_default("paged_attention", GPU_KERNEL_PREFERENCE, "auto")
-    print(f"[llamarl] slot engine: XLA's paged attention instead of the Pallas kernel: Pallas' Triton backend "
-          f"is missing in this JAX ({missing})", file=sys.stderr, flush=True)
-  return requested
 
 
 class SlotPrograms:
@@ -246,15 +176,7 @@ class SlotPrograms:
     self._top_k = 0 if sampling.top_k >= config.vocab_size else sampling.top_k
     mesh = sampler.mesh
     self.platform = mesh.devices.flat[0].platform  # the paged attention's form follows the mesh's devices
-    paged_attention_module.resolve_paged_implementation(paged_attention, self.platform)  # a clear error early
-    if paged_attention in paged_attention_module.KERNEL_FORMS and mesh.devices.size > 1:
-      raise ValueError(f"paged_attention={paged_attention!r} runs its kernel unsharded (a Pallas call is not partitioned "
-                       f"over the mesh: the pools would be gathered whole); this generator mesh has "
-                       f"{dict(mesh.shape)}: use one device per generator, or paged_attention='auto'")
-    paged_attention = decode_attention_choice(paged_attention, self.platform, mesh.devices.size)
-    self.paged_attention = paged_attention
-    with paged_attention_module.target_platform(self.platform, paged_attention):
-      self.attention_form = paged_attention_module.resolve_paged_implementation("auto", self.platform)
+    self.paged_attention, self.attention_form = decode_attention(paged_attention, mesh)
     self.paths = {"paged_attention": self.attention_form}
     if sampler.layout.fp8:
       self.paths["quantize"] = "fp8"
@@ -263,18 +185,10 @@ class SlotPrograms:
     if not 1 <= self.num_lanes <= num_slots:
       raise ValueError(f"num_lanes must be in 1..num_slots ({num_slots}), got {num_lanes}")
     self.widths = decode_widths(self.num_lanes, parallel.batch_divisor(mesh), min_decode_width)
-    self.entry_plan = self._entry_plan()
-    if prompt_bucket_count < 1:
-      raise ValueError(f"prompt_bucket_count must be >= 1, got {prompt_bucket_count}")
-    if prefill_tokens < 1:
-      raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-    fit = [b for b in sampler.prompt_buckets if b < max_prompt_len] + [max_prompt_len]
-    self.prompt_buckets = tuple(fit[-prompt_bucket_count:])
-    top = max(1, num_slots // sampling.n)
-    if max_insert is not None and max_insert < 1:
-      raise ValueError(f"max_insert must be >= 1, got {max_insert}")
-    self.max_insert = min(int(max_insert or top), top)
-    self.insert_groups = {b: max(1, min(self.max_insert, int(prefill_tokens) // b)) for b in self.prompt_buckets}
+    self.entry_plan = entry_plan(self.widths, self.layout, self.attention_form)
+    self.prompt_buckets, self.max_insert, self.insert_groups = insert_plan(
+        sampler.prompt_buckets, max_prompt_len, num_slots=num_slots, samples=sampling.n,
+        prompt_bucket_count=prompt_bucket_count, prefill_tokens=prefill_tokens, max_insert=max_insert)
     self.recompute_in_set = bool(recompute)
     b1, b2 = parallel.batch_sharding(mesh, 1), parallel.batch_sharding(mesh, 2)
     repl = parallel.replicated(mesh)
@@ -335,20 +249,6 @@ class SlotPrograms:
     return programs
 
   # -- the program set --------------------------------------------------------------------------------
-
-  def _entry_plan(self) -> dict[int, tuple[int, ...]]:
-    """width -> the entry counts (TB) its decode programs take, ascending. The largest is every
-    block W lanes can read (each lane at its longest prompt and response); the XLA forms also take a
-    quarter of it at the full width (their gathers read every listed entry: a chunk that needs
-    fewer reads fewer)."""
-    per_lane = self.layout.prompt_blocks + self.layout.response_blocks
-    plan = {}
-    for w in self.widths:
-      top = w * per_lane
-      quarter = -(-top // 4)
-      xla_full_width = w == self.widths[0] and self.attention_form not in paged_attention_module.KERNEL_FORMS and quarter < top
-      plan[w] = (quarter, top) if xla_full_width else (top,)
-    return plan
 
   def program_keys(self) -> list[tuple]:
     """The program set: ('insert', prompt bucket, groups) per bucket, ('decode', width, entries) per
@@ -484,7 +384,7 @@ class SlotPrograms:
     n, R, Pm = dst.shape[1], self.R, self.max_prompt_len
     small = KVCache.init(self.config, G, Pb)
     x, small, topk = model.routed_hidden_states(tokens, jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32), (G, Pb)),
-                                                small)
+                                                small, mesh=self.mesh)
     last = jnp.take_along_axis(x, (lens - 1)[:, None, None], axis=1)[:, 0]  # [G, E] at each prompt's end
     rep = lambda a: jnp.repeat(a, n, axis=0)  # prompt-major -> one row per target slot [G*n, ...]
     flat = dst.reshape(-1)
@@ -540,7 +440,9 @@ class SlotPrograms:
     S, R = st.cur.shape[0], self.R
     slots = jnp.arange(S)
     running = ~st.done
-    forward = model.hidden_states if st.routing is None else model.routed_hidden_states
+    # a MoE model's expert layers run over the mesh (`moe.grouped_swiglu`: expert parallelism)
+    forward = model.hidden_states if st.routing is None else (
+        lambda *a: model.routed_hidden_states(*a, mesh=self.mesh))
     if isinstance(cache, KVCache):  # every row attends over all Pm + R cached positions
       x, cache, *topk = forward(st.cur[:, None], st.pos[:, None], cache.replace(index=st.pos))
     else:
@@ -673,7 +575,8 @@ class SlotPrograms:
     prompt = jnp.pad(state.prompt, ((0, 0), (0, T - Pm)), constant_values=self.pad_id)
     seq = jnp.where(j < L, prompt, resp)
     fresh = KVCache.init(self.config, S, T)
-    _, fresh = model.hidden_states(seq, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (S, T)), fresh)
+    _, fresh = model.hidden_states(seq, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (S, T)), fresh,
+                                   mesh=self.mesh)
 
     slots = jnp.arange(S, dtype=jnp.int32)
     running = ~state.done

@@ -13,7 +13,8 @@ import numpy as np
 
 from llamarl_jax import parallel
 from llamarl_jax.generation import paged
-from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, SlotPrograms, compile_lowered
+from llamarl_jax.generation.program_set import DECODE_COMPILER_OPTIONS, compile_lowered
+from llamarl_jax.generation.slot_programs import SlotPrograms
 from llamarl_jax.measure import hlo
 from llamarl_jax.model import paged_attention as paged_attention_module
 from llamarl_jax.model.llama import KVCache, merge_params
@@ -60,24 +61,7 @@ def decode_step_cost(programs: SlotPrograms, prompt_lens, n_gen, *, layout: str 
   params = programs.param_avals
   state = jax.tree.map(sds, jax.eval_shape(lambda: programs.empty_state()))
   repl = parallel.replicated(programs.mesh)
-  if layout == "paged":
-    bs = programs.layout.block_size
-    need = int(np.sum(-(-prompt_lens // bs) + -(-n_gen // bs)))
-    plan = programs.entry_plan[programs.widths[0]]  # the full width's programs (need: more, with a stage)
-    if num_entries is None:
-      num_entries = paged.entry_bucket(need, plan) if need <= plan[-1] else need
-    elif num_entries < need:
-      raise ValueError(f"num_entries={num_entries} is fewer than the {need} live blocks")
-    cache = jax.eval_shape(lambda: programs.layout.empty_pages(programs.config))
-    cache_sharding = programs.cache_sharding
-  elif layout == "dense":
-    cache = jax.eval_shape(lambda: KVCache.init(programs.config, S, Pm + R).replace(index=jnp.zeros((S,), jnp.int32)))
-    cs = programs.dense_cache_sharding
-    cache_sharding = KVCache(k=(cs,) * programs.config.num_layers, v=(cs,) * programs.config.num_layers,
-                             index=programs.state_sharding.n_gen)
-  else:
-    raise ValueError(f"layout must be 'paged' or 'dense', got {layout!r}")
-  num_entries = int(num_entries or 0)
+  cache, cache_sharding, num_entries = _abstract_cache(programs, layout, prompt_lens, n_gen, num_entries)
 
   def step(params, cache, state, version):
     return programs.decode_step(merge_params(programs.graphdef, params), cache, state, version, num_entries)
@@ -98,20 +82,7 @@ def decode_step_cost(programs: SlotPrograms, prompt_lens, n_gen, *, layout: str 
   kernel = 0.0  # the Pallas kernel's reads, counted from its structure (a custom call to XLA's analysis)
   triton_call = 'custom_call_target="__gpu$xla.gpu.triton"' in text
   if layout == "paged" and form in paged_attention_module.KERNEL_FORMS and triton_call:
-    from llamarl_jax.model.paged_kernel import kernel_bytes
-    c = programs.config
-    live = int(np.sum(-(-prompt_lens // programs.layout.block_size) + -(-n_gen // programs.layout.block_size)))
-    G, layout = c.num_heads // c.num_kv_heads, programs.weight_layout
-    # the fused form reads q, k and v from the fused projection's output (`llama.Attention`'s paged
-    # step: q too for a power-of-two group), an fp8 GEMM's fp32 product with fp8 weights, and writes
-    # the new key and value; the read-only form reads q as given (XLA's ops write)
-    fused, source = form == "pallas_fused", None
-    if fused and layout.fused_qkv and not c.qk_norm and G & (G - 1) == 0:
-      source = 4 if layout.fp8 and not c.qkv_bias else jnp.dtype(c.dtype).itemsize
-    kernel = c.num_layers * kernel_bytes(num_rows=S, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                         head_dim=c.head_dim, block_size=programs.layout.block_size,
-                                         live_entries=live, itemsize=jnp.dtype(c.dtype).itemsize,
-                                         write=fused, source_itemsize=source)
+    kernel = _paged_kernel_bytes(programs, form, prompt_lens, n_gen)
   if generic:  # the fp8 activation kernels (`fp8_kernels`): each reads its operands, writes its results
     from llamarl_jax.model.fp8_kernels import KERNEL_NAMES
     kernel += float(hlo.pallas_call_bytes(text, KERNEL_NAMES))
@@ -120,3 +91,48 @@ def decode_step_cost(programs: SlotPrograms, prompt_lens, n_gen, *, layout: str 
           "ideal": ideal["total"], "weights": ideal["weights"], "layer_weights": float(layer_weights), "kv": ideal["kv"],
           "ratio": total / ideal["total"],
           "num_entries": num_entries, "kernels": hlo.kernel_counts(text), "compile_s": compile_s}
+
+
+def _abstract_cache(programs: SlotPrograms, layout: str, prompt_lens: np.ndarray, n_gen: np.ndarray,
+                    num_entries: int | None) -> tuple:
+  """(cache, its sharding, the step's entry count) of a decode step of `layout`, the cache as abstract
+  shapes: 'paged', the pool, read through `num_entries` entries (default the program set's smallest
+  count that holds the live blocks); 'dense', a `[S, Pm + R]` cache per layer (the count as given, or 0)."""
+  S, R, Pm = programs.num_slots, programs.R, programs.max_prompt_len
+  if layout == "paged":
+    bs = programs.layout.block_size
+    need = int(np.sum(-(-prompt_lens // bs) + -(-n_gen // bs)))
+    plan = programs.entry_plan[programs.widths[0]]  # the full width's programs (need: more, with a stage)
+    if num_entries is None:
+      num_entries = paged.entry_bucket(need, plan) if need <= plan[-1] else need
+    elif num_entries < need:
+      raise ValueError(f"num_entries={num_entries} is fewer than the {need} live blocks")
+    cache = jax.eval_shape(lambda: programs.layout.empty_pages(programs.config))
+    cache_sharding = programs.cache_sharding
+  elif layout == "dense":
+    cache = jax.eval_shape(lambda: KVCache.init(programs.config, S, Pm + R).replace(index=jnp.zeros((S,), jnp.int32)))
+    cs = programs.dense_cache_sharding
+    cache_sharding = KVCache(k=(cs,) * programs.config.num_layers, v=(cs,) * programs.config.num_layers,
+                             index=programs.state_sharding.n_gen)
+  else:
+    raise ValueError(f"layout must be 'paged' or 'dense', got {layout!r}")
+  return cache, cache_sharding, int(num_entries or 0)
+
+
+def _paged_kernel_bytes(programs: SlotPrograms, form: str, prompt_lens: np.ndarray, n_gen: np.ndarray) -> float:
+  """The Pallas paged-attention kernel's bytes over the step's layers (`paged_kernel.kernel_bytes`,
+  counted from its structure: XLA's analysis sees a custom call as nothing)."""
+  from llamarl_jax.model.paged_kernel import kernel_bytes
+
+  c, bs = programs.config, programs.layout.block_size
+  live = int(np.sum(-(-prompt_lens // bs) + -(-n_gen // bs)))
+  G, weights = c.num_heads // c.num_kv_heads, programs.weight_layout
+  # the fused form reads q, k and v from the fused projection's output (`llama.Attention`'s paged
+  # step: q too for a power-of-two group), an fp8 GEMM's fp32 product with fp8 weights, and writes
+  # the new key and value; the read-only form reads q as given (XLA's ops write)
+  fused, source = form == "pallas_fused", None
+  if fused and weights.fused_qkv and not c.qk_norm and G & (G - 1) == 0:
+    source = 4 if weights.fp8 and not c.qkv_bias else jnp.dtype(c.dtype).itemsize
+  return c.num_layers * kernel_bytes(num_rows=programs.num_slots, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                     head_dim=c.head_dim, block_size=bs, live_entries=live,
+                                     itemsize=jnp.dtype(c.dtype).itemsize, write=fused, source_itemsize=source)

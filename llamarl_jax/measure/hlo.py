@@ -1,7 +1,7 @@
 """Bytes and kernels of compiled programs: what a decode step must move at least (`ideal_step_bytes`),
 what XLA's cost analysis charges a compiled program and how to correct it (`compiled_bytes_accessed`,
-`fused_index_overcount`, `library_call_bytes`, `pallas_call_bytes`), and the kernels it launches
-(`kernel_counts`), read from the optimised HLO text. Measurement only: benchmarks, tests and
+`fused_index_overcount`, `library_call_bytes`, `pallas_call_bytes`), the kernels it launches
+(`kernel_counts`) and what its collectives send (`collectives`), read from the optimised HLO text. Measurement only: benchmarks, tests and
 `scripts/gpu_check.py` use it, no runtime module imports it.
 """
 
@@ -229,3 +229,70 @@ def _parse_hlo(hlo_text: str) -> dict[str, dict[str, tuple[str, str, list[str], 
     ops = [o.strip().lstrip("%") for o in operands.split(",") if o.strip().startswith("%")]
     current[name] = (shape, opcode, ops, bool(root), rest)
   return comps
+
+
+# -- collectives ----------------------------------------------------------------------------------
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def _replica_groups(rest: str) -> tuple[tuple[int, ...], ...]:
+  """An instruction's replica groups (device ids, as listed, in XLA's iota form `[2,4]<=[8]`,
+  `[4,2]<=[2,4]T(1,0)`, or its mesh form `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`); () when it has
+  none (one group of every device)."""
+  m = _GROUPS_LIST.search(rest)
+  if m:
+    return tuple(tuple(int(d) for d in g.split(",") if d) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
+  m = _GROUPS_MESH.search(rest)
+  if m:  # mesh['axis_0'=4,'axis_1'=2] {'axis_0'}: one group along the named axes per other index
+    axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+    names = [a for a, _ in axes]
+    along = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
+    ids = np.arange(int(np.prod([n for _, n in axes]))).reshape([n for _, n in axes])
+    ids = np.moveaxis(ids, along, list(range(len(axes) - len(along), len(axes))))
+    return tuple(tuple(int(d) for d in g) for g in ids.reshape(-1, int(np.prod([axes[i][1] for i in along]))))
+  m = _GROUPS_IOTA.search(rest)
+  if not m:
+    return ()
+  dims, reshape = [int(d) for d in m.group(1).split(",")], [int(d) for d in m.group(2).split(",")]
+  ids = np.arange(int(np.prod(reshape))).reshape(reshape)
+  if m.group(3):
+    ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+  return tuple(tuple(int(d) for d in g) for g in ids.reshape(dims))
+
+
+def collectives(hlo_text: str) -> list[dict]:
+  """The collectives of a compiled module (`compiled.as_text()`; a GPU's async `*-start` forms or
+  the CPU's plain ones), each {'op', 'groups' (device ids per replica group), 'operand_bytes' (the
+  data operand: for a ragged all-to-all its send buffer), 'result_bytes', 'sent_bytes'}: what one
+  device sends under ring algorithms over a group of g: all-reduce 2 (g-1)/g of its operand,
+  all-gather (g-1)/g of its result, reduce-scatter and all-to-all (g-1)/g of the operand,
+  collective-permute the operand; a ragged all-to-all at most its send buffer (every row to another
+  device: what it really sends depends on the slice sizes at run time). Counted once each (no loop
+  trip counts: for a module without loops around its collectives)."""
+  hlo_text = re.sub(r"/\*index=\d+\*/", "", hlo_text)
+  out = []
+  for body in _parse_hlo(hlo_text).values():
+    for shape, op, ops, _, rest in body.values():
+      base = op[:-len("-start")] if op.endswith("-start") else op
+      if base not in COLLECTIVES or not ops:
+        continue
+      arrays = [_array_bytes(f"{d}[{dims}]") for d, dims in re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]", shape)]
+      data = ops[:1] if base == "ragged-all-to-all" else ops  # the rest: its buffer, offsets and sizes
+      operand = sum(_array_bytes(body[o][0]) for o in data if o in body)
+      if op.endswith("-start") and base == "ragged-all-to-all":
+        result = arrays[-1]  # ((operands), result)
+      elif op.endswith("-start") and base != "all-reduce":
+        result = sum(arrays[len(arrays) // 2:])  # ((operands), (results))
+      else:
+        result = sum(arrays)
+      groups = _replica_groups(rest)
+      g = len(groups[0]) if groups else 0
+      frac = (g - 1) / g if g else 1.0
+      sent = {"all-reduce": 2 * frac * result, "all-gather": frac * result, "reduce-scatter": frac * operand,
+              "all-to-all": frac * operand, "ragged-all-to-all": operand, "collective-permute": operand}[base]
+      out.append({"op": base, "groups": groups, "operand_bytes": operand, "result_bytes": result, "sent_bytes": sent})
+  return out

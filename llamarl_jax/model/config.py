@@ -10,7 +10,8 @@ chosen by `ModelConfig.model_type` (see `FAMILIES`):
   qwen3_moe  qwen3 whose sparse layers (`ModelConfig.is_moe_layer`) replace the MLP by experts
           (`model.llama.MoE`: a router and `num_experts` SwiGLU experts, top-k routing, `model.moe`).
 `WeightLayout`: which projections a model holds fused (the generator's serving layout,
-`model.serving`) or in fp8; `HF_LAYOUT`, nothing fused, is the trainer's and checkpoints'.
+`model.serving`) and its precision (`QUANTIZATIONS`, checked by `quantize_problem` only);
+`HF_LAYOUT`, nothing fused or quantised, is the trainer's and checkpoints'.
 RoPE: `rope_frequencies` and `rope_attention_factor` (default, llama3- or yarn-scaled, as HF's
 `rope_scaling` says).
 """
@@ -149,15 +150,47 @@ class ModelConfig:
     return L * per_layer + (L - n_moe) * 3 * d * f + moe + v * d + head + d
 
 
+# The generator's weight precisions (`GeneratorConfig.quantize`, `WeightLayout.quantize`; `model.fp8`):
+#   None           every weight in the generator dtype
+#   'fp8'          every projection of a layer in float8_e4m3fn with a scale per output channel
+#   'fp8+lm_head'  the lm_head too, a scale per vocabulary row (tied embeddings: an fp8 copy for the
+#                  logits, the lookup in the generator dtype)
+QUANTIZATIONS = (None, "fp8", "fp8+lm_head")
+
+
+def quantize_problem(quantize: Any) -> str | None:
+  """None if `quantize` is one of `QUANTIZATIONS`, else what was expected: the one check of the
+  generator's precision (`GeneratorConfig`'s rule and `WeightLayout`'s)."""
+  if quantize in QUANTIZATIONS:
+    return None
+  return ("None, 'fp8' or 'fp8+lm_head' ('fp8': the projections in float8_e4m3fn decoded as fp8 GEMMs; "
+          "'fp8+lm_head': the lm_head too; there is no 'int8')")
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightLayout:
-  """Which projections a model holds fused (the generator's serving layout); the default, nothing
-  fused, is the trainer's and checkpoints' (Hugging Face's projections)."""
+  """Which projections a model holds fused (the generator's serving layout) and in which precision;
+  the default, nothing fused and nothing quantised, is the trainer's and checkpoints' (Hugging Face's
+  projections)."""
 
   fused_qkv: bool = False  # wqkv (and bqkv) instead of wq, wk, wv (bq, bk, bv)
   fused_mlp: bool = False  # w_gate_up instead of w_gate, w_up
-  fp8: bool = False        # projections in float8_e4m3fn + per-output-channel scales (`model.fp8`)
-  fp8_lm_head: bool = False  # the lm_head in float8_e4m3fn + a scale per vocabulary row (tied: its own copy)
+  quantize: str | None = None  # one of QUANTIZATIONS
+
+  def __post_init__(self):
+    problem = quantize_problem(self.quantize)
+    if problem:
+      raise ValueError(f"WeightLayout.quantize (GeneratorConfig.quantize): expected {problem}, got {self.quantize!r}")
+
+  @property
+  def fp8(self) -> bool:
+    """The projections in float8_e4m3fn + per-output-channel scales (`model.fp8`)."""
+    return self.quantize is not None
+
+  @property
+  def fp8_lm_head(self) -> bool:
+    """The lm_head in float8_e4m3fn + a scale per vocabulary row (tied: its own copy)."""
+    return self.quantize == "fp8+lm_head"
 
 
 HF_LAYOUT = WeightLayout()

@@ -5,7 +5,7 @@ fused wqkv, w_gate_up). Not quantised: embeddings, norms, biases and, by default
 (generator dtype). A projection `w` `[*in, *out]` becomes `w` in float8_e4m3fn and `w_scale` `[*out]`
 fp32 with `w ~= w_fp8 * w_scale` (amax over the input axes / 448, e4m3's largest finite value).
 
-The fp8 lm_head (`quantize_params(..., lm_head=True)`, `GeneratorConfig.quantize_lm_head`): the leaf
+The fp8 lm_head (`quantize_params(..., lm_head=True)`, `GeneratorConfig.quantize = 'fp8+lm_head'`): the leaf
 `lm_head` `[embed, vocab]` in float8_e4m3fn and `lm_head_scale` `[vocab]` (one scale per vocabulary
 row), the logits an fp8 GEMM like every projection's. With tied embeddings it is a separate fp8 copy
 of the embedding's transpose, used only for the logits; the embedding lookup keeps `embed` in the
@@ -40,7 +40,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 Array = jax.Array
 
-QUANTIZATIONS = (None, "fp8")  # GeneratorConfig.quantize
 FP8 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 # projection name -> its number of input (contracted) axes; per module of a layer
@@ -146,7 +145,7 @@ def quantize_head(params: dict) -> tuple[Array, Array]:
     w = params[HEAD]
   elif "score" in params:
     raise ValueError("a score-head model (a `score` leaf, num_labels >= 1) has no lm_head to quantise; serve it "
-                     "with GeneratorConfig.quantize_lm_head = False")
+                     "with GeneratorConfig.quantize = 'fp8' (its lm_head in the generator dtype)")
   else:
     w = params["embed"].T
   return quantize_weight(w, 1)

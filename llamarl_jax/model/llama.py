@@ -372,9 +372,12 @@ class Routing:
   mesh: Any = flax.struct.field(pytree_node=False, default=None)
 
 
-def _layer_routing(replay: Array | None, j: int) -> Routing | None:
-  """The `Routing` of the j-th MoE layer given replay `[B, T, moe layers, k]` (or None)."""
-  return None if replay is None else Routing(replay=replay[:, :, j])
+def _layer_routing(replay: Array | None, j: int, mesh=None) -> Routing | None:
+  """The `Routing` of the j-th MoE layer given replay `[B, T, moe layers, k]` (or None) and the mesh
+  whose `expert` axis holds the experts (or None)."""
+  if replay is None and mesh is None:
+    return None
+  return Routing(replay=None if replay is None else replay[:, :, j], mesh=mesh)
 
 
 class Block(nnx.Module):
@@ -438,27 +441,31 @@ class Llama(nnx.Module):
     if config.num_labels:
       if layout.fp8_lm_head:
         raise ValueError(f"a score-head model ({config.architecture}) has no lm_head to hold in fp8; use "
-                         "WeightLayout(fp8_lm_head=False) (GeneratorConfig.quantize_lm_head = False)")
+                         "WeightLayout(quantize='fp8') (GeneratorConfig.quantize = 'fp8')")
       self.score = _param(rngs, (config.hidden_size, config.num_labels), ("embed", None), pd)
     elif layout.fp8_lm_head:  # the logits' own fp8 matrix, tied or not (`model.fp8`)
       _projection(self, "lm_head", rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd, fp8=True)
     elif not config.tie_word_embeddings:
       self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd)
 
-  def hidden_states(self, tokens, positions=None, cache=None, attention_mask=None, remat=False):
+  def hidden_states(self, tokens, positions=None, cache=None, attention_mask=None, remat=False, mesh=None):
     """Final-norm hidden states `[B, T, E]` (and the new cache); the shared trunk of `__call__`."""
-    x, new_cache, _ = self.routed_hidden_states(tokens, positions, cache, attention_mask, remat)
+    x, new_cache, _ = self.routed_hidden_states(tokens, positions, cache, attention_mask, remat, mesh=mesh)
     return x, new_cache
 
-  def routed_hidden_states(self, tokens, positions=None, cache=None, attention_mask=None, remat=False, replay=None):
+  def routed_hidden_states(self, tokens, positions=None, cache=None, attention_mask=None, remat=False, replay=None,
+                           mesh=None):
     """`hidden_states` and the experts each token was routed to: (x `[B, T, E]`, new cache or None,
     topk `[B, T, moe layers, k]` int32, or None for a dense model). replay `[B, T, moe layers, k]`:
-    the experts to use instead of each MoE layer's own top-k (routing replay; `model.moe`)."""
+    the experts to use instead of each MoE layer's own top-k (routing replay; `model.moe`). mesh: the
+    mesh the forward runs on (the generator's), whose `expert` axis (if > 1) computes the experts in
+    parallel and whose batch axes route each device's own rows (`moe.grouped_swiglu`); None: XLA
+    partitions the MoE layers itself."""
     c = self.config
     dt = jnp.dtype(c.dtype)
     B, T = tokens.shape
     if isinstance(cache, PagedKVCache):
-      return self._paged_hidden_states(tokens, positions, cache, replay)
+      return self._paged_hidden_states(tokens, positions, cache, replay, mesh)
     offset = 0 if cache is None else cache.index
     if cache is not None and cache.index.ndim == 1:  # a write slot per row: offsets [B, 1]
       offset = cache.index[:, None]
@@ -483,7 +490,8 @@ class Llama(nnx.Module):
     new_k, new_v, topk = [], [], []
     for i, block in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
-      x, kv, stats = run_block(block, x, layer_cache, _layer_routing(replay, len(topk)) if c.is_moe_layer(i) else None)
+      x, kv, stats = run_block(block, x, layer_cache,
+                               _layer_routing(replay, len(topk), mesh) if c.is_moe_layer(i) else None)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])
@@ -495,7 +503,7 @@ class Llama(nnx.Module):
       new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), index=cache.index + T)
     return x, new_cache, (jnp.stack(topk, axis=2) if topk else None)
 
-  def _paged_hidden_states(self, tokens, positions, cache: PagedKVCache, replay=None):
+  def _paged_hidden_states(self, tokens, positions, cache: PagedKVCache, replay=None, mesh=None):
     """One decode step over a paged cache: tokens, positions `[B, 1]` (positions required: a row's
     RoPE position is not implied by where its pages are). Returns `[B, 1, E]`, the cache with the
     new keys/values written, and the routing (`routed_hidden_states`)."""
@@ -512,7 +520,7 @@ class Llama(nnx.Module):
       if fused:
         x, pending, (k, v) = block.decode_fp8(x, pending, positions, inv_freq, cache.layer(i), interpret)
       else:
-        routing = _layer_routing(replay, len(topk)) if self.config.is_moe_layer(i) else None
+        routing = _layer_routing(replay, len(topk), mesh) if self.config.is_moe_layer(i) else None
         x, (k, v), stats = block(x, positions, inv_freq, None, cache.layer(i), routing=routing)
         if stats is not None:
           topk.append(stats.topk)

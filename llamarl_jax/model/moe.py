@@ -16,9 +16,19 @@ Routing replay: given `replay` indices `[..., k]` (the experts another forward c
 are used instead of this forward's top-k, weighted by this forward's router probabilities of them
 (so the router's weights still get gradients for the replayed choices); a token whose replay row
 holds -1 keeps its own top-k.
+
+Expert parallelism (`grouped_swiglu` over a mesh whose `expert` axis is EP > 1; routing, replay and
+`router_stats` happen before and are the same either way): the tokens reach the experts' devices by
+replicate-and-sum (a psum of the `[tokens, embed]` output) or by token dispatch (each token's k rows
+exchanged with the experts' owners by a ragged all-to-all, the output all-gathered). Dispatch sends
+(2 k / EP + 1) / 2 of replicate's bytes (`expert_parallel_bytes`), so it is the default only where
+EP > 2 k (`choose_expert_parallel`): at Qwen3-30B-A3B's top-8 on 8 devices, replicate.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import flax.struct
 import jax
@@ -57,7 +67,11 @@ def route(x: Array, router: Array, k: int, norm_topk_prob: bool, replay: Array |
   return top_p.astype(x.dtype), top_i.astype(jnp.int32), probs, own.astype(jnp.int32)
 
 
-def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Array, mesh=None) -> Array:
+EXPERT_PARALLEL = ("replicate", "dispatch", "dispatch_dense")
+
+
+def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Array, mesh=None,
+                   expert_parallel: str | None = None) -> Array:
   """Sum over each token's k experts of weight * SwiGLU_expert(x), by grouped matmuls.
 
   x `[N, E]`; experts, weights `[N, k]`; gate_up: (w_gate, w_up) `[X, E, F]` each, or the serving
@@ -66,31 +80,133 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
   its own weights (`jax.lax.ragged_dot` with the experts' row counts as group sizes), and the rows
   return to token order to be weighted and summed over the k choices.
 
-  mesh: with an `expert` axis of size > 1 (expert parallelism) each device of that axis holds
-  X / expert experts and computes them for its tokens (rows routed elsewhere fall outside every group:
-  no work, zero output); the partial sums add up over the axis (`psum`). The batch axes (`data`,
-  `fsdp`) are manual too, also without expert parallelism, so sorting and grouping are per device,
-  never across the batch: each device routes its own rows through every expert (FSDP gathers the
-  experts' weights, as any layer's), where XLA's own partitioning of the sort would gather every
-  device's rows and compute all of them on each device."""
+  mesh: the batch axes (`data`, `fsdp`) are manual, so sorting and grouping are per device, never
+  across the batch: each device routes its own rows (FSDP gathers the experts' weights, as any
+  layer's), where XLA's own partitioning of the sort would gather every device's rows and compute all
+  of them on each device (N not a multiple of the batch axes' size: those axes are left to XLA). An `expert` axis of size EP > 1 (expert parallelism) holds X / EP experts on
+  each of its devices, and the rows, replicated over that axis, reach their experts by replicate or by
+  dispatch (`expert_parallel`; None: `choose_expert_parallel`'s pick for these sizes):
+    'replicate'  every device computes its own experts' rows of all its group's tokens (rows routed
+                 elsewhere fall outside every group: no work, zero output) and the partial sums add
+                 up over the axis (`psum` of `[N, E]`);
+    'dispatch'   each device takes 1/EP of the tokens, sends each of their k rows to the device that
+                 owns its expert (`ragged_all_to_all`: only the rows routed there), that device runs its
+                 experts over the rows it received, the results return the same way to be weighted and
+                 summed, and the `[N, E]` output is all-gathered over the axis. Dropless: the receive
+                 buffer holds the most rows a device can be sent. XLA:CPU has no ragged all-to-all,
+                 so on a CPU mesh it is 'dispatch_dense';
+    'dispatch_dense'  the same exchange as a dense `all_to_all` of a fixed per-destination capacity,
+                 the most rows one device can send another (dropless, so it moves the worst case).
+  Each way computes every (token, choice) row once; `expert_parallel_bytes` gives what each moves."""
   rows = None if mesh is None else tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1) or None
-  if mesh is None or (mesh.shape.get("expert", 1) == 1 and rows is None):
+  if rows and x.shape[0] % math.prod(mesh.shape[a] for a in rows):
+    rows = None  # rows that do not split over the batch axes (a prefill of fewer prompts): left to XLA there
+  EP = 1 if mesh is None else mesh.shape.get("expert", 1)
+  if mesh is None or (EP == 1 and rows is None):
     return _local_swiglu(x, experts, weights, gate_up, w_down, 0)
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
-  ep = ("expert",) if mesh.shape.get("expert", 1) > 1 else ()
-  tok, exp = P(rows), P(*ep)
+  groups = math.prod(mesh.shape.get(a, 1) for a in rows or ())
+  mode = expert_parallel or choose_expert_parallel(dict(mesh.shape), x.shape[0], experts.shape[1], x.shape[1],
+                                                   w_down.shape[0])
+  if mode not in EXPERT_PARALLEL:
+    raise ValueError(f"expert_parallel={mode!r}: expected one of {EXPERT_PARALLEL} or None (chosen by bytes moved)")
+  if EP == 1:
+    mode = "replicate"
+  if mode != "replicate" and x.shape[0] % (groups * EP):
+    raise ValueError(f"expert_parallel={mode!r} splits each device group's {x.shape[0] // groups} tokens over "
+                     f"expert={EP} devices: the token count must be a multiple of {groups * EP}; "
+                     "use 'replicate' (or None) for these shapes")
+  if mode == "dispatch" and mesh.devices.flat[0].platform == "cpu":
+    mode = "dispatch_dense"
+  ep = ("expert",) if EP > 1 else ()
+  exp = P(*ep)
+  gate_up = tuple(gate_up) if isinstance(gate_up, list) else gate_up
+  gate_spec = (exp, exp) if isinstance(gate_up, tuple) else exp
 
-  def body(x, experts, weights, gate_up, w_down):
-    if not ep:
-      return _local_swiglu(x, experts, weights, gate_up, w_down, 0)
-    first = jax.lax.axis_index("expert") * w_down.shape[0]
-    return jax.lax.psum(_local_swiglu(x, experts, weights, gate_up, w_down, first), "expert")
+  if mode == "replicate":
+    def body(x, experts, weights, gate_up, w_down):
+      if not ep:
+        return _local_swiglu(x, experts, weights, gate_up, w_down, 0)
+      first = jax.lax.axis_index("expert") * w_down.shape[0]
+      x = jax.lax.pcast(x, "expert", to="varying")  # so that x's gradient is summed as `[N, E]`
+      return jax.lax.psum(_local_swiglu(x, experts, weights, gate_up, w_down, first), "expert")
 
-  gate_spec = (exp, exp) if isinstance(gate_up, (tuple, list)) else exp
-  return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp), out_specs=tok,
-                       axis_names={*ep, *(rows or ())}, check_vma=False)(
-                           x, experts, weights, tuple(gate_up) if isinstance(gate_up, list) else gate_up, w_down)
+    tok = P(rows)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp), out_specs=tok,
+                         axis_names={*ep, *(rows or ())})(x, experts, weights, gate_up, w_down)
+
+  body = functools.partial(_dispatch_swiglu, ep=EP, ragged=mode == "dispatch")
+  tok = P((*(rows or ()), "expert"))  # each device of the expert axis takes 1/EP of its group's tokens
+  out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp), out_specs=tok,
+                      axis_names={*ep, *(rows or ())}, check_vma=False)(x, experts, weights, gate_up, w_down)
+  # replicated over `expert` again (an all-gather; its transpose, the gradient's, is a slice)
+  return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(rows)))
+
+
+def expert_parallel_bytes(mesh_shape, tokens: int, k: int, embed: int, num_experts: int,
+                          itemsize: int = 2) -> dict[str, dict[str, float]]:
+  """Bytes one device sends over the `expert` axis in one MoE layer's forward and in its backward,
+  for each of `grouped_swiglu`'s `expert_parallel` ways: {way: {'forward', 'backward'}}.
+
+  mesh_shape {axis: size}; tokens: the rows of x `[tokens, embed]` (all device groups together, so
+  N = tokens / (data * fsdp) per group, replicated over the EP devices of `expert`); itemsize: the
+  rows' dtype. Ring collectives: an all-reduce of S bytes sends 2 (EP-1)/EP S, an all-gather of S
+  (EP-1)/EP S, an all-to-all of S (EP-1)/EP S. The ragged exchanges are counted at uniform routing
+  (each of a device's n k rows, n = N / EP, stays on the device with probability 1/EP; the
+  load-balancing loss drives routing there); they send at most n k rows whatever the routing. The
+  backward sends the forward's collectives transposed, on the gradients of x and of the routing
+  weights `[N, k]`:
+    replicate       forward: psum of `[N, E]`                          2 (EP-1)/EP N E
+                    backward: psum of `[N, E + k]`
+    dispatch        forward: two exchanges of n k rows, all-gather of `[N, E]`
+                                                                       (2 k / EP + 1) (EP-1)/EP N E
+                    backward: two exchanges, all-gather of `[N, E + k]`
+    dispatch_dense  as dispatch, the exchanges all-to-alls at capacity n min(k, X/EP) per pair
+  (+ the counts: an all-to-all of `[EP, X/EP]` int32, and of offsets `[EP]`). So dispatch sends
+  fewer bytes than replicate exactly when EP > 2 k, whatever N and E."""
+  EP = mesh_shape.get("expert", 1)
+  if EP == 1:
+    return {way: {"forward": 0.0, "backward": 0.0} for way in EXPERT_PARALLEL}
+  N = tokens / (mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1))
+  remote = (EP - 1) / EP
+  n = N / EP
+  rows = {"dispatch": remote * n * k, "dispatch_dense": (EP - 1) * n * min(k, num_experts // EP)}  # per exchange
+  counts = remote * (num_experts + 2 * EP) * 4  # int32 counts and two offset exchanges
+  out = {"replicate": {"forward": 2 * remote * N * embed * itemsize,
+                       "backward": 2 * remote * N * (embed + k) * itemsize}}
+  for way, r in rows.items():
+    out[way] = {"forward": (2 * r * embed + remote * N * embed) * itemsize + counts,
+                "backward": (2 * r * embed + remote * N * (embed + k)) * itemsize + counts}
+  return out
+
+
+def choose_expert_parallel(mesh_shape, tokens: int, k: int, embed: int, num_experts: int) -> str:
+  """`grouped_swiglu`'s default way over a mesh of `mesh_shape` ({axis: size}) for x `[tokens, embed]`
+  routed top-`k` over `num_experts`: the one of 'replicate' and 'dispatch' that sends fewer bytes
+  (`expert_parallel_bytes`: dispatch where the expert axis EP > 2 k), 'replicate' when EP is 1 or does
+  not divide each device group's tokens."""
+  EP = mesh_shape.get("expert", 1)
+  groups = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+  if EP == 1 or tokens % (groups * EP):
+    return "replicate"
+  sent = expert_parallel_bytes(mesh_shape, tokens, k, embed, num_experts)
+  return min(("replicate", "dispatch"), key=lambda way: sent[way]["forward"])
+
+
+def _expert_rows(rows, sizes, gate_up, w_down):
+  """SwiGLU of rows `[R, E]` sorted by expert, `sizes` `[X]` rows per expert (rows past their sum fall
+  outside every group: zero output) -> `[R, E]`."""
+  X = w_down.shape[0]
+  dt = rows.dtype
+  if isinstance(gate_up, (tuple, list)):
+    gate = jax.lax.ragged_dot(rows, gate_up[0].astype(dt), sizes)
+    up = jax.lax.ragged_dot(rows, gate_up[1].astype(dt), sizes)
+  else:
+    _, E, _, F = gate_up.shape
+    both = jax.lax.ragged_dot(rows, gate_up.reshape(X, E, 2 * F).astype(dt), sizes)
+    gate, up = both[:, :F], both[:, F:]
+  return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dt), sizes)
 
 
 def _local_swiglu(x, experts, weights, gate_up, w_down, first):
@@ -103,18 +219,65 @@ def _local_swiglu(x, experts, weights, gate_up, w_down, first):
   order = jnp.argsort(flat, stable=True)
   rows = jnp.take(x, order // k, axis=0)  # [N * k, E], sorted by expert
   sizes = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)
-  dt = x.dtype
-  if isinstance(gate_up, (tuple, list)):
-    gate = jax.lax.ragged_dot(rows, gate_up[0].astype(dt), sizes)
-    up = jax.lax.ragged_dot(rows, gate_up[1].astype(dt), sizes)
-  else:
-    _, E, _, F = gate_up.shape
-    both = jax.lax.ragged_dot(rows, gate_up.reshape(X, E, 2 * F).astype(dt), sizes)
-    gate, up = both[:, :F], both[:, F:]
-  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dt), sizes)  # [N * k, E]
+  out = _expert_rows(rows, sizes, gate_up, w_down)  # [N * k, E]
   out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
   weights = jnp.where(local, weights, jnp.zeros((), weights.dtype))
   return jnp.sum(out.reshape(N, k, -1) * weights[..., None], axis=1)
+
+
+def _exclusive_cumsum(a):
+  return jnp.cumsum(a) - a
+
+
+def _dispatch_swiglu(x, experts, weights, gate_up, w_down, *, ep: int, ragged: bool):
+  """`grouped_swiglu` of this device's share of the tokens, x `[n, E]`, experts, weights `[n, k]`, by
+  token dispatch over the `expert` axis (`ep` devices, this one holding the Xl = w_down.shape[0]
+  experts `index * Xl ..`): the n * k rows sorted by expert (so by owner, then the owner's expert)
+  go to their owners, each owner regroups what it received from all devices by its own experts, runs
+  them, and sends every row back where it came from. ragged: `jax.lax.ragged_all_to_all` (each slice
+  as long as its rows), else a dense `all_to_all` of the worst-case capacity (`_dense_all_to_all`)."""
+  n, k = experts.shape
+  Xl, E = w_down.shape[0], x.shape[1]
+  cap = n * min(k, Xl)  # the most rows one device can send another: a token picks k distinct experts
+  a2a = lambda a: jax.lax.all_to_all(a, "expert", 0, 0, tiled=True)
+  exchange = jax.lax.ragged_all_to_all if ragged else functools.partial(_dense_all_to_all, capacity=cap)
+
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)  # by owner, then by the owner's expert
+  rows = jnp.take(x, order // k, axis=0)  # [n * k, E]
+  counts = jnp.bincount(flat, length=ep * Xl).astype(jnp.int32).reshape(ep, Xl)  # sent, per (owner, its expert)
+  send = jnp.sum(counts, axis=1)
+  send_at = _exclusive_cumsum(send)
+  got_counts = a2a(counts)  # [source, my expert]: the rows each device sends here
+  recv = jnp.sum(got_counts, axis=1)
+  recv_at = _exclusive_cumsum(recv)  # where each source's rows land here (source-major)
+  got = exchange(rows, jnp.zeros((ep * cap, E), x.dtype), send_at, send, a2a(recv_at), recv, axis_name="expert")
+
+  # received (source, my expert)-major -> (my expert, source)-major, the unused rows last
+  seg = jnp.searchsorted(jnp.cumsum(got_counts.reshape(-1)), jnp.arange(ep * cap), side="right")
+  src, mine = seg // Xl, seg % Xl
+  regroup = jnp.argsort(jnp.where(seg < ep * Xl, mine * ep + src, ep * Xl), stable=True)
+  out = _expert_rows(jnp.take(got, regroup, axis=0), jnp.sum(got_counts, axis=0), gate_up, w_down)
+  out = jnp.zeros_like(out).at[regroup].set(out)  # back to the received layout
+
+  back = exchange(out, jnp.zeros((n * k, E), x.dtype), recv_at, recv, a2a(send_at), send, axis_name="expert")
+  back = jnp.zeros_like(back).at[order].set(back)  # (token, choice) order
+  return jnp.sum(back.reshape(n, k, E) * weights[..., None], axis=1)
+
+
+def _dense_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+                      capacity: int):
+  """`jax.lax.ragged_all_to_all`'s result (one slice per device of `axis_name`) by a dense `all_to_all`
+  of `[devices, capacity, ...]`: every slice padded to `capacity` rows (at least the longest slice),
+  so it moves `capacity` rows per pair of devices whatever the slices hold."""
+  r = jnp.arange(capacity)
+  take = jnp.clip(input_offsets[:, None] + r, 0, operand.shape[0] - 1)  # [devices, capacity]
+  keep = (r < send_sizes[:, None]).reshape(*take.shape, *(1,) * (operand.ndim - 1))
+  packed = jnp.where(keep, jnp.take(operand, take, axis=0), 0)
+  packed = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=True)  # [source, capacity, ...]
+  at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)[:, None] + r
+  at = jnp.where(r < recv_sizes[:, None], at, output.shape[0])  # past the end: dropped
+  return output.at[at.reshape(-1)].set(packed.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
 def router_stats(topk: Array, probs: Array, num_experts: int, token_mask: Array | None) -> tuple[Array, Array]:

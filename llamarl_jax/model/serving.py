@@ -37,14 +37,14 @@ FUSED_MLP = {"w_gate_up": ("w_gate", "w_up"), "w_gate_up_scale": ("w_gate_scale"
 
 
 def serving_layout(config: ModelConfig, mesh: Mesh, rules: Mapping[str, str | None] = parallel.RULES, *,
-                   fp8: bool = False) -> WeightLayout:
+                   quantize: str | None = None) -> WeightLayout:
   """The generator's layout on `mesh`: gate/up fused always; Q/K/V fused where `heads` and
   `kv_heads` shard over the same mesh axis (or neither shards), so the fused matrix loses no
   sharding (e.g. 2 KV heads on tp=4: the parts stay separate, q sharded, k and v replicated).
-  fp8: the projections in float8_e4m3fn with per-output-channel scales (`model.fp8`)."""
+  quantize: the weights' precision (`model.config.QUANTIZATIONS`, `model.fp8`)."""
   heads = parallel.logical_to_spec(("heads",), (config.num_heads,), mesh, rules)
   kv_heads = parallel.logical_to_spec(("kv_heads",), (config.num_kv_heads,), mesh, rules)
-  return WeightLayout(fused_qkv=heads == kv_heads, fused_mlp=True, fp8=fp8)
+  return WeightLayout(fused_qkv=heads == kv_heads, fused_mlp=True, quantize=quantize)
 
 
 def _fusions(layout: WeightLayout) -> dict[str, dict[str, tuple[str, ...]]]:
@@ -52,10 +52,14 @@ def _fusions(layout: WeightLayout) -> dict[str, dict[str, tuple[str, ...]]]:
 
 
 def params_layout(params: dict) -> WeightLayout:
-  """The layout a `split_params` dict is in (read from its first layer's names)."""
+  """The layout a `split_params` dict is in (read from its first layer's names and the fp8 lm_head's scale)."""
   layer = params["layers"][min(params["layers"])]
+  projections_fp8, head_fp8 = "wo_scale" in layer["attn"], fp8.has_fp8_head(params)
+  if head_fp8 and not projections_fp8:
+    raise ValueError("params hold an fp8 lm_head beside projections in their dtype, a precision no generator "
+                     "holds; quantise the projections too (`fp8.quantize_params(..., lm_head=True)`)")
   return WeightLayout(fused_qkv="wqkv" in layer["attn"], fused_mlp="w_gate_up" in layer["mlp"],
-                      fp8="wo_scale" in layer["attn"], fp8_lm_head=fp8.has_fp8_head(params))
+                      quantize=("fp8+lm_head" if head_fp8 else "fp8") if projections_fp8 else None)
 
 
 def fusion_inputs(params: dict, layout: WeightLayout) -> dict:

@@ -12,8 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from llamarl_jax.config import RunConfig
 from llamarl_jax.metrics import append_bounded
-from llamarl_jax.schedule import prune_kept
+from llamarl_jax.schedule import prune_kept, versions_kept
 from llamarl_jax.time_breakdown import TimeBreakdown, overlap_seconds, split_wait  # noqa: F401
 
 
@@ -44,6 +45,45 @@ class RunState:
     return dataclasses.replace(self, kept=prune_kept({**self.kept, version: weights}, version, max_policy_lag))
 
 
+def checkpoint_contents(state: RunState, trainer_state: dict, config: RunConfig) -> tuple[dict, dict]:
+  """(payload, metadata) of a checkpoint of `state`: the trainer's state dict with the kept generator
+  weights of the versions the next batches are generated with (under "generator_versions"), and the
+  run's position, seed and version schedule.
+
+  Exact resume ('fixed' schedule): a checkpoint at step r holds the generator-dtype weights of versions
+  max(v0, r - max_policy_lag) .. r - 1 (`schedule.versions_kept`), so the resumed run generates every
+  batch with the same version, prompts and seed as an uninterrupted run."""
+  lag, schedule = config.schedule.max_policy_lag, config.schedule.version_schedule
+  first = state.step if state.first_version is None else state.first_version
+  versions = [v for v in versions_kept(state.step, lag, first, schedule) if v in state.kept]
+  payload = trainer_state
+  if versions:
+    payload = {**payload, "generator_versions": {str(v): state.kept[v] for v in versions}}
+  meta = {"step": state.step, "policy_version": state.step, "seed": config.rollout.seed,
+          "data_state": state.data_state, "max_policy_lag": lag, "version_schedule": schedule,
+          "first_version": first, "generator_versions": versions}
+  return payload, meta
+
+
+def checkpoint_target(meta: dict, trainer_state: dict, version_layout: Callable[[], Any]) -> dict:
+  """What a checkpoint with metadata `meta` restores into (abstract arrays): the trainer's state dict
+  and, for each kept generator version it lists, `version_layout()`."""
+  if not meta.get("generator_versions"):
+    return trainer_state
+  layout = version_layout()
+  return {**trainer_state, "generator_versions": {str(v): layout for v in meta["generator_versions"]}}
+
+
+def checkpoint_position(meta: dict, kept: Mapping[int, Any], config: RunConfig) -> dict:
+  """The `RunState` fields a checkpoint's metadata restores: step, data_state and first_version, the
+  last None (the schedule restarts at the step) unless `kept` holds every version the schedule needs."""
+  lag, schedule = config.schedule.max_policy_lag, config.schedule.version_schedule
+  first = meta.get("first_version")
+  exact = first is not None and all(v in kept for v in versions_kept(int(meta["step"]), lag, int(first), schedule))
+  return {"step": int(meta["step"]), "data_state": meta.get("data_state"),
+          "first_version": int(first) if exact else None}
+
+
 @dataclass
 class Executors:
   """The typed parts a runner drives. In one process all are present; a trainer process has no
@@ -67,6 +107,13 @@ class Executors:
 
   def mark(self, what: str, start: float, end: float) -> None:
     append_bounded(self.timeline, (what, start, end))
+
+  def work_timeline(self) -> list[tuple[str, float, float]]:
+    """(executor, start, end) perf_counter intervals of real work, the generator's included, by start:
+    "generate", "swap", "reward", "train" (with the weight sync). Tests and scripts/bench_async.py
+    measure overlap with it."""
+    generated = self.generator.timeline if self.generator is not None else []
+    return sorted(generated + self.timeline, key=lambda t: t[1])
 
 
 # Metrics that measure time or depend on thread timing (how far ahead the generator ran); everything

@@ -52,6 +52,9 @@ class _Pipeline:
     self.lock = threading.Lock()
     self.reward_timer = Timer()
     self.reward_status = ("not started", time.monotonic())
+    self.lag = config.schedule.max_policy_lag
+    self.keeps = keeps_versions(self.lag, config.schedule.version_schedule)
+    self.threads: list[threading.Thread] = []
 
   def fail(self, who: str, e: BaseException) -> None:
     with self.lock:
@@ -110,6 +113,53 @@ class _Pipeline:
     except BaseException as e:  # noqa: BLE001
       self.fail("reward", e)
 
+  def start(self, start: int, first_version: int) -> None:
+    """The generator thread (batches `start`.. of the schedule from `first_version`) and the reward thread."""
+    self.threads = [threading.Thread(target=self.generate, args=(start, first_version), name="generator", daemon=True),
+                    threading.Thread(target=self.score, name="reward", daemon=True)]
+    for t in self.threads:
+      t.start()
+
+  def close(self) -> None:
+    """Shut down and join the threads (30 s each; one still running then is abandoned, with a warning)."""
+    self.shutdown()
+    for t in self.threads:
+      t.join(timeout=30)
+      if t.is_alive():
+        status = self.ex.generator.status if t.name == "generator" else self.reward_status
+        log.warning("the %s thread did not stop within 30 s (it was %s); it is abandoned (daemon)", t.name,
+                    status[0])
+
+  def remember(self, state: RunState, version: int) -> RunState:
+    """Keep the generator weights of `version` (just pushed) while a checkpoint may need them."""
+    if not self.keeps:
+      return state
+    params, newest = self.ex.weights.latest()
+    assert newest == version, (newest, version)
+    return state.keep(version, params, self.lag)
+
+  def next_batch(self, step: int):
+    """The replay buffer's next entry that step `step` may train on (within the lag bound); an executor's
+    failure raises `ExecutorFailed`, no batch within `step_timeout_s` a TimeoutError with the stall report."""
+    try:
+      return self.buffer.get(min_version=step - self.lag, timeout=self.config.schedule.step_timeout_s)
+    except BufferClosed as e:
+      self.raise_if_failed(e)
+      raise
+    except TimeoutError:
+      self.raise_if_failed(TimeoutError(self.stall_report(step)))
+      raise
+
+  def step_times(self, since: float, trained: tuple[float, float]) -> tuple[tuple, tuple, list]:
+    """(generator seconds, reward seconds, the other threads' intervals since `since`) of the step that
+    trained over `trained` (perf_counter start, end: marked on the timeline)."""
+    with self.lock:
+      self.ex.mark("train", *trained)
+      gen_times = self.ex.generator.timer.take()
+      reward_times = self.reward_timer.take()
+      waited_on = recent(list(self.ex.generator.timeline), since) + recent(list(self.ex.timeline), since)
+    return gen_times, reward_times, waited_on
+
   def raise_if_failed(self, cause: BaseException | None = None) -> None:
     with self.lock:
       errors = list(self.errors)
@@ -148,8 +198,6 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
   generator keeps generating meanwhile, within the lag bound. The executors are stopped on return;
   in-flight batches are discarded (the next call draws their prompts again from `state.data_state`).
   """
-  lag = config.schedule.max_policy_lag
-  keep = keeps_versions(lag, config.schedule.version_schedule)
   state = state.started()
   start, first = state.step, state.first_version
   pipe = _Pipeline(ex, config)
@@ -158,24 +206,12 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
   ex.generator.timer.take()  # this run's generator seconds start at 0
   if state.data_state is not None:  # prompts drawn for batches that were never trained are drawn again
     ex.prompt_source.load_state_dict(state.data_state)
-
-  def remember(s: RunState, version: int) -> RunState:
-    """Keep the generator weights of `version` (just pushed) while a checkpoint may need them."""
-    if not keep:
-      return s
-    params, newest = ex.weights.latest()
-    assert newest == version, (newest, version)
-    return s.keep(version, params, lag)
-
   with recorder.breakdown.timed("weight_sync"):
     ex.weights.push(ex.trainer.params, start)
-  state = remember(state, start)
-  for v in versions_kept(start, lag, first, config.schedule.version_schedule):  # batches start.. need them
+  state = pipe.remember(state, start)
+  for v in versions_kept(start, pipe.lag, first, config.schedule.version_schedule):  # batches start.. need them
     ex.weights.insert(state.kept[v], v)
-  threads = [threading.Thread(target=pipe.generate, args=(start, first), name="generator", daemon=True),
-             threading.Thread(target=pipe.score, name="reward", daemon=True)]
-  for t in threads:
-    t.start()
+  pipe.start(start, first)
   bar = progress_bar(progress, num_steps)
   steps: list[dict] = []
   interrupted = False
@@ -186,32 +222,21 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
       # the step's clock: from the previous step's end (the logging between is the trainer's wait),
       # unless a checkpoint or an evaluation ran since (parts of their own)
       t0 = t_end if t_end is not None and recorder.breakdown.blocks == blocks else time.perf_counter()
-      try:
-        entry = pipe.buffer.get(min_version=s - lag, timeout=config.schedule.step_timeout_s)
-      except BufferClosed as e:
-        pipe.raise_if_failed(e)
-        raise
-      except TimeoutError:
-        pipe.raise_if_failed(TimeoutError(pipe.stall_report(s)))
-        raise
+      entry = pipe.next_batch(s)
       t1 = time.perf_counter()
       scored = entry.item
       lags = lag_metrics(scored.rollout.token_versions, scored.rollout.response_mask, s)
-      check_lag(lags, s, lag)
+      check_lag(lags, s, pipe.lag)
       with ex.device_turn:
         t_dev = time.perf_counter()
         train_metrics = ex.trainer.step(scored)
         t2 = time.perf_counter()
         state = dataclasses.replace(state, step=s + 1, data_state=entry.meta["data_state"])
         sync_metrics = ex.weights.push(ex.trainer.params, state.step)
-        state = remember(state, state.step)
+        state = pipe.remember(state, state.step)
         t3 = time.perf_counter()
       t_end, blocks = t3, recorder.breakdown.blocks
-      with pipe.lock:
-        ex.mark("train", t_dev, t3)
-        gen_times = ex.generator.timer.take()
-        reward_times = pipe.reward_timer.take()
-        waited_on = recent(list(ex.generator.timeline), t0) + recent(list(ex.timeline), t0)
+      gen_times, reward_times, waited_on = pipe.step_times(t0, (t_dev, t3))
       metrics = recorder.record(state, batch=entry.meta["metrics"], train=train_metrics, sync=sync_metrics, lag=lags,
                                 train_tokens=float(np.sum(scored.rollout.response_mask)), times=(t0, t1, t2, t3),
                                 generator_times=gen_times, reward_times=reward_times,
@@ -227,13 +252,7 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
     t_stop = time.perf_counter()
     if bar is not None:
       bar.close()
-    pipe.shutdown()
-    for t in threads:
-      t.join(timeout=30)
-      if t.is_alive():
-        status = ex.generator.status if t.name == "generator" else pipe.reward_status
-        log.warning("the %s thread did not stop within 30 s (it was %s); it is abandoned (daemon)", t.name,
-                    status[0])
+    pipe.close()
     ex.weights.reopen()
     ex.weights.drop_pending()
     recorder.breakdown.add("waits_other", time.perf_counter() - t_stop)  # the threads' stop

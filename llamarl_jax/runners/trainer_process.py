@@ -36,20 +36,7 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
   stop = threading.Event()
   staged, batches = Slots(), Slots()
   timeout = sched.step_timeout_s
-
-  def transfer() -> None:
-    for op, i in ops:
-      if op == "W":
-        wire = staged.pop(i, stop, timeout, "staged policy version")
-        if leader:  # before the send: a send may block until its receive is issued (as NCCL's does)
-          mp.kv.set(run_key(run_id, "staged", i), mp.staged_mark())
-        mp.weights.send(wire)
-      else:
-        meta = json.loads(wait_key(mp.kv, run_key(run_id, "batch", i), stop, timeout))
-        arrays = mp.rows(meta["shapes"]).send(None)
-        batches.put(i, (arrays, meta))
-
-  worker = Worker(transfer, "transfer", stop)
+  worker = Worker(lambda: _transfer(mp, ops, run_id, staged, batches, stop, timeout), "transfer", stop)
   for v in sorted(sent_versions):
     if v < start:  # an exact resume: the generator weights of versions before `start`, from the checkpoint
       staged.put(v, state.kept[v])
@@ -86,9 +73,7 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
       t2 = time.perf_counter()
       state = stage(dataclasses.replace(state, step=s + 1, data_state=meta["data_state"]))
       t3 = time.perf_counter()
-      received = meta["sync"]  # the generator's last receive before it sent this batch
-      sync = {"sync/seconds": received.get("seconds", 0.0), "sync/bytes": float(mp.weights.nbytes),
-              "sync/gbps": received.get("gbps", 0.0), "sync/version": float(state.step)}
+      sync = _sync_metrics(meta["sync"], mp.weights.nbytes, state.step)
       metrics = recorder.record(state, batch=meta["metrics"], train=train_metrics, sync=sync, lag=meta["lag"],
                                 train_tokens=meta["tokens"], times=(t0, t1, t2, t3),
                                 generator_times=meta["generator_times"], reward_times=meta["reward_times"],
@@ -113,3 +98,26 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
     if finished or interrupted:
       recorder.finish(state, interrupted=interrupted)
   return state, steps
+
+
+def _transfer(mp, ops, run_id: int, staged: Slots, batches: Slots, stop: threading.Event, timeout: float) -> None:
+  """The transfer thread: walks `ops` (`schedule.transfer_schedule`) in order. W(v): sends the staged
+  version v (the trainer leader first marks it staged in the store); R(k): reads batch k's facts from
+  the store and receives its arrays into `batches`."""
+  leader = mp.me == mp.roles.trainer_leader
+  for op, i in ops:
+    if op == "W":
+      wire = staged.pop(i, stop, timeout, "staged policy version")
+      if leader:  # before the send: a send may block until its receive is issued (as NCCL's does)
+        mp.kv.set(run_key(run_id, "staged", i), mp.staged_mark())
+      mp.weights.send(wire)
+    else:
+      meta = json.loads(wait_key(mp.kv, run_key(run_id, "batch", i), stop, timeout))
+      arrays = mp.rows(meta["shapes"]).send(None)
+      batches.put(i, (arrays, meta))
+
+
+def _sync_metrics(received: dict, nbytes: int, version: int) -> dict:
+  """The step's sync metrics: `received`, the generator's last receive before it sent the batch."""
+  return {"sync/seconds": received.get("seconds", 0.0), "sync/bytes": float(nbytes),
+          "sync/gbps": received.get("gbps", 0.0), "sync/version": float(version)}

@@ -1,7 +1,7 @@
 """The train step over packed rows: `packed_train_step(spec, state, batch, plan)`.
 
 The batch's rows (`trainer_layout`: real prompt + response from position 0) are laid end to end into
-bins of `spec.tokens_per_microbatch` positions by a host plan (`layout.pack_rows`: each row's bin,
+bins of `spec.layout.tokens` positions by a host plan (`layout.pack_rows`: each row's bin,
 its index in the bin and its first position). On the device, one program:
 
   pack:       tokens, per-segment positions (0 at each row's first token) and `Segments` (segment
@@ -44,7 +44,7 @@ def pack(spec: StepSpec, batch, plan):
   (segment ids: row + 1, 0 for a bin's unused end), `seqlens` / `offsets` `[bins/D, D, S(+1)]` (each
   bin's segments, -1 past its last; S = B), and `index` `[B, R]`: the flat position in its
   microbatch's `[D * T]` whose state predicts each response token."""
-  T, D = spec.tokens_per_microbatch, spec.shards
+  T, D = spec.layout.tokens, spec.shards
   tokens, lengths, predict = trainer_layout(batch["prompt_tokens"], batch["prompt_mask"],
                                             batch["response_tokens"], batch["response_mask"])
   B, W = tokens.shape
@@ -100,10 +100,10 @@ def packed_train_step(spec: StepSpec, state: TrainState, batch, plan) -> tuple[T
   """One optimizer step on `batch` packed per `plan` (`PLAN_FIELDS` arrays, and `microbatches`: the
   plan's count, an int32 scalar). Pure: the next state and the step's scalar metrics (with
   `train/padding_fraction`: the packed rows' unused positions per real token)."""
-  if spec.tokens_per_microbatch is None:
-    raise ValueError("a packed step needs StepSpec.tokens_per_microbatch")
+  if not spec.layout.packed:
+    raise ValueError(f"a packed step needs a packed StepSpec.layout, got {spec.layout}")
   B, R = batch["response_tokens"].shape
-  check_token_budget(batch["prompt_tokens"].shape[1], R, spec.tokens_per_microbatch)
+  check_token_budget(batch["prompt_tokens"].shape[1], R, spec.layout.tokens)
   totals = valid_counts(batch["response_mask"])
   packed = pack(spec, batch, plan)
   compute, frozen, ref_compute = prepare(spec, state)
@@ -132,6 +132,6 @@ def packed_train_step(spec: StepSpec, state: TrainState, batch, plan) -> tuple[T
                                  batch["token_versions"]))
   real = jnp.sum(trainer_layout(batch["prompt_tokens"], batch["prompt_mask"], batch["response_tokens"],
                                 batch["response_mask"])[1]).astype(jnp.float32)
-  computed = (plan["microbatches"] * spec.shards * spec.tokens_per_microbatch).astype(jnp.float32)
+  computed = (plan["microbatches"] * spec.shards * spec.layout.tokens).astype(jnp.float32)
   metrics["train/padding_fraction"] = (computed - real) / real
   return state, metrics

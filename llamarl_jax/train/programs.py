@@ -2,13 +2,14 @@
 
 `TrainPrograms(spec, placement, ...)` jits the pure step functions of `train.step` and `train.packed`
 with explicit shardings, the trained state donated and the frozen parts (the LoRA base, the KL
-reference) passed beside it. `run(state, batch)` trains one batch in one layout:
+reference) passed beside it. `run(state, batch)` trains one batch in the spec's layout
+(`StepSpec.layout`, a `TrainLayout`):
 
   padded (default):  one program, `train_step`: every microbatch at the batch's width P + R;
-  group_by_length:   the rows' lengths to the host (one `[B]` transfer), `layout.group_by_length`,
+  grouped:           the rows' lengths to the host (one `[B]` transfer), `layout.group_by_length`,
                      then prepare, one accumulation per microbatch at its width (a program per width),
                      apply;
-  pack:              the lengths to the host, `layout.pack_rows` into rows of `tokens_per_microbatch`
+  packed:            the lengths to the host, `layout.pack_rows` into rows of `StepSpec.layout.tokens`
                      tokens, then one program, `packed_train_step`, whatever the lengths.
 
 All three give the same loss, gradient and metrics (up to fp32 summation order). Each program is a
@@ -37,14 +38,12 @@ Array = jax.Array
 
 
 class TrainPrograms:
-  """The jitted step programs of one `StepSpec` on one `Placement`. group_by_length: `run` uses the
-  grouped layout (else packed when `spec.tokens_per_microbatch` is set, else padded); with_base /
+  """The jitted step programs of one `StepSpec` on one `Placement`; `run` uses `spec.layout`. with_base /
   with_ref: the states passed in hold a LoRA base / a KL reference (their shardings are fixed here)."""
 
-  def __init__(self, spec: steps.StepSpec, placement: Placement, *, group_by_length: bool = False,
-               with_base: bool = False, with_ref: bool = False):
-    self.spec, self.placement, self.group_by_length = spec, placement, bool(group_by_length)
-    self.pack = spec.tokens_per_microbatch is not None
+  def __init__(self, spec: steps.StepSpec, placement: Placement, *, with_base: bool = False,
+               with_ref: bool = False):
+    self.spec, self.placement, self.layout = spec, placement, spec.layout
     pl, repl, trained_sh = placement, placement.replicated, placement.trained
     frozen_sh = (pl.model if with_base else None, pl.model if with_ref else None)
     with_frozen = lambda fn: lambda trained, frozen, *a: fn(spec, trained.replace(base=frozen[0], ref=frozen[1]), *a)
@@ -80,9 +79,9 @@ class TrainPrograms:
     """One optimizer step of `state` (its trained part donated) on the placed `batch` in this layout.
     Returns the next state, the device metrics and, grouped by length, the host's padding fraction."""
     frozen, padding = (state.base, state.ref), None
-    if self.group_by_length:
+    if self.layout.grouped:
       trained, metrics, padding = self._grouped(state, batch)
-    elif self.pack:
+    elif self.layout.packed:
       trained, metrics = self.packed_step(state.trained, frozen, batch, self._plan(batch))
     else:
       trained, metrics = self.train_step(state.trained, frozen, batch)
@@ -90,7 +89,7 @@ class TrainPrograms:
 
   def _plan(self, batch: dict[str, Array]) -> dict[str, Array]:
     """The packed layout's plan: the lengths to the host, `pack_rows`, the plan back, replicated."""
-    T = self.spec.tokens_per_microbatch
+    T = self.layout.tokens
     check_token_budget(batch["prompt_tokens"].shape[1], batch["response_tokens"].shape[1], T)
     plan = pack_rows(parallel.local_value(self.row_lengths(batch)), T, self.spec.shards)
     plan_arrays = {**{k: getattr(plan, k) for k in PLAN_FIELDS}, "microbatches": np.int32(plan.microbatches)}
@@ -117,7 +116,7 @@ class TrainPrograms:
     return trained, metrics, groups.padding_fraction
 
   def lower(self, state: TrainState, batch_size: int, prompt_len: int, resp_len: int, platform: str) -> Any:
-    """The train step (packed with `pack`, else the fused padded step: a grouped step's worst case) of
+    """The train step (packed for a packed layout, else the fused padded step: a grouped step's worst case) of
     `state` (arrays or `ShapeDtypeStruct`s) lowered for `platform` from abstract shapes
     (`jax.stages.Lowered`). Nothing is allocated."""
     pl = self.placement
@@ -125,10 +124,10 @@ class TrainPrograms:
     shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     args = [*jax.tree.map(shape_of, (state.trained, (state.base, state.ref))),
             abstract_batch(pl, self.spec.model, batch_size, prompt_len, resp_len)]
-    if self.pack:
+    if self.layout.packed:
       plan = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=pl.replicated)
       args.append({**{k: plan for k in PLAN_FIELDS},
                    "microbatches": jax.ShapeDtypeStruct((), jnp.int32, sharding=pl.replicated)})
     own = platform == pl.mesh.devices.flat[0].platform  # else a target topology compiled for here
-    fn = self.packed_step if self.pack else self.train_step
+    fn = self.packed_step if self.layout.packed else self.train_step
     return fn.trace(*args).lower(lowering_platforms=None if own else (platform,))

@@ -30,7 +30,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llamarl_jax import mismatch, parallel
-from llamarl_jax.config import LoraConfig, OptimizerConfig
+from llamarl_jax.config import LoraConfig, OptimizerConfig, TrainLayout
 from llamarl_jax.batch import routing_in_trainer_layout, trainer_layout
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model import moe as moe_lib
@@ -53,7 +53,8 @@ class StepSpec:
   'cudnn'), logprob_chunk, remat ('none' | 'matmuls' | 'full'), scan_layers: the forward's
   (`scan_hidden_states`); lora / lora_seed: LoRA adapters are what is trained (dropout keys from the
   seed, step and microbatch); mismatch: report the trainer-generator mismatch metrics;
-  tokens_per_microbatch: a packed row's tokens (`train.packed`). mesh and the shardings (None: no
+  layout: how the rows go through the step (`TrainLayout`: padded, grouped, or packed into rows of
+  `layout.tokens` tokens, `train.packed`). mesh and the shardings (None: no
   constraints): the trained params' (`param_shardings`), their compute layout's, the whole model's
   compute layout's (base, reference). routing_replay: a MoE policy's forward uses the experts the
   generator recorded (the batch's "routing", `RolloutBatch.routing`; `model.moe`)."""
@@ -70,7 +71,7 @@ class StepSpec:
   lora: LoraConfig | None = None
   lora_seed: int = 0
   mismatch: bool = True
-  tokens_per_microbatch: int | None = None
+  layout: TrainLayout = TrainLayout()
   routing_replay: bool = False
   mesh: Mesh | None = None
   param_shardings: Any = None

@@ -87,15 +87,13 @@ def slot_programs(run: Run, mesh, *, paged_attention: str | None = None):
   """The slot engine's `SlotPrograms` as a run builds them (`build.generator` ->
   `SlotEngine`: the generator's dtype and quantisation, the run's lanes, slots, prompt width, KV
   blocks, chunk and sampling), without compiling or allocating; paged_attention: the config's unless given."""
-  from llamarl_jax.build import rollout_sampling
-  from llamarl_jax.generation import Sampler
+  from llamarl_jax import build
   from llamarl_jax.generation.slot_programs import SlotPrograms
 
   g, s = run.config.generator, run.shapes
-  config = run.model.replace(param_dtype=g.dtype, dtype=g.dtype)
-  sampler = Sampler(config, mesh, pad_id=run.tokenizer.pad_token_id or 0, quantize=g.quantize,
-                    quantize_lm_head=g.quantize_lm_head)
-  return SlotPrograms(config, sampler, num_slots=s.slots, sampling=rollout_sampling(run.config.rollout, run.tokenizer),
+  sampler = build.sampler(run.model, run.config, mesh, run.tokenizer)
+  return SlotPrograms(sampler.config, sampler, num_slots=s.slots,
+                      sampling=build.rollout_sampling(run.config.rollout, run.tokenizer),
                       max_prompt_len=sampler.prompt_bucket(s.engine_prompt_len), chunk_steps=g.chunk_steps,
                       pad_id=sampler.pad_id, kv_block_size=s.kv_block_size,
                       paged_attention=paged_attention or g.paged_attention, min_decode_width=g.min_decode_width,
@@ -105,7 +103,7 @@ def slot_programs(run: Run, mesh, *, paged_attention: str | None = None):
 def compile_slot_program(programs, key: tuple) -> "Program":
   """One program of the slot engine's set compiled as the engine compiles it (`SlotPrograms.compile`:
   decode programs with `DECODE_COMPILER_OPTIONS`)."""
-  from llamarl_jax.generation.slot_programs import DECODE_COMPILER_OPTIONS, compile_lowered
+  from llamarl_jax.generation.program_set import DECODE_COMPILER_OPTIONS, compile_lowered
 
   lowered = programs.lower(key)
   return compile_program(lambda: compile_lowered(lowered, DECODE_COMPILER_OPTIONS if key[0] == "decode" else None))

@@ -48,7 +48,7 @@ def test_packed_step(figures):
   run = h100.load_run(h100.RUN_GPU, "TrainConfig.pack = True", "TrainConfig.microbatches = 1",
                       "TrainConfig.tokens_per_microbatch = 2048")
   trainer, _ = _step(run, figures, "train/packed")
-  assert trainer.pack
+  assert trainer.layout.packed
   figures.verify()
 
 
