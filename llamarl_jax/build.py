@@ -51,6 +51,13 @@ def trainer_options(run: RunConfig) -> dict:
               critic=t.critic, routing_replay=t.routing_replay)
 
 
+def run_model(model_config: ModelConfig, run: RunConfig) -> ModelConfig:
+  """The policy's config as both roles compute it: with `RolloutConfig.exact_logprobs` every op in its
+  batch-invariant form (`ModelConfig.exact`, `model.exact`), read by the trainer, the sampler and the
+  slot engine alike."""
+  return model_config.replace(exact=run.rollout.exact_logprobs)
+
+
 def model_shapes(model_config: ModelConfig) -> dict:
   """The policy's parameters as fp32 `ShapeDtypeStruct`s (the trainer's master copy), nothing allocated."""
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jax.numpy.float32),
@@ -62,6 +69,7 @@ def trainer(model_config: ModelConfig, run: RunConfig, mesh, params: Any) -> Tra
   initial params, or `TrainConfig.reference_path`), with LoRA its adapters (`LoraConfig.adapter_path`,
   else initialised from the rollout seed)."""
   t = run.train
+  model_config = run_model(model_config, run)
   ref_params = None
   if t.loss_kwargs.get("kl_coef"):
     ref_params = params if t.reference_path is None else hf.load_reference_params(t.reference_path, model_config)
@@ -75,6 +83,7 @@ def trainer(model_config: ModelConfig, run: RunConfig, mesh, params: Any) -> Tra
 def abstract_trainer(model_config: ModelConfig, run: RunConfig, mesh) -> TrainerExecutor:
   """A `TrainerExecutor` of shapes only (nothing allocated) with the run's trainer settings: what
   `lower_step` compiles and the memory plan measures."""
+  model_config = run_model(model_config, run)
   shapes = model_shapes(model_config)
   ref = shapes if run.train.loss_kwargs.get("kl_coef") else None
   return TrainerExecutor(model_config, mesh, shapes, ref_params=ref, **trainer_options(run))
@@ -93,9 +102,10 @@ def rollout_sampling(rollout, tokenizer) -> SamplingParams:
 
 
 def sampler(model_config: ModelConfig, run: RunConfig, mesh, tokenizer) -> Sampler:
-  """The generator's model copy on `mesh`: `GeneratorConfig.dtype` and its precision (`quantize`)."""
+  """The generator's model copy on `mesh`: `GeneratorConfig.dtype` and its precision (`quantize`); exact
+  ops with `RolloutConfig.exact_logprobs` (`run_model`; the slot engine takes the sampler's config)."""
   g = run.generator
-  config = model_config.replace(param_dtype=g.dtype, dtype=g.dtype)
+  config = run_model(model_config, run).replace(param_dtype=g.dtype, dtype=g.dtype)
   return Sampler(config, mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize)
 
 

@@ -106,7 +106,11 @@ class DynamicSampling(Validated):
 class RolloutConfig(Validated):
   """Per step: `prompts_per_step` prompts x `samples_per_prompt` samples, sampled with these settings;
   advantages by `advantage_estimator` (advantages.py). `seed` fixes every batch's sampling noise.
-  DAPO's `overlong` reward shaping and `dynamic_sampling` (None: off) shape what a batch holds."""
+  DAPO's `overlong` reward shaping and `dynamic_sampling` (None: off) shape what a batch holds.
+  `exact_logprobs`: the generator and the trainer compute every op in its batch-invariant form
+  (`model.exact`), so at lag 0 a token's behaviour log-prob equals the trainer's bit for bit; it spans
+  both roles, like `temperature`, and needs unfiltered sampling (top_k = 0, top_p = 1): see
+  `RunConfig.exact_logprobs_problems` for what else it refuses."""
   prompts_per_step: int = 8
   samples_per_prompt: int = 4
   temperature: float = 1.0
@@ -117,6 +121,7 @@ class RolloutConfig(Validated):
   seed: int = 0
   overlong: OverlongShaping = field(default_factory=OverlongShaping)
   dynamic_sampling: DynamicSampling | None = None
+  exact_logprobs: bool = False
   RULES: ClassVar = {
       "prompts_per_step": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0.0),
       "top_p": between(0.0, 1.0, lo_open=True), "top_k": at_least(0), "seed": at_least(0),
@@ -134,6 +139,11 @@ class RolloutConfig(Validated):
       raise ConfigError(f"OverlongShaping.buffer_len ({self.overlong.buffer_len}) must be <= "
                         f"RolloutConfig.max_new_tokens ({self.max_new_tokens}): the penalty zone is the last "
                         "buffer_len tokens before the limit")
+    if self.exact_logprobs and (self.top_k or self.top_p < 1):
+      raise ConfigError(f"RolloutConfig.exact_logprobs = True with RolloutConfig.top_k={self.top_k}, "
+                        f"top_p={self.top_p}: exact behaviour log-probs are those of unfiltered temperature "
+                        "sampling (a filtered distribution is renormalised over a set the trainer does not "
+                        "see); set top_k = 0 and top_p = 1.0, or RolloutConfig.exact_logprobs = False")
 
 
 @dataclass(frozen=True)
@@ -327,13 +337,41 @@ class RunConfig(Validated):
                         "episode's later turns are prefilled again with observations between them, and no "
                         "routing is recorded for the episode's rows; replay routing with single-turn rollouts "
                         "(EnvConfig.name = 'single_turn') or set TrainConfig.routing_replay = False")
+    problems = self.exact_logprobs_problems()
+    if problems:
+      raise ConfigError("RolloutConfig.exact_logprobs = True needs the generator to compute what the trainer "
+                        "computes: " + "; ".join(problems) + "; or set RolloutConfig.exact_logprobs = False")
     if self.reward.model_path and self.rollout.dynamic_sampling is not None:
       raise ConfigError(f"RewardConfig.model_path={self.reward.model_path!r} with RolloutConfig.dynamic_sampling: "
                         "dynamic sampling keeps groups by the rule rewards scored in the generator loop, which "
                         "has no reward model; set RolloutConfig.dynamic_sampling = None")
 
+  def exact_logprobs_problems(self) -> list[str]:
+    """What keeps `RolloutConfig.exact_logprobs` from holding under this config (each naming its key):
+    an fp8 generator, a generator sharded otherwise than the trainer (its per-device shapes would
+    differ), LoRA (the trainer adds adapters unmerged, the generator merges them). Empty when off."""
+    if not self.rollout.exact_logprobs:
+      return []
+    out, m = [], self.mesh
+    if self.generator.quantize is not None:
+      out.append(f"GeneratorConfig.quantize={self.generator.quantize!r} (set None: fp8 weights are another policy)")
+    if (m.generator_tp, m.generator_expert) != (1, 1) or (m.trainer_tp, m.trainer_fsdp, m.trainer_expert) != (1, 1, 1):
+      out.append(f"MeshConfig generator_tp={m.generator_tp}, generator_expert={m.generator_expert}, "
+                 f"trainer_tp={m.trainer_tp}, trainer_fsdp={m.trainer_fsdp}, trainer_expert={m.trainer_expert} "
+                 "(set all 1: a sharded projection sums its columns' parts in another order; data "
+                 "parallelism, generator_dp, is fine)")
+    if self.train.lora is not None:
+      out.append("TrainConfig.lora (set None: the trainer adds the adapters unmerged, the generator merges them)")
+    return out
+
   def check_model(self, model_config) -> None:
-    """The checks that need the policy's `ModelConfig`: routing replay needs a mixture-of-experts model."""
+    """The checks that need the policy's `ModelConfig`: routing replay needs a mixture-of-experts model;
+    exact log-probs need a dense model whose compute dtype is the generator's."""
+    if self.rollout.exact_logprobs and (model_config.num_experts or model_config.dtype != self.generator.dtype):
+      raise ConfigError(f"RolloutConfig.exact_logprobs = True with a model of num_experts={model_config.num_experts}, "
+                        f"compute dtype {model_config.dtype!r} and GeneratorConfig.dtype={self.generator.dtype!r}: "
+                        "exact log-probs need a dense model (the experts' grouped GEMMs are not batch-invariant) "
+                        "computed in the generator's dtype on both sides; or set RolloutConfig.exact_logprobs = False")
     if self.train.routing_replay and not model_config.num_experts:
       raise ConfigError(f"TrainConfig.routing_replay = True replays a mixture-of-experts policy's routing, but the "
                         f"model is dense (model_type {model_config.model_type!r}, num_experts = 0); set "
@@ -368,7 +406,7 @@ class RunConfig(Validated):
         "rollout": {"prompts_per_step": r.prompts_per_step, "samples_per_prompt": r.samples_per_prompt,
                     "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                     "max_new_tokens": r.max_new_tokens, "advantage_estimator": r.advantage_estimator,
-                    "seed": r.seed,
+                    "seed": r.seed, **({"exact_logprobs": True} if r.exact_logprobs else {}),
                     **({"overlong": dataclasses.asdict(r.overlong)} if r.overlong.enabled else {}),
                     **({"dynamic_sampling": dataclasses.asdict(r.dynamic_sampling)} if r.dynamic_sampling else {})},
         # the precision as the projections' and whether the lm_head is fp8 as well
@@ -398,7 +436,8 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     **{k: ("mesh", k) for k in ("trainer_fsdp", "trainer_tp", "generator_dp", "generator_tp", "colocated",
                                 "reward_dp", "reward_tp", "trainer_expert", "generator_expert")},
     **{k: ("rollout", k) for k in ("prompts_per_step", "samples_per_prompt", "temperature", "top_p", "top_k",
-                                   "max_new_tokens", "advantage_estimator", "seed", "overlong", "dynamic_sampling")},
+                                   "max_new_tokens", "advantage_estimator", "seed", "overlong", "dynamic_sampling",
+                                   "exact_logprobs")},
     "generator_engine": ("generator", "engine"), "engine_slots": ("generator", "slots"),
     "engine_chunk_steps": ("generator", "chunk_steps"), "engine_max_prompt_len": ("generator", "max_prompt_len"),
     "engine_recompute_kv": ("generator", "recompute_kv"), "engine_kv_block_size": ("generator", "kv_block_size"),

@@ -60,6 +60,10 @@ PATHS: tuple[GpuPath, ...] = (
                           "1B 16 x 2048: 41.2% MFU, plain JAX 40.7%")),
     GpuPath("packed_attention", "cudnn",
             "cuDNN fused attention over packed segments (JAX's private entry point with segment offsets)"),
+    GpuPath("moe_grouped_gemm", "pallas",
+            "the MoE experts' grouped matmuls as Pallas (Triton) tile kernels over each expert's rows padded to "
+            "64-row tiles, forward and both gradients (model/grouped_gemm.py), in place of ragged_dot's dense "
+            "GEMM over all experts"),
     GpuPath("quantize", "fp8",
             "fp8 weights in the generator: XLA's fp8 GEMMs with per-channel scales (cuBLASLt where the "
             "scales are scalars), the activations quantised by XLA ops"),

@@ -57,7 +57,9 @@ class OptimizerConfig(Validated):
                      "b2": between(0.0, 1.0), "eps": above(0.0), "final_lr_ratio": between(0.0, 1.0)}
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the decoder's projections (model/lora.py)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down",  # the decoder's projections (model/lora.py)
+                "expert_gate", "expert_up", "expert_down")  # every expert's of a MoE layer (one adapter each)
+EXPERT_LORA_TARGETS = ("expert_gate", "expert_up", "expert_down")
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ class LoraConfig(Validated):
   pushed to the generator (which merges them into its weights). `dropout`: LoRA dropout on the
   adapters' input in the trainer's forward (0: off). `adapter_path`: a PEFT adapter directory to start
   from (its r, lora_alpha and target_modules must be rank, alpha and targets); None: `b` = 0, the
-  policy starts equal to its base."""
+  policy starts equal to its base. On a MoE model (`qwen3_moe`) 'gate', 'up', 'down' name a dense
+  layer's MLP and 'expert_gate', 'expert_up', 'expert_down' every expert's projections of a sparse layer
+  (per-expert `a` `[experts, in, rank]`, `b` `[experts, rank, out]`); expert adapters take no dropout."""
   rank: int = 8
   alpha: float = 16.0
   targets: tuple | list = ("q", "k", "v", "o", "gate", "up", "down")
@@ -83,6 +87,10 @@ class LoraConfig(Validated):
   def __post_init__(self):
     super().__post_init__()
     object.__setattr__(self, "targets", tuple(self.targets))  # gin binds lists
+    experts = [t for t in self.targets if t in EXPERT_LORA_TARGETS]
+    if experts and self.dropout > 0:
+      raise ConfigError(f"invalid LoraConfig: dropout={self.dropout} with expert targets {experts}: LoRA dropout "
+                        "is applied to dense projections only; set dropout = 0.0 or drop the expert targets")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ Numerics (each GPU path against a reference on the same inputs; pass/fail with t
                  masked form, forward and gradient (skipped where there is no GPU: no cuDNN)
   moe_ragged_dot the experts' grouped SwiGLU (`moe.grouped_swiglu`: `jax.lax.ragged_dot`) against a
                  per-expert dense loop at Qwen3-30B-A3B's expert shapes (fewer tokens)
+  moe_grouped_gemm  the Pallas grouped GEMM (`grouped_gemm.grouped_gemm`, Triton) against
+                 `jax.lax.ragged_dot` on the same bf16 rows and experts: value, d rows, d weights
   trainer_step   the trainer's forward and backward (layers under scan, remat, the GPU's attention,
                  lm_head in chunks) against a plain forward (`Llama.__call__`, full logits,
                  `log_softmax`) on the same bf16 weights: log-probs and the gradient of an AIPO-like
@@ -64,8 +66,8 @@ compat.ensure_cpu_devices(1)
 
 from scripts import bench_generate, bench_gpu, bench_packing, bench_train  # noqa: E402
 
-SECTIONS = ("paged_kernel", "lag0_logprobs", "fp8_kernels", "cudnn_packed", "moe_ragged_dot", "trainer_step",
-            "main_job", "decode", "packing")
+SECTIONS = ("paged_kernel", "lag0_logprobs", "fp8_kernels", "cudnn_packed", "moe_ragged_dot", "moe_grouped_gemm",
+            "trainer_step", "main_job", "decode", "packing")
 U = 2.0 ** -8  # bf16's unit roundoff (8 significant bits)
 
 # Llama-3.2-1B's layer sizes: full depth for the figures, 2 layers for the numerics (seconds, not minutes)
@@ -348,6 +350,34 @@ def moe_ragged_dot_section(cfg, env) -> dict:
                                     "three GEMMs and k weighted sums: a few u each, 16u of the largest")]}
 
 
+def moe_grouped_gemm_section(cfg, env) -> dict:
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from llamarl_jax.model import grouped_gemm
+  from llamarl_jax.model.paged_attention import interpret_kernels
+
+  N, E, F, X, k = cfg["moe"]
+  rng = np.random.RandomState(1)
+  sizes = jnp.asarray(np.bincount(rng.randint(0, X, N * k), minlength=X), jnp.int32)  # uneven, some may be 0
+  lhs, ct = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in ((N * k, E), (N * k, F)))
+  rhs = jnp.asarray(rng.normal(size=(X, E, F)) / np.sqrt(E), jnp.bfloat16)
+  fns = {"pallas": functools.partial(grouped_gemm.grouped_gemm, interpret=interpret_kernels()),
+         "ragged_dot": jax.lax.ragged_dot}
+  out = {}
+  for name, fn in fns.items():
+    y, vjp = jax.vjp(lambda a, b, fn=fn: fn(a, b, sizes), lhs, rhs)
+    out[name] = [_f32(a) for a in (y, *vjp(ct))]
+  checks = [_check(f"{what}, max |Pallas - ragged_dot| / max |ragged_dot's|",
+                   np.abs(g - r).max() / np.abs(r).max(), 4 * U,
+                   "both accumulate in fp32 and round once to bf16 (an ulp each), summation order: 4u")
+            for what, g, r in zip(("value", "d rows", "d weights"), out["pallas"], out["ragged_dot"])]
+  return {"shape": {"rows": N * k, "embed": E, "width": F, "experts": X}, "checks": checks}
+
+
 def trainer_step_section(cfg, env) -> dict:
   """The trainer's forward kit (scan over layers, remat of matmul outputs, the GPU's attention, lm_head
   in chunks) against the plain module forward, both bf16 compute on the same fp32 master weights."""
@@ -533,7 +563,8 @@ def packing_section(cfg, env) -> dict:
 
 RUNNERS = {"paged_kernel": paged_kernel_section, "lag0_logprobs": lag0_logprobs_section,
            "fp8_kernels": fp8_kernels_section, "cudnn_packed": cudnn_packed_section,
-           "moe_ragged_dot": moe_ragged_dot_section, "trainer_step": trainer_step_section,
+           "moe_ragged_dot": moe_ragged_dot_section, "moe_grouped_gemm": moe_grouped_gemm_section,
+           "trainer_step": trainer_step_section,
            "main_job": main_job_section, "decode": decode_section, "packing": packing_section}
 
 

@@ -7,6 +7,9 @@
                    C trainer fsdp2 -> generator dp2 (same size).
   --case lora      3 processes: LoRA's push (LoraPlan: the base when it changed, the adapters every time,
                    merged on the generator) over case A's meshes.
+  --case lora_experts  the same for a tiny Qwen3-MoE with LoRA on every expert (and q); each
+                   generator process also checks that its merged model's logits are the trainer's
+                   unmerged forward's.
   --case reward_mesh  2 processes x 2 CPU devices: a reward model (--path) on a mesh over both
                    processes (data across them, tp inside each) scores rows; every process reads every
                    score, equal to the same model's on one local device.
@@ -67,12 +70,16 @@ def transfer_case() -> None:
       print(f"{name} rows ok ({len(plan_rows.chunks)} chunks)", flush=True)
 
 
-def lora_case() -> None:
+def lora_case(experts: bool = False) -> None:
   """`LoraPlan` over multiproc_worker's case A meshes (trainer: 2 devices of process 0; generator dp2 x
   tp2 over processes 1-2, one replica sent and fanned out), a 2-layer model's params and rank-4
   adapters: v0 carries the base, v1 only the adapters, v2 a changed base again. Each version must be
   the host's merge `w + 2 a @ b` (fp32: the same four-term sums, 1e-6 relative), and a push without
-  the base must move exactly the adapters' bytes."""
+  the base must move exactly the adapters' bytes. experts: a Qwen3-MoE (4 experts, top-2) whose
+  experts and q are adapted (per-expert `a` `[X, in, r]`, `b` `[X, r, out]`), and each version's
+  merged model (layers unrolled, on this process's device) gives the logits of the trainer's scanned
+  forward with the adapters unmerged on the host's base and adapters (fp32 order: 1e-5 on logits
+  below 1)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -89,13 +96,18 @@ def lora_case() -> None:
   config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, max_position_embeddings=64)
   lora = LoraConfig(rank=4, alpha=8.0)
+  if experts:
+    config = config.replace(model_type="qwen3_moe", head_dim=8, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=16)
+    lora = lora.replace(targets=("q", "expert_gate", "expert_up", "expert_down"))
   d = jax.devices()
   tm, gm = parallel.make_mesh(d[0:2], fsdp=2, tp=1), parallel.make_mesh(d[2:6], data=2, tp=2)
   abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
   axes, shapes = parallel.logical_axes(abstract), split_params(abstract)[1]
   a_shapes, a_axes = lora_lib.adapter_shapes(config, lora), lora_lib.adapter_axes(axes, lora)
   rng = np.random.default_rng(0)
-  host_base = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), shapes)
+  weight_scale = 0.2 if experts else 1.0  # activations of a few units through the forward
+  host_base = jax.tree.map(lambda s: (weight_scale * rng.standard_normal(s.shape)).astype(np.float32), shapes)
   host_adapters = [jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), a_shapes) for _ in range(3)]
   base_plan = WeightPlan(parallel.param_shardings(shapes, axes, gm), shapes, tm)
   adapter_plan = WeightPlan(parallel.param_shardings(a_shapes, a_axes, gm), a_shapes, tm)
@@ -128,7 +140,39 @@ def lora_case() -> None:
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(g, np.asarray(w), rtol=1e-6, atol=1e-6)
     assert all(x.sharding == s for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(base_plan.gen_shardings)))
+    if experts:
+      _check_merged_forward(config, abstract, got, want_base, host_adapters[version], lora_lib.scale(lora))
     print(f"lora v{version} ok: {plan.last_bytes} bytes", flush=True)
+
+
+def _check_merged_forward(config, abstract, merged, base, adapters, lora_scale) -> None:
+  """The merged model's logits (`Llama`, layers unrolled) == the trainer's scanned forward over the
+  base with the adapters unmerged (`scan_hidden_states`), on this process's first device."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from llamarl_jax.model.forward import lm_head_weight, prepare_params, scan_hidden_states
+  from llamarl_jax.model.llama import merge_params, split_params
+
+  graphdef = split_params(abstract)[0]
+  tokens = jnp.asarray(np.random.default_rng(1).integers(1, config.vocab_size, (2, 10)), jnp.int32)
+  lengths = jnp.asarray([10, 7], jnp.int32)
+  mask = (jnp.arange(10)[None] < lengths[:, None]).astype(jnp.int32)
+  with jax.default_device(jax.local_devices()[0]):
+    generator = jax.jit(lambda p: merge_params(graphdef, p)(tokens, attention_mask=mask))(merged)
+
+    def trainer(base, adapters):
+      prepared = prepare_params(base, jnp.float32)
+      hidden = scan_hidden_states(config, prepared, tokens, lengths, lora=prepare_params(adapters, jnp.float32),
+                                  lora_scale=lora_scale)
+      return hidden @ lm_head_weight(config, prepared)
+
+    unmerged = jax.jit(trainer)(base, adapters)
+    valid = np.asarray(mask, bool)
+    got, want = np.asarray(generator)[valid], np.asarray(unmerged)[valid]
+  assert np.abs(want).max() > 0.1, np.abs(want).max()
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 def reward_mesh_case(path: str) -> None:
@@ -177,7 +221,7 @@ def fault_case(kill: bool, consequence: bool = False) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--case", choices=("transfer", "lora", "reward_mesh", "fault"), required=True)
+  parser.add_argument("--case", choices=("transfer", "lora", "lora_experts", "reward_mesh", "fault"), required=True)
   parser.add_argument("--path", help="reward_mesh: the reward model's directory")
   parser.add_argument("--kill", action="store_true")
   parser.add_argument("--consequence", action="store_true")
@@ -192,8 +236,9 @@ def main() -> None:
 
   distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, cpu_devices=2,
                          transfer_address=args.transfer_address, heartbeat_timeout_s=args.heartbeat_timeout_s)
-  if args.case in ("transfer", "lora", "reward_mesh"):
-    {"transfer": transfer_case, "lora": lora_case, "reward_mesh": lambda: reward_mesh_case(args.path)}[args.case]()
+  if args.case in ("transfer", "lora", "lora_experts", "reward_mesh"):
+    {"transfer": transfer_case, "lora": lora_case, "lora_experts": lambda: lora_case(experts=True),
+     "reward_mesh": lambda: reward_mesh_case(args.path)}[args.case]()
     distributed.finish(None)
   else:
     fault_case(args.kill, args.consequence)

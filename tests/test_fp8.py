@@ -306,6 +306,148 @@ def test_behaviour_logprobs_with_the_fp8_lm_head_are_that_heads_own(head_sampler
   assert 1e-3 < gap.max() < 1.0, gap.max()
 
 
+# -- fp8 experts (Qwen3-MoE) ----------------------------------------------------------------------
+
+
+def moe_setup():
+  """(config, fp32 host params) of test_moe's tiny Qwen3-MoE (sparse, dense, sparse; 4 experts, top-2)."""
+  from test_moe import moe_params, tiny_moe_config
+  config = tiny_moe_config()
+  return config, moe_params(config)
+
+
+@pytest.fixture(scope="module")
+def moe_sampler():
+  return Sampler(moe_setup()[0], quantize="fp8", batch_multiple=8)
+
+
+@pytest.fixture(scope="module")
+def moe_prompts():
+  rng = np.random.RandomState(0)
+  return [rng.randint(3, 64, n).tolist() for n in (5, 9, 3)]
+
+
+def test_experts_are_quantised_per_expert_and_output_channel():
+  """A MoE layer's w_gate, w_up `[X, E, F]` and w_down `[X, F, E]` in fp8 with scales `[X, F]`, `[X, E]`
+  (amax over the one input axis of each expert alone), the router as it was; fusing gate/up after
+  (the wire, then the sampler) is bit for bit quantising the fused w_gate_up `[X, E, 2, F]`; the
+  de-quantised experts are the originals within half an e4m3 step, as a dense projection's."""
+  config, params = moe_setup()
+  q = fp8.quantize_params(params)
+  mlp = q["layers"][0]["mlp"]
+  X, E, F = config.num_experts, config.hidden_size, config.moe_intermediate_size
+  assert mlp["router"].dtype == jnp.float32 and "router_scale" not in mlp
+  assert mlp["w_gate"].dtype == mlp["w_down"].dtype == fp8.FP8
+  assert mlp["w_gate_scale"].shape == mlp["w_up_scale"].shape == (X, F) and mlp["w_down_scale"].shape == (X, E)
+  w = np.asarray(params["layers"][0]["mlp"]["w_down"])
+  np.testing.assert_allclose(np.asarray(mlp["w_down_scale"]), np.abs(w).max(axis=1) / 448, rtol=1e-6)
+  assert q["layers"][1]["mlp"]["w_gate_scale"].shape == (F * 4,)  # the dense layer: per output channel
+  wire_then_fuse = serving_params(q, FUSED_FP8)
+  fuse_then_quantise = fp8.quantize_params(serving_params(params, WeightLayout(fused_qkv=True, fused_mlp=True)))
+  assert wire_then_fuse["layers"][2]["mlp"]["w_gate_up_scale"].shape == (X, 2, F)
+  assert jax.tree.structure(wire_then_fuse) == jax.tree.structure(fuse_then_quantise)
+  for a, b in zip(jax.tree.leaves(wire_then_fuse), jax.tree.leaves(fuse_then_quantise)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  back = fp8.dequantize_params(q)["layers"]
+  for i in config.moe_layers:
+    for name in ("w_gate", "w_up", "w_down"):
+      w, d = np.asarray(params["layers"][i]["mlp"][name]), np.asarray(back[i]["mlp"][name])
+      scale = np.abs(w).max(axis=1, keepdims=True) / 448
+      assert np.all(np.abs(d - w) <= np.maximum(2.0**-4 * np.abs(w), 2.0**-10 * scale) * (1 + 1e-6)), name
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gate_up", "fused_gate_up"])
+def test_the_fp8_grouped_matmul_is_the_dequantised_experts_swiglu(fused):
+  """`moe.grouped_swiglu` on `ScaledExperts` (fp8 values cast to the rows' dtype, each row's product
+  times its expert's scales) equals it on the de-quantised fp32 experts: the same products in another
+  order (fp32 rounding, < 1e-5 relative to the output's scale); rows routed to no expert of a
+  contiguous range included (the first device's half of an expert-parallel mesh)."""
+  from llamarl_jax.model import moe
+  rng = np.random.RandomState(0)
+  N, k, X, E, F = 40, 2, 4, 32, 16
+  x = jnp.asarray(rng.randn(N, E), jnp.float32)
+  experts = jnp.asarray(np.stack([rng.permutation(X)[:k] for _ in range(N)]), jnp.int32)
+  weights = jnp.asarray(rng.rand(N, k), jnp.float32)
+  ws = [jnp.asarray(rng.randn(X, E, F) * np.exp(rng.randn(X, 1, F)), jnp.float32) for _ in range(2)]
+  down = jnp.asarray(rng.randn(X, F, E) / 4, jnp.float32)
+  gate_up = [jnp.stack(ws, axis=-2)] if fused else ws
+  q = [moe.ScaledExperts(*fp8.quantize_weight(w, 1, experts=True)) for w in (*gate_up, down)]
+  deq = [(s.values.astype(jnp.float32) * s.scale[:, None]) for s in q]
+  pack = (lambda ws: ws[0]) if fused else tuple
+  for first, Xl in ((0, X), (0, X // 2)):  # all experts here; the first half (the rest elsewhere: 0)
+    part = lambda w: jax.tree.map(lambda a: a[first:first + Xl], w)
+    got = moe._local_swiglu(x, experts, weights, pack([part(w) for w in q[:-1]]), part(q[-1]), first)
+    want = moe._local_swiglu(x, experts, weights, pack([part(w) for w in deq[:-1]]), part(deq[-1]), first)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(jnp.abs(want).max()), rtol=0)
+  unquantised = moe.grouped_swiglu(x, experts, weights, pack(gate_up), down)
+  got = moe.grouped_swiglu(x, experts, weights, pack(q[:-1]), q[-1])
+  assert 1e-3 < float(jnp.abs(got - unquantised).max() / jnp.abs(unquantised).max()) < 0.1  # fp8's rounding
+
+
+def test_fp8_moe_behaviour_logprobs_are_the_fp8_policys_own(moe_sampler, moe_prompts):
+  """The fp8 MoE generator (fp8 attention and dense-MLP projections, fp8 experts, the router in the
+  compute dtype): behaviour log-probs are a teacher-forced forward of its own fp8 weights (1e-4, as
+  the dense model's), and not the unquantised policy's."""
+  config, params = moe_setup()
+  placed = moe_sampler.place_params(params)
+  assert placed["layers"][0]["mlp"]["w_gate_up"].dtype == fp8.FP8 and placed["layers"][0]["mlp"]["router"].dtype == jnp.float32
+  batch = moe_sampler.generate(params, moe_prompts, SAMPLED)
+  assert np.asarray(batch.response_mask).all()
+  own = token_logprobs(fp8_model(moe_sampler, params), batch)
+  np.testing.assert_allclose(batch.behaviour_logprobs, own, atol=1e-4, rtol=0)
+  whole = SamplingParams(temperature=SAMPLED.temperature)
+  unquantised = token_logprobs(merge_params(split_params(abstract_model(config))[0], jax.tree.map(jnp.asarray, params)),
+                               batch, whole)
+  gap = np.abs(token_logprobs(fp8_model(moe_sampler, params), batch, whole) - unquantised)
+  assert 1e-2 < gap.max() < 1.0, gap.max()
+
+
+@pytest.mark.slow
+def test_the_fp8_moe_slot_engine_samples_what_the_fp8_moe_sampler_samples(moe_sampler, moe_prompts):
+  """Same seed and rows: the fp8 MoE slot engine's tokens, experts and log-probs are the static fp8
+  sampler's (1e-5: fp32 summation order)."""
+  config, params = moe_setup()
+  eng = SlotEngine(config, lanes=4, sampling=SAMPLED, max_prompt_len=16, chunk_steps=3, max_insert=2,
+                   kv_block_size=4, quantize="fp8", progress=False)
+  static = moe_sampler.generate(params, moe_prompts, SAMPLED)
+  batch = eng.generate(params, moe_prompts, SAMPLED)
+  for name in ("response_tokens", "lengths", "finish_reason"):
+    np.testing.assert_array_equal(getattr(batch, name), np.asarray(getattr(static, name)), err_msg=name)
+  np.testing.assert_allclose(batch.behaviour_logprobs, static.behaviour_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.slow
+def test_an_expert_parallel_fp8_moe_generator_samples_what_one_device_samples(moe_prompts):
+  """fp8 experts on data=2 x expert=2 x tp=2: a push quantises on the trainer (fsdp=2 x expert=2) and
+  the scales arrive sharded over `expert` like their experts; the static sampler and the slot engine
+  sample the one-device fp8 generator's tokens (log-probs 1e-5: partial sums in another order)."""
+  from test_moe import EP_MESH
+  config, params = moe_setup()
+  trainer_mesh = parallel.make_mesh(jax.devices()[4:8], fsdp=2, expert=2)
+  gen_mesh = parallel.make_mesh(jax.devices()[:8], **EP_MESH)
+  abstract = abstract_model(config)
+  shapes, axes = split_params(abstract)[1], parallel.logical_axes(abstract)
+  sync = WeightSync(parallel.param_shardings(shapes, axes, gen_mesh), dtype=jnp.float32, quantize="fp8")
+  sync.push(jax.device_put(params, parallel.param_shardings(shapes, axes, trainer_mesh)), 1)
+  wire = sync.latest()[0]
+  P = jax.sharding.PartitionSpec
+  assert wire["layers"][0]["mlp"]["w_gate"].sharding.spec == P("expert", None, "tp")
+  assert wire["layers"][0]["mlp"]["w_gate_scale"].sharding.spec == P("expert", "tp")
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1)
+  runs = {}
+  for name, mesh, p in (("one", parallel.make_mesh(jax.devices()[:1]), params), ("ep", gen_mesh, wire)):
+    static = jax.device_get(Sampler(config, mesh, batch_multiple=8, quantize="fp8").generate(p, moe_prompts, sampling))
+    engine = SlotEngine(config, mesh, lanes=8, sampling=sampling, max_prompt_len=16, chunk_steps=3,
+                        prompt_buckets=(16,), kv_block_size=4, min_decode_width=8, progress=False, quantize="fp8")
+    runs[name] = {"static": static, "slots": engine.generate(p, moe_prompts, sampling)}
+  for way in ("static", "slots"):
+    one, ep = runs["one"][way], runs["ep"][way]
+    np.testing.assert_array_equal(ep.response_tokens, one.response_tokens, err_msg=way)
+    np.testing.assert_array_equal(ep.routing, one.routing, err_msg=way)
+    np.testing.assert_allclose(ep.behaviour_logprobs, one.behaviour_logprobs, atol=1e-5, rtol=0, err_msg=way)
+
+
 # -- the setting ---------------------------------------------------------------------------------
 
 

@@ -9,11 +9,13 @@ import pytest
 from llamarl_jax import gpu_paths
 from llamarl_jax.generation.program_set import GPU_KERNEL_PREFERENCE, decode_attention_choice
 from llamarl_jax.model.forward import ATTENTION_IMPLEMENTATIONS, resolve_attention
+from llamarl_jax.model.moe import GROUPED_GEMM_IMPLEMENTATIONS
 from llamarl_jax.model.paged_attention import PAGED_IMPLEMENTATIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 VALUES = {"paged_attention": PAGED_IMPLEMENTATIONS, "trainer_attention": ATTENTION_IMPLEMENTATIONS,
-          "packed_attention": ATTENTION_IMPLEMENTATIONS, "quantize": ("fp8",)}
+          "packed_attention": ATTENTION_IMPLEMENTATIONS, "quantize": ("fp8",),
+          "moe_grouped_gemm": GROUPED_GEMM_IMPLEMENTATIONS}
 
 
 def test_benchmarks_md_shows_the_record():

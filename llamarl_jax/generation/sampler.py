@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from llamarl_jax import parallel
 from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.model import serving
+from llamarl_jax.model import exact as exact_lib
 from llamarl_jax.model import fp8 as fp8_lib
 from llamarl_jax.model.config import HF_LAYOUT, QUANTIZATIONS, ModelConfig, WeightLayout
 from llamarl_jax.model.llama import KVCache, Llama, abstract_model, merge_params, split_params
@@ -108,7 +109,7 @@ TOP_P_CANDIDATES = 1024
 
 def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0, top_k: int = 0,
                   top_p: float | Array = 1.0, greedy: bool = False, use_top_p: bool | None = None,
-                  top_p_candidates: int = TOP_P_CANDIDATES) -> tuple[Array, Array]:
+                  top_p_candidates: int = TOP_P_CANDIDATES, exact: bool = False) -> tuple[Array, Array]:
   """Sample one token per row from `logits [B, V]`; returns (tokens int32 [B], logprobs f32 [B]).
 
   The distribution is softmax(logits / temperature), restricted to the `top_k` most likely tokens
@@ -136,15 +137,20 @@ def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0
   traced. `use_top_p` defaults to `top_p < 1` (pass it when `top_p` is traced). `key`: one PRNG key,
   and row r draws with fold_in(key, r), so results do not depend on how the batch is split across
   devices; or a `[B]` array of keys, one per row (the slot engine, whose rows are unrelated sequences).
+  exact: the log-probs are `model.exact.token_logprob`'s (the trainer's arithmetic, whatever the batch:
+  `ModelConfig.exact`); unfiltered sampling only (`top_k`, `top_p` off), as `RolloutConfig` checks.
   """
   logits = logits.astype(jnp.float32)
   B, V = logits.shape
   if greedy:
     tokens = jnp.argmax(logits, axis=-1)
-    return tokens.astype(jnp.int32), _logprob_of(logits, tokens)
+    return tokens.astype(jnp.int32), (exact_lib.token_logprob(logits, tokens) if exact else _logprob_of(logits, tokens))
   if use_top_p is None:
     use_top_p = bool(top_p < 1)
   top_k = 0 if top_k >= V else top_k
+  if exact and (top_k or use_top_p):
+    raise ValueError(f"exact log-probs are those of unfiltered sampling; got top_k={top_k}, top_p={top_p} "
+                     "(set RolloutConfig.top_k = 0 and top_p = 1.0)")
   x = logits / temperature
   if key.ndim == 1:
     row_keys = key
@@ -152,6 +158,8 @@ def sample_logits(key: Array, logits: Array, *, temperature: float | Array = 1.0
     row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(B, dtype=jnp.uint32))
   if not top_k and not use_top_p:  # no filtering: no sort, sample over the full vocabulary
     tokens = jax.vmap(jax.random.categorical)(row_keys, x)
+    if exact:
+      return tokens.astype(jnp.int32), exact_lib.token_logprob(logits, tokens, temperature)
     return tokens.astype(jnp.int32), _logprob_of(x, tokens)
   if top_k:  # top-p, if on, within the renormalised top k
     vals, idx = jax.lax.top_k(x, top_k)
@@ -442,7 +450,7 @@ class Sampler:
 
   def _sample(self, static: _Static, key, logits, temperature, top_p):
     return sample_logits(key, logits, temperature=temperature, top_k=static.top_k, top_p=top_p,
-                         greedy=static.greedy, use_top_p=static.use_top_p)
+                         greedy=static.greedy, use_top_p=static.use_top_p, exact=self.config.exact)
 
   def _cache_mask(self, prompt_mask, R: int):
     """`[B, P + R]` valid cache slots: the real prompt tokens and every generated slot."""

@@ -363,7 +363,7 @@ class SlotPrograms:
   def _sample(self, keys, logits):
     sp = self.sampling
     return sample_logits(keys, logits, temperature=max(sp.temperature, 1e-6), top_k=self._top_k, top_p=sp.top_p,
-                         greedy=sp.greedy)
+                         greedy=sp.greedy, exact=self.config.exact)
 
   def _is_stop(self, tokens):
     return jnp.any(tokens[:, None] == jnp.asarray(self._stop_ids)[None, :], axis=-1)

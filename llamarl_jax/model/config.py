@@ -83,6 +83,10 @@ class ModelConfig:
   router_aux_loss_coef: float = 0.0
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype (activations, matmuls, KV cache)
+  # Not the architecture: how it is computed. True runs every op in its batch-invariant form
+  # (`model.exact`: the `exact_logprobs` run switch, `RolloutConfig.exact_logprobs`), so the
+  # generator's and the trainer's log-probs of the same tokens agree bit for bit. Never exported.
+  exact: bool = False
 
   def __post_init__(self):
     if self.head_dim is None:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llamarl_jax import gpu_paths
+from llamarl_jax.model import exact as exact_lib
 from llamarl_jax.model import moe as moe_lib
 from llamarl_jax.model.attention import Segments
 from llamarl_jax.model.config import ModelConfig, rope_frequencies
@@ -220,7 +221,7 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
       traces.append(stats)
       moe_index += n
     start += n
-  x = rms_norm(x, prepared["final_norm"]["scale"], config.rms_norm_eps)
+  x = rms_norm(x, prepared["final_norm"]["scale"], config.rms_norm_eps, exact=config.exact)
   if not with_routing:
     return x
   if not traces:
@@ -240,7 +241,8 @@ def lm_head_weight(config: ModelConfig, prepared: dict) -> Array:
 
 
 def chunked_token_logprobs(hidden: Array, w: Array, tokens: Array, *, temperature: float = 1.0,
-                           chunk: int | None = None, with_entropy: bool = True) -> tuple[Array, Array | None]:
+                           chunk: int | None = None, with_entropy: bool = True,
+                           exact: bool = False) -> tuple[Array, Array | None]:
   """Log-prob and entropy of `tokens` under softmax(hidden @ w / temperature), without the full logits.
 
   hidden `[B, R, E]`, w `[E, V]`, tokens `[B, R]` int. Returns (logprobs, entropy), both fp32
@@ -249,11 +251,20 @@ def chunked_token_logprobs(hidden: Array, w: Array, tokens: Array, *, temperatur
   alive, in the forward and in the backward pass (which recomputes it). `chunk=None` (or >= R):
   one piece, the plain computation. The logits are accumulated in fp32 whatever hidden's dtype; the
   backward pass sums w's gradient over chunks in w's dtype (bf16 when the trainer computes in bf16:
-  a few chunks' partial sums, each from an fp32-accumulated matmul).
+  a few chunks' partial sums, each from an fp32-accumulated matmul). exact: the log-probs are
+  `model.exact`'s (`exact.dense` logits, `exact.token_logprob`: the sampler's behaviour log-probs'
+  arithmetic, `ModelConfig.exact`); the entropy stays the plain form of those logits.
   """
   B, R, _ = hidden.shape
 
   def piece(h, t):  # h [B, c, E], t [B, c] -> logprobs, entropy [B, c]
+    if exact:
+      logits = exact_lib.dense(h, w, out_dtype=jnp.float32)
+      logprobs = exact_lib.token_logprob(logits, t, temperature)
+      if not with_entropy:
+        return logprobs, None
+      logits = logits / temperature
+      return logprobs, jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
     logits = jnp.einsum("bce,ev->bcv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
     logits = logits / temperature
     log_z = jax.nn.logsumexp(logits, axis=-1)

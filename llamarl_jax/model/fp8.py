@@ -1,9 +1,17 @@
 """The generator's fp8 weights: float8_e4m3fn projections with one fp32 scale per output channel.
 
 Quantised: every projection of a layer (wq, wk, wv, wo, w_gate, w_up, w_down and the serving layout's
-fused wqkv, w_gate_up). Not quantised: embeddings, norms, biases and, by default, the lm_head
-(generator dtype). A projection `w` `[*in, *out]` becomes `w` in float8_e4m3fn and `w_scale` `[*out]`
-fp32 with `w ~= w_fp8 * w_scale` (amax over the input axes / 448, e4m3's largest finite value).
+fused wqkv, w_gate_up). Not quantised: embeddings, norms, biases, a MoE layer's router and, by
+default, the lm_head (generator dtype). A projection `w` `[*in, *out]` becomes `w` in float8_e4m3fn
+and `w_scale` `[*out]` fp32 with `w ~= w_fp8 * w_scale` (amax over the input axes / 448, e4m3's
+largest finite value).
+
+A MoE layer's experts (`EXPERTS`: w_gate, w_up `[X, E, F]`, the fused w_gate_up `[X, E, 2, F]`,
+w_down `[X, F, E]`) are quantised per expert and output channel: `w_scale` `[X, *out]` (amax over
+the one input axis, axis 1), so the scales shard over `expert` like the weights. The grouped matmul
+is weight-only fp8 (`model.moe.ScaledExperts`): the rows stay in the compute dtype, each expert's fp8
+values are cast to it (exactly: e4m3 has 4 significant bits) and each row's product is multiplied by
+its expert's scales, so a MoE layer computes the de-quantised experts' SwiGLU up to summation order.
 
 The fp8 lm_head (`quantize_params(..., lm_head=True)`, `GeneratorConfig.quantize = 'fp8+lm_head'`): the leaf
 `lm_head` `[embed, vocab]` in float8_e4m3fn and `lm_head_scale` `[vocab]` (one scale per vocabulary
@@ -46,6 +54,8 @@ E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 INPUT_AXES = {"attn": {"wq": 1, "wk": 1, "wv": 1, "wqkv": 1, "wo": 2},
               "mlp": {"w_gate": 1, "w_up": 1, "w_gate_up": 1, "w_down": 1}}
 SCALE = "_scale"  # w's scale is the leaf `w + SCALE` beside it
+# a MoE layer's expert weights `[X, *in, *out]` (one input axis), quantised per (expert, output channel)
+EXPERTS = ("w_gate", "w_up", "w_gate_up", "w_down")
 HEAD = "lm_head"  # the output projection's leaf (top level of a `split_params` dict)
 
 
@@ -69,13 +79,28 @@ class Product(NamedTuple):
     return apply_scales(self.y, self.row, self.col, dtype)
 
 
-def quantize_weight(w: Array, n_in: int) -> tuple[Array, Array]:
+def contracted(n_in: int, experts: bool = False) -> tuple[int, ...]:
+  """The axes of a weight its scale reduces over: the n_in input axes, after the expert axis when
+  `experts` (`[X, *in, *out]`: scales `[X, *out]`)."""
+  return tuple(range(int(experts), int(experts) + n_in))
+
+
+def scale_of(axes: tuple, n_in: int, experts: bool = False) -> tuple:
+  """A weight's shape, sharding spec or logical axes (`axes`, one entry per axis) -> its scale's:
+  the contracted axes dropped."""
+  drop = contracted(n_in, experts)
+  return tuple(a for j, a in enumerate(axes) if j not in drop)
+
+
+def quantize_weight(w: Array, n_in: int, experts: bool = False) -> tuple[Array, Array]:
   """w `[*in, *out]` (n_in input axes) -> (float8_e4m3fn values `[*in, *out]`, fp32 scales `[*out]`),
-  w ~= values * scales; an all-zero column gets scale 1."""
+  w ~= values * scales; an all-zero column gets scale 1. experts: w `[X, *in, *out]`, each expert
+  quantised alone, scales `[X, *out]`."""
   w = w.astype(jnp.float32)
-  scale = jnp.max(jnp.abs(w), axis=tuple(range(n_in))) / E4M3_MAX
+  axes = contracted(n_in, experts)
+  scale = jnp.max(jnp.abs(w), axis=axes) / E4M3_MAX
   scale = jnp.where(scale == 0, 1.0, scale)
-  return (w / scale).astype(FP8), scale
+  return (w / jnp.expand_dims(scale, axes)).astype(FP8), scale
 
 
 def quantize_rows(x: Array) -> tuple[Array, Array]:
@@ -122,8 +147,17 @@ def apply_scales(y: Array, row_scale: Array, scale: Array, dtype) -> Array:
 
 
 def projections(layer: dict):
-  """(module, name, n_in) of the projections a layer dict holds."""
-  return [(m, k, n) for m, names in INPUT_AXES.items() for k, n in names.items() if k in layer.get(m, {})]
+  """(module, name, n_in) of the projections a layer dict holds, a MoE layer's experts not among them
+  (`quantized`: both)."""
+  return [(m, k, n) for m, k, n, experts in quantized(layer) if not experts]
+
+
+def quantized(layer: dict):
+  """(module, name, n_in, experts) of the weights of a layer dict that fp8 quantises: the projections,
+  and for a MoE layer (a `router` in its mlp) the experts (`EXPERTS`, experts=True; the router stays)."""
+  moe = "router" in layer.get("mlp", {})
+  return [(m, k, n, moe and m == "mlp" and k in EXPERTS) for m, names in INPUT_AXES.items()
+          for k, n in names.items() if k in layer.get(m, {})]
 
 
 def is_quantized(params: dict) -> bool:
@@ -168,12 +202,9 @@ def quantize_params(params: dict, dtype=None, *, lm_head: bool = False) -> dict:
     out[HEAD], out[HEAD + SCALE] = quantize_head(params)
   layers = {}
   for i, layer in params["layers"].items():
-    if "router" in layer.get("mlp", {}):
-      raise ValueError(f"layer {i} is a mixture of experts, which the fp8 generator does not quantise; serve a "
-                       "MoE model in its compute dtype (GeneratorConfig.quantize = None)")
     new = jax.tree.map(cast, layer)
-    for m, name, n_in in projections(layer):
-      new[m][name], new[m][name + SCALE] = quantize_weight(layer[m][name], n_in)
+    for m, name, n_in, experts in quantized(layer):
+      new[m][name], new[m][name + SCALE] = quantize_weight(layer[m][name], n_in, experts)
     layers[i] = new
   return {**out, "layers": layers}
 
@@ -189,19 +220,21 @@ def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
     out[HEAD] = (params[HEAD].astype(jnp.float32) * params[HEAD + SCALE]).astype(dtype)
   layers = {}
   for i, layer in params["layers"].items():
-    new = {m: {k: v.astype(dtype) for k, v in layer[m].items() if not k.endswith(SCALE)} for m in layer}
-    for m, name, _ in projections(layer):
-      new[m][name] = (layer[m][name].astype(jnp.float32) * layer[m][name + SCALE]).astype(dtype)
+    new = {m: {k: jax.tree.map(lambda x: x.astype(dtype), v) for k, v in layer[m].items() if not k.endswith(SCALE)}
+           for m in layer}
+    for m, name, n_in, experts in quantized(layer):
+      scale = jnp.expand_dims(layer[m][name + SCALE], contracted(n_in, experts))
+      new[m][name] = (layer[m][name].astype(jnp.float32) * scale).astype(dtype)
     layers[i] = new
   return {**out, "layers": layers}
 
 
-def _with_scales(tree: dict, scale_of) -> dict:
+def _with_scales(tree: dict, scale) -> dict:
   layers = {}
   for i, layer in tree["layers"].items():
     new = {m: dict(v) for m, v in layer.items()}
-    for m, name, n_in in projections(layer):
-      new[m][name + SCALE] = scale_of(layer[m][name], n_in)
+    for m, name, n_in, experts in quantized(layer):
+      new[m][name + SCALE] = scale(layer[m][name], n_in, experts)
     layers[i] = new
   return {**tree, "layers": layers}
 
@@ -217,20 +250,21 @@ def quantized_shapes(shapes: dict, dtype, *, lm_head: bool = False) -> dict:
   layers = {}
   for i, layer in shapes["layers"].items():
     new = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), layer)
-    for m, name, n_in in projections(layer):
+    for m, name, n_in, experts in quantized(layer):
       w = layer[m][name]
       new[m][name] = jax.ShapeDtypeStruct(w.shape, FP8)
-      new[m][name + SCALE] = jax.ShapeDtypeStruct(w.shape[n_in:], jnp.float32)
+      new[m][name + SCALE] = jax.ShapeDtypeStruct(scale_of(w.shape, n_in, experts), jnp.float32)
     layers[i] = new
   return {**rest, "layers": layers}
 
 
 def quantized_shardings(shardings: dict, *, lm_head: bool = False) -> dict:
   """The shardings of `quantize_params(..., lm_head=lm_head)`'s output given the unquantised params'
-  (`NamedSharding`s): each scale shards like its projection's output axes; a tied model's fp8 lm_head
-  like the embedding's transpose."""
-  def scale(s: NamedSharding, n_in: int) -> NamedSharding:
-    return NamedSharding(s.mesh, P(*tuple(s.spec)[n_in:]))
+  (`NamedSharding`s): each scale shards like its projection's output axes (an expert's: its expert
+  and output axes); a tied model's fp8 lm_head like the embedding's transpose."""
+  def scale(s: NamedSharding, n_in: int, experts: bool = False) -> NamedSharding:
+    spec = tuple(s.spec) + (None,) * (n_in + int(experts) - len(s.spec))
+    return NamedSharding(s.mesh, P(*scale_of(spec, n_in, experts)))
   out = _with_scales(shardings, scale)
   if lm_head:
     if HEAD in shardings:

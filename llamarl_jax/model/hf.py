@@ -426,7 +426,7 @@ def check_tokenizer_matches(tokenizer, config: ModelConfig) -> None:
 def load_reference_params(path: str, config: ModelConfig) -> Any:
   """Params of the KL reference policy from an HF checkpoint directory (same architecture as the policy)."""
   ref_config, model = load_hf_checkpoint(path)
-  fields = [f.name for f in dataclasses.fields(config) if f.name not in ("param_dtype", "dtype")]
+  fields = [f.name for f in dataclasses.fields(config) if f.name not in ("param_dtype", "dtype", "exact")]
   diff = [f"{f}: policy {getattr(config, f)}, reference {getattr(ref_config, f)}" for f in fields
           if getattr(config, f) != getattr(ref_config, f)]
   if diff:

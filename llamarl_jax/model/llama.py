@@ -28,7 +28,9 @@ The generator's serving layout (`WeightLayout`, built by `model.serving.serving_
   shards over `kv_heads` hold their own q, k, v), bq, bk, bv by bqkv [kv_heads, group + 2, head_dim],
   and w_gate, w_up by w_gate_up [embed, 2, mlp] (one GEMM of 2 * mlp columns, sharded over `mlp`).
   With `WeightLayout.fp8` (the fp8 generator, `model.fp8`) every projection is float8_e4m3fn with a
-  `<name>_scale` [*out] fp32 beside it (e.g. wo_scale [embed]) and runs as an fp8 GEMM (`dense`).
+  `<name>_scale` [*out] fp32 beside it (e.g. wo_scale [embed]) and runs as an fp8 GEMM (`dense`); a MoE
+  layer's experts too, per expert (w_down_scale [expert, embed]; weight-only, `moe.ScaledExperts`), the
+  router in the compute dtype.
   With `WeightLayout.fp8_lm_head` the model holds lm_head [embed, vocab] in float8_e4m3fn and
   lm_head_scale [vocab] (tied embeddings too: a copy for the logits; the lookup reads `embed`).
 
@@ -54,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from llamarl_jax.model import exact as exact_lib
 from llamarl_jax.model import fp8 as fp8_lib
 from llamarl_jax.model import fp8_kernels
 from llamarl_jax.model import moe as moe_lib
@@ -96,42 +99,51 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, scale=None) -> nnx.Param:
 
 
 def _projection(module: nnx.Module, name: str, rngs: nnx.Rngs, shape, axes, dtype, scale=None, *,
-                n_in: int = 1, fp8: bool = False) -> None:
+                n_in: int = 1, fp8: bool = False, experts: bool = False) -> None:
   """Set projection `name` of `module`: a Param `[*in, *out]` (n_in input axes) in `dtype`, or with
-  fp8 its float8_e4m3fn values and a `name_scale` Param `[*out]` (`model.fp8.quantize_weight`)."""
+  fp8 its float8_e4m3fn values and a `name_scale` Param `[*out]` (`model.fp8.quantize_weight`).
+  experts: `[experts, *in, *out]`, the scale `[experts, *out]`."""
   w = _param(rngs, shape, axes, jnp.float32 if fp8 else dtype, scale)
   if not fp8:
     setattr(module, name, w)
     return
-  values, w_scale = fp8_lib.quantize_weight(w[...], n_in)
+  values, w_scale = fp8_lib.quantize_weight(w[...], n_in, experts)
   setattr(module, name, nnx.Param(values, logical_axes=axes))
-  setattr(module, name + fp8_lib.SCALE, nnx.Param(w_scale, logical_axes=tuple(axes[n_in:])))
+  setattr(module, name + fp8_lib.SCALE, nnx.Param(w_scale, logical_axes=fp8_lib.scale_of(axes, n_in, experts)))
 
 
-def dense(x: Array | fp8_lib.Rows, module: nnx.Module, name: str, plain, dtype=None) -> Array:
+def dense(x: Array | fp8_lib.Rows, module: nnx.Module, name: str, plain, dtype=None, *, n_in: int = 1,
+          exact: bool = False) -> Array:
   """Projection `name` of `module` applied to x `[..., K]`: `plain(x, w)` with w cast to x's dtype,
   or, where the projection is fp8 (a `name_scale` beside it), the fp8 product `model.fp8.dense` in
-  `dtype` (default x's; x may be `fp8.Rows`, quantised before)."""
+  `dtype` (default x's; x may be `fp8.Rows`, quantised before). exact: the batch-invariant product
+  `model.exact.dense` of x's last `n_in` axes with w's leading ones instead of `plain`."""
   w = getattr(module, name)[...]
   scale = getattr(module, name + fp8_lib.SCALE, None)
   if scale is not None:
     return fp8_lib.dense(x, w, scale[...], dtype)
+  if exact:
+    return exact_lib.dense(x, w, n_in=n_in, out_dtype=dtype)
   return plain(x, w.astype(x.dtype))
 
 
 class RMSNorm(nnx.Module):
-  """RMSNorm over the last axis (fp32 statistics, HF's rounding order); `axis` names the scale's axis."""
+  """RMSNorm over the last axis (fp32 statistics, HF's rounding order); `axis` names the scale's axis;
+  exact: `model.exact.rms_norm`."""
 
-  def __init__(self, dim: int, eps: float, param_dtype, axis: str = "norm"):
-    self.eps = eps
+  def __init__(self, dim: int, eps: float, param_dtype, axis: str = "norm", exact: bool = False):
+    self.eps, self.exact = eps, exact
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis,))
 
   def __call__(self, x: Array) -> Array:
-    return rms_norm(x, self.scale[...], self.eps)
+    return rms_norm(x, self.scale[...], self.eps, exact=self.exact)
 
 
-def rms_norm(x: Array, scale: Array, eps: float) -> Array:
-  """RMSNorm of x `[..., D]` with scale `[D]`: fp32 statistics, the result in x's dtype."""
+def rms_norm(x: Array, scale: Array, eps: float, *, exact: bool = False) -> Array:
+  """RMSNorm of x `[..., D]` with scale `[D]`: fp32 statistics, the result in x's dtype (exact: the
+  batch-invariant form, `model.exact.rms_norm`)."""
+  if exact:
+    return exact_lib.rms_norm(x, scale, eps)
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return scale.astype(x.dtype) * xf.astype(x.dtype)
@@ -197,8 +209,8 @@ class Attention(nnx.Module):
       self.bk = nnx.Param(jnp.zeros((kv, hd), pd), logical_axes=("kv_heads", "head_dim"))
       self.bv = nnx.Param(jnp.zeros((kv, hd), pd), logical_axes=("kv_heads", "head_dim"))
     if c.qk_norm:  # one [head_dim] scale shared by all heads, replicated like head_dim
-      self.q_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim")
-      self.k_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim")
+      self.q_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim", exact=c.exact)
+      self.k_norm = RMSNorm(hd, c.rms_norm_eps, pd, axis="head_dim", exact=c.exact)
 
   def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla", lora=None):
     """x `[B, T, E]`; mask `[B, T, S]` bool; layer_cache None, (k, v, index), or a `PagedLayer`
@@ -218,17 +230,25 @@ class Attention(nnx.Module):
     rows_in = isinstance(x, fp8_lib.Rows)
     dt, c = (jnp.dtype(self.config.dtype) if rows_in else x.dtype), self.config
     source = None  # where the fused projection's k and v lie (`_fused_qkv`)
+    if c.exact and (self.fused or rows_in):
+      raise ValueError("ModelConfig.exact computes Hugging Face's projections in the compute dtype; this model "
+                       "holds a fused or fp8 layout (build the generator with serving.serving_layout)")
     if self.fused:
       q, k, v, source = self._fused_qkv(x, lora, dt)
     else:
       proj = functools.partial(jnp.einsum, "bte,ehd->bthd")
-      q = with_lora(dense(x, self, "wq", proj, dt), x, "wq", lora)
-      k = with_lora(dense(x, self, "wk", proj, dt), x, "wk", lora)
-      v = with_lora(dense(x, self, "wv", proj, dt), x, "wv", lora)
-      if c.qkv_bias:
+      q = with_lora(dense(x, self, "wq", proj, dt, exact=c.exact), x, "wq", lora)
+      k = with_lora(dense(x, self, "wk", proj, dt, exact=c.exact), x, "wk", lora)
+      v = with_lora(dense(x, self, "wv", proj, dt, exact=c.exact), x, "wv", lora)
+      if c.qkv_bias and c.exact:
+        q, k, v = (exact_lib.add(q, self.bq[...].astype(dt)), exact_lib.add(k, self.bk[...].astype(dt)),
+                   exact_lib.add(v, self.bv[...].astype(dt)))
+      elif c.qkv_bias:
         q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
+    if c.exact:
+      return self._exact_attention(q, k, v, positions, inv_freq, mask, layer_cache, lengths, lora)
     scale = rope_attention_factor(c)
     if isinstance(layer_cache, PagedLayer):  # the slot engine's decode step over pages: k rotated with its write
       cos, sin = rope_cos_sin(positions[:, 0], inv_freq, scale)  # [B, D]
@@ -274,6 +294,51 @@ class Attention(nnx.Module):
     out = out.reshape(B, T, H * D)
     return with_lora(dense(out, self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), out, "wo", lora), new_cache
 
+  def _exact_attention(self, q, k, v, positions, inv_freq, mask, layer_cache, lengths, lora):
+    """`__call__` after the projections with every op in its batch-invariant form (`model.exact`,
+    `ModelConfig.exact`): q `[B, T, H, D]`, k, v `[B, T, KV, D]`. Each query attends its own
+    sequence's keys from the sequence's first position (`exact.attention`): the trainer's rows from
+    position 0 (`lengths` `[B]`) or packed (`Segments`: starts at t - positions), a dense cache's rows
+    from their first valid slot (`mask`: a row's valid slots must be contiguous, as the static
+    sampler's left-padded prompts and the slot engine's prefill are), a paged cache's positions where
+    `paged_attention.position_slots` finds them."""
+    c = self.config
+    cos, sin = exact_lib.rope_cos_sin(positions, inv_freq, rope_attention_factor(c))  # [B, T, D]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    q, k = exact_lib.rope(q, cos, sin), exact_lib.rope(k, cos, sin)
+    B, T = q.shape[:2]
+    new_cache = None
+    if isinstance(layer_cache, PagedLayer):  # the slot engine's decode step: write, then read the row's positions
+      ck = paged_attention.write_token(layer_cache.k, k[:, 0], layer_cache.write_block, layer_cache.write_offset)
+      cv = paged_attention.write_token(layer_cache.v, v[:, 0], layer_cache.write_block, layer_cache.write_offset)
+      index, row_len = paged_attention.position_slots(layer_cache.entry_row, layer_cache.entry_block, layer_cache.entry_len,
+                                      B, ck.shape[1])
+      out = exact_lib.paged_attention(q, ck, cv, index, row_len)
+      new_cache = (ck, cv)
+    elif isinstance(lengths, Segments):  # packed rows: each sequence starts where its positions restart
+      out = exact_lib.attention(q, k, v, positions + 1, jnp.arange(T, dtype=jnp.int32)[None] - positions)
+    elif lengths is not None:  # right-padded rows from position 0
+      out = exact_lib.attention(q, k, v, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None] + 1, (B, T)))
+    else:
+      if layer_cache is not None:
+        ck, cv, index = layer_cache
+        if index.ndim == 0:
+          k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
+          v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+          q_slot = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+        else:
+          write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (i, 0, 0)))
+          k, v = write(ck, k.astype(ck.dtype), index), write(cv, v.astype(cv.dtype), index)
+          q_slot = index[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        new_cache = (k, v)
+      else:
+        q_slot = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+      start = jnp.argmax(mask[:, -1, :], axis=-1).astype(jnp.int32)[:, None]  # [B, 1] first valid slot
+      out = exact_lib.attention(q, k, v, jnp.maximum(q_slot - start + 1, 0), jnp.broadcast_to(start, (B, T)))
+    H, D = out.shape[2:]
+    y = dense(out, self, "wo", None, n_in=2, exact=True)
+    return with_lora(y, out.reshape(B, T, H * D), "wo", lora), new_cache
+
   def _fused_qkv(self, x, lora, dt):
     """q `[B, T, H, D]`, k, v `[B, T, KV, D]` from one GEMM of x `[B, T, E]` with wqkv, and where they
     lie: (that GEMM's output `[B, T, KV, G + 2, D]` (bias added), None), or with fp8 weights and no
@@ -298,7 +363,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
     d, f, pd = config.hidden_size, config.intermediate_size, jnp.dtype(config.param_dtype)
-    self.fused = fused
+    self.fused, self.exact = fused, config.exact
     proj = functools.partial(_projection, self, rngs=rngs, dtype=pd, fp8=fp8)
     if fused:  # the serving layout: [embed, 2, mlp], gate then up
       proj("w_gate_up", shape=(d, 2, f), axes=("embed", None, "mlp"), scale=1 / math.sqrt(d))
@@ -308,6 +373,12 @@ class MLP(nnx.Module):
     proj("w_down", shape=(f, d), axes=("mlp", "embed"))
 
   def __call__(self, x, lora=None):
+    if self.exact:  # the batch-invariant forms (`model.exact`), Hugging Face's projections
+      if self.fused:
+        raise ValueError("ModelConfig.exact computes the unfused w_gate, w_up (a fused column sums differently)")
+      gate = with_lora(dense(x, self, "w_gate", None, exact=True), x, "w_gate", lora)
+      h = exact_lib.swiglu(gate, with_lora(dense(x, self, "w_up", None, exact=True), x, "w_up", lora))
+      return with_lora(dense(h, self, "w_down", None, exact=True), h, "w_down", lora)
     if self.fused:  # one GEMM of 2 * mlp columns
       if lora is not None:
         raise ValueError("LoRA adapters apply to the unfused projections (the trainer's layout); merge them "
@@ -330,31 +401,43 @@ class MLP(nnx.Module):
 class MoE(nnx.Module):
   """A sparse layer's MLP (Qwen3-MoE): a router `[embed, experts]` and `num_experts` SwiGLU experts,
   w_gate, w_up `[experts, embed, moe_mlp]` (the serving layout: w_gate_up `[experts, embed, 2,
-  moe_mlp]`), w_down `[experts, moe_mlp, embed]` (`model.moe`)."""
+  moe_mlp]`), w_down `[experts, moe_mlp, embed]` (`model.moe`). fp8: the experts in float8_e4m3fn
+  with `<name>_scale` `[experts, *out]` per (expert, output channel) beside them (`model.fp8`), the
+  router in the compute dtype."""
 
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
     d, f, X, pd = config.hidden_size, config.moe_intermediate_size, config.num_experts, jnp.dtype(config.param_dtype)
     self.config, self.fused = config, fused
     self.router = _param(rngs, (d, X), ("embed", None), pd, 1 / math.sqrt(d))
+    proj = functools.partial(_projection, self, rngs=rngs, dtype=pd, fp8=fp8, experts=True)
     if fused:
-      self.w_gate_up = _param(rngs, (X, d, 2, f), ("expert", "embed", None, "mlp"), pd, 1 / math.sqrt(d))
+      proj("w_gate_up", shape=(X, d, 2, f), axes=("expert", "embed", None, "mlp"), scale=1 / math.sqrt(d))
     else:
-      self.w_gate = _param(rngs, (X, d, f), ("expert", "embed", "mlp"), pd, 1 / math.sqrt(d))
-      self.w_up = _param(rngs, (X, d, f), ("expert", "embed", "mlp"), pd, 1 / math.sqrt(d))
-    self.w_down = _param(rngs, (X, f, d), ("expert", "mlp", "embed"), pd, 1 / math.sqrt(f))
+      proj("w_gate", shape=(X, d, f), axes=("expert", "embed", "mlp"), scale=1 / math.sqrt(d))
+      proj("w_up", shape=(X, d, f), axes=("expert", "embed", "mlp"), scale=1 / math.sqrt(d))
+    proj("w_down", shape=(X, f, d), axes=("expert", "mlp", "embed"), scale=1 / math.sqrt(f))
 
-  def __call__(self, x, routing: "Routing | None" = None):
+  def expert(self, name: str):
+    """Expert weight `name` as `moe.grouped_swiglu` takes it: the array, or fp8 `moe.ScaledExperts`."""
+    scale = getattr(self, name + fp8_lib.SCALE, None)
+    w = getattr(self, name)[...]
+    return w if scale is None else moe_lib.ScaledExperts(w, scale[...])
+
+  def __call__(self, x, routing: "Routing | None" = None, lora: "LoraLayer | None" = None):
     """x `[B, T, E]` -> (`[B, T, E]`, `moe.RouterStats`); routing: the tokens counted in the
-    statistics and the experts to replay (`Routing`), or None (every token, no replay)."""
+    statistics and the experts to replay (`Routing`), or None (every token, no replay); lora: the
+    experts' adapters (`w_gate`, `w_up`, `w_down`: `a` `[X, in, r]`, `b` `[X, r, out]`), added to each
+    row's projections by grouped matmuls (`moe.grouped_swiglu`), or None."""
     c = self.config
     B, T, E = x.shape
     k = c.num_experts_per_tok
     replay = None if routing is None or routing.replay is None else routing.replay.reshape(B * T, k)
     flat = x.reshape(B * T, E)
     weights, experts, probs, own = moe_lib.route(flat, self.router[...], k, c.norm_topk_prob, replay)
-    gate_up = self.w_gate_up[...] if self.fused else (self.w_gate[...], self.w_up[...])
+    gate_up = self.expert("w_gate_up") if self.fused else (self.expert("w_gate"), self.expert("w_up"))
     mesh = None if routing is None else routing.mesh
-    out = moe_lib.grouped_swiglu(flat, experts, weights, gate_up, self.w_down[...], mesh)
+    out = moe_lib.grouped_swiglu(flat, experts, weights, gate_up, self.expert("w_down"), mesh,
+                                 lora=lora if lora is not None and lora.weights else None)
     mask = None if routing is None or routing.token_mask is None else routing.token_mask.reshape(B * T)
     counts, prob_sum = moe_lib.router_stats(own, probs, c.num_experts, mask)
     return out.reshape(B, T, E), moe_lib.RouterStats(topk=own.reshape(B, T, k), counts=counts, prob_sum=prob_sum)
@@ -383,13 +466,12 @@ def _layer_routing(replay: Array | None, j: int, mesh=None) -> Routing | None:
 class Block(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layout: WeightLayout = HF_LAYOUT, moe: bool = False):
     pd = jnp.dtype(config.param_dtype)
-    self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
+    self.exact = config.exact
+    self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, exact=config.exact)
     self.attn = Attention(config, rngs, layout.fused_qkv, layout.fp8)
-    self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
-    if moe and layout.fp8:
-      raise ValueError("an fp8 generator (WeightLayout.fp8) does not quantise MoE experts; serve a MoE model in "
-                       "its compute dtype (GeneratorConfig.quantize = None)")
-    self.mlp = MoE(config, rngs, layout.fused_mlp) if moe else MLP(config, rngs, layout.fused_mlp, layout.fp8)
+    self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, exact=config.exact)
+    self.mlp = (MoE(config, rngs, layout.fused_mlp, layout.fp8) if moe
+                else MLP(config, rngs, layout.fused_mlp, layout.fp8))
 
   def __call__(self, x, positions, inv_freq, mask, layer_cache, lengths=None, implementation="xla", lora=None,
                routing=None):
@@ -397,13 +479,12 @@ class Block(nnx.Module):
     attn_lora, mlp_lora = (None, None) if lora is None else (lora.part("attn"), lora.part("mlp"))
     h, new_cache = self.attn(self.attn_norm(x), positions, inv_freq, mask, layer_cache, lengths, implementation,
                              attn_lora)
-    x = x + h
+    add = exact_lib.add if self.exact else jnp.add  # the residual stream
+    x = add(x, h)
     if isinstance(self.mlp, MoE):
-      if lora is not None and lora.weights.get("mlp"):
-        raise ValueError("LoRA adapters of MoE experts are not supported; adapt the attention projections only")
-      out, stats = self.mlp(self.mlp_norm(x), routing)
+      out, stats = self.mlp(self.mlp_norm(x), routing, mlp_lora)
       return x + out, new_cache, stats
-    return x + self.mlp(self.mlp_norm(x), mlp_lora), new_cache, None
+    return add(x, self.mlp(self.mlp_norm(x), mlp_lora)), new_cache, None
 
   def decode_fp8(self, x: Array, pending: fp8_lib.Product | None, positions, inv_freq, layer: PagedLayer,
                  interpret: bool):
@@ -437,7 +518,7 @@ class Llama(nnx.Module):
     pd = jnp.dtype(config.param_dtype)
     self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd, 0.02)
     self.layers = nnx.List([Block(config, rngs, layout, config.is_moe_layer(i)) for i in range(config.num_layers)])
-    self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
+    self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, exact=config.exact)
     if config.num_labels:
       if layout.fp8_lm_head:
         raise ValueError(f"a score-head model ({config.architecture}) has no lm_head to hold in fp8; use "
@@ -551,6 +632,8 @@ class Llama(nnx.Module):
       w = self.score[...]
     else:
       w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+    if self.config.exact:
+      return exact_lib.dense(x, w, out_dtype=jnp.float32)
     return jnp.einsum("...e,ev->...v", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens, positions=None, cache=None, attention_mask=None, remat=False):

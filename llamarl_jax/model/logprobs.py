@@ -67,7 +67,7 @@ def policy_logprobs(config: ModelConfig, prepared, prompt_tokens, prompt_mask, r
   hidden = jnp.take_along_axis(hidden, predict[..., None], axis=1)  # [B, R, E]
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), response_tokens,
                                              temperature=temperature, chunk=logprob_chunk,
-                                             with_entropy=with_entropy)
+                                             with_entropy=with_entropy, exact=config.exact)
   valid = response_mask.astype(bool)
   logprobs = jnp.where(valid, logprobs, 0.0)
   out = (logprobs, jnp.where(valid, entropy, 0.0)) if with_entropy else logprobs
@@ -95,6 +95,6 @@ def packed_logprobs(config: ModelConfig, prepared, tokens: Array, positions: Arr
   hidden, trace = hidden if with_routing else (hidden, None)
   logprobs, entropy = chunked_token_logprobs(hidden, lm_head_weight(config, prepared), targets,
                                              temperature=temperature, chunk=logprob_chunk,
-                                             with_entropy=with_entropy)
+                                             with_entropy=with_entropy, exact=config.exact)
   out = (logprobs, entropy) if with_entropy else logprobs
   return (out, trace) if with_routing else out

@@ -9,14 +9,30 @@ adapters are a pytree shaped like the params, holding only the adapted projectio
 
 so that `prepare_params` / `unstack_layers` stack and unstack it like the params, and its logical
 axes (`adapter_axes`: `a` keeps the input axes of `w`, `b` its output axes, the rank axis
-replicated) shard it like the matrix it adapts under FSDP and TP. `b` starts at zero (PEFT's
+replicated) shard it like the matrix it adapts under FSDP and TP.
+
+A MoE layer's experts (targets 'expert_gate', 'expert_up', 'expert_down') get one adapter per expert:
+w_gate, w_up `[X, E, F]` have `a` `[X, E, r]`, `b` `[X, r, F]`; w_down `[X, F, E]` has `a` `[X, F, r]`,
+`b` `[X, r, E]` (the expert axis leads both, sharded like the experts), so expert x's weight is
+`w[x] + scale * a[x] @ b[x]`. The trainer runs each row's `scale * (x @ a_x) @ b_x` by grouped matmuls
+over the rows sorted by expert (`moe.grouped_swiglu`), never merging. At Qwen3-30B-A3B's shapes (X 128,
+E 2048, F 768, r 16, a microbatch of 3072 tokens = 24576 rows per device) a merge costs
+3 X E F 2 r = 19 GFLOP per layer forward, writes 1.2 GB of merged bf16 experts, and its backward is
+the full expert weight gradient (2 rows 3 E F = 232 GFLOP, `[X, E, F]` x 3 in fp32 = 2.4 GB per
+layer) that a frozen base never computes; the rows' path is 3 x 2 r (E + F) FLOPs per row (6.6
+GFLOP forward, ~20 forward + backward) with `[rows, r]` (2.4 MB) in between. `b` starts at zero (PEFT's
 default), so an adapted policy starts exactly equal to its base; `a` starts uniform in
 +-1/sqrt(fan_in) (PEFT's kaiming-uniform with a = sqrt(5)).
 
 The trainer adds the low-rank path unmerged (`llama.with_lora`); the generator serves merged weights
 (`merge_adapters`). `save_peft_adapter` / `load_peft_adapter` read and write a PEFT adapter directory
 (`adapter_config.json` + `adapter_model.safetensors`, tensors `[rank, in]` / `[out, rank]` under
-PEFT's names) that `peft.PeftModel.from_pretrained(base, path)` loads.
+PEFT's names) that `peft.PeftModel.from_pretrained(base, path)` loads. Expert adapters are written as transformers 4
+laid Qwen3-MoE out (one Linear per expert: `mlp.experts.{x}.gate_proj.lora_A.weight` `[r, E]`, target
+modules 'gate_proj', 'up_proj', 'down_proj'); transformers 5 fuses the experts into `gate_up_proj`
+`[X, 2F, E]` and `down_proj` `[X, E, F]` parameters, and PEFT (>= 0.18) converts such an adapter on
+load to LoRA of those parameters (gate and up fused: rank 2r, alpha 2 alpha, so it needs
+'expert_gate' and 'expert_up' both or neither; tested with peft 0.21, transformers 5.24).
 """
 
 from __future__ import annotations
@@ -33,15 +49,19 @@ import numpy as np
 from llamarl_jax.model.config import ModelConfig
 from llamarl_jax.model.llama import abstract_model, split_params
 
-# target name -> (module, our parameter, HF / PEFT module name, number of input axes of our layout)
+# target name -> (module, our parameter, HF / PEFT module name, number of input axes of our layout
+# after the expert axis, one adapter per expert: the target adapts a MoE layer's experts)
 TARGETS = {
-    "q": ("attn", "wq", "self_attn.q_proj", 1),
-    "k": ("attn", "wk", "self_attn.k_proj", 1),
-    "v": ("attn", "wv", "self_attn.v_proj", 1),
-    "o": ("attn", "wo", "self_attn.o_proj", 2),
-    "gate": ("mlp", "w_gate", "mlp.gate_proj", 1),
-    "up": ("mlp", "w_up", "mlp.up_proj", 1),
-    "down": ("mlp", "w_down", "mlp.down_proj", 1),
+    "q": ("attn", "wq", "self_attn.q_proj", 1, False),
+    "k": ("attn", "wk", "self_attn.k_proj", 1, False),
+    "v": ("attn", "wv", "self_attn.v_proj", 1, False),
+    "o": ("attn", "wo", "self_attn.o_proj", 2, False),
+    "gate": ("mlp", "w_gate", "mlp.gate_proj", 1, False),
+    "up": ("mlp", "w_up", "mlp.up_proj", 1, False),
+    "down": ("mlp", "w_down", "mlp.down_proj", 1, False),
+    "expert_gate": ("mlp", "w_gate", "mlp.experts.{x}.gate_proj", 1, True),
+    "expert_up": ("mlp", "w_up", "mlp.experts.{x}.up_proj", 1, True),
+    "expert_down": ("mlp", "w_down", "mlp.experts.{x}.down_proj", 1, True),
 }
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -57,21 +77,32 @@ def _model_shapes(config: ModelConfig) -> dict:
 
 
 def _adapted(config: ModelConfig, lora):
-  """(layer, module, our name, HF module name, input axes, weight shape) of every adapted projection."""
+  """(layer, module, our name, HF module name, input axes, weight shape, lead) of every adapted
+  projection; lead: 1 for experts (the expert axis leads `w`, `a` and `b`), else 0."""
   shapes = _model_shapes(config)
   for i in range(config.num_layers):
     for t in lora.targets:
-      module, name, hf_name, n_in = TARGETS[t]
-      yield i, module, name, hf_name, n_in, tuple(shapes["layers"][i][module][name].shape)
+      module, name, hf_name, n_in, experts = TARGETS[t]
+      if module == "mlp" and experts != config.is_moe_layer(i):
+        kind, use = (("a MoE layer", f"'expert_{t}'") if not experts else
+                     ("a dense layer", f"'{t.removeprefix('expert_')}'"))
+        raise ValueError(f"LoraConfig.targets has {t!r}, but layer {i} of this {config.model_type} model is {kind}: "
+                         f"adapt its MLP with {use} (or leave the MLP out of the targets)")
+      yield i, module, name, hf_name, n_in, tuple(shapes["layers"][i][module][name].shape), int(experts)
+
+
+def _ab_shapes(shape: tuple, n_in: int, lead: int, rank: int) -> tuple[tuple, tuple]:
+  """`a` `[*lead, *in, r]` and `b` `[*lead, r, *out]` of a weight `[*lead, *in, *out]`."""
+  return (*shape[:lead + n_in], rank), (*shape[:lead], rank, *shape[lead + n_in:])
 
 
 def adapter_shapes(config: ModelConfig, lora) -> dict:
   """The adapters' tree of fp32 `ShapeDtypeStruct`s (see the module docstring)."""
   out: dict = {"layers": {}}
-  for i, module, name, _, n_in, shape in _adapted(config, lora):
-    out["layers"].setdefault(i, {}).setdefault(module, {})[name] = {
-        "a": jax.ShapeDtypeStruct((*shape[:n_in], lora.rank), jnp.float32),
-        "b": jax.ShapeDtypeStruct((lora.rank, *shape[n_in:]), jnp.float32)}
+  for i, module, name, _, n_in, shape, lead in _adapted(config, lora):
+    a, b = _ab_shapes(shape, n_in, lead, lora.rank)
+    out["layers"].setdefault(i, {}).setdefault(module, {})[name] = {"a": jax.ShapeDtypeStruct(a, jnp.float32),
+                                                                     "b": jax.ShapeDtypeStruct(b, jnp.float32)}
   return out
 
 
@@ -81,10 +112,10 @@ def adapter_axes(model_axes: dict, lora) -> dict:
   out: dict = {"layers": {}}
   for i in model_axes["layers"]:
     for t in lora.targets:
-      module, name, _, n_in = TARGETS[t]
-      axes = tuple(model_axes["layers"][i][module][name])
-      out["layers"].setdefault(i, {}).setdefault(module, {})[name] = {"a": (*axes[:n_in], None),
-                                                                       "b": (None, *axes[n_in:])}
+      module, name, _, n_in, experts = TARGETS[t]
+      axes, lead = tuple(model_axes["layers"][i][module][name]), int(experts)
+      out["layers"].setdefault(i, {}).setdefault(module, {})[name] = {
+          "a": (*axes[:lead + n_in], None), "b": (*axes[:lead], None, *axes[lead + n_in:])}
   return out
 
 
@@ -92,21 +123,21 @@ def init_adapters(config: ModelConfig, lora, seed: int = 0) -> dict:
   """Initial adapters (numpy fp32): `a` uniform in +-1/sqrt(fan_in), `b` zeros (the policy equals its base)."""
   rng = np.random.default_rng(seed)
   out: dict = {"layers": {}}
-  for i, module, name, _, n_in, shape in _adapted(config, lora):
-    fan_in = math.prod(shape[:n_in])
-    bound = 1.0 / math.sqrt(fan_in)
+  for i, module, name, _, n_in, shape, lead in _adapted(config, lora):
+    bound = 1.0 / math.sqrt(math.prod(shape[lead:lead + n_in]))  # fan_in
+    a, b = _ab_shapes(shape, n_in, lead, lora.rank)
     out["layers"].setdefault(i, {}).setdefault(module, {})[name] = {
-        "a": rng.uniform(-bound, bound, (*shape[:n_in], lora.rank)).astype(np.float32),
-        "b": np.zeros((lora.rank, *shape[n_in:]), np.float32)}
+        "a": rng.uniform(-bound, bound, a).astype(np.float32), "b": np.zeros(b, np.float32)}
   return out
 
 
-def delta(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`a @ b` in fp32 in the adapted matrix's layout: a `[*in, r]`, b `[r, *out]` -> `[*in, *out]`."""
-  rank = a.shape[-1]
-  product = jnp.dot(a.reshape(-1, rank).astype(jnp.float32), b.reshape(rank, -1).astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)
-  return product.reshape(*a.shape[:-1], *b.shape[1:])
+def delta(a: jax.Array, b: jax.Array, lead: int = 0) -> jax.Array:
+  """`a @ b` in fp32 in the adapted matrix's layout: a `[*lead, *in, r]`, b `[*lead, r, *out]` ->
+  `[*lead, *in, *out]` (lead: the leading batch axes, 1 for experts: one product per expert)."""
+  rank, batch = a.shape[-1], a.shape[:lead]
+  product = jnp.matmul(a.reshape(*batch, -1, rank).astype(jnp.float32),
+                       b.reshape(*batch, rank, -1).astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  return product.reshape(*a.shape[:-1], *b.shape[lead + 1:])
 
 
 def merge_adapters(params: dict, adapters: dict, lora_scale: float, dtype=None) -> dict:
@@ -118,7 +149,8 @@ def merge_adapters(params: dict, adapters: dict, lora_scale: float, dtype=None) 
     for module, weights in layer.items():
       for name, ab in weights.items():
         w = params["layers"][i][module][name]
-        merged = w.astype(jnp.float32) + lora_scale * delta(ab["a"], ab["b"])
+        lead = ab["a"].ndim + ab["b"].ndim - 2 - w.ndim  # 1 for experts' adapters
+        merged = w.astype(jnp.float32) + lora_scale * delta(ab["a"], ab["b"], lead)
         out["layers"][i][module][name] = merged.astype(dtype or w.dtype)
   return out
 
@@ -131,11 +163,17 @@ def _peft_key(i: int, hf_name: str, part: str) -> str:
   return f"base_model.model.model.layers.{i}.{hf_name}.lora_{part}.weight"
 
 
+def _peft_modules(i: int, hf_name: str, shape: tuple, lead: int) -> list[tuple[str, str]]:
+  """(lora_A key, lora_B key) of each HF Linear one adapter covers: one, or one per expert."""
+  names = [hf_name.format(x=x) for x in range(shape[0])] if lead else [hf_name]
+  return [(_peft_key(i, n, "A"), _peft_key(i, n, "B")) for n in names]
+
+
 def peft_adapter_config(lora, base_model_name_or_path: str | None) -> dict:
   """PEFT's `adapter_config.json` for `lora` (a `config.LoraConfig`)."""
   return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
           "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "use_rslora": False,
-          "target_modules": sorted(TARGETS[t][2].split(".")[1] for t in lora.targets), "bias": "none",
+          "target_modules": sorted({TARGETS[t][2].split(".")[-1] for t in lora.targets}), "bias": "none",
           "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
 
 
@@ -148,11 +186,13 @@ def save_peft_adapter(adapters: dict, config: ModelConfig, lora, path: str | os.
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   tensors = {}
-  for i, module, name, hf_name, n_in, _ in _adapted(config, lora):
+  for i, module, name, hf_name, n_in, shape, lead in _adapted(config, lora):
     ab = adapters["layers"][i][module][name]
     a, b = np.asarray(jax.device_get(ab["a"]), np.float32), np.asarray(jax.device_get(ab["b"]), np.float32)
-    tensors[_peft_key(i, hf_name, "A")] = np.ascontiguousarray(a.reshape(-1, lora.rank).T)  # [r, in]
-    tensors[_peft_key(i, hf_name, "B")] = np.ascontiguousarray(b.reshape(lora.rank, -1).T)  # [out, r]
+    a, b = (a, b) if lead else (a[None], b[None])  # [modules, *in, r], [modules, r, *out]
+    for x, (key_a, key_b) in enumerate(_peft_modules(i, hf_name, shape, lead)):
+      tensors[key_a] = np.ascontiguousarray(a[x].reshape(-1, lora.rank).T)  # [r, in]
+      tensors[key_b] = np.ascontiguousarray(b[x].reshape(lora.rank, -1).T)  # [out, r]
   save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
   (path / ADAPTER_CONFIG).write_text(json.dumps(peft_adapter_config(lora, base_model_name_or_path), indent=2))
   return path
@@ -183,18 +223,22 @@ def load_peft_adapter(path: str | os.PathLike, config: ModelConfig, lora) -> dic
                      "rank, alpha and targets to the adapter's")
   tensors = load_file(str(weights_file))
   out: dict = {"layers": {}}
-  for i, module, name, hf_name, n_in, shape in _adapted(config, lora):
-    keys = [_peft_key(i, hf_name, p) for p in "AB"]
-    missing = [k for k in keys if k not in tensors]
-    if missing:
-      raise ValueError(f"{weights_file} has no tensor {missing[0]} (the model of this run has "
-                       f"{config.num_layers} layers; is it the adapter's base?)")
-    a, b = tensors[keys[0]].astype(np.float32), tensors[keys[1]].astype(np.float32)
-    a_shape, b_shape = (*shape[:n_in], lora.rank), (lora.rank, *shape[n_in:])
-    if a.shape != (lora.rank, math.prod(shape[:n_in])) or b.shape != (math.prod(shape[n_in:]), lora.rank):
-      raise ValueError(f"{weights_file}: {keys[0]} {a.shape} / {keys[1]} {b.shape} do not fit this model's "
-                       f"projection {tuple(shape)} at rank {lora.rank}")
-    out["layers"].setdefault(i, {}).setdefault(module, {})[name] = {"a": a.T.reshape(a_shape),
-                                                                     "b": b.T.reshape(b_shape)}
+  for i, module, name, hf_name, n_in, shape, lead in _adapted(config, lora):
+    a_shape, b_shape = _ab_shapes(shape[lead:], n_in, 0, lora.rank)  # one module's
+    a_all, b_all = [], []
+    for keys in _peft_modules(i, hf_name, shape, lead):
+      missing = [k for k in keys if k not in tensors]
+      if missing:
+        raise ValueError(f"{weights_file} has no tensor {missing[0]} (the model of this run has "
+                         f"{config.num_layers} layers; is it the adapter's base?)")
+      a, b = tensors[keys[0]].astype(np.float32), tensors[keys[1]].astype(np.float32)
+      if a.shape != (lora.rank, math.prod(a_shape[:-1])) or b.shape != (math.prod(b_shape[1:]), lora.rank):
+        raise ValueError(f"{weights_file}: {keys[0]} {a.shape} / {keys[1]} {b.shape} do not fit this model's "
+                         f"projection {tuple(shape)} at rank {lora.rank}")
+      a_all.append(a.T.reshape(a_shape))
+      b_all.append(b.T.reshape(b_shape))
+    a, b = (np.stack(a_all), np.stack(b_all)) if lead else (a_all[0], b_all[0])
+    out["layers"].setdefault(i, {}).setdefault(module, {})[name] = {"a": a, "b": b}
   return out
+
 

@@ -71,7 +71,7 @@ EXPERT_PARALLEL = ("replicate", "dispatch", "dispatch_dense")
 
 
 def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Array, mesh=None,
-                   expert_parallel: str | None = None) -> Array:
+                   expert_parallel: str | None = None, lora=None, grouped_gemm: str = "ragged_dot") -> Array:
   """Sum over each token's k experts of weight * SwiGLU_expert(x), by grouped matmuls.
 
   x `[N, E]`; experts, weights `[N, k]`; gate_up: (w_gate, w_up) `[X, E, F]` each, or the serving
@@ -97,13 +97,21 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
                  so on a CPU mesh it is 'dispatch_dense';
     'dispatch_dense'  the same exchange as a dense `all_to_all` of a fixed per-destination capacity,
                  the most rows one device can send another (dropless, so it moves the worst case).
-  Each way computes every (token, choice) row once; `expert_parallel_bytes` gives what each moves."""
+  Each way computes every (token, choice) row once; `expert_parallel_bytes` gives what each moves.
+
+  grouped_gemm: the experts' grouped matmuls, one of GROUPED_GEMM_IMPLEMENTATIONS or 'auto'
+  (`resolve_grouped_gemm`: ragged_dot until the Pallas kernels pass on a GPU).
+
+  lora: LoRA of the experts (`model.lora`; unfused gate_up only), an object with `weights`
+  {"w_gate" | "w_up" | "w_down": {"a" `[X, in, r]`, "b" `[X, r, out]`}} and `scale`: each row's
+  projection gains `scale * (row @ a_x) @ b_x` of its expert x, two grouped matmuls over the same
+  groups (the adapters shard over `expert` like the weights), or None."""
   rows = None if mesh is None else tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1) or None
   if rows and x.shape[0] % math.prod(mesh.shape[a] for a in rows):
     rows = None  # rows that do not split over the batch axes (a prefill of fewer prompts): left to XLA there
   EP = 1 if mesh is None else mesh.shape.get("expert", 1)
   if mesh is None or (EP == 1 and rows is None):
-    return _local_swiglu(x, experts, weights, gate_up, w_down, 0)
+    return _local_swiglu(x, experts, weights, gate_up, w_down, 0, grouped_gemm, lora=lora)
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   groups = math.prod(mesh.shape.get(a, 1) for a in rows or ())
@@ -125,21 +133,21 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
   gate_spec = (exp, exp) if isinstance(gate_up, tuple) else exp
 
   if mode == "replicate":
-    def body(x, experts, weights, gate_up, w_down):
+    def body(x, experts, weights, gate_up, w_down, lora):
       if not ep:
-        return _local_swiglu(x, experts, weights, gate_up, w_down, 0)
+        return _local_swiglu(x, experts, weights, gate_up, w_down, 0, grouped_gemm, lora=lora)
       first = jax.lax.axis_index("expert") * w_down.shape[0]
       x = jax.lax.pcast(x, "expert", to="varying")  # so that x's gradient is summed as `[N, E]`
-      return jax.lax.psum(_local_swiglu(x, experts, weights, gate_up, w_down, first), "expert")
+      return jax.lax.psum(_local_swiglu(x, experts, weights, gate_up, w_down, first, grouped_gemm, lora=lora), "expert")
 
     tok = P(rows)
-    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp), out_specs=tok,
-                         axis_names={*ep, *(rows or ())})(x, experts, weights, gate_up, w_down)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp, exp), out_specs=tok,
+                         axis_names={*ep, *(rows or ())})(x, experts, weights, gate_up, w_down, lora)
 
-  body = functools.partial(_dispatch_swiglu, ep=EP, ragged=mode == "dispatch")
+  body = functools.partial(_dispatch_swiglu, ep=EP, ragged=mode == "dispatch", grouped_gemm=grouped_gemm)
   tok = P((*(rows or ()), "expert"))  # each device of the expert axis takes 1/EP of its group's tokens
-  out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp), out_specs=tok,
-                      axis_names={*ep, *(rows or ())}, check_vma=False)(x, experts, weights, gate_up, w_down)
+  out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp, exp), out_specs=tok,
+                      axis_names={*ep, *(rows or ())}, check_vma=False)(x, experts, weights, gate_up, w_down, lora)
   # replicated over `expert` again (an all-gather; its transpose, the gradient's, is a slice)
   return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(rows)))
 
@@ -194,22 +202,96 @@ def choose_expert_parallel(mesh_shape, tokens: int, k: int, embed: int, num_expe
   return min(("replicate", "dispatch"), key=lambda way: sent[way]["forward"])
 
 
-def _expert_rows(rows, sizes, gate_up, w_down):
+@flax.struct.dataclass
+class ScaledExperts:
+  """fp8 expert weights (`model.fp8`): values float8_e4m3fn `[X, K, *out]` and fp32 scales `[X, *out]`,
+  one per (expert, output channel), standing for values * scale[:, None]. Accepted wherever
+  `grouped_swiglu` takes an expert weight; a pytree, so a `shard_map` spec of the weight shards both
+  over `expert`."""
+
+  values: Array
+  scale: Array
+
+  @property
+  def shape(self):
+    return self.values.shape
+
+
+def grouped_dot(rows: Array, w, sizes: Array, matmul=jax.lax.ragged_dot) -> Array:
+  """rows `[R, K]` sorted by expert times each expert's w `[X, K, *out]`, `sizes` `[X]` rows per
+  expert, by `matmul` (`(lhs [R, K], rhs [X, K, N], sizes) -> [R, N]`, `jax.lax.ragged_dot`'s
+  contract; rows past their sum: zero) -> `[R, prod(out)]` in rows' dtype. An fp8 w (`ScaledExperts`) is
+  weight-only fp8: its values cast to rows' dtype (exact) into the same matmul, the product times
+  each row's expert's scales in fp32 (the expert of a sorted row read from `sizes`), then rounded."""
+  dt, R = rows.dtype, rows.shape[0]
+  X, K = w.shape[:2]
+  if not isinstance(w, ScaledExperts):
+    return matmul(rows, w.reshape(X, K, -1).astype(dt), sizes)
+  y = matmul(rows, w.values.reshape(X, K, -1).astype(dt), sizes).astype(jnp.float32)
+  expert = jnp.repeat(jnp.arange(X), sizes, total_repeat_length=R)  # [R]; rows past the groups: any expert
+  return (y * jnp.take(w.scale.reshape(X, -1), expert, axis=0)).astype(dt)
+
+
+GROUPED_GEMM_IMPLEMENTATIONS = ("ragged_dot", "pallas")
+
+
+def resolve_grouped_gemm(implementation: str = "auto", platform: str | None = None) -> str:
+  """The experts' grouped matmul: 'ragged_dot' (`jax.lax.ragged_dot`) or 'pallas' (`grouped_gemm`: the
+  tile kernels, Triton on a GPU, interpret mode on the CPU). 'auto' is 'pallas' on a GPU once
+  `gpu_paths` records it as passed there (`moe_grouped_gemm`), else 'ragged_dot'; chosen by name either
+  runs anywhere (opt-in). platform: a device platform, else the default backend's."""
+  if implementation != "auto" and implementation not in GROUPED_GEMM_IMPLEMENTATIONS:
+    raise ValueError(f"grouped_gemm must be 'auto' or one of {GROUPED_GEMM_IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation != "auto":
+    return implementation
+  from llamarl_jax import gpu_paths
+
+  if (platform or jax.default_backend()) in ("gpu", "cuda"):
+    return gpu_paths.gpu_default("moe_grouped_gemm", ("pallas",), "ragged_dot")
+  return "ragged_dot"
+
+
+def _grouped_matmul(implementation: str):
+  """`(lhs [M, K], rhs [G, K, N], sizes [G]) -> [M, N]` of `implementation` (GROUPED_GEMM_IMPLEMENTATIONS)."""
+  if implementation == "ragged_dot":
+    return jax.lax.ragged_dot
+  from llamarl_jax.model import grouped_gemm
+  from llamarl_jax.model.paged_attention import interpret_kernels
+
+  return functools.partial(grouped_gemm.grouped_gemm, interpret=interpret_kernels())
+
+
+def _low_rank(y, rows, sizes, lora, name, matmul):
+  """y plus LoRA's `scale * (rows @ a_x) @ b_x` of each row's expert x when `lora` adapts `name`
+  (`grouped_swiglu`): two grouped matmuls (`matmul`, the experts' own) through `[R, r]`; else y."""
+  if lora is None or name not in lora.weights:
+    return y
+  a, b = lora.weights[name]["a"], lora.weights[name]["b"]
+  h = matmul(rows, a.astype(rows.dtype), sizes)  # [R, r]
+  out = matmul(h, b.astype(rows.dtype), sizes) * jnp.asarray(lora.scale, rows.dtype)
+  return y + out.astype(y.dtype)
+
+
+def _expert_rows(rows, sizes, gate_up, w_down, grouped_gemm: str = "ragged_dot", lora=None):
   """SwiGLU of rows `[R, E]` sorted by expert, `sizes` `[X]` rows per expert (rows past their sum fall
-  outside every group: zero output) -> `[R, E]`."""
-  X = w_down.shape[0]
-  dt = rows.dtype
+  outside every group: zero output) -> `[R, E]`, by `grouped_gemm` (GROUPED_GEMM_IMPLEMENTATIONS);
+  lora: the experts' adapters (`grouped_swiglu`; unfused gate_up only)."""
+  matmul = functools.partial(grouped_dot, matmul=_grouped_matmul(resolve_grouped_gemm(grouped_gemm)))
   if isinstance(gate_up, (tuple, list)):
-    gate = jax.lax.ragged_dot(rows, gate_up[0].astype(dt), sizes)
-    up = jax.lax.ragged_dot(rows, gate_up[1].astype(dt), sizes)
+    gate = _low_rank(matmul(rows, gate_up[0], sizes), rows, sizes, lora, "w_gate", matmul)
+    up = _low_rank(matmul(rows, gate_up[1], sizes), rows, sizes, lora, "w_up", matmul)
+  elif lora is not None:
+    raise ValueError("LoRA of the experts needs the unfused w_gate, w_up; the serving layout's w_gate_up takes "
+                     "merged weights (lora.merge_adapters)")
   else:
-    _, E, _, F = gate_up.shape
-    both = jax.lax.ragged_dot(rows, gate_up.reshape(X, E, 2 * F).astype(dt), sizes)
+    F = gate_up.shape[-1]
+    both = matmul(rows, gate_up, sizes)  # [R, 2F]: gate's F columns, then up's
     gate, up = both[:, :F], both[:, F:]
-  return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dt), sizes)
+  h = jax.nn.silu(gate) * up
+  return _low_rank(matmul(h, w_down, sizes), h, sizes, lora, "w_down", matmul)
 
 
-def _local_swiglu(x, experts, weights, gate_up, w_down, first):
+def _local_swiglu(x, experts, weights, gate_up, w_down, first, grouped_gemm: str = "ragged_dot", lora=None):
   """`grouped_swiglu` over the experts `first .. first + X - 1` held here (X = w_down.shape[0]); the
   other experts' choices contribute 0."""
   N, k = experts.shape
@@ -219,7 +301,7 @@ def _local_swiglu(x, experts, weights, gate_up, w_down, first):
   order = jnp.argsort(flat, stable=True)
   rows = jnp.take(x, order // k, axis=0)  # [N * k, E], sorted by expert
   sizes = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)
-  out = _expert_rows(rows, sizes, gate_up, w_down)  # [N * k, E]
+  out = _expert_rows(rows, sizes, gate_up, w_down, grouped_gemm, lora=lora)  # [N * k, E]
   out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
   weights = jnp.where(local, weights, jnp.zeros((), weights.dtype))
   return jnp.sum(out.reshape(N, k, -1) * weights[..., None], axis=1)
@@ -229,7 +311,8 @@ def _exclusive_cumsum(a):
   return jnp.cumsum(a) - a
 
 
-def _dispatch_swiglu(x, experts, weights, gate_up, w_down, *, ep: int, ragged: bool):
+def _dispatch_swiglu(x, experts, weights, gate_up, w_down, lora=None, *, ep: int, ragged: bool,
+                     grouped_gemm: str = "ragged_dot"):
   """`grouped_swiglu` of this device's share of the tokens, x `[n, E]`, experts, weights `[n, k]`, by
   token dispatch over the `expert` axis (`ep` devices, this one holding the Xl = w_down.shape[0]
   experts `index * Xl ..`): the n * k rows sorted by expert (so by owner, then the owner's expert)
@@ -257,7 +340,8 @@ def _dispatch_swiglu(x, experts, weights, gate_up, w_down, *, ep: int, ragged: b
   seg = jnp.searchsorted(jnp.cumsum(got_counts.reshape(-1)), jnp.arange(ep * cap), side="right")
   src, mine = seg // Xl, seg % Xl
   regroup = jnp.argsort(jnp.where(seg < ep * Xl, mine * ep + src, ep * Xl), stable=True)
-  out = _expert_rows(jnp.take(got, regroup, axis=0), jnp.sum(got_counts, axis=0), gate_up, w_down)
+  out = _expert_rows(jnp.take(got, regroup, axis=0), jnp.sum(got_counts, axis=0), gate_up, w_down, grouped_gemm,
+                     lora=lora)
   out = jnp.zeros_like(out).at[regroup].set(out)  # back to the received layout
 
   back = exchange(out, jnp.zeros((n * k, E), x.dtype), recv_at, recv, a2a(send_at), send, axis_name="expert")

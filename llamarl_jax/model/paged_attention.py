@@ -113,6 +113,29 @@ def write_token(pool: Array, new: Array, block: Array, offset: Array) -> Array:
   return pool.at[block, offset].set(new.astype(pool.dtype), mode="promise_in_bounds")
 
 
+def position_slots(entry_row: Array, entry_block: Array, entry_len: Array, rows: int,
+                   block_size: int) -> tuple[Array, Array]:
+  """Where each position of each row's sequence lies in the pool, from a step's entries (the exact
+  decode's `exact.paged_attention` reads a row's positions in sequence order): (index `[rows, TB *
+  block_size]` int32, the pool slot block * block_size + offset of position p of row r, 0 past the
+  row's length; lengths `[rows]`, the row's positions, the new one included). Needs each row's
+  entries in sequence order (`paged.live_entries` lists a row's prompt blocks, then its response
+  blocks); padding entries (row >= rows, length 0) are dropped."""
+  TB = entry_row.shape[0]
+  row, length = entry_row.astype(jnp.int32), entry_len.astype(jnp.int32)
+  e = jnp.arange(TB)
+  before = (row[None, :] == row[:, None]) & (e[None, :] < e[:, None])  # [TB, TB]: entry j precedes i in i's row
+  start = jnp.sum(jnp.where(before, length[None, :], 0), axis=1)  # integer sums: exact in any order
+  j = jnp.arange(block_size, dtype=jnp.int32)
+  pos = start[:, None] + j[None, :]  # [TB, bs]
+  live = (j[None, :] < length[:, None]) & (row[:, None] < rows)
+  target_row = jnp.where(live, row[:, None], rows)  # dead: out of range, dropped
+  slots = entry_block.astype(jnp.int32)[:, None] * block_size + j[None, :]
+  index = jnp.zeros((rows, TB * block_size), jnp.int32).at[target_row, pos].set(slots, mode="drop")
+  lengths = jax.ops.segment_sum(length, jnp.minimum(row, rows), num_segments=rows + 1)[:rows]
+  return index, lengths
+
+
 PAGED_IMPLEMENTATIONS = ("auto", "reduce", "dot", "pallas", "pallas_fused")
 KERNEL_FORMS = ("pallas", "pallas_fused")  # the forms that run `paged_kernel`
 

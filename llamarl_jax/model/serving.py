@@ -41,7 +41,10 @@ def serving_layout(config: ModelConfig, mesh: Mesh, rules: Mapping[str, str | No
   """The generator's layout on `mesh`: gate/up fused always; Q/K/V fused where `heads` and
   `kv_heads` shard over the same mesh axis (or neither shards), so the fused matrix loses no
   sharding (e.g. 2 KV heads on tp=4: the parts stay separate, q sharded, k and v replicated).
-  quantize: the weights' precision (`model.config.QUANTIZATIONS`, `model.fp8`)."""
+  quantize: the weights' precision (`model.config.QUANTIZATIONS`, `model.fp8`). An exact model
+  (`ModelConfig.exact`) serves Hugging Face's projections unfused."""
+  if config.exact:  # batch-invariant ops need the trainer's projections (a fused column sums differently)
+    return WeightLayout(quantize=quantize)
   heads = parallel.logical_to_spec(("heads",), (config.num_heads,), mesh, rules)
   kv_heads = parallel.logical_to_spec(("kv_heads",), (config.num_kv_heads,), mesh, rules)
   return WeightLayout(fused_qkv=heads == kv_heads, fused_mlp=True, quantize=quantize)
