@@ -43,7 +43,7 @@ class ScannedModel:
     from flax import nnx
 
     from llamarl_jax.model.config import rope_frequencies
-    from llamarl_jax.model.llama import rms_norm
+    from llamarl_jax.model.layers import rms_norm
     from llamarl_jax.model.paged_attention import PagedLayer
 
     c, p = self.config, self.params

@@ -51,7 +51,8 @@ def decode_step(graphdef, params, adapters, lora_scale, tokens, cache):
   import jax.numpy as jnp
 
   from llamarl_jax.model.config import rope_frequencies
-  from llamarl_jax.model.llama import KVCache, LoraLayer, merge_params
+  from llamarl_jax.model.layers import LoraLayer
+  from llamarl_jax.model.llama import KVCache, merge_params
 
   model = merge_params(graphdef, params)
   c = model.config

@@ -234,7 +234,7 @@ def fp8_kernels_section(cfg, env) -> dict:
   import numpy as np
 
   from llamarl_jax.model import fp8, fp8_kernels
-  from llamarl_jax.model.llama import rms_norm
+  from llamarl_jax.model.layers import rms_norm
   from llamarl_jax.model.paged_attention import interpret_kernels
 
   m = cfg["model"]

@@ -25,7 +25,7 @@ import numpy as np
 from llamarl_jax.model import exact
 from llamarl_jax.model.attention import decode_attention, rope_cos_sin
 from llamarl_jax.model.forward import chunked_token_logprobs
-from llamarl_jax.model.llama import rms_norm
+from llamarl_jax.model.layers import rms_norm
 from llamarl_jax.model.paged_attention import rope_rotate
 
 ROWS = (1, 7, 64, 2048)

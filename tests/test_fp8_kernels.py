@@ -1,5 +1,5 @@
 """The fp8 activation kernels (`model.fp8_kernels`, Pallas interpret mode on the CPU) against the
-plain path they replace: `llama.rms_norm`, the SwiGLU of `llama.MLP`, the attention output's slice,
+plain path they replace: `layers.rms_norm`, the SwiGLU of `llama.MLP`, the attention output's slice,
 then `fp8.quantize_rows`, in bfloat16 as the generator computes.
 
 Exact: the kernels run the plain path's ops in the same dtypes and order, so interpreted on the CPU
@@ -15,7 +15,7 @@ import pytest
 
 from llamarl_jax.model import fp8, fp8_kernels
 from llamarl_jax.model.fp8 import Product
-from llamarl_jax.model.llama import rms_norm
+from llamarl_jax.model.layers import rms_norm
 
 BF16 = jnp.bfloat16
 

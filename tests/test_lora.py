@@ -118,7 +118,7 @@ def test_lora_dropout_is_unbiased_and_drawn_from_its_key(base_params):
   mean low-rank update of one projection is the undropped one (within 5 standard errors: the
   update is linear in the input); through the trainer's forward a key gives the same log-probs twice,
   another key other ones."""
-  from llamarl_jax.model.llama import LoraLayer, with_lora
+  from llamarl_jax.model.layers import LoraLayer, with_lora
 
   rng = np.random.RandomState(0)
   x = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)

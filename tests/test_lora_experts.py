@@ -263,7 +263,7 @@ def test_expert_adapters_take_the_experts_grouped_gemm():
   """`grouped_swiglu` with expert adapters by the Pallas grouped GEMM (interpret mode on the CPU)
   equals the `ragged_dot` form, and both equal the per-expert merged weights' (fp32: 1e-5)."""
   from llamarl_jax.model import moe as moe_lib
-  from llamarl_jax.model.llama import LoraLayer
+  from llamarl_jax.model.layers import LoraLayer
 
   rng = np.random.RandomState(0)
   N, E, F, X, k, r = 24, 16, 8, 4, 2, 3

@@ -161,7 +161,7 @@ def log_softmax(logits: Array) -> Array:
 
 
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
-  """`llama.rms_norm` with the mean of squares a `tree_sum`: x `[..., D]`, scale `[D]`, the result in
+  """`layers.rms_norm` with the mean of squares a `tree_sum`: x `[..., D]`, scale `[D]`, the result in
   x's dtype. The normalised x is rounded to x's dtype before the scale, as the plain form does, and the
   product is computed in fp32 and rounded once (for bf16: the correctly rounded bf16 product)."""
   dt = x.dtype
@@ -251,7 +251,7 @@ def dense(x: Array, w: Array, *, n_in: int = 1, out_dtype=None, tile: int = ROW_
   """x `[..., *in]` @ w `[*in, *out]` -> `[..., *out]` (n_in: how many of w's leading axes x
   contracts), each row through the same `[tile, K] @ [K, N]` dot (K = prod(in), N = prod(out)),
   accumulated in fp32 and rounded to `out_dtype` (default x's). w is cast to x's dtype first, as
-  `llama.dense` does. Covers every projection's einsum: 'bte,ehd->bthd' (wq, wk, wv),
+  `layers.dense` does. Covers every projection's einsum: 'bte,ehd->bthd' (wq, wk, wv),
   'bte,ekgd->btkgd' (wqkv), 'bte,egf->btgf' (w_gate_up), `o @ wo.reshape(H * D, E)` (n_in=2 on
   wo `[H, D, E]`), the lm_head (`out_dtype=float32`). The backward is the plain matmuls'."""
   in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]

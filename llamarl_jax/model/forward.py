@@ -20,7 +20,8 @@ from llamarl_jax.model import exact as exact_lib
 from llamarl_jax.model import moe as moe_lib
 from llamarl_jax.model.attention import Segments
 from llamarl_jax.model.config import ModelConfig, rope_frequencies
-from llamarl_jax.model.llama import Block, LoraLayer, Routing, rms_norm
+from llamarl_jax.model.layers import LoraLayer, rms_norm
+from llamarl_jax.model.llama import Block, Routing
 
 Array = jax.Array
 
@@ -147,6 +148,17 @@ class MoeTrace:
     return moe_lib.load_balancing_loss(self.counts, self.prob_sum, self.num_tokens)
 
 
+def _rematerialized(layer, remat):
+  """`layer` under `jax.checkpoint` as `remat_policy(remat)` says ('full': only its input kept;
+  'matmuls': the non-batched matmuls' outputs saved too), or `layer` itself ('none')."""
+  policy = remat_policy(remat)
+  if policy == "full":
+    return jax.checkpoint(layer, prevent_cse=False)
+  if policy == "matmuls":
+    return jax.checkpoint(layer, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  return layer
+
+
 def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengths: Array, *,
                        attention: str = "xla", remat="none", scan_layers: bool = True,
                        lora: dict | None = None, lora_scale: float = 1.0, lora_dropout: float = 0.0,
@@ -194,13 +206,7 @@ def scan_hidden_states(config: ModelConfig, prepared: dict, tokens: Array, lengt
                                                       adapters, routing)
       return x, stats
 
-    policy = remat_policy(remat)
-    if policy == "full":
-      layer = jax.checkpoint(layer, prevent_cse=False)
-    elif policy == "matmuls":
-      layer = jax.checkpoint(layer, prevent_cse=False,
-                             policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return layer
+    return _rematerialized(layer, remat)
 
   x = jnp.take(prepared["embed"], tokens, axis=0).astype(dt)
   keys = None

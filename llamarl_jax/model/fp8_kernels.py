@@ -12,7 +12,7 @@ in registers and writes the fp8 row and its scale:
   quantize_heads          the paged attention kernel's output `[B, KV, G or Gp, D]` -> its first G
                           rows of each head group (the padding never read), quantised per row
 
-The arithmetic is the plain path's op for op (`llama.rms_norm`, `jax.nn.silu`, `fp8.quantize_rows`,
+The arithmetic is the plain path's op for op (`layers.rms_norm`, `jax.nn.silu`, `fp8.quantize_rows`,
 the same dtypes and rounding points): in Pallas' interpret mode (the CPU) the results are the plain
 path's compiled as one program (XLA may keep a bfloat16 intermediate in fp32 there, and does alike
 for both); a GPU's Triton reductions (the norm's mean) sum in another order. One program per row;
@@ -90,7 +90,7 @@ def _norm_kernel(*refs, eps: float, added: bool):
   if added:  # the residual add: x + apply_scales(y, row, col) in x's dtype
     x = x + ((y_ref[...] * row_ref[...]) * col_ref[...]).astype(dt)
     x_out[...] = x
-  xf = x.astype(jnp.float32)  # `llama.rms_norm`
+  xf = x.astype(jnp.float32)  # `layers.rms_norm`
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf) + eps)
   q_out[...], s_out[...] = _quantize(w_ref[...].astype(dt) * xf.astype(dt))
 
@@ -100,7 +100,7 @@ def add_rms_norm_quantize(x: Array, norm_scale: Array, delta: Product | None, *,
                           num_warps: int = 4) -> tuple[Array, Rows]:
   """x `[..., E]` the residual stream; delta: an fp8 GEMM's product `[..., E]` to add first (its
   value in x's dtype, `Product.value`), or None. Returns (x + delta `[..., E]` (x itself when delta is
-  None), `Rows` of rms_norm(x + delta, norm_scale, eps) quantised per row): `llama.rms_norm` then
+  None), `Rows` of rms_norm(x + delta, norm_scale, eps) quantised per row): `layers.rms_norm` then
   `fp8.quantize_rows`, in one kernel."""
   lead, E = x.shape[:-1], x.shape[-1]
   N = x.size // E

@@ -1,6 +1,6 @@
 """Llama 3 / 3.1 / 3.2, the dense Qwen2 / Qwen2.5 / Qwen3 families and Qwen3-MoE in Flax NNX: the
-modules (RMSNorm, Attention, MLP, MoE, Block, Llama) and the model's forwards (prefill, decode over a
-KV cache, decode over a paged cache).
+modules (Attention, MLP, MoE, Block, Llama, built of `model.layers`' parameters, projections and
+RMSNorm) and the model's forwards (prefill, decode over a KV cache, decode over a paged cache).
 
 One model file (gpt-fast style) over one config dataclass, `model.config.ModelConfig`, whose
 `model_type` sets the attention block's switches (`model.config.FAMILIES`); a sparse layer
@@ -28,8 +28,8 @@ The generator's serving layout (`WeightLayout`, built by `model.serving.serving_
   shards over `kv_heads` hold their own q, k, v), bq, bk, bv by bqkv [kv_heads, group + 2, head_dim],
   and w_gate, w_up by w_gate_up [embed, 2, mlp] (one GEMM of 2 * mlp columns, sharded over `mlp`).
   With `WeightLayout.fp8` (the fp8 generator, `model.fp8`) every projection is float8_e4m3fn with a
-  `<name>_scale` [*out] fp32 beside it (e.g. wo_scale [embed]) and runs as an fp8 GEMM (`dense`); a MoE
-  layer's experts too, per expert (w_down_scale [expert, embed]; weight-only, `moe.ScaledExperts`), the
+  `<name>_scale` [*out] fp32 beside it (e.g. wo_scale [embed]) and runs as an fp8 GEMM (`layers.dense`); a
+  MoE layer's experts too, per expert (w_down_scale [expert, embed]; weight-only, `moe.ScaledExperts`), the
   router in the compute dtype.
   With `WeightLayout.fp8_lm_head` the model holds lm_head [embed, vocab] in float8_e4m3fn and
   lm_head_scale [vocab] (tied embeddings too: a copy for the logits; the lookup reads `embed`).
@@ -63,6 +63,7 @@ from llamarl_jax.model import moe as moe_lib
 from llamarl_jax.model import paged_attention
 from llamarl_jax.model.attention import Segments, apply_rope, decode_attention, rope_cos_sin, segment_attention
 from llamarl_jax.model.config import HF_LAYOUT, ModelConfig, WeightLayout, rope_attention_factor, rope_frequencies
+from llamarl_jax.model.layers import LoraLayer, RMSNorm, dense, param, projection, with_lora
 from llamarl_jax.model.paged_attention import PagedKVCache, PagedLayer, rope_rotate, write_and_attend
 
 Array = jax.Array
@@ -91,110 +92,12 @@ class KVCache:
     return self.k[0].shape[1]
 
 
-def _param(rngs: nnx.Rngs, shape, axes, dtype, scale=None) -> nnx.Param:
-  fan_in = shape[0] if scale is None else None
-  std = scale if scale is not None else 1.0 / math.sqrt(fan_in)
-  value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
-  return nnx.Param(value.astype(dtype), logical_axes=axes)
-
-
-def _projection(module: nnx.Module, name: str, rngs: nnx.Rngs, shape, axes, dtype, scale=None, *,
-                n_in: int = 1, fp8: bool = False, experts: bool = False) -> None:
-  """Set projection `name` of `module`: a Param `[*in, *out]` (n_in input axes) in `dtype`, or with
-  fp8 its float8_e4m3fn values and a `name_scale` Param `[*out]` (`model.fp8.quantize_weight`).
-  experts: `[experts, *in, *out]`, the scale `[experts, *out]`."""
-  w = _param(rngs, shape, axes, jnp.float32 if fp8 else dtype, scale)
-  if not fp8:
-    setattr(module, name, w)
-    return
-  values, w_scale = fp8_lib.quantize_weight(w[...], n_in, experts)
-  setattr(module, name, nnx.Param(values, logical_axes=axes))
-  setattr(module, name + fp8_lib.SCALE, nnx.Param(w_scale, logical_axes=fp8_lib.scale_of(axes, n_in, experts)))
-
-
-def dense(x: Array | fp8_lib.Rows, module: nnx.Module, name: str, plain, dtype=None, *, n_in: int = 1,
-          exact: bool = False) -> Array:
-  """Projection `name` of `module` applied to x `[..., K]`: `plain(x, w)` with w cast to x's dtype,
-  or, where the projection is fp8 (a `name_scale` beside it), the fp8 product `model.fp8.dense` in
-  `dtype` (default x's; x may be `fp8.Rows`, quantised before). exact: the batch-invariant product
-  `model.exact.dense` of x's last `n_in` axes with w's leading ones instead of `plain`."""
-  w = getattr(module, name)[...]
-  scale = getattr(module, name + fp8_lib.SCALE, None)
-  if scale is not None:
-    return fp8_lib.dense(x, w, scale[...], dtype)
-  if exact:
-    return exact_lib.dense(x, w, n_in=n_in, out_dtype=dtype)
-  return plain(x, w.astype(x.dtype))
-
-
-class RMSNorm(nnx.Module):
-  """RMSNorm over the last axis (fp32 statistics, HF's rounding order); `axis` names the scale's axis;
-  exact: `model.exact.rms_norm`."""
-
-  def __init__(self, dim: int, eps: float, param_dtype, axis: str = "norm", exact: bool = False):
-    self.eps, self.exact = eps, exact
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis,))
-
-  def __call__(self, x: Array) -> Array:
-    return rms_norm(x, self.scale[...], self.eps, exact=self.exact)
-
-
-def rms_norm(x: Array, scale: Array, eps: float, *, exact: bool = False) -> Array:
-  """RMSNorm of x `[..., D]` with scale `[D]`: fp32 statistics, the result in x's dtype (exact: the
-  batch-invariant form, `model.exact.rms_norm`)."""
-  if exact:
-    return exact_lib.rms_norm(x, scale, eps)
-  xf = x.astype(jnp.float32)
-  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return scale.astype(x.dtype) * xf.astype(x.dtype)
-
-
-@flax.struct.dataclass
-class LoraLayer:
-  """One block's LoRA adapters for the trainer's unmerged forward (`llamarl_jax.model.lora`).
-
-  weights: {"attn": {"wq": {"a", "b"}, ...}, "mlp": {"w_gate": ...}}, the adapted projections only;
-  a projection `w` `[*in, *out]` has `a` `[*in, rank]` and `b` `[rank, *out]`. scale: alpha / rank.
-  dropout: LoRA dropout on each adapted projection's input to `a` (PEFT's `lora_dropout`), drawn from
-  `key` (one mask per projection); 0 or no key: none.
-  """
-
-  weights: dict
-  scale: float = flax.struct.field(pytree_node=False)
-  key: Array | None = None
-  dropout: float = flax.struct.field(pytree_node=False, default=0.0)
-
-  def part(self, module: str) -> "LoraLayer":
-    return LoraLayer(self.weights.get(module, {}), self.scale, self.key, self.dropout)
-
-
-LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what LoRA may adapt
-
-
-def with_lora(y: Array, x: Array, name: str, lora: LoraLayer | None) -> Array:
-  """`y` (projection `name` of `x`) plus LoRA's `scale * (x @ a) @ b` when `lora` adapts `name`, else `y`.
-
-  x `[B, T, *in]`, y `[B, T, *out]`; the low-rank path runs in x's dtype (`[B, T, rank]` in between).
-  With `b` = 0 (an adapter's initial value) the sum is exactly `y`."""
-  if lora is None or name not in lora.weights:
-    return y
-  a, b = lora.weights[name]["a"], lora.weights[name]["b"]
-  rank = a.shape[-1]
-  if lora.dropout > 0 and lora.key is not None:
-    keep = jax.random.bernoulli(jax.random.fold_in(lora.key, LORA_PROJECTIONS.index(name)), 1.0 - lora.dropout,
-                                x.shape)
-    x = jnp.where(keep, x / jnp.asarray(1.0 - lora.dropout, x.dtype), jnp.zeros((), x.dtype))
-  h = x.reshape(*x.shape[:2], -1) @ a.reshape(-1, rank).astype(x.dtype)
-  delta = (h @ b.reshape(rank, -1).astype(x.dtype)) * jnp.asarray(lora.scale, x.dtype)
-  return y + delta.reshape(y.shape).astype(y.dtype)
-
-
 class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
     c, pd = config, jnp.dtype(config.param_dtype)
     self.config, self.fused = config, fused
     d, h, kv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    proj = functools.partial(_projection, self, rngs=rngs, dtype=pd, fp8=fp8)
+    proj = functools.partial(projection, self, rngs=rngs, dtype=pd, fp8=fp8)
     if fused:  # the serving layout: one [embed, kv_heads, group + 2, head_dim] matrix (module docstring)
       proj("wqkv", shape=(d, kv, h // kv + 2, hd), axes=("embed", "kv_heads", None, "head_dim"), scale=1 / math.sqrt(d))
     else:
@@ -249,27 +152,9 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     if c.exact:
       return self._exact_attention(q, k, v, positions, inv_freq, mask, layer_cache, lengths, lora)
-    scale = rope_attention_factor(c)
     if isinstance(layer_cache, PagedLayer):  # the slot engine's decode step over pages: k rotated with its write
-      cos, sin = rope_cos_sin(positions[:, 0], inv_freq, scale)  # [B, D]
-      kv_scales, q_group = None, None
-      if source is not None and not c.qk_norm:  # k and v read from the projection's output as they lie
-        kv, scales = source
-        kv, channels = kv[:, 0], (kv.shape[3] - 2, kv.shape[3] - 1)
-        kv_scales = None if scales is None else (scales[0][:, 0], scales[1])
-        group = kv.shape[2] - 2
-        if group & (group - 1) == 0:  # and q (a power-of-two group: the Pallas kernel's loads)
-          q, q_group = None, group
-      else:
-        kv, channels = jnp.stack([k[:, 0], v[:, 0]], axis=2), (0, 1)
-      if q_group is None:
-        q = rope_rotate(q, cos[:, None, None, :], sin[:, None, None, :])
-      out, ck, cv = write_and_attend(q, kv, channels, cos.astype(dt), sin.astype(dt), layer_cache,
-                                     kv_scales=kv_scales, quantize_out=rows_in, q_group=q_group)
-      if rows_in:  # out: `fp8.Rows` [B, 1, H * D]
-        return fp8_lib.Product(*fp8_lib.dense_unscaled(out, self.wo[...]), self.wo_scale[...]), (ck, cv)
-      B, T, H, D = out.shape
-      return dense(out.reshape(B, T, H * D), self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), (ck, cv)
+      return self._paged_attention(q, k, v, source, positions, inv_freq, layer_cache, rows_in, dt)
+    scale = rope_attention_factor(c)
     q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
     new_cache = None
     if layer_cache is not None:
@@ -293,6 +178,31 @@ class Attention(nnx.Module):
     B, T, H, D = out.shape  # a plain [B*T, H*D] @ [H*D, E] matmul: no per-call transpose of wo
     out = out.reshape(B, T, H * D)
     return with_lora(dense(out, self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), out, "wo", lora), new_cache
+
+  def _paged_attention(self, q, k, v, source, positions, inv_freq, layer_cache: PagedLayer, rows_in: bool, dt):
+    """`__call__`'s decode step over a paged cache (one token per row) after the projections: q
+    `[B, 1, H, D]`, k, v `[B, 1, KV, D]`, source where the fused projection's k and v lie (`_fused_qkv`,
+    or None), rows_in whether x came as `fp8.Rows`. Returns (the O projection's output, or its
+    `fp8.Product` with rows_in, and the new (k, v) pools)."""
+    cos, sin = rope_cos_sin(positions[:, 0], inv_freq, rope_attention_factor(self.config))  # [B, D]
+    kv_scales, q_group = None, None
+    if source is not None and not self.config.qk_norm:  # k and v read from the projection's output as they lie
+      kv, scales = source
+      kv, channels = kv[:, 0], (kv.shape[3] - 2, kv.shape[3] - 1)
+      kv_scales = None if scales is None else (scales[0][:, 0], scales[1])
+      group = kv.shape[2] - 2
+      if group & (group - 1) == 0:  # and q (a power-of-two group: the Pallas kernel's loads)
+        q, q_group = None, group
+    else:
+      kv, channels = jnp.stack([k[:, 0], v[:, 0]], axis=2), (0, 1)
+    if q_group is None:
+      q = rope_rotate(q, cos[:, None, None, :], sin[:, None, None, :])
+    out, ck, cv = write_and_attend(q, kv, channels, cos.astype(dt), sin.astype(dt), layer_cache,
+                                   kv_scales=kv_scales, quantize_out=rows_in, q_group=q_group)
+    if rows_in:  # out: `fp8.Rows` [B, 1, H * D]
+      return fp8_lib.Product(*fp8_lib.dense_unscaled(out, self.wo[...]), self.wo_scale[...]), (ck, cv)
+    B, T, H, D = out.shape
+    return dense(out.reshape(B, T, H * D), self, "wo", lambda o, w: o @ w.reshape(H * D, -1)), (ck, cv)
 
   def _exact_attention(self, q, k, v, positions, inv_freq, mask, layer_cache, lengths, lora):
     """`__call__` after the projections with every op in its batch-invariant form (`model.exact`,
@@ -364,7 +274,7 @@ class MLP(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
     d, f, pd = config.hidden_size, config.intermediate_size, jnp.dtype(config.param_dtype)
     self.fused, self.exact = fused, config.exact
-    proj = functools.partial(_projection, self, rngs=rngs, dtype=pd, fp8=fp8)
+    proj = functools.partial(projection, self, rngs=rngs, dtype=pd, fp8=fp8)
     if fused:  # the serving layout: [embed, 2, mlp], gate then up
       proj("w_gate_up", shape=(d, 2, f), axes=("embed", None, "mlp"), scale=1 / math.sqrt(d))
     else:
@@ -408,8 +318,8 @@ class MoE(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
     d, f, X, pd = config.hidden_size, config.moe_intermediate_size, config.num_experts, jnp.dtype(config.param_dtype)
     self.config, self.fused = config, fused
-    self.router = _param(rngs, (d, X), ("embed", None), pd, 1 / math.sqrt(d))
-    proj = functools.partial(_projection, self, rngs=rngs, dtype=pd, fp8=fp8, experts=True)
+    self.router = param(rngs, (d, X), ("embed", None), pd, 1 / math.sqrt(d))
+    proj = functools.partial(projection, self, rngs=rngs, dtype=pd, fp8=fp8, experts=True)
     if fused:
       proj("w_gate_up", shape=(X, d, 2, f), axes=("expert", "embed", None, "mlp"), scale=1 / math.sqrt(d))
     else:
@@ -516,18 +426,18 @@ class Llama(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layout: WeightLayout = HF_LAYOUT):
     self.config, self.layout = config, layout
     pd = jnp.dtype(config.param_dtype)
-    self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd, 0.02)
+    self.embed = param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd, 0.02)
     self.layers = nnx.List([Block(config, rngs, layout, config.is_moe_layer(i)) for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, exact=config.exact)
     if config.num_labels:
       if layout.fp8_lm_head:
         raise ValueError(f"a score-head model ({config.architecture}) has no lm_head to hold in fp8; use "
                          "WeightLayout(quantize='fp8') (GeneratorConfig.quantize = 'fp8')")
-      self.score = _param(rngs, (config.hidden_size, config.num_labels), ("embed", None), pd)
+      self.score = param(rngs, (config.hidden_size, config.num_labels), ("embed", None), pd)
     elif layout.fp8_lm_head:  # the logits' own fp8 matrix, tied or not (`model.fp8`)
-      _projection(self, "lm_head", rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd, fp8=True)
+      projection(self, "lm_head", rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd, fp8=True)
     elif not config.tie_word_embeddings:
-      self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd)
+      self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd)
 
   def hidden_states(self, tokens, positions=None, cache=None, attention_mask=None, remat=False, mesh=None):
     """Final-norm hidden states `[B, T, E]` (and the new cache); the shared trunk of `__call__`."""

@@ -24,7 +24,7 @@ GFLOP forward, ~20 forward + backward) with `[rows, r]` (2.4 MB) in between. `b`
 default), so an adapted policy starts exactly equal to its base; `a` starts uniform in
 +-1/sqrt(fan_in) (PEFT's kaiming-uniform with a = sqrt(5)).
 
-The trainer adds the low-rank path unmerged (`llama.with_lora`); the generator serves merged weights
+The trainer adds the low-rank path unmerged (`layers.with_lora`); the generator serves merged weights
 (`merge_adapters`). `save_peft_adapter` / `load_peft_adapter` read and write a PEFT adapter directory
 (`adapter_config.json` + `adapter_model.safetensors`, tensors `[rank, in]` / `[out, rank]` under
 PEFT's names) that `peft.PeftModel.from_pretrained(base, path)` loads. Expert adapters are written as transformers 4
