@@ -49,6 +49,14 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=R, n=2, seed=
 FUSED_FP8 = WeightLayout(fused_qkv=True, fused_mlp=True, quantize="fp8")
 
 
+def assert_same_samples(batch, static) -> None:
+  """The slot engine's rollouts are the static sampler's: the same tokens, lengths and finish reasons,
+  behaviour log-probs within 1e-5 (fp32 summation order)."""
+  for name in ("response_tokens", "lengths", "finish_reason"):
+    np.testing.assert_array_equal(getattr(batch, name), np.asarray(getattr(static, name)), err_msg=name)
+  np.testing.assert_allclose(batch.behaviour_logprobs, static.behaviour_logprobs, atol=1e-5, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def params():
   return random_params(CONFIG)
@@ -186,9 +194,7 @@ def test_the_slot_engine_samples_what_the_fp8_sampler_samples(lm_head, request, 
   assert eng.sampler.layout.fp8 and eng.sampler.layout.fp8_lm_head == lm_head and eng.programs.num_compiled <= 8
   static = sampler.generate(params, prompts, SAMPLED)
   batch = eng.generate(params, prompts, SAMPLED)
-  for name in ("response_tokens", "lengths", "finish_reason"):
-    np.testing.assert_array_equal(getattr(batch, name), np.asarray(getattr(static, name)), err_msg=name)
-  np.testing.assert_allclose(batch.behaviour_logprobs, static.behaviour_logprobs, atol=1e-5, rtol=0)
+  assert_same_samples(batch, static)
 
   # version 1 arrives quantised, as a push delivers it
   wire = jax.jit(lambda p: fp8.quantize_params(p, lm_head=lm_head))(params_b)
@@ -235,9 +241,7 @@ def test_the_fused_fp8_decode_samples_what_the_fp8_sampler_samples(model_type, s
     assert not abstract_model(config, eng.sampler.layout).fused_fp8_decode()
   static = sampler.generate(params, prompts, SAMPLED)
   batch = eng.generate(params, prompts, SAMPLED)
-  for name in ("response_tokens", "lengths", "finish_reason"):
-    np.testing.assert_array_equal(getattr(batch, name), np.asarray(getattr(static, name)), err_msg=name)
-  np.testing.assert_allclose(batch.behaviour_logprobs, static.behaviour_logprobs, atol=1e-5, rtol=0)
+  assert_same_samples(batch, static)
 
 
 @pytest.mark.devices(4)
@@ -411,9 +415,7 @@ def test_the_fp8_moe_slot_engine_samples_what_the_fp8_moe_sampler_samples(moe_sa
                    kv_block_size=4, quantize="fp8", progress=False)
   static = moe_sampler.generate(params, moe_prompts, SAMPLED)
   batch = eng.generate(params, moe_prompts, SAMPLED)
-  for name in ("response_tokens", "lengths", "finish_reason"):
-    np.testing.assert_array_equal(getattr(batch, name), np.asarray(getattr(static, name)), err_msg=name)
-  np.testing.assert_allclose(batch.behaviour_logprobs, static.behaviour_logprobs, atol=1e-5, rtol=0)
+  assert_same_samples(batch, static)
 
 
 @pytest.mark.devices(8)

@@ -295,6 +295,25 @@ def test_lora_two_processes_give_the_one_process_metrics_moving_only_adapters(wa
     assert schedule_metrics(a) == schedule_metrics(b)
 
 
+def _one_and_two_processes(tmp_path, params: list[str]) -> tuple[list[dict], list[dict]]:
+  """3 steps of the same run in one process and across two: each run's per-step metrics."""
+  _train(tmp_path / "one", 3, *params)
+  status, out = _launch(2, _args(tmp_path / "two", 3, *params), timeout_s=300)
+  assert status == 0, out
+  one, two = _steps(tmp_path / "one"), _steps(tmp_path / "two")
+  assert len(one) == len(two) == 3
+  return one, two
+
+
+def _assert_fp8_runs_agree(one: list[dict], two: list[dict], fp32_bytes: int) -> None:
+  """Each push moved the same bytes in both runs, under half of the fp32 model's; the lag-0 mismatch
+  metrics see the fp8 gap; every per-step metric of the schedule is equal."""
+  assert all(a["sync/bytes"] == b["sync/bytes"] < 0.5 * fp32_bytes for a, b in zip(one, two))
+  assert max(m["rollout_corr/lag0/kl_k3"] for m in one if "rollout_corr/lag0/kl_k3" in m) > 1e-6
+  for a, b in zip(one, two):
+    assert schedule_metrics(a) == schedule_metrics(b)
+
+
 @pytest.mark.devices(8)
 @pytest.mark.timeout(900)  # the warm start and 2 interpreters on 2 cores; the launcher's own hard limit is 300 s
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -312,17 +331,10 @@ def test_fp8_two_processes_give_the_one_process_metrics(warm_start, tmp_path, lo
               "--gin_param=LoraConfig.alpha = 16.0"] if lora else []
   quantize = "'fp8'" if lora else "'fp8+lm_head'"
   quantized = [f"--gin_param=GeneratorConfig.quantize = {quantize}", *adapters, *warm_start]
-  _train(tmp_path / "one", 3, *quantized)
-  status, out = _launch(2, _args(tmp_path / "two", 3, *quantized), timeout_s=300)
-  assert status == 0, out
-  one, two = _steps(tmp_path / "one"), _steps(tmp_path / "two")
-  assert len(one) == len(two) == 3
+  one, two = _one_and_two_processes(tmp_path, quantized)
   fp32_bytes = 4 * ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                                num_kv_heads=2).num_params()
-  assert all(a["sync/bytes"] == b["sync/bytes"] < 0.5 * fp32_bytes for a, b in zip(one, two))
-  assert max(m["rollout_corr/lag0/kl_k3"] for m in one if "rollout_corr/lag0/kl_k3" in m) > 1e-6
-  for a, b in zip(one, two):
-    assert schedule_metrics(a) == schedule_metrics(b)
+  _assert_fp8_runs_agree(one, two, fp32_bytes)
 
 
 # a tiny Qwen3-MoE over TINY: both layers sparse, 4 experts of 32, top-2
@@ -341,18 +353,11 @@ def test_fp8_moe_two_processes_give_the_one_process_metrics(tmp_path):
   from llamarl_jax.model.config import ModelConfig
 
   quantized = [f"--gin_param={b}" for b in [*MOE, "GeneratorConfig.quantize = 'fp8'"]]
-  _train(tmp_path / "one", 3, *quantized)
-  status, out = _launch(2, _args(tmp_path / "two", 3, *quantized), timeout_s=300)
-  assert status == 0, out
-  one, two = _steps(tmp_path / "one"), _steps(tmp_path / "two")
-  assert len(one) == len(two) == 3
+  one, two = _one_and_two_processes(tmp_path, quantized)
   fp32_bytes = 4 * ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                                num_kv_heads=2, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                                moe_intermediate_size=32).num_params()
-  assert all(a["sync/bytes"] == b["sync/bytes"] < 0.5 * fp32_bytes for a, b in zip(one, two))
-  assert max(m["rollout_corr/lag0/kl_k3"] for m in one if "rollout_corr/lag0/kl_k3" in m) > 1e-6
-  for a, b in zip(one, two):
-    assert schedule_metrics(a) == schedule_metrics(b)
+  _assert_fp8_runs_agree(one, two, fp32_bytes)
 
 
 def test_dynamic_sampling_two_processes_give_the_one_process_metrics(tmp_path_factory, tmp_path):
