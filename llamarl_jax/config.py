@@ -348,18 +348,19 @@ class RunConfig(Validated):
 
   def exact_logprobs_problems(self) -> list[str]:
     """What keeps `RolloutConfig.exact_logprobs` from holding under this config (each naming its key):
-    an fp8 generator, a generator sharded otherwise than the trainer (its per-device shapes would
-    differ), LoRA (the trainer adds adapters unmerged, the generator merges them). Empty when off."""
+    an fp8 generator, projections split over tensor or expert shards (their sums would run in
+    another order), LoRA (the trainer adds adapters unmerged, the generator merges them). Empty when off."""
     if not self.rollout.exact_logprobs:
       return []
     out, m = [], self.mesh
     if self.generator.quantize is not None:
       out.append(f"GeneratorConfig.quantize={self.generator.quantize!r} (set None: fp8 weights are another policy)")
-    if (m.generator_tp, m.generator_expert) != (1, 1) or (m.trainer_tp, m.trainer_fsdp, m.trainer_expert) != (1, 1, 1):
+    if (m.generator_tp, m.generator_expert, m.trainer_tp, m.trainer_expert) != (1, 1, 1, 1):
       out.append(f"MeshConfig generator_tp={m.generator_tp}, generator_expert={m.generator_expert}, "
-                 f"trainer_tp={m.trainer_tp}, trainer_fsdp={m.trainer_fsdp}, trainer_expert={m.trainer_expert} "
+                 f"trainer_tp={m.trainer_tp}, trainer_expert={m.trainer_expert} "
                  "(set all 1: a sharded projection sums its columns' parts in another order; data "
-                 "parallelism, generator_dp, is fine)")
+                 "parallelism, generator_dp and trainer_fsdp, is fine: each device runs the same dots "
+                 "on its rows with the whole weight)")
     if self.train.lora is not None:
       out.append("TrainConfig.lora (set None: the trainer adds the adapters unmerged, the generator merges them)")
     return out

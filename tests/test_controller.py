@@ -431,3 +431,23 @@ def test_the_slot_engine_takes_every_prompt_the_data_limit_lets_through(policy, 
     engine.submit([[5] * c.prompt_limit])  # accepted
   finally:
     c.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_exact_logprobs_make_the_lag0_mismatch_exactly_zero_on_fsdp_and_dp_meshes(policy, tokenizer, tmp_path, dtype):
+  """`exact_logprobs` at lag 0, trainer FSDP over 2 devices, generator data-parallel over 2 (the slot
+  engine): every step's behaviour log-probs equal the trainer's bit for bit, so the k3 KL is exactly
+  0 and every importance ratio exactly 1. The policy's rope_theta is Llama 3's 500000, whose fp32
+  frequencies differ by an ulp between programs unless made once (`rope_frequencies`). Without the
+  switch the same run's lag-0 KL is not 0 (the check is not vacuous)."""
+  config, params = policy
+  policy = (config.replace(dtype=dtype), params)
+  generator = {"dtype": dtype}
+  _, exact = run(policy, tokenizer, tmp_path / "exact", 3, max_policy_lag=0, exact_logprobs=True, generator=generator)
+  for m in exact:
+    assert m["rollout_corr/lag0/kl_k3"] == 0.0 and m["rollout_corr/kl_k3"] == 0.0, m["rollout_corr/lag0/kl_k3"]
+    assert m["rollout_corr/lag0/ratio_max"] == 1.0 and m["rollout_corr/lag0/ratio_mean"] == 1.0
+    assert m["policy/ratio_max"] == 1.0 and m["policy/ratio_min"] == 1.0
+    assert m["rollout_corr/lag0/num_tokens"] > 0
+  _, plain = run(policy, tokenizer, tmp_path / "plain", 3, max_policy_lag=0, generator=generator)
+  assert max(m["rollout_corr/lag0/kl_k3"] for m in plain) > 0

@@ -93,12 +93,14 @@ def host(tree):
 # the forward
 
 
-def test_initial_adapters_give_the_base_policy_exactly(base_params):
+def test_initial_adapters_give_the_base_policy(base_params):
+  """b = 0 adds exact zeros; the adapted forward is another compiled program, whose fusion may round
+  a log-prob differently by an ulp (1e-6 relative), never more."""
   batch = arrays(make_batch(0))
   base = np.asarray(logprobs(base_params, None, batch))
   initial = np.asarray(logprobs(base_params, lora_lib.init_adapters(CONFIG, LORA, 0), batch,
                                 lora_scale=lora_lib.scale(LORA)))
-  np.testing.assert_array_equal(initial, base)
+  np.testing.assert_allclose(initial, base, rtol=1e-6, atol=0)
 
 
 def test_unmerged_forward_equals_merged_weights(base_params):

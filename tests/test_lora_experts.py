@@ -114,13 +114,14 @@ def test_merge_is_each_experts_own_low_rank_update(moe):
 def test_trainer_adapted_forward_equals_the_generator_with_merged_weights(moe):
   """The push moves only the adapters; the generator merges them into its copy of the base; its
   model's log-probs equal the trainer's unmerged scanned forward (2e-5: fp32 order). Initial adapters
-  (b = 0) give the base bit for bit; the expert adapters alone move the policy."""
+  (b = 0) add exact zeros, but they are another compiled program, whose fusion may round a log-prob of
+  magnitude ~4 differently by an ulp or two (1e-6 relative); the expert adapters alone move the policy."""
   _, config, params, _ = moe
   batch = arrays(make_batch(0))
   s = lora_lib.scale(LORA)
   base = trainer_logprobs(config, params, None, batch, s)
-  np.testing.assert_array_equal(trainer_logprobs(config, params, lora_lib.init_adapters(config, LORA, 0), batch, s),
-                                base)
+  np.testing.assert_allclose(trainer_logprobs(config, params, lora_lib.init_adapters(config, LORA, 0), batch, s),
+                             base, rtol=1e-6, atol=0)
 
   adapters = random_adapters(config, LORA, 1)
   mesh = parallel.make_mesh(jax.devices()[:1])

@@ -444,3 +444,21 @@ def test_a_reward_process_that_fails_stops_every_process_naming_it(tmp_path):
   for rank, role in ((0, "trainer"), (1, "generator")):
     assert f"[rank {rank}] [llamarl] process {rank} ({role}) stops: process 2 (reward) {why}" in out, out
   assert not (tmp_path / "run" / "metrics.jsonl").exists() or not _steps(tmp_path / "run")
+
+
+@pytest.mark.devices(8)
+@pytest.mark.timeout(900)  # the warm start and 2 interpreters on 2 cores; the launcher's own hard limit is 300 s
+def test_exact_logprobs_two_processes_give_zero_lag0_mismatch(warm_start, tmp_path):
+  """`exact_logprobs` at lag 0 (trainer fsdp2, generator dp2: the switch refuses tensor shards), 3
+  steps in one process and across two (the trainer's process computes pi, the generator's mu, the
+  push between them): in both, every step's lag-0 k3 KL is exactly 0 and every ratio exactly 1, and
+  every per-step metric is equal."""
+  exact = [f"--gin_param={b}" for b in ("RolloutConfig.exact_logprobs = True", "ScheduleConfig.max_policy_lag = 0",
+                                        "MeshConfig.trainer_tp = 1", "MeshConfig.generator_tp = 1")]
+  one, two = _one_and_two_processes(tmp_path, [*exact, *warm_start])
+  for m in one + two:
+    assert m["rollout_corr/lag0/kl_k3"] == 0.0 and m["rollout_corr/lag0/num_tokens"] > 0, m["rollout_corr/lag0/kl_k3"]
+    assert m["policy/ratio_max"] == 1.0 and m["policy/ratio_min"] == 1.0
+  assert any(m["reward/mean"] > 0 for m in one)
+  for a, b in zip(one, two):
+    assert schedule_metrics(a) == schedule_metrics(b)

@@ -437,11 +437,11 @@ class Sampler:
                          v=(self.cache_sharding,) * self.config.num_layers, index=repl)
       routed = (b2,) if self.config.num_experts else ()  # a MoE model's experts per position
       prefill = jax.jit(
-          lambda *a: self._prefill(static, *a),
+          exact_lib.traced_on(lambda *a: self._prefill(static, *a), self.mesh),
           in_shardings=(self.param_shardings, b2, b2, repl, repl, repl),
           out_shardings=(cache_sh, b1, b1, *routed))
       decode = jax.jit(
-          lambda *a: self._decode(static, *a),
+          exact_lib.traced_on(lambda *a: self._decode(static, *a), self.mesh),
           in_shardings=(self.param_shardings, cache_sh, b1, b1, b2, repl, repl, repl, repl, repl),
           out_shardings=(b2, b2, b1, b1, repl, cache_sh, *routed),
           donate_argnums=(1,))  # the loop updates the donated cache in place (returned, aliased)

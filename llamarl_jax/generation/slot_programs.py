@@ -46,6 +46,7 @@ from llamarl_jax.generation.paged import KVPages, PageLayout
 from llamarl_jax.generation.program_set import (DECODE_COMPILER_OPTIONS, compile_lowered, decode_attention,
                                                 decode_widths, entry_plan, insert_plan)
 from llamarl_jax.generation.sampler import Sampler, SamplingParams, sample_logits
+from llamarl_jax.model import exact
 from llamarl_jax.model.config import ModelConfig
 from llamarl_jax.model.llama import KVCache, merge_params
 from llamarl_jax.model import paged_attention as paged_attention_module
@@ -204,13 +205,13 @@ class SlotPrograms:
     psh = sampler.param_shardings
     self.mesh, self._param_shardings, self._dense_cache_sharding = mesh, psh, cs
     self.param_avals = sampler.param_avals  # the sampler's layout (`serving.serving_layout`: fused projections)
-    self._insert_jit = jax.jit(self._insert, donate_argnums=(1, 2),
+    self._insert_jit = jax.jit(exact.traced_on(self._insert, mesh), donate_argnums=(1, 2),
                                in_shardings=(psh, self.cache_sharding, self.state_sharding) + (repl,) * 8,
                                out_shardings=(self.cache_sharding, self.state_sharding))
-    self._decode_jit = jax.jit(self._decode, donate_argnums=(1, 2), static_argnums=(5, 6),
+    self._decode_jit = jax.jit(exact.traced_on(self._decode, mesh), donate_argnums=(1, 2), static_argnums=(5, 6),
                                in_shardings=(psh, self.cache_sharding, self.state_sharding, repl, repl),
                                out_shardings=(self.cache_sharding, self.state_sharding, repl))
-    self._recompute_jit = jax.jit(self._recompute, donate_argnums=(1,),
+    self._recompute_jit = jax.jit(exact.traced_on(self._recompute, mesh), donate_argnums=(1,),
                                   in_shardings=(psh, self.cache_sharding, self.state_sharding),
                                   out_shardings=self.cache_sharding)
     self.num_traces = 0

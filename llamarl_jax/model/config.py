@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -211,26 +212,38 @@ def _rope_type(scaling: dict | None) -> str:
 
 
 def rope_frequencies(config: ModelConfig) -> Array:
-  """Inverse frequencies `[head_dim // 2]` (fp32), with llama3 or yarn `rope_scaling` applied."""
+  """Inverse frequencies `[head_dim // 2]` (fp32), with llama3 or yarn `rope_scaling` applied. With
+  `ModelConfig.exact` they are computed on the host in float64 and rounded to fp32 once, so every
+  program holds the same constant: computed in fp32 inside a program, `theta ** x` takes whichever
+  pow that program gets (XLA's constant folder, a fused vector pow, an eager op), 1 ulp apart for
+  some theta (500000, Llama 3's), and that moves every angle of the frequency."""
+  if config.exact:
+    return jnp.asarray(_frequencies(config, np).astype(np.float32))
+  return _frequencies(config, jnp)
+
+
+def _frequencies(config: ModelConfig, xp) -> Array:
+  """`rope_frequencies` in the array module `xp`: numpy (float64) or jax.numpy (fp32)."""
   dim = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  dtype = xp.float64 if xp is np else xp.float32
+  inv_freq = 1.0 / (config.rope_theta ** (xp.arange(0, dim, 2, dtype=dtype) / dim))
   scaling = config.rope_scaling_dict
   rope_type = _rope_type(scaling)
   if rope_type == "default":
     return inv_freq
   factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
   if rope_type == "yarn":
-    return _yarn_frequencies(inv_freq, dim, config.rope_theta, factor, old_len, scaling)
+    return _yarn_frequencies(xp, inv_freq, dim, config.rope_theta, factor, old_len, scaling)
   low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
   wavelen = 2 * math.pi / inv_freq
-  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  scaled = xp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
   smooth = (old_len / wavelen - low) / (high - low)
   smoothed = (1 - smooth) * scaled / factor + smooth * scaled
   is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-  return jnp.where(is_medium, smoothed, scaled)
+  return xp.where(is_medium, smoothed, scaled)
 
 
-def _yarn_frequencies(inv_freq: Array, dim: int, theta: float, factor: float, old_len: int, scaling: dict) -> Array:
+def _yarn_frequencies(xp, inv_freq: Array, dim: int, theta: float, factor: float, old_len: int, scaling: dict) -> Array:
   """YaRN (arXiv 2309.00071): dimensions that rotate fewer than `beta_slow` times over the original
   context are interpolated (divided by `factor`), those rotating more than `beta_fast` times are kept,
   with a linear ramp between (the correction range, rounded outwards unless `truncate` is false)."""
@@ -244,7 +257,7 @@ def _yarn_frequencies(inv_freq: Array, dim: int, theta: float, factor: float, ol
     low, high = math.floor(low), math.ceil(high)
   low, high = max(low, 0), min(high, dim - 1)
   high = high + 0.001 if low == high else high
-  ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  ramp = xp.clip((xp.arange(dim // 2, dtype=inv_freq.dtype) - low) / (high - low), 0, 1)
   return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 

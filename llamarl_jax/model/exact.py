@@ -42,6 +42,7 @@ forms differentiate as they are.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 
@@ -209,7 +210,52 @@ def add(x: Array, y: Array) -> Array:
 # dense
 
 
+# The mesh a program is traced for (`traced_on`): `dense` splits its rows over the mesh's batch axes
+# itself, so that each device's dots keep their `[tile, K]` shape.
+_MESH = contextvars.ContextVar("exact_mesh", default=None)
+
+
+def traced_on(fn, mesh):
+  """fn, whose traces see `mesh` as the mesh they run on (None: as fn is). Each program that runs the
+  model on a mesh (the sampler's and the slot engine's, the trainer's steps) is jitted from this
+  wrapper, so that `dense` knows the mesh when it is traced, however late that is.
+
+  Why: left to XLA's SPMD partitioner, a dense over rows sharded on `data` or `fsdp` is split where
+  the partitioner likes, e.g. a tile of 64 rows into two dots of 32, a kernel of another row count
+  that sums K in another order (fp32: 1e-6 apart on the CPU). Under `traced_on` the dense is a
+  `shard_map` over the batch axes: each device runs `[tile, K] @ [K, N]` dots over its own rows with
+  the whole weight (gathered from its `fsdp` shards)."""
+  if mesh is None:
+    return fn
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    token = _MESH.set(mesh)
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      _MESH.reset(token)
+
+  return traced
+
+
 def _tiled_dot(x2: Array, w2: Array, tile: int) -> Array:
+  """x2 `[M, K]` @ w2 `[K, N]` -> fp32 `[M, N]` (`_local_tiled_dot`), on the traced mesh
+  (`traced_on`) a `shard_map` whose devices each run `_local_tiled_dot` on their rows with the whole
+  weight; where M does not split over the batch axes, every device computes every row (the same
+  dots, so the same bits)."""
+  mesh = _MESH.get()
+  rows = () if mesh is None else tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  if not rows:
+    return _local_tiled_dot(x2, w2, tile)
+  from jax.sharding import PartitionSpec as P
+
+  spec = P(rows) if x2.shape[0] % math.prod(mesh.shape[a] for a in rows) == 0 else P()
+  return jax.shard_map(functools.partial(_local_tiled_dot, tile=tile), mesh=mesh, in_specs=(spec, P()),
+                       out_specs=spec, axis_names=set(rows), check_vma=False)(x2, w2)
+
+
+def _local_tiled_dot(x2: Array, w2: Array, tile: int) -> Array:
   """x2 `[M, K]` @ w2 `[K, N]` -> fp32 `[M, N]`, one `[tile, K] @ [K, N]` dot per tile of rows
   (rows zero-padded to a multiple of `tile`): a loop over the tiles, so every row of every call
   runs through the same dot kernel whatever M is. Both operands and the product pass through

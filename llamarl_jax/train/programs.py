@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llamarl_jax import compat, parallel
+from llamarl_jax.model import exact
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.train import step as steps
 from llamarl_jax.train.layout import group_by_length, pack_rows
@@ -47,18 +48,19 @@ class TrainPrograms:
     pl, repl, trained_sh = placement, placement.replicated, placement.trained
     frozen_sh = (pl.model if with_base else None, pl.model if with_ref else None)
     with_frozen = lambda fn: lambda trained, frozen, *a: fn(spec, trained.replace(base=frozen[0], ref=frozen[1]), *a)
+    on_mesh = lambda fn: exact.traced_on(fn, spec.mesh)  # the exact ops' dense splits rows itself (`model.exact`)
     trained_only = lambda fn: lambda *a: (lambda state, metrics: (state.trained, metrics))(*fn(*a))
-    self.train_step = jax.jit(trained_only(with_frozen(steps.train_step)), donate_argnums=(0,),
+    self.train_step = jax.jit(on_mesh(trained_only(with_frozen(steps.train_step))), donate_argnums=(0,),
                               in_shardings=(trained_sh, frozen_sh, pl.batch), out_shardings=(trained_sh, repl))
-    self.packed_step = jax.jit(trained_only(with_frozen(packed_train_step)), donate_argnums=(0,),
+    self.packed_step = jax.jit(on_mesh(trained_only(with_frozen(packed_train_step))), donate_argnums=(0,),
                                in_shardings=(trained_sh, frozen_sh, pl.batch, repl), out_shardings=(trained_sh, repl))
     # the rows' lengths (grouped and packed layouts)
     self.row_lengths = jax.jit(lambda batch: steps.row_lengths(batch), out_shardings=repl)
     # grouped by length: the fused step's parts as separate programs (see `_grouped`)
     frozen_compute = tuple(None if sh is None else pl.model_compute for sh in frozen_sh)
-    self.prepare_step = jax.jit(with_frozen(steps.prepare_grouped),
+    self.prepare_step = jax.jit(on_mesh(with_frozen(steps.prepare_grouped)),
                                 out_shardings=(pl.compute, *frozen_compute, pl.micro, repl, pl.compute))
-    self.accumulate_step = jax.jit(functools.partial(steps.accumulate_microbatch, spec),
+    self.accumulate_step = jax.jit(on_mesh(functools.partial(steps.accumulate_microbatch, spec)),
                                    static_argnames=("width",), donate_argnums=(3,),
                                    out_shardings=(pl.compute, (repl, repl, repl, parallel.batch_sharding(pl.mesh, 2))))
     self.apply_step = jax.jit(functools.partial(steps.apply_grouped, spec), donate_argnums=(0,),
