@@ -23,6 +23,11 @@ Numerics (each GPU path against a reference on the same inputs; pass/fail with t
                  per-expert dense loop at Qwen3-30B-A3B's expert shapes (fewer tokens)
   moe_grouped_gemm  the Pallas grouped GEMM (`grouped_gemm.grouped_gemm`, Triton) against
                  `jax.lax.ragged_dot` on the same bf16 rows and experts: value, d rows, d weights
+  exact_logprobs the `exact_logprobs` switch (`ModelConfig.exact`, `model.exact`'s batch-invariant ops):
+                 a bf16 slot engine of 64 slots against the trainer's `token_logprobs` of its sampled
+                 tokens at lag 0, bit for bit (max |diff| and k3 KL 0); figures, exact / plain on the
+                 same weights: ms per decode step at 64 busy slots and ms per trainer log-prob forward
+                 of the batch (the 2-layer numerics model: the lm_head's share is larger than at 16)
   trainer_step   the trainer's forward and backward (layers under scan, remat, the GPU's attention,
                  lm_head in chunks) against a plain forward (`Llama.__call__`, full logits,
                  `log_softmax`) on the same bf16 weights: log-probs and the gradient of an AIPO-like
@@ -67,7 +72,7 @@ compat.ensure_cpu_devices(1)
 from scripts import bench_generate, bench_gpu, bench_packing, bench_train  # noqa: E402
 
 SECTIONS = ("paged_kernel", "lag0_logprobs", "fp8_kernels", "cudnn_packed", "moe_ragged_dot", "moe_grouped_gemm",
-            "trainer_step", "main_job", "decode", "packing")
+            "exact_logprobs", "trainer_step", "main_job", "decode", "packing")
 U = 2.0 ** -8  # bf16's unit roundoff (8 significant bits)
 
 # Llama-3.2-1B's layer sizes: full depth for the figures, 2 layers for the numerics (seconds, not minutes)
@@ -78,10 +83,10 @@ TOY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, n
 FULL = dict(model=ONE_B, numerics_layers=2, decode_layers=16, paged=(64, 128, 512, 16, 100, 500),
             rollout=(8, 64, 128), attn=(2, 2048, 32, 8, 64, 5), moe=(512, 2048, 768, 128, 8),
             train=(8, 64, 128), main_steps=3, slots=64, decode_prompt=128, decode_R=256, decode_chunks=3,
-            pack_rows=16, pack_steps=2)
+            pack_rows=16, pack_steps=2, exact=(64, 64, 128, 16, 4, 3))
 DRY = dict(model=TOY, numerics_layers=2, decode_layers=2, paged=(4, 16, 32, 4, 6, 40), rollout=(2, 8, 8),
            attn=(1, 64, 4, 2, 16, 3), moe=(32, 64, 32, 8, 2), train=(2, 8, 8), main_steps=3, slots=4,
-           decode_prompt=8, decode_R=32, decode_chunks=2, pack_rows=4, pack_steps=1)
+           decode_prompt=8, decode_R=32, decode_chunks=2, pack_rows=4, pack_steps=1, exact=(64, 8, 12, 2, 2, 2))
 
 
 SkipSection = bench_gpu.SkipSection  # a section that cannot run here; its reason goes into the report
@@ -378,6 +383,100 @@ def moe_grouped_gemm_section(cfg, env) -> dict:
   return {"shape": {"rows": N * k, "embed": E, "width": F, "experts": X}, "checks": checks}
 
 
+def _decode_ms(engine, prompts, chunks: int) -> float:
+  """ms per decode step of `engine` (idle, weights installed, one chunk in flight at a time) with a slot
+  per prompt busy: the prompts inserted and a first chunk run, then `chunks` chunks timed (the
+  engine's R leaves every row running through them)."""
+  engine.submit(prompts, seed=3)
+  engine.step()  # inserts every prompt and runs the first chunk
+  t0 = time.perf_counter()
+  for _ in range(chunks):
+    engine.step()
+  return (time.perf_counter() - t0) * 1e3 / (chunks * engine.programs.chunk_steps)
+
+
+def exact_logprobs_section(cfg, env) -> dict:
+  """`ModelConfig.exact` on both sides (the `exact_logprobs` run switch): the slot engine's behaviour
+  log-probs of its sampled tokens equal the trainer's `token_logprobs` of the same tokens bit for bit,
+  on the same bf16 weights (random, lm_head x4 as in `lag0_logprobs`), every slot of 64 busy. The
+  plain ops (the engine's paged attention and decode GEMMs, the trainer's attention and lm_head in
+  chunks) give the reference figures: their mismatch (the check is not vacuous where it is not 0)
+  and their times. Figures per mode: ms per decode step at 64 busy slots (`_decode_ms`) and ms per
+  trainer log-prob forward of the generated batch (median of a few calls after a first one)."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from llamarl_jax.generation import SamplingParams
+  from llamarl_jax.generation.engine import SlotEngine
+  from llamarl_jax.mismatch import mismatch_metrics
+  from llamarl_jax.model import exact as exact_lib
+  from llamarl_jax.model import init_model, split_params
+  from llamarl_jax.model.forward import resolve_attention
+  from llamarl_jax.model.llama import abstract_model
+  from llamarl_jax.model.logprobs import token_logprobs
+
+  S, Pm, R, steps, chunks, repeats = cfg["exact"]
+  if R < (chunks + 2) * steps:
+    raise ValueError(f"exact: R={R} must cover the warm-up chunk and {chunks} timed chunks of {steps} steps")
+  config = _config(cfg, cfg["numerics_layers"], dtype="bfloat16", param_dtype="bfloat16")
+  params = split_params(init_model(config, seed=0))[1]
+  params["lm_head"] = params["lm_head"] * 4.0
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  attention = resolve_attention("auto", jax.default_backend(), jnp.bfloat16)
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=R, seed=1)
+  rng = np.random.RandomState(2)
+  prompts = [rng.randint(1, config.vocab_size, n).tolist() for n in rng.randint(Pm // 8 + 1, Pm + 1, S)]
+  K3 = "rollout_corr/kl_k3"
+  rows = []
+  for exact in (True, False):
+    model = config.replace(exact=exact)
+    graphdef = split_params(abstract_model(model))[0]
+    engine = SlotEngine(model, lanes=S, sampling=sampling, max_prompt_len=Pm, chunk_steps=steps, chunks_in_flight=1,
+                        progress=False)
+    t0 = time.perf_counter()
+    batch = engine.generate(params, prompts, sampling)
+    generate_s = time.perf_counter() - t0  # S rows of R tokens, the program set compiled before (`warmup_s`)
+    decode_ms = _decode_ms(engine, prompts, chunks)
+    used, engine_warmup_s = dict(engine.programs.paths), engine.warmup_s
+    del engine
+    logprobs = jax.jit(functools.partial(token_logprobs, attention=attention, logprob_chunk=256), static_argnums=0,
+                       compiler_options=exact_lib.COMPILER_OPTIONS if exact else None)  # as the trainer's step
+    args = (batch.prompt_tokens, batch.prompt_mask, batch.response_tokens, batch.response_mask)
+    t0 = time.perf_counter()
+    trainer = np.asarray(logprobs(graphdef, params, *args))
+    first_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(logprobs(graphdef, params, *args))
+      times.append(time.perf_counter() - t0)
+    mask = np.asarray(batch.response_mask).astype(bool)
+    behaviour = np.asarray(batch.behaviour_logprobs, np.float32)
+    m = {k: float(v) for k, v in mismatch_metrics(trainer, behaviour, mask).items()}
+    rows.append({"ops": "exact" if exact else "plain",
+                 "engine_attention": "exact" if exact else used["paged_attention"],
+                 "trainer_attention": "exact" if exact else attention, "tokens": int(mask.sum()),
+                 "max_abs_diff": float(np.abs(behaviour - trainer)[mask].max()), "k3": m[K3],
+                 "decode_ms_per_step": decode_ms, "forward_ms": statistics.median(times) * 1e3,
+                 "warmup_s": engine_warmup_s, "generate_s": generate_s, "first_forward_s": first_s})
+    jax.clear_caches()
+  ex, plain = rows
+  decode_ratio, forward_ratio = (ex[k] / plain[k] for k in ("decode_ms_per_step", "forward_ms"))
+  why = "the same batch-invariant ops in the same order on both sides (`model.exact`): bit for bit"
+  checks = [_check(f"exact: max |behaviour - trainer| over {ex['tokens']} response tokens", ex["max_abs_diff"],
+                   0.0, why),
+            _check("exact: k3 KL", ex["k3"], 0.0, why)]
+  return {"layers": config.num_layers, "slots": S, "prompt_max": Pm, "R": R, "rows": rows, "checks": checks,
+          "decode_ratio": decode_ratio, "forward_ratio": forward_ratio,
+          "figures": [f"decode {ex['decode_ms_per_step']:.3g} ms/step exact vs {plain['decode_ms_per_step']:.3g} "
+                      f"plain ({decode_ratio:.2f}x)",
+                      f"trainer forward {ex['forward_ms']:.3g} ms exact vs {plain['forward_ms']:.3g} plain "
+                      f"({forward_ratio:.2f}x)", f"plain max |diff| {plain['max_abs_diff']:.3g}"]}
+
+
 def trainer_step_section(cfg, env) -> dict:
   """The trainer's forward kit (scan over layers, remat of matmul outputs, the GPU's attention, lm_head
   in chunks) against the plain module forward, both bf16 compute on the same fp32 master weights."""
@@ -564,7 +663,7 @@ def packing_section(cfg, env) -> dict:
 RUNNERS = {"paged_kernel": paged_kernel_section, "lag0_logprobs": lag0_logprobs_section,
            "fp8_kernels": fp8_kernels_section, "cudnn_packed": cudnn_packed_section,
            "moe_ragged_dot": moe_ragged_dot_section, "moe_grouped_gemm": moe_grouped_gemm_section,
-           "trainer_step": trainer_step_section,
+           "exact_logprobs": exact_logprobs_section, "trainer_step": trainer_step_section,
            "main_job": main_job_section, "decode": decode_section, "packing": packing_section}
 
 

@@ -10,6 +10,7 @@ other two pairs under `slow`). Without the switch the same comparison differs (t
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -165,3 +166,23 @@ def test_a_moe_policy_or_another_compute_dtype_is_refused(checkpoints):
   run.check_model(config)  # fp32 model, fp32 generator
   with pytest.raises(ConfigError, match="compute dtype"):
     run.check_model(config.replace(dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_trainers_gradient_is_the_default_modes(checkpoints, family):
+  """The exact forward's log-probs differentiate as the plain forward's: every parameter's gradient
+  of the response tokens' summed log-prob, fp32, equal within 1e-4 of its largest entry (the two
+  forwards' values differ by ~1e-7 and the backward runs the plain ops on them)."""
+  config, _, params = policy(checkpoints, family, "float32")
+  batch = Sampler(config, batch_multiple=8).generate(params, prompts(), SAMPLING)
+  grads = {}
+  for exact in (False, True):
+    config, graphdef, params = policy(checkpoints, family, "float32", exact=exact)
+    loss = lambda p: jnp.sum(token_logprobs(graphdef, p, batch.prompt_tokens, batch.prompt_mask, batch.response_tokens,
+                                            batch.response_mask, temperature=TEMPERATURE) * batch.response_mask)
+    grads[exact] = jax.grad(loss)(params)
+  for path, plain in jax.tree_util.tree_leaves_with_path(grads[False]):
+    got = np.asarray(functools.reduce(lambda t, k: t[k.key], path, grads[True]))
+    scale = float(np.max(np.abs(plain)))
+    assert scale > 0, jax.tree_util.keystr(path)
+    np.testing.assert_allclose(got, plain, rtol=0, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))

@@ -90,6 +90,32 @@ def test_dense_gradient_is_the_plain_one():
   np.testing.assert_allclose(gw, pw, rtol=1e-5, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("name", ["token_logprob", "log_softmax", "logsumexp", "temper", "rms_norm", "rope"])
+def test_elementwise_forms_differentiate_as_the_plain_ops(name):
+  """Each form stores values through `opaque` (an integer bitcast, whose own derivative is 0); the
+  gradient is the plain op's (fp32: the forward values differ by an ulp or two, 1e-5 relative)."""
+  x = normal((8, 64), jnp.float32, 2, 2.0)
+  t = jnp.asarray(np.random.default_rng(3).integers(0, 64, 8), jnp.int32)
+  s = normal((64,), jnp.float32, 4)
+  cos, sin = jnp.cos(x), jnp.sin(x)
+  forms = {
+      "token_logprob": (lambda x: exact.token_logprob(x, t, 0.8),
+                        lambda x: jnp.take_along_axis(jax.nn.log_softmax(x / 0.8), t[:, None], 1)[:, 0]),
+      "log_softmax": (exact.log_softmax, jax.nn.log_softmax),
+      "logsumexp": (exact.logsumexp, lambda x: jax.nn.logsumexp(x, axis=-1)),
+      "temper": (lambda x: exact.temper(x, 0.8), lambda x: x / 0.8),
+      "rms_norm": (lambda x: exact.rms_norm(x, s, 1e-5), lambda x: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True)
+                                                                                     + 1e-5) * s),
+      "rope": (lambda x: exact.rope(x, cos, sin),
+               lambda x: x * cos + jnp.concatenate([-x[:, 32:], x[:, :32]], -1) * sin)}
+  form, plain = forms[name]
+  w = normal(jax.eval_shape(plain, x).shape, jnp.float32, 5)
+  got = jax.grad(lambda x: jnp.sum(w * form(x)))(x)
+  want = jax.grad(lambda x: jnp.sum(w * plain(x)))(x)
+  assert float(jnp.max(jnp.abs(want))) > 0.01
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_rms_norm_rows_invariant_and_close(dtype):
   x, scale = normal((2048, 128), dtype, scale=3.0), normal((128,), dtype, 1)

@@ -436,12 +436,13 @@ class Sampler:
       cache_sh = KVCache(k=(self.cache_sharding,) * self.config.num_layers,
                          v=(self.cache_sharding,) * self.config.num_layers, index=repl)
       routed = (b2,) if self.config.num_experts else ()  # a MoE model's experts per position
+      options = exact_lib.COMPILER_OPTIONS if self.config.exact else None  # GEMMs summing K in one pass
       prefill = jax.jit(
-          exact_lib.traced_on(lambda *a: self._prefill(static, *a), self.mesh),
+          exact_lib.traced_on(lambda *a: self._prefill(static, *a), self.mesh), compiler_options=options,
           in_shardings=(self.param_shardings, b2, b2, repl, repl, repl),
           out_shardings=(cache_sh, b1, b1, *routed))
       decode = jax.jit(
-          exact_lib.traced_on(lambda *a: self._decode(static, *a), self.mesh),
+          exact_lib.traced_on(lambda *a: self._decode(static, *a), self.mesh), compiler_options=options,
           in_shardings=(self.param_shardings, cache_sh, b1, b1, b2, repl, repl, repl, repl, repl),
           out_shardings=(b2, b2, b1, b1, repl, cache_sh, *routed),
           donate_argnums=(1,))  # the loop updates the donated cache in place (returned, aliased)

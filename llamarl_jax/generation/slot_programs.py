@@ -295,7 +295,9 @@ class SlotPrograms:
 
       def build(item):
         t = time.perf_counter()
-        exe = compile_lowered(item[1], DECODE_COMPILER_OPTIONS if item[0][0] == "decode" else None)
+        # exact ops: every program's GEMMs sum K in one pass, the insert's as the decode's and the trainer's
+        one_pass = item[0][0] == "decode" or self.config.exact
+        exe = compile_lowered(item[1], {**DECODE_COMPILER_OPTIONS, **exact.COMPILER_OPTIONS} if one_pass else None)
         return item[0], exe, time.perf_counter() - t
 
       workers = max(1, min(len(lowered), os.cpu_count() or 1))

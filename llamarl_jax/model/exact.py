@@ -52,6 +52,9 @@ import jax.numpy as jnp
 Array = jax.Array
 
 ROW_TILE = 64    # rows per dot in `dense`: every row of every call goes through a [ROW_TILE, K] @ [K, N] dot
+# XLA options for the programs that run these ops: on a GPU, a GEMM sums K in one pass (no split-K,
+# whose parts and reduce XLA picks per program); ignored on the CPU
+COMPILER_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
 KEY_BLOCK = 16   # keys per block in `attention`: blocks start at position 0 of each query's sequence
 F32 = jnp.float32
 
@@ -66,14 +69,21 @@ def row_zero(x: Array) -> Array:
   return jnp.isnan(x[..., :1]).astype(jnp.int32)
 
 
+@jax.custom_jvp
 def opaque(x: Array, zero: Array) -> Array:
   """x (a float array), computed where it stands: its bits xor `zero` (`row_zero`: 0, but not a
   constant), which no compiler sees through. So no consumer is fused into the op that made x in a
   way that changes its rounding (a multiply into an add's FMA, an add into a dot as its addend), and
-  no transpose that made x is folded into a dot that reads it. Not differentiable: callers' custom
-  derivatives treat it as the identity."""
+  no transpose that made x is folded into a dot that reads it. Differentiated as the identity (the
+  integer bitcast alone would give a zero gradient)."""
   bits = {2: jnp.int16, 4: jnp.int32}[x.dtype.itemsize]
   return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype)
+
+
+@opaque.defjvp
+def _opaque_jvp(primals, tangents):  # the identity's derivative (a bitcast through an integer has none)
+  x, zero = primals
+  return opaque(x, zero), tangents[0]
 
 
 @jax.custom_jvp
@@ -264,9 +274,12 @@ def _local_tiled_dot(x2: Array, w2: Array, tile: int) -> Array:
   for a transposed operand sums in another order), and no consumer fuses into it."""
   M, K = x2.shape
   n = -(-M // tile)
-  w2 = opaque(w2, jnp.isnan(w2[:1, :1]).astype(jnp.int32))
+  w_zero = jnp.isnan(w2[:1, :1]).astype(jnp.int32)
+  w2 = opaque(w2, w_zero)
   xp = jnp.pad(x2, ((0, n * tile - M), (0, 0)))
-  xp = opaque(xp, row_zero(xp)).reshape(n, tile, K)
+  # the tile's zero also reads the weight: the tiles that two projections of the same x read are two
+  # values, so XLA's GPU dot merger does not join their GEMMs into one of another N (wq|wk|wv)
+  xp = opaque(xp, row_zero(xp) | w_zero).reshape(n, tile, K)
 
   def one(t):
     return opaque(jnp.matmul(t, w2, preferred_element_type=F32), row_zero(t))

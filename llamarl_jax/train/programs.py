@@ -49,19 +49,21 @@ class TrainPrograms:
     frozen_sh = (pl.model if with_base else None, pl.model if with_ref else None)
     with_frozen = lambda fn: lambda trained, frozen, *a: fn(spec, trained.replace(base=frozen[0], ref=frozen[1]), *a)
     on_mesh = lambda fn: exact.traced_on(fn, spec.mesh)  # the exact ops' dense splits rows itself (`model.exact`)
+    # exact ops: the GEMMs sum K in one pass, as the decode programs' (`exact.COMPILER_OPTIONS`)
+    options = exact.COMPILER_OPTIONS if spec.model.exact else None
     trained_only = lambda fn: lambda *a: (lambda state, metrics: (state.trained, metrics))(*fn(*a))
     self.train_step = jax.jit(on_mesh(trained_only(with_frozen(steps.train_step))), donate_argnums=(0,),
-                              in_shardings=(trained_sh, frozen_sh, pl.batch), out_shardings=(trained_sh, repl))
+                              compiler_options=options, in_shardings=(trained_sh, frozen_sh, pl.batch), out_shardings=(trained_sh, repl))
     self.packed_step = jax.jit(on_mesh(trained_only(with_frozen(packed_train_step))), donate_argnums=(0,),
-                               in_shardings=(trained_sh, frozen_sh, pl.batch, repl), out_shardings=(trained_sh, repl))
+                               compiler_options=options, in_shardings=(trained_sh, frozen_sh, pl.batch, repl), out_shardings=(trained_sh, repl))
     # the rows' lengths (grouped and packed layouts)
     self.row_lengths = jax.jit(lambda batch: steps.row_lengths(batch), out_shardings=repl)
     # grouped by length: the fused step's parts as separate programs (see `_grouped`)
     frozen_compute = tuple(None if sh is None else pl.model_compute for sh in frozen_sh)
-    self.prepare_step = jax.jit(on_mesh(with_frozen(steps.prepare_grouped)),
+    self.prepare_step = jax.jit(on_mesh(with_frozen(steps.prepare_grouped)), compiler_options=options,
                                 out_shardings=(pl.compute, *frozen_compute, pl.micro, repl, pl.compute))
     self.accumulate_step = jax.jit(on_mesh(functools.partial(steps.accumulate_microbatch, spec)),
-                                   static_argnames=("width",), donate_argnums=(3,),
+                                   compiler_options=options, static_argnames=("width",), donate_argnums=(3,),
                                    out_shardings=(pl.compute, (repl, repl, repl, parallel.batch_sharding(pl.mesh, 2))))
     self.apply_step = jax.jit(functools.partial(steps.apply_grouped, spec), donate_argnums=(0,),
                               out_shardings=(trained_sh, repl))
