@@ -69,13 +69,13 @@ def plain_token_logprob(logits, tokens, temperature=1.0):
 
 
 def program_frequencies(config):
-  return config_lib._frequencies(config, jnp)
+  return config_lib.frequencies_in(config, jnp)
 
 
 # op kind -> {(module, attribute): the default mode's form}
 PLAIN = {
     "dense": {(exact, "dense"): plain_dense},
-    "dense split by the partitioner": {(exact, "_tiled_dot"): exact._local_tiled_dot},
+    "dense split by the partitioner": {(exact, "tiled_dot"): exact.local_tiled_dot},
     "RMSNorm": {(exact, "rms_norm"): lambda x, scale, eps: layers.rms_norm(x, scale, eps)},
     "RoPE": {(exact, "rope_cos_sin"): attention_lib.rope_cos_sin, (exact, "rope"): rope_rotate},
     "RoPE frequencies in the program": {(llama_lib, "rope_frequencies"): program_frequencies,

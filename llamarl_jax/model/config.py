@@ -218,11 +218,11 @@ def rope_frequencies(config: ModelConfig) -> Array:
   pow that program gets (XLA's constant folder, a fused vector pow, an eager op), 1 ulp apart for
   some theta (500000, Llama 3's), and that moves every angle of the frequency."""
   if config.exact:
-    return jnp.asarray(_frequencies(config, np).astype(np.float32))
-  return _frequencies(config, jnp)
+    return jnp.asarray(frequencies_in(config, np).astype(np.float32))
+  return frequencies_in(config, jnp)
 
 
-def _frequencies(config: ModelConfig, xp) -> Array:
+def frequencies_in(config: ModelConfig, xp) -> Array:
   """`rope_frequencies` in the array module `xp`: numpy (float64) or jax.numpy (fp32)."""
   dim = config.head_dim
   dtype = xp.float64 if xp is np else xp.float32

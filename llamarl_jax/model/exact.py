@@ -249,23 +249,23 @@ def traced_on(fn, mesh):
   return traced
 
 
-def _tiled_dot(x2: Array, w2: Array, tile: int) -> Array:
-  """x2 `[M, K]` @ w2 `[K, N]` -> fp32 `[M, N]` (`_local_tiled_dot`), on the traced mesh
-  (`traced_on`) a `shard_map` whose devices each run `_local_tiled_dot` on their rows with the whole
+def tiled_dot(x2: Array, w2: Array, tile: int) -> Array:
+  """x2 `[M, K]` @ w2 `[K, N]` -> fp32 `[M, N]` (`local_tiled_dot`), on the traced mesh
+  (`traced_on`) a `shard_map` whose devices each run `local_tiled_dot` on their rows with the whole
   weight; where M does not split over the batch axes, every device computes every row (the same
   dots, so the same bits)."""
   mesh = _MESH.get()
   rows = () if mesh is None else tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
   if not rows:
-    return _local_tiled_dot(x2, w2, tile)
+    return local_tiled_dot(x2, w2, tile)
   from jax.sharding import PartitionSpec as P
 
   spec = P(rows) if x2.shape[0] % math.prod(mesh.shape[a] for a in rows) == 0 else P()
-  return jax.shard_map(functools.partial(_local_tiled_dot, tile=tile), mesh=mesh, in_specs=(spec, P()),
+  return jax.shard_map(functools.partial(local_tiled_dot, tile=tile), mesh=mesh, in_specs=(spec, P()),
                        out_specs=spec, axis_names=set(rows), check_vma=False)(x2, w2)
 
 
-def _local_tiled_dot(x2: Array, w2: Array, tile: int) -> Array:
+def local_tiled_dot(x2: Array, w2: Array, tile: int) -> Array:
   """x2 `[M, K]` @ w2 `[K, N]` -> fp32 `[M, N]`, one `[tile, K] @ [K, N]` dot per tile of rows
   (rows zero-padded to a multiple of `tile`): a loop over the tiles, so every row of every call
   runs through the same dot kernel whatever M is. Both operands and the product pass through
@@ -289,7 +289,7 @@ def _local_tiled_dot(x2: Array, w2: Array, tile: int) -> Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _dense2d(x2: Array, w2: Array, tile: int, out_dtype) -> Array:
-  return _tiled_dot(x2, w2, tile).astype(out_dtype)
+  return tiled_dot(x2, w2, tile).astype(out_dtype)
 
 
 def _dense2d_fwd(x2, w2, tile, out_dtype):
