@@ -53,9 +53,11 @@ class TrainPrograms:
     options = exact.COMPILER_OPTIONS if spec.model.exact else None
     trained_only = lambda fn: lambda *a: (lambda state, metrics: (state.trained, metrics))(*fn(*a))
     self.train_step = jax.jit(on_mesh(trained_only(with_frozen(steps.train_step))), donate_argnums=(0,),
-                              compiler_options=options, in_shardings=(trained_sh, frozen_sh, pl.batch), out_shardings=(trained_sh, repl))
+                              compiler_options=options, in_shardings=(trained_sh, frozen_sh, pl.batch),
+                              out_shardings=(trained_sh, repl))
     self.packed_step = jax.jit(on_mesh(trained_only(with_frozen(packed_train_step))), donate_argnums=(0,),
-                               compiler_options=options, in_shardings=(trained_sh, frozen_sh, pl.batch, repl), out_shardings=(trained_sh, repl))
+                               compiler_options=options, in_shardings=(trained_sh, frozen_sh, pl.batch, repl),
+                               out_shardings=(trained_sh, repl))
     # the rows' lengths (grouped and packed layouts)
     self.row_lengths = jax.jit(lambda batch: steps.row_lengths(batch), out_shardings=repl)
     # grouped by length: the fused step's parts as separate programs (see `_grouped`)
