@@ -414,7 +414,7 @@ def _open_logs(controller: Controller, run_dir: Path, restored: int | None, *, t
   (run_dir / ("config.gin" if restored is None else f"config.resume_{restored}.gin")).write_text(gin.config_str())
   return MetricsLogger(run_dir, tensorboard=tensorboard, wandb_project=wandb_project, wandb_mode=wandb_mode,
                        config={**controller.run_record(), "gin": gin.config_str()} if wandb_project else None,
-                       rewind_to=START if restored is None else restored)
+                       rewind_to=START if restored is None else restored, breakdown=controller.recorder.breakdown)
 
 
 def _finish_summary(summary: dict, controller: Controller, plan, logger: MetricsLogger | None, run_dir: Path, *,

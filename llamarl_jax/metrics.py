@@ -69,11 +69,15 @@ def _plain(v):
 class MetricsLogger:
   """Logs rows of metrics by step to JSONL, TensorBoard and (with `wandb_project`) Weights & Biases.
 
-  config: the run's settings, W&B's config. rewind_to: see the module docstring.
+  config: the run's settings, W&B's config. rewind_to: see the module docstring. breakdown: a run's
+  `time_breakdown.TimeBreakdown`, whose "logging" part gets the seconds of every `log` (W&B's and
+  TensorBoard's writes are not free, and a loaded machine makes them slower).
   """
 
   def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, wandb_project: str | None = None,
-               wandb_mode: str | None = None, config: Mapping | None = None, rewind_to: int | None = None):
+               wandb_mode: str | None = None, config: Mapping | None = None, rewind_to: int | None = None,
+               breakdown=None):
+    self.breakdown = breakdown
     self.run_dir = Path(run_dir)
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.jsonl_path = self.run_dir / "metrics.jsonl"
@@ -100,6 +104,13 @@ class MetricsLogger:
                                resume="allow", mode=wandb_mode)
 
   def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    if self.breakdown is None:
+      self._log(step, metrics)
+      return
+    with self.breakdown.timed("logging"):
+      self._log(step, metrics)
+
+  def _log(self, step: int, metrics: Mapping[str, float]) -> None:
     row = {"step": int(step)}
     row.update({k: p for k, v in metrics.items() if (p := _plain(v)) is not None})
     self._jsonl.write(json.dumps(row) + "\n")

@@ -1,8 +1,8 @@
 """Where a run's wall time goes: seconds and shares per part, from the trainer thread's point of view.
 
 Each RL step's time (`time/step`, from the end of the previous step's weight push - or, after a
-checkpoint or an evaluation, which are parts of their own, from asking for the batch - to the end of
-this step's weight push; the trainer's logging of the previous step is in its wait) is the sum of
+checkpoint, an evaluation or the metrics' logging, which are parts of their own, from asking for the
+batch - to the end of this step's weight push) is the sum of
 `STEP_PARTS`: the trainer's wait for the batch, split by what was running meanwhile (the generator
 on the device, a weight swap into the engine, the reward executor, or nothing of those: the other
 threads' host work, queues), then training and the weight push. Checkpoints and evaluations run
@@ -14,8 +14,10 @@ totals beside the parts ("busy_seconds").
 A run's breakdown (`TimeBreakdown`, `summary.json`'s "time_breakdown") adds the parts outside the
 steps: start-up (building the policy and the controller: the slot engine's programs compile there) and
 the first RL step (the trainer's and the weight push's programs compile there) as "warm-up", the
-supervised warm start, held-out evaluations, checkpoints and the HF export, the RL loop's start and
-stop. Whatever no part measured is "unaccounted" (logging, summaries): a few percent at most.
+supervised warm start, held-out evaluations, checkpoints and the HF export, the metrics' logging
+(JSONL, TensorBoard, W&B: `metrics.MetricsLogger(breakdown=)`), the RL loop's start and stop. A part
+timed inside another (the SFT's logging) counts once, in the inner part. Whatever no part measured is
+"unaccounted" (the controller's glue, summaries): a few percent at most.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import time
 from typing import Iterable, Mapping, Sequence
 
 PARTS = ("warmup", "sft", "generation", "rewards", "training", "weight_sync", "evaluation", "checkpointing",
-         "waits_other")
+         "logging", "waits_other")
 LABELS = {"warmup": "compile / warm-up", "sft": "SFT warm start", "generation": "generation",
           "rewards": "rewards", "training": "training", "weight_sync": "weight push / swap",
-          "evaluation": "evaluation", "checkpointing": "checkpoints / export", "waits_other": "waits / other"}
+          "evaluation": "evaluation", "checkpointing": "checkpoints / export", "logging": "metrics logging",
+          "waits_other": "waits / other"}
 
 # The per-step metrics whose sum is `time/step`, and the part of the run's breakdown each goes to.
 STEP_PARTS = {"time/wait_generate": "generation", "time/wait_swap": "weight_sync", "time/wait_reward": "rewards",
@@ -78,6 +81,7 @@ class TimeBreakdown:
     self.busy = dict.fromkeys(BUSY, 0.0)  # the executors' own seconds, overlapping the parts
     self.steps = 0
     self.blocks = 0  # parts added outside the steps (checkpoints, evaluations, ...): a runner's step clock reads it
+    self._open: list[float] = []  # per `timed` block being run: the seconds of the blocks timed inside it
 
   def add(self, part: str, seconds: float) -> None:
     self._add(part, seconds)
@@ -90,11 +94,17 @@ class TimeBreakdown:
 
   @contextlib.contextmanager
   def timed(self, part: str):
+    """The block's seconds to `part`, less those of blocks timed inside it (they go to their own)."""
     t0 = time.perf_counter()
+    self._open.append(0.0)
     try:
       yield
     finally:
-      self.add(part, time.perf_counter() - t0)
+      inner = self._open.pop()
+      seconds = time.perf_counter() - t0
+      if self._open:
+        self._open[-1] += seconds
+      self.add(part, seconds - inner)
 
   def add_step(self, metrics: Mapping[str, float]) -> None:
     if self.steps == 0:

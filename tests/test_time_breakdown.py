@@ -40,6 +40,25 @@ def test_the_first_step_is_warm_up_and_the_rest_is_split():
   assert b.blocks == 1
 
 
+def test_a_block_timed_inside_another_counts_once_in_the_inner_part(tmp_path):
+  """SFT's logging: the outer block's seconds less the inner's; the metrics logger times its writes."""
+  import time
+
+  from llamarl_jax.metrics import MetricsLogger
+
+  b = TimeBreakdown()
+  logger = MetricsLogger(tmp_path, tensorboard=False, breakdown=b)
+  with b.timed("sft"):
+    time.sleep(0.02)
+    with b.timed("logging"):
+      time.sleep(0.03)
+    logger.log(1, {"sft/nll": 1.0})
+  logger.close()
+  assert b.seconds["logging"] >= 0.03 and 0.02 <= b.seconds["sft"] < 0.03 + 0.01
+  assert b.blocks == 3 and b.report(1.0)["unaccounted_seconds"] == pytest.approx(1.0 - b.seconds["sft"]
+                                                                                 - b.seconds["logging"])
+
+
 def test_overlap_is_the_seconds_two_kinds_of_work_ran_at_once():
   timeline = [("generate", 0.0, 2.0), ("reward", 1.0, 4.0), ("generate", 3.0, 5.0), ("train", 4.5, 6.0),
               ("generate", 1.5, 2.5)]  # a second generator thread: generation is [0, 2.5] and [3, 5]

@@ -219,8 +219,8 @@ def run(ex: Executors, state: RunState, recorder: StepRecorder, config: RunConfi
     t_end = blocks = None  # the previous step's end and the breakdown's blocks then
     for _ in range(num_steps):
       s = state.step
-      # the step's clock: from the previous step's end (the logging between is the trainer's wait),
-      # unless a checkpoint or an evaluation ran since (parts of their own)
+      # the step's clock: from the previous step's end, unless a checkpoint, an evaluation or the
+      # metrics' logging ran since (parts of their own)
       t0 = t_end if t_end is not None and recorder.breakdown.blocks == blocks else time.perf_counter()
       entry = pipe.next_batch(s)
       t1 = time.perf_counter()
