@@ -28,7 +28,7 @@ from llamarl_jax.executors.trainer import TrainerExecutor
 from llamarl_jax.executors.weight_sync import WeightSync
 from llamarl_jax.generation.engine import SlotEngine
 from llamarl_jax.generation.sampler import Sampler, SamplingParams
-from llamarl_jax.model import fp8, hf
+from llamarl_jax.model import fp8, hf, moe
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.model.config import ModelConfig, WeightLayout
 from llamarl_jax.model.llama import abstract_model, split_params
@@ -48,7 +48,7 @@ def trainer_options(run: RunConfig) -> dict:
               layout=t.layout, scan_layers=t.scan_layers,
               temperature=max(r.temperature, 1e-6) if r.temperature > 0 else 1.0,
               reference_is_initial=t.reference_path is None, lora=t.lora, base_dtype=run.generator.dtype,
-              critic=t.critic, routing_replay=t.routing_replay)
+              critic=t.critic, routing_replay=t.routing_replay, grouped_gemm=t.moe_grouped_gemm)
 
 
 def run_model(model_config: ModelConfig, run: RunConfig) -> ModelConfig:
@@ -102,10 +102,13 @@ def rollout_sampling(rollout, tokenizer) -> SamplingParams:
 
 
 def sampler(model_config: ModelConfig, run: RunConfig, mesh, tokenizer) -> Sampler:
-  """The generator's model copy on `mesh`: `GeneratorConfig.dtype` and its precision (`quantize`); exact
-  ops with `RolloutConfig.exact_logprobs` (`run_model`; the slot engine takes the sampler's config)."""
+  """The generator's model copy on `mesh`: `GeneratorConfig.dtype`, its precision (`quantize`) and a
+  MoE policy's expert matmuls (`moe_grouped_gemm`, resolved for the mesh's devices); exact ops with
+  `RolloutConfig.exact_logprobs` (`run_model`; the slot engine takes the sampler's config)."""
   g = run.generator
-  config = run_model(model_config, run).replace(param_dtype=g.dtype, dtype=g.dtype)
+  mesh = mesh if mesh is not None else parallel.make_mesh(jax.devices()[:1])
+  gemm = moe.resolve_grouped_gemm(g.moe_grouped_gemm, mesh.devices.flat[0].platform)
+  config = run_model(model_config, run).replace(param_dtype=g.dtype, dtype=g.dtype, grouped_gemm=gemm)
   return Sampler(config, mesh, pad_id=tokenizer.pad_token_id or 0, quantize=g.quantize)
 
 

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from llamarl_jax.advantages import ADVANTAGE_ESTIMATORS
 from llamarl_jax.field_rules import ConfigError, Validated, above, at_least, between, int_at_least, one_of
 from llamarl_jax.live import LiveResource
-from llamarl_jax.model.config import WeightLayout, quantize_problem
+from llamarl_jax.model.config import GROUPED_GEMMS, WeightLayout, quantize_problem
 from llamarl_jax.model.paged_attention import PAGED_IMPLEMENTATIONS
 from llamarl_jax.schedule import VERSION_SCHEDULES
 from llamarl_jax.train_config import (  # noqa: F401  (re-exported: the trainer's section of the run's configuration)
@@ -165,7 +165,8 @@ class GeneratorConfig(Validated):
   in `dtype`), 'fp8' (the projections in float8_e4m3fn with per-output-channel scales, computed as
   fp8 GEMMs; the trainer quantises before the wire, or the generator after a LoRA merge: `model.fp8`)
   or 'fp8+lm_head' (the lm_head in fp8 too, a scale per vocabulary row; tied embeddings: an fp8 copy
-  for the logits, the lookup in `dtype`); `delay_s` emulates a slower remote engine per batch
+  for the logits, the lookup in `dtype`); `moe_grouped_gemm` a MoE policy's expert matmuls in the
+  generator (as `TrainConfig.moe_grouped_gemm`); `delay_s` emulates a slower remote engine per batch
   (benchmarks, overlap tests)."""
   engine: str = "slots"
   slots: int = 0
@@ -179,6 +180,7 @@ class GeneratorConfig(Validated):
   recompute_kv: bool = False
   dtype: str = "float32"
   quantize: str | None = None
+  moe_grouped_gemm: str = "auto"
   delay_s: float = 0.0
   RULES: ClassVar = {"engine": one_of(*GENERATOR_ENGINES), "slots": at_least(0), "chunk_steps": at_least(1),
                      "kv_block_size": at_least(1), "chunks_in_flight": at_least(1),
@@ -186,7 +188,8 @@ class GeneratorConfig(Validated):
                      "max_prompt_len": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "min_decode_width": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "staged_slots": at_least(0),
-                     "dtype": one_of(*GENERATOR_DTYPES), "quantize": quantize_problem, "delay_s": at_least(0.0)}
+                     "dtype": one_of(*GENERATOR_DTYPES), "quantize": quantize_problem, "delay_s": at_least(0.0),
+                     "moe_grouped_gemm": one_of("auto", *GROUPED_GEMMS)}
 
 
 @dataclass(frozen=True)
@@ -446,11 +449,11 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "engine_paged_attention": ("generator", "paged_attention"),
     "engine_min_decode_width": ("generator", "min_decode_width"), "engine_staged_slots": ("generator", "staged_slots"),
     "generator_dtype": ("generator", "dtype"), "quantize": ("generator", "quantize"),
-    "generator_delay_s": ("generator", "delay_s"),
+    "generator_delay_s": ("generator", "delay_s"), "generator_moe_grouped_gemm": ("generator", "moe_grouped_gemm"),
     **{k: ("train", k) for k in ("loss", "loss_kwargs", "reference_path", "optimizer", "microbatches", "remat",
                                  "checkpoint_every", "keep_checkpoints", "attention", "logprob_chunk",
                                  "group_by_length", "scan_layers", "lora", "pack", "tokens_per_microbatch",
-                                 "critic", "routing_replay")},
+                                 "critic", "routing_replay", "moe_grouped_gemm")},
     **{k: ("schedule", k) for k in ("max_policy_lag", "version_schedule", "buffer_capacity", "step_timeout_s")},
     "reward_fn": ("reward", "fn"), "reward_workers": ("reward", "workers"), "reward_timeout_s": ("reward", "timeout_s"),
     **{f"reward_{k}": ("reward", k) for k in ("model_path", "model_weight", "rule_weight", "model_gate",

@@ -149,7 +149,8 @@ class Controller:
     """What a checkpoint records about the run that wrote it; a resume compares it (checkpoint.py)."""
     source = self.prompt_source
     # a policy (an LM head, num_labels 0) records only the fields of a causal LM config
-    model = {k: v for k, v in dataclasses.asdict(self.model_config).items() if k not in ("num_labels", "exact") or v}
+    model = {k: v for k, v in dataclasses.asdict(self.model_config).items()
+             if k != "grouped_gemm" and (k not in ("num_labels", "exact") or v)}
     return {"model": model, **self.config.record(),
             "kl_reference": (None if self.trainer.ref_params is None
                              else self.config.train.reference_path or "initial policy"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from llamarl_jax.field_rules import ConfigError, Validated, above, at_least, between, int_at_least, one_of
+from llamarl_jax.model.config import GROUPED_GEMMS
 from llamarl_jax.model.forward import ATTENTION_IMPLEMENTATIONS, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -214,7 +215,10 @@ class TrainConfig(Validated):
   its own top-k, its router still trained through their probabilities (`model.moe`); the share of
   tokens routed differently is logged either way (`moe/routing_disagreement`). Needs a MoE model,
   single-turn rollouts (the generators record routing per turn) and the padded or length-grouped
-  layout (pack = False). `layout`: these keys resolved into one `TrainLayout`, what the trainer takes."""
+  layout (pack = False). `moe_grouped_gemm`: a MoE policy's expert matmuls in the trainer
+  (`model.config.GROUPED_GEMMS`; 'auto': the Pallas tile kernels on a GPU once `gpu_paths` records
+  them as passed there, `jax.lax.ragged_dot` elsewhere; 'pallas' is opt-in on a GPU, interpret mode on
+  a CPU). `layout`: these keys resolved into one `TrainLayout`, what the trainer takes."""
   loss: str = "aipo"
   loss_kwargs: dict = field(default_factory=dict)
   reference_path: str | None = None
@@ -232,12 +236,14 @@ class TrainConfig(Validated):
   tokens_per_microbatch: int | None = None
   critic: CriticConfig | None = None
   routing_replay: bool = False
+  moe_grouped_gemm: str = "auto"
   RULES: ClassVar = {"loss": _loss_rule, "microbatches": at_least(1), "checkpoint_every": at_least(0),
                      "keep_checkpoints": at_least(1),
                      "remat": one_of(False, True, *REMAT_POLICIES), "attention": one_of(*ATTENTION_IMPLEMENTATIONS),
                      "logprob_chunk": lambda v: None if v is None or v >= 1 else "None or >= 1",
                      "group_by_length": one_of(False, True), "scan_layers": one_of(False, True),
                      "pack": one_of(False, True), "routing_replay": one_of(False, True),
+                     "moe_grouped_gemm": one_of("auto", *GROUPED_GEMMS),
                      "tokens_per_microbatch": lambda v: None if v is None or v >= 1 else "None or >= 1"}
 
   def __post_init__(self):

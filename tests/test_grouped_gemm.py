@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from llamarl_jax.model import grouped_gemm as gg
 from llamarl_jax.model import moe
@@ -113,3 +114,57 @@ def test_auto_is_ragged_dot_until_the_kernels_pass_on_a_gpu():
   assert moe.resolve_grouped_gemm("pallas", "cpu") == "pallas"  # by name: opt-in anywhere
   with pytest.raises(ValueError, match="grouped_gemm must be"):
     moe.resolve_grouped_gemm("triton")
+
+
+def test_each_roles_run_setting_picks_its_grouped_gemm():
+  """`TrainConfig.moe_grouped_gemm` / `GeneratorConfig.moe_grouped_gemm` reach the trainer's step and the
+  generator's forwards: 'pallas' (interpret mode here) puts the tile kernels in the programs and gives
+  ragged_dot's training steps (losses, gradient norms, params: fp32, 1e-5) and greedy tokens and
+  log-probs; 'auto' on the CPU is ragged_dot; a bad value is refused by name."""
+  from test_moe import moe_params, tiny_moe_config
+  from test_trainer import LOSS_KW, OPT, rows_batch
+
+  from llamarl_jax import build, parallel
+  from llamarl_jax.config import ConfigError, run_config
+  from llamarl_jax.executors.trainer import TrainerExecutor
+  from llamarl_jax.generation.sampler import SamplingParams
+  from llamarl_jax.model.llama import MoE
+
+  config = tiny_moe_config()
+  params = moe_params(config)
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  rng = np.random.RandomState(1)
+  batch = rows_batch(rng, rng.randint(1, 7, 4), np.r_[8, rng.randint(1, 9, 3)], 6, 8)
+  runs = {}
+  for impl in ("auto", "pallas"):
+    trainer = TrainerExecutor(config, mesh, params, optimizer=OPT, loss_kwargs=LOSS_KW, grouped_gemm=impl)
+    runs[impl] = ([trainer.step(batch) for _ in range(2)], jax.device_get(trainer.params))
+    assert trainer.config.grouped_gemm == ("ragged_dot" if impl == "auto" else impl)
+  for a, b in zip(runs["auto"][0], runs["pallas"][0]):
+    for key in ("loss/total", "train/grad_norm"):
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
+  for a, b in zip(jax.tree.leaves(runs["auto"][1]), jax.tree.leaves(runs["pallas"][1])):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+
+  class Tokenizer:
+    pad_token_id, eos_token_id = 0, None
+
+  prompts = [[3, 5, 7], [11, 2], [9, 9, 9, 4]]
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
+  out = {}
+  for impl in ("auto", "pallas"):
+    sampler = build.sampler(config, run_config(generator_moe_grouped_gemm=impl), mesh, Tokenizer())
+    assert sampler.config.grouped_gemm == ("ragged_dot" if impl == "auto" else impl)
+    out[impl] = sampler.generate(params, prompts, sampling)
+  np.testing.assert_array_equal(out["pallas"].response_tokens, out["auto"].response_tokens)
+  np.testing.assert_array_equal(out["pallas"].routing, out["auto"].routing)
+  np.testing.assert_allclose(out["pallas"].behaviour_logprobs, out["auto"].behaviour_logprobs, rtol=0, atol=1e-5)
+
+  for impl, kernel in (("pallas", True), ("ragged_dot", False)):
+    layer = MoE(config.replace(grouped_gemm=impl), nnx.Rngs(0))
+    jaxpr = str(jax.make_jaxpr(lambda x: layer(x)[0])(jnp.ones((1, 4, config.hidden_size))))
+    assert ("pallas_call" in jaxpr) == kernel, impl
+
+  for key in ("moe_grouped_gemm", "generator_moe_grouped_gemm"):
+    with pytest.raises(ConfigError, match="moe_grouped_gemm"):
+      run_config(**{key: "triton"})

@@ -24,6 +24,7 @@ from llamarl_jax.config import CriticConfig, LoraConfig, OptimizerConfig, TrainL
 from llamarl_jax.executors.critic import CriticExecutor
 from llamarl_jax.batch import ScoredBatch
 from llamarl_jax.model import lora as lora_lib
+from llamarl_jax.model import moe as moe_lib
 from llamarl_jax.model.config import ModelConfig
 from llamarl_jax.model.forward import DEFAULT_LOGPROB_CHUNK, remat_policy, resolve_attention
 from llamarl_jax.train.placement import (abstract_state, initial_state, make_placement, place, place_trained,
@@ -66,7 +67,7 @@ class TrainerExecutor:
                layout: TrainLayout = TrainLayout(), scan_layers: bool = True,
                rules: Mapping[str, str | None] = parallel.RULES, lora: LoraConfig | None = None,
                base_dtype="float32", adapters: Any = None, lora_seed: int = 0,
-               critic: CriticConfig | None = None, routing_replay: bool = False):
+               critic: CriticConfig | None = None, routing_replay: bool = False, grouped_gemm: str = "auto"):
     loss_kwargs = dict(loss_kwargs or {})
     if routing_replay and not config.num_experts:
       raise ValueError("routing_replay=True replays a mixture-of-experts policy's recorded routing, but this model "
@@ -85,8 +86,12 @@ class TrainerExecutor:
     self.remat, self.logprob_chunk, self.temperature = remat_policy(remat), logprob_chunk, float(temperature)
     self.platform = platform or mesh.devices.flat[0].platform  # the step's target (`lower_step`)
     self.attention = resolve_attention(attention, self.platform, config.dtype, packed=layout.packed)
-    gpu_paths.announce("trainer", self.platform,
-                       {"packed_attention" if layout.packed else "trainer_attention": self.attention})
+    paths = {"packed_attention" if layout.packed else "trainer_attention": self.attention}
+    if config.num_experts:  # the experts' grouped matmuls, for the platform the step targets
+      config = config.replace(grouped_gemm=moe_lib.resolve_grouped_gemm(grouped_gemm, self.platform))
+      paths["moe_grouped_gemm"] = config.grouped_gemm
+      self.config = config
+    gpu_paths.announce("trainer", self.platform, paths)
     self.reference_is_initial = reference_is_initial
     self.busy_seconds = 0.0
     tx = make_optimizer(self.optimizer_config)

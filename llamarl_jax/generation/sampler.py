@@ -45,7 +45,7 @@ from llamarl_jax.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch
 from llamarl_jax.model import serving
 from llamarl_jax.model import exact as exact_lib
 from llamarl_jax.model import fp8 as fp8_lib
-from llamarl_jax.model.config import HF_LAYOUT, QUANTIZATIONS, ModelConfig, WeightLayout
+from llamarl_jax.model.config import COMPUTE_FIELDS, HF_LAYOUT, QUANTIZATIONS, ModelConfig, WeightLayout
 from llamarl_jax.model.llama import KVCache, Llama, abstract_model, merge_params, split_params
 
 Array = jax.Array
@@ -380,7 +380,8 @@ class Sampler:
     fused here (`serving.fuse`, one jitted call; the other leaves are not copied); params already
     in the serving layout are only placed (no copy when already placed so)."""
     if isinstance(params_or_model, Llama):
-      if params_or_model.config != self.config:
+      how = {f: getattr(self.config, f) for f in COMPUTE_FIELDS}  # how it is computed is the sampler's
+      if params_or_model.config.replace(**how) != self.config:
         raise ValueError(f"model config {params_or_model.config} differs from the sampler's {self.config}; "
                          "build the Sampler with the model's config")
       _, params = split_params(params_or_model)

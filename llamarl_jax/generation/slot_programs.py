@@ -181,6 +181,8 @@ class SlotPrograms:
     self.paths = {"paged_attention": self.attention_form}
     if sampler.layout.fp8:
       self.paths["quantize"] = "fp8"
+    if config.num_experts:
+      self.paths["moe_grouped_gemm"] = config.grouped_gemm
     gpu_paths.announce("slot engine", self.platform, self.paths)
     self.num_lanes = num_slots if num_lanes is None else int(num_lanes)
     if not 1 <= self.num_lanes <= num_slots:

@@ -47,6 +47,13 @@ FAMILIES = types.MappingProxyType({  # HF config.json `model_type` -> Family (re
 })
 
 
+# The experts' grouped matmul implementations (`ModelConfig.grouped_gemm`, `model.moe`).
+GROUPED_GEMMS = ("ragged_dot", "pallas")
+# ModelConfig fields that say how the model is computed, not what it is: never exported, never
+# compared between checkpoints or with a KL reference.
+COMPUTE_FIELDS = ("exact", "grouped_gemm")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture of a Llama 3 / Qwen2 / Qwen3 model (field names follow HF's configs where they exist)."""
@@ -88,6 +95,10 @@ class ModelConfig:
   # (`model.exact`: the `exact_logprobs` run switch, `RolloutConfig.exact_logprobs`), so the
   # generator's and the trainer's log-probs of the same tokens agree bit for bit. Never exported.
   exact: bool = False
+  # How a MoE layer's experts compute their grouped matmuls (GROUPED_GEMMS): 'ragged_dot'
+  # (`jax.lax.ragged_dot`) or 'pallas' (`model.grouped_gemm`'s tile kernels); a role's run setting
+  # (`TrainConfig.moe_grouped_gemm`, `GeneratorConfig.moe_grouped_gemm`) resolved for its devices.
+  grouped_gemm: str = "ragged_dot"
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -101,6 +112,8 @@ class ModelConfig:
       raise ValueError(f"model_type {self.model_type!r} is not a supported family; supported: {sorted(FAMILIES)}")
     if self.num_labels < 0:
       raise ValueError(f"num_labels must be 0 (a causal LM) or >= 1 (a score head), got {self.num_labels}")
+    if self.grouped_gemm not in GROUPED_GEMMS:
+      raise ValueError(f"grouped_gemm must be one of {GROUPED_GEMMS}, got {self.grouped_gemm!r}")
     object.__setattr__(self, "mlp_only_layers", tuple(sorted(int(i) for i in self.mlp_only_layers)))
     if self.num_experts:
       if self.model_type != "qwen3_moe":

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from llamarl_jax import parallel
-from llamarl_jax.model.config import FAMILIES, HF_LAYOUT, ROPE_TYPES, ModelConfig
+from llamarl_jax.model.config import COMPUTE_FIELDS, FAMILIES, HF_LAYOUT, ROPE_TYPES, ModelConfig
 from llamarl_jax.model.llama import Llama, abstract_model, split_params
 
 
@@ -426,7 +426,7 @@ def check_tokenizer_matches(tokenizer, config: ModelConfig) -> None:
 def load_reference_params(path: str, config: ModelConfig) -> Any:
   """Params of the KL reference policy from an HF checkpoint directory (same architecture as the policy)."""
   ref_config, model = load_hf_checkpoint(path)
-  fields = [f.name for f in dataclasses.fields(config) if f.name not in ("param_dtype", "dtype", "exact")]
+  fields = [f.name for f in dataclasses.fields(config) if f.name not in ("param_dtype", "dtype", *COMPUTE_FIELDS)]
   diff = [f"{f}: policy {getattr(config, f)}, reference {getattr(ref_config, f)}" for f in fields
           if getattr(config, f) != getattr(ref_config, f)]
   if diff:

@@ -347,7 +347,8 @@ class MoE(nnx.Module):
     gate_up = self.expert("w_gate_up") if self.fused else (self.expert("w_gate"), self.expert("w_up"))
     mesh = None if routing is None else routing.mesh
     out = moe_lib.grouped_swiglu(flat, experts, weights, gate_up, self.expert("w_down"), mesh,
-                                 lora=lora if lora is not None and lora.weights else None)
+                                 lora=lora if lora is not None and lora.weights else None,
+                                 grouped_gemm=c.grouped_gemm)
     mask = None if routing is None or routing.token_mask is None else routing.token_mask.reshape(B * T)
     counts, prob_sum = moe_lib.router_stats(own, probs, c.num_experts, mask)
     return out.reshape(B, T, E), moe_lib.RouterStats(topk=own.reshape(B, T, k), counts=counts, prob_sum=prob_sum)

@@ -34,6 +34,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from llamarl_jax.model.config import GROUPED_GEMMS
+
 Array = jax.Array
 
 
@@ -232,7 +234,7 @@ def grouped_dot(rows: Array, w, sizes: Array, matmul=jax.lax.ragged_dot) -> Arra
   return (y * jnp.take(w.scale.reshape(X, -1), expert, axis=0)).astype(dt)
 
 
-GROUPED_GEMM_IMPLEMENTATIONS = ("ragged_dot", "pallas")
+GROUPED_GEMM_IMPLEMENTATIONS = GROUPED_GEMMS
 
 
 def resolve_grouped_gemm(implementation: str = "auto", platform: str | None = None) -> str:
