@@ -241,6 +241,32 @@ def pallas_triton_compiler_params(**kwargs):
   return importlib.import_module(PALLAS_TRITON).CompilerParams(**kwargs)
 
 
+def pallas_interpreter():
+  """The `interpret=` of a Pallas kernel run on the CPU that also runs inside a `shard_map` whose
+  operands vary over mesh axes: Pallas' TPU interpreter (`InterpretParams`; its plain `interpret=True`
+  evaluates the kernel without those axes and fails there); generic kernels only (no Triton or
+  Mosaic-specific ops)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  return pltpu.InterpretParams()
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes a value varies over inside a `shard_map` (empty outside one): its type's
+  `manual_axis_type` (jax 0.10.2 and 0.12; earlier JAX called it `vma`)."""
+  import jax
+
+  return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def varying_struct(shape, dtype, like):
+  """A `pallas_call` out_shape that varies over the mesh axes `like` varies over: inside a `shard_map`
+  that checks them (`check_vma`) an output's must be given."""
+  import jax
+
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
 def gin_parsed_bindings():
   """Every binding gin has parsed, as (scope, selector, {param: value}, the configurable or None where
   the selector matches none): gin has no public iterator over scoped bindings, so this reads its

@@ -116,35 +116,53 @@ def test_auto_is_ragged_dot_until_the_kernels_pass_on_a_gpu():
     moe.resolve_grouped_gemm("triton")
 
 
-def test_each_roles_run_setting_picks_its_grouped_gemm():
-  """`TrainConfig.moe_grouped_gemm` / `GeneratorConfig.moe_grouped_gemm` reach the trainer's step and the
-  generator's forwards: 'pallas' (interpret mode here) puts the tile kernels in the programs and gives
-  ragged_dot's training steps (losses, gradient norms, params: fp32, 1e-5) and greedy tokens and
-  log-probs; 'auto' on the CPU is ragged_dot; a bad value is refused by name."""
+def _tiny_moe():
   from test_moe import moe_params, tiny_moe_config
+
+  config = tiny_moe_config()
+  return config, moe_params(config)
+
+
+@pytest.mark.devices(4)
+@pytest.mark.slow  # the interpreted kernels in 6 training steps: ~1 min on 2 cores
+def test_the_trainers_setting_picks_its_grouped_gemm():
+  """`TrainConfig.moe_grouped_gemm` (`TrainerExecutor(grouped_gemm=)`) reaches the trainer's step:
+  'pallas' (interpreted here) gives ragged_dot's training steps (losses, gradient norms, params: fp32,
+  1e-5) on one device and on fsdp 4, where each device plans its own rows' tiles inside a shard_map;
+  'auto' on the CPU is ragged_dot."""
   from test_trainer import LOSS_KW, OPT, rows_batch
 
+  from llamarl_jax import parallel
+  from llamarl_jax.executors.trainer import TrainerExecutor
+
+  config, params = _tiny_moe()
+  rng = np.random.RandomState(1)
+  batch = rows_batch(rng, rng.randint(1, 7, 4), np.r_[8, rng.randint(1, 9, 3)], 6, 8)
+  one, fsdp = parallel.make_mesh(jax.devices()[:1]), parallel.make_mesh(jax.devices()[:4], fsdp=4)
+  runs = {}
+  for name, impl, mesh in (("auto", "auto", one), ("pallas", "pallas", one), ("pallas fsdp", "pallas", fsdp)):
+    trainer = TrainerExecutor(config, mesh, params, optimizer=OPT, loss_kwargs=LOSS_KW, grouped_gemm=impl)
+    runs[name] = ([trainer.step(batch) for _ in range(2)], jax.device_get(trainer.params))
+    assert trainer.config.grouped_gemm == ("ragged_dot" if impl == "auto" else impl)
+  for name in ("pallas", "pallas fsdp"):
+    for a, b in zip(runs["auto"][0], runs[name][0]):
+      for key in ("loss/total", "train/grad_norm"):
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=f"{name} {key}")
+    for a, b in zip(jax.tree.leaves(runs["auto"][1]), jax.tree.leaves(runs[name][1])):
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_the_generators_setting_picks_its_grouped_gemm():
+  """`GeneratorConfig.moe_grouped_gemm` reaches the generator's forwards: 'pallas' puts the tile kernels
+  in the MoE layers' programs (ragged_dot does not) and samples ragged_dot's greedy tokens, routing and
+  log-probs (fp32, 1e-5); 'auto' on the CPU is ragged_dot; a bad value of either role's is refused."""
   from llamarl_jax import build, parallel
   from llamarl_jax.config import ConfigError, run_config
-  from llamarl_jax.executors.trainer import TrainerExecutor
   from llamarl_jax.generation.sampler import SamplingParams
   from llamarl_jax.model.llama import MoE
 
-  config = tiny_moe_config()
-  params = moe_params(config)
+  config, params = _tiny_moe()
   mesh = parallel.make_mesh(jax.devices()[:1])
-  rng = np.random.RandomState(1)
-  batch = rows_batch(rng, rng.randint(1, 7, 4), np.r_[8, rng.randint(1, 9, 3)], 6, 8)
-  runs = {}
-  for impl in ("auto", "pallas"):
-    trainer = TrainerExecutor(config, mesh, params, optimizer=OPT, loss_kwargs=LOSS_KW, grouped_gemm=impl)
-    runs[impl] = ([trainer.step(batch) for _ in range(2)], jax.device_get(trainer.params))
-    assert trainer.config.grouped_gemm == ("ragged_dot" if impl == "auto" else impl)
-  for a, b in zip(runs["auto"][0], runs["pallas"][0]):
-    for key in ("loss/total", "train/grad_norm"):
-      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
-  for a, b in zip(jax.tree.leaves(runs["auto"][1]), jax.tree.leaves(runs["pallas"][1])):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
 
   class Tokenizer:
     pad_token_id, eos_token_id = 0, None
@@ -168,3 +186,32 @@ def test_each_roles_run_setting_picks_its_grouped_gemm():
   for key in ("moe_grouped_gemm", "generator_moe_grouped_gemm"):
     with pytest.raises(ConfigError, match="moe_grouped_gemm"):
       run_config(**{key: "triton"})
+
+
+@pytest.mark.devices(4)
+def test_inside_a_shard_map_each_devices_rows_give_ragged_dots_values_and_gradients():
+  """Each of 4 devices' rows and group sizes (varying over the axis) times replicated matrices, under
+  shard_map's varying-axis checks: the kernels' operands are made to vary alike, and the matrices'
+  gradient is the sum of the devices' (fp32, to summation order)."""
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+  rng = np.random.RandomState(3)
+  lhs = jnp.asarray(rng.normal(size=(4 * M, K)), jnp.float32)
+  rhs = jnp.asarray(rng.normal(size=(3, K, N)) / np.sqrt(K), jnp.float32)
+  sizes = jnp.asarray([10, 0, 15, 64, 0, 0, 0, 7, 7, 20, 20, 20], jnp.int32)  # 3 groups per device
+
+  def loss(lhs, rhs):
+    body = lambda l, r, s: gg.grouped_gemm(l, r, s, **BLOCKS)
+    out = jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P(), P("fsdp")), out_specs=P("fsdp"))(lhs, rhs, sizes)
+    return jnp.sum(out ** 2)
+
+  def reference(lhs, rhs):
+    parts = [jax.lax.ragged_dot(lhs[i * M:(i + 1) * M], rhs, sizes[3 * i:3 * i + 3], precision=HIGHEST)
+             for i in range(4)]
+    return jnp.sum(jnp.concatenate(parts) ** 2)
+
+  got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(lhs, rhs)
+  want = jax.value_and_grad(reference, argnums=(0, 1))(lhs, rhs)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))

@@ -19,7 +19,10 @@ their transposes carry the gradients. `kernel_flops` counts the kernels' FLOPs f
 cost analysis does not see inside a Pallas call): at most `T * block_m / M` times the routed FLOPs,
 1.25x at Qwen3-30B-A3B's 32768 rows of 128 experts with 64-row tiles.
 
-`interpret=True` runs the kernels with JAX ops on any backend (the CPU tests compare with ragged_dot).
+`interpret=True` runs the kernels in Pallas' TPU interpreter (`compat.pallas_interpreter`: JAX ops on any
+backend, also inside a shard_map; the CPU tests compare with ragged_dot). Inside a shard_map every
+operand is made to vary over the same mesh axes (`jax.lax.pcast`), so a replicated matrix's gradient
+is summed over the devices' rows.
 """
 
 from __future__ import annotations
@@ -56,10 +59,13 @@ def tile_plan(sizes: Array, rows: int, block_m: int = BLOCK_M):
   tile_count = (sizes + block_m - 1) // block_m
   tile_end = jnp.cumsum(tile_count)
   tile_first = tile_end - tile_count
-  tile_group = jnp.searchsorted(tile_end, jnp.arange(T, dtype=jnp.int32), side="right").astype(jnp.int32)
+  # searchsorted(side='right') as a count of the ends at or before each index: inside a shard_map whose
+  # sizes vary over a mesh axis, jnp.searchsorted's primitive fails to trace (jax 0.10.2)
+  after = lambda ends, n: jnp.sum(ends[None, :] <= jnp.arange(n, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+  tile_group = after(tile_end, T)
   ends = jnp.cumsum(sizes)
   m = jnp.arange(rows, dtype=jnp.int32)
-  g = jnp.searchsorted(ends, m, side="right").astype(jnp.int32)
+  g = after(ends, rows)
   gc = jnp.minimum(g, G - 1)
   dst = jnp.where(g < G, tile_first[gc] * block_m + m - (ends[gc] - sizes[gc]), P).astype(jnp.int32)
   src = jnp.full((P,), rows, jnp.int32).at[dst].set(m, mode="drop")
@@ -121,8 +127,8 @@ def _tiles_gemm(lhs_p, rhs, tile_group, *, transpose: bool, block_m: int, block_
       grid=(T, N // bn),
       in_specs=[pl.BlockSpec((None,), lambda t, j: (t,)), pl.BlockSpec((block_m, K), lambda t, j: (t, 0)), w_spec],
       out_specs=pl.BlockSpec((block_m, bn), lambda t, j: (t, j)),
-      out_shape=jax.ShapeDtypeStruct((P, N), lhs_p.dtype),
-      interpret=interpret, compiler_params=_params(interpret, 4),
+      out_shape=compat.varying_struct((P, N), lhs_p.dtype, lhs_p),
+      interpret=compat.pallas_interpreter() if interpret else False, compiler_params=_params(interpret, 4),
       name=f"{NAME}_{'t' if transpose else 'n'}_{T}x{block_m}x{K}x{N}",
   )(tile_group, lhs_p, rhs)
 
@@ -157,8 +163,8 @@ def _weights_gemm(lhs_p, dout_p, tile_first, tile_count, dtype, *, block_m: int,
       in_specs=[group, group, pl.BlockSpec((P, bk), lambda g, i, j: (0, i)),
                 pl.BlockSpec((P, bn), lambda g, i, j: (0, j))],
       out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
-      out_shape=jax.ShapeDtypeStruct((G, K, N), dtype),
-      interpret=interpret, compiler_params=_params(interpret, 4),
+      out_shape=compat.varying_struct((G, K, N), dtype, lhs_p),
+      interpret=compat.pallas_interpreter() if interpret else False, compiler_params=_params(interpret, 4),
       name=f"{NAME}_w_{P // block_m}x{block_m}x{K}x{N}",
   )(tile_first, tile_count, lhs_p, dout_p)
 
@@ -202,7 +208,13 @@ def grouped_gemm(lhs: Array, rhs: Array, group_sizes: Array, *, block_m: int = B
   M = lhs.shape[0]
   tile_group, tile_first, tile_count, dst, src = tile_plan(group_sizes, M, block_m)
   lhs_p = jnp.take(lhs, src, axis=0, mode="fill", fill_value=0)  # [P, K], padding rows zero
-  out_p = _padded_gemm(lhs_p, rhs, tile_group, tile_first, tile_count, (block_m, block_n, block_k, interpret))
+  # inside a shard_map: every operand varying over every mesh axis any of them does, so the kernels'
+  # operands and outputs agree (rhs's cotangent is then summed over the axes added here: pcast's transpose)
+  operands = (lhs_p, rhs, tile_group, tile_first, tile_count)
+  axes = frozenset().union(*map(compat.varying_axes, operands))
+  operands = [x if axes <= compat.varying_axes(x) else
+              jax.lax.pcast(x, tuple(sorted(axes - compat.varying_axes(x))), to="varying") for x in operands]
+  out_p = _padded_gemm(*operands, (block_m, block_n, block_k, interpret))
   return jnp.take(out_p, dst, axis=0, mode="fill", fill_value=0)  # [M, N]
 
 

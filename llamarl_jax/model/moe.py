@@ -144,14 +144,27 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
 
     tok = P(rows)
     return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp, exp), out_specs=tok,
-                         axis_names={*ep, *(rows or ())})(x, experts, weights, gate_up, w_down, lora)
+                         axis_names=_manual_axes(mesh, {*ep, *(rows or ())}, grouped_gemm))(
+                             x, experts, weights, gate_up, w_down, lora)
 
   body = functools.partial(_dispatch_swiglu, ep=EP, ragged=mode == "dispatch", grouped_gemm=grouped_gemm)
   tok = P((*(rows or ()), "expert"))  # each device of the expert axis takes 1/EP of its group's tokens
   out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp, exp), out_specs=tok,
-                      axis_names={*ep, *(rows or ())}, check_vma=False)(x, experts, weights, gate_up, w_down, lora)
+                      axis_names=_manual_axes(mesh, {*ep, *(rows or ())}, grouped_gemm), check_vma=False)(
+                          x, experts, weights, gate_up, w_down, lora)
   # replicated over `expert` again (an all-gather; its transpose, the gradient's, is a slice)
   return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(rows)))
+
+
+def _manual_axes(mesh, axes: set, grouped_gemm: str) -> set:
+  """The axes `grouped_swiglu`'s shard_map is manual over: `axes`, or every mesh axis when the Pallas
+  kernels run interpreted (on the CPU: the interpreter's callbacks need a fully manual computation;
+  inputs are replicated over the added axes, so each of their devices computes the same)."""
+  from llamarl_jax.model.paged_attention import interpret_kernels
+
+  if resolve_grouped_gemm(grouped_gemm, mesh.devices.flat[0].platform) == "pallas" and interpret_kernels():
+    return set(mesh.axis_names)
+  return axes
 
 
 def expert_parallel_bytes(mesh_shape, tokens: int, k: int, embed: int, num_experts: int,

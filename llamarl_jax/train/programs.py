@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llamarl_jax import compat, parallel
-from llamarl_jax.model import exact
+from llamarl_jax.model import exact, paged_attention
 from llamarl_jax.model import lora as lora_lib
 from llamarl_jax.train import step as steps
 from llamarl_jax.train.layout import group_by_length, pack_rows
@@ -136,4 +136,5 @@ class TrainPrograms:
                    "microbatches": jax.ShapeDtypeStruct((), jnp.int32, sharding=pl.replicated)})
     own = platform == pl.mesh.devices.flat[0].platform  # else a target topology compiled for here
     fn = self.packed_step if self.layout.packed else self.train_step
-    return fn.trace(*args).lower(lowering_platforms=None if own else (platform,))
+    with paged_attention.target_platform(platform):  # Pallas kernels compile for it (not interpreted)
+      return fn.trace(*args).lower(lowering_platforms=None if own else (platform,))
