@@ -360,12 +360,14 @@ def test_experts_are_quantised_per_expert_and_output_channel():
       assert np.all(np.abs(d - w) <= np.maximum(2.0**-4 * np.abs(w), 2.0**-10 * scale) * (1 + 1e-6)), name
 
 
+@pytest.mark.parametrize("grouped_gemm", ["ragged_dot", "pallas"])
 @pytest.mark.parametrize("fused", [False, True], ids=["gate_up", "fused_gate_up"])
-def test_the_fp8_grouped_matmul_is_the_dequantised_experts_swiglu(fused):
+def test_the_fp8_grouped_matmul_is_the_dequantised_experts_swiglu(fused, grouped_gemm):
   """`moe.grouped_swiglu` on `ScaledExperts` (fp8 values cast to the rows' dtype, each row's product
   times its expert's scales) equals it on the de-quantised fp32 experts: the same products in another
   order (fp32 rounding, < 1e-5 relative to the output's scale); rows routed to no expert of a
-  contiguous range included (the first device's half of an expert-parallel mesh)."""
+  contiguous range included (the first device's half of an expert-parallel mesh); by ragged_dot, and by
+  the Pallas kernels reading the fp8 values (interpreted here)."""
   from llamarl_jax.model import moe
   rng = np.random.RandomState(0)
   N, k, X, E, F = 40, 2, 4, 32, 16
@@ -380,7 +382,7 @@ def test_the_fp8_grouped_matmul_is_the_dequantised_experts_swiglu(fused):
   pack = (lambda ws: ws[0]) if fused else tuple
   for first, Xl in ((0, X), (0, X // 2)):  # all experts here; the first half (the rest elsewhere: 0)
     part = lambda w: jax.tree.map(lambda a: a[first:first + Xl], w)
-    got = moe._local_swiglu(x, experts, weights, pack([part(w) for w in q[:-1]]), part(q[-1]), first)
+    got = moe._local_swiglu(x, experts, weights, pack([part(w) for w in q[:-1]]), part(q[-1]), first, grouped_gemm)
     want = moe._local_swiglu(x, experts, weights, pack([part(w) for w in deq[:-1]]), part(deq[-1]), first)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(jnp.abs(want).max()), rtol=0)
   unquantised = moe.grouped_swiglu(x, experts, weights, pack(gate_up), down)

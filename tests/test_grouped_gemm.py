@@ -50,6 +50,22 @@ def test_fp32_values_and_gradients_equal_ragged_dot(case):
     np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, np.abs(w).max()), rtol=0, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_fp8_matrix_is_read_as_fp8_and_gives_the_widened_matrixs_product(dtype):
+  """An fp8 rhs goes into the kernel as fp8 (no widened copy of it outside), and each tile's widening
+  is exact: bit for bit the product of the same kernel on rhs widened first."""
+  lhs, rhs, _ = _operands(dtype)
+  sizes = jnp.asarray(SIZES["uneven, an empty group, rows past the sum"], jnp.int32)
+  q = rhs.astype(jnp.float8_e4m3fn)
+  got = gg.grouped_gemm(lhs, q, sizes, **BLOCKS)
+  want = gg.grouped_gemm(lhs, q.astype(dtype), sizes, **BLOCKS)
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  jaxpr = str(jax.make_jaxpr(lambda l, r: gg.grouped_gemm(l, r, sizes, **BLOCKS))(lhs, q))
+  assert f"{jnp.dtype(dtype).name.replace('float', 'f')}[6,32,48]" not in jaxpr  # f32 / bf16: no widened copy
+  with pytest.raises(ValueError, match="cast rhs"):
+    gg.grouped_gemm(lhs, rhs.astype(jnp.float16), sizes, **BLOCKS)
+
+
 def test_rows_outside_every_group_get_zero_value_and_zero_gradient():
   got, _ = _both(*_operands(jnp.float32), SIZES["uneven, an empty group, rows past the sum"])
   value, d_lhs, d_rhs = got

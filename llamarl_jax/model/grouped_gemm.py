@@ -97,6 +97,7 @@ def _tiles_kernel(group_ref, lhs_ref, rhs_ref, out_ref, *, groups: int, block_k:
       else:
         w = rhs_ref[g, pl.ds(k0, block_k), :]  # [block_k, block_n]
         dims = (((1,), (0,)), ((), ()))
+      w = w.astype(a.dtype)  # an fp8 matrix is read as fp8 and widened here, tile by tile (exact)
       return acc + jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, K // block_k, body, jnp.zeros(out_ref.shape, jnp.float32))
@@ -199,12 +200,16 @@ def grouped_gemm(lhs: Array, rhs: Array, group_sizes: Array, *, block_m: int = B
   """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` by the tile kernels (module docstring).
 
   lhs `[M, K]` sorted by group; rhs `[G, K, N]` (lhs's dtype); group_sizes `[G]` int, summing to at
-  most M -> `[M, N]` in lhs's dtype. Differentiable in lhs and rhs."""
+  most M -> `[M, N]` in lhs's dtype. Differentiable in lhs and rhs. An fp8 rhs (float8_e4m3fn: the
+  generator's weight-only fp8 experts) is read as fp8 by the kernel, each tile widened to lhs's dtype
+  before its product (exact), so the matrices' bytes are fp8's; forward only (nothing trains fp8)."""
   if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] or group_sizes.shape != rhs.shape[:1]:
     raise ValueError(f"grouped_gemm: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got lhs {lhs.shape}, "
                      f"rhs {rhs.shape}, group_sizes {group_sizes.shape}")
-  if lhs.dtype != rhs.dtype:
-    raise ValueError(f"grouped_gemm: lhs is {lhs.dtype}, rhs {rhs.dtype}: cast rhs to lhs's dtype first")
+  fp8 = rhs.dtype == jnp.float8_e4m3fn
+  if lhs.dtype != rhs.dtype and not fp8:
+    raise ValueError(f"grouped_gemm: lhs is {lhs.dtype}, rhs {rhs.dtype}: cast rhs to lhs's dtype first "
+                     "(or give float8_e4m3fn, read as fp8)")
   M = lhs.shape[0]
   tile_group, tile_first, tile_count, dst, src = tile_plan(group_sizes, M, block_m)
   lhs_p = jnp.take(lhs, src, axis=0, mode="fill", fill_value=0)  # [P, K], padding rows zero
@@ -214,7 +219,12 @@ def grouped_gemm(lhs: Array, rhs: Array, group_sizes: Array, *, block_m: int = B
   axes = frozenset().union(*map(compat.varying_axes, operands))
   operands = [x if axes <= compat.varying_axes(x) else
               jax.lax.pcast(x, tuple(sorted(axes - compat.varying_axes(x))), to="varying") for x in operands]
-  out_p = _padded_gemm(*operands, (block_m, block_n, block_k, interpret))
+  static = (block_m, block_n, block_k, interpret)
+  if fp8:  # no gradient: the forward kernel alone (a custom_vjp's would need an fp8 cotangent)
+    out_p = _tiles_gemm(*operands[:3], transpose=False, block_m=block_m, block_n=block_n, block_k=block_k,
+                        interpret=interpret)
+  else:
+    out_p = _padded_gemm(*operands, static)
   return jnp.take(out_p, dst, axis=0, mode="fill", fill_value=0)  # [M, N]
 
 

@@ -232,17 +232,19 @@ class ScaledExperts:
     return self.values.shape
 
 
-def grouped_dot(rows: Array, w, sizes: Array, matmul=jax.lax.ragged_dot) -> Array:
+def grouped_dot(rows: Array, w, sizes: Array, matmul=jax.lax.ragged_dot, reads_fp8: bool = False) -> Array:
   """rows `[R, K]` sorted by expert times each expert's w `[X, K, *out]`, `sizes` `[X]` rows per
   expert, by `matmul` (`(lhs [R, K], rhs [X, K, N], sizes) -> [R, N]`, `jax.lax.ragged_dot`'s
   contract; rows past their sum: zero) -> `[R, prod(out)]` in rows' dtype. An fp8 w (`ScaledExperts`) is
-  weight-only fp8: its values cast to rows' dtype (exact) into the same matmul, the product times
-  each row's expert's scales in fp32 (the expert of a sorted row read from `sizes`), then rounded."""
+  weight-only fp8: its values cast to rows' dtype (exact) into the same matmul - or given as fp8 to a
+  `matmul` that `reads_fp8` (the Pallas kernels widen each tile) -, the product times each row's
+  expert's scales in fp32 (the expert of a sorted row read from `sizes`), then rounded."""
   dt, R = rows.dtype, rows.shape[0]
   X, K = w.shape[:2]
   if not isinstance(w, ScaledExperts):
     return matmul(rows, w.reshape(X, K, -1).astype(dt), sizes)
-  y = matmul(rows, w.values.reshape(X, K, -1).astype(dt), sizes).astype(jnp.float32)
+  values = w.values.reshape(X, K, -1)
+  y = matmul(rows, values if reads_fp8 else values.astype(dt), sizes).astype(jnp.float32)
   expert = jnp.repeat(jnp.arange(X), sizes, total_repeat_length=R)  # [R]; rows past the groups: any expert
   return (y * jnp.take(w.scale.reshape(X, -1), expert, axis=0)).astype(dt)
 
@@ -291,7 +293,8 @@ def _expert_rows(rows, sizes, gate_up, w_down, grouped_gemm: str = "ragged_dot",
   """SwiGLU of rows `[R, E]` sorted by expert, `sizes` `[X]` rows per expert (rows past their sum fall
   outside every group: zero output) -> `[R, E]`, by `grouped_gemm` (GROUPED_GEMM_IMPLEMENTATIONS);
   lora: the experts' adapters (`grouped_swiglu`; unfused gate_up only)."""
-  matmul = functools.partial(grouped_dot, matmul=_grouped_matmul(resolve_grouped_gemm(grouped_gemm)))
+  impl = resolve_grouped_gemm(grouped_gemm)
+  matmul = functools.partial(grouped_dot, matmul=_grouped_matmul(impl), reads_fp8=impl == "pallas")
   if isinstance(gate_up, (tuple, list)):
     gate = _low_rank(matmul(rows, gate_up[0], sizes), rows, sizes, lora, "w_gate", matmul)
     up = _low_rank(matmul(rows, gate_up[1], sizes), rows, sizes, lora, "w_up", matmul)
