@@ -78,8 +78,9 @@ REDUCED = [  # the one-GPU config at a size a CPU test runs; the config's other 
     "RolloutConfig.prompts_per_step = 2", "RolloutConfig.samples_per_prompt = 4", "RolloutConfig.max_new_tokens = 8",
     "GeneratorConfig.slots = 8", "GeneratorConfig.max_prompt_len = 16", "TrainConfig.microbatches = 2",
     "run_experiment.rl_steps = 4", "run_experiment.progress = False", "run_experiment.tensorboard = False",
-    # synchronous (lag 0): the trainer waits for each batch's generation and rewards
-    "ScheduleConfig.max_policy_lag = 0",
+    # synchronous (lag 0): the trainer waits for each batch's generation and rewards; an emulated 0.1 s
+    # more generation per batch outlasts its logging of the step before (a part of its own), so it waits
+    "ScheduleConfig.max_policy_lag = 0", "GeneratorConfig.delay_s = 0.1",
     # evaluations, checkpoints, the export: their parts of the breakdown (the SFT's is a timed block too)
     "run_experiment.eval_size = 8", "run_experiment.eval_every = 2", "TrainConfig.checkpoint_every = 2",
     "run_experiment.export = True",
