@@ -90,7 +90,7 @@ def pytest_terminal_summary(terminalreporter):
   write(f"\nprograms compiled for an H100 (no GPU attached; {h100.versions()}); bytes in GB per device:")
   write(f"{'program':<44} {'compile s':>9} {'kernels':>8} {'GEMMs':>6} {'moved':>9} {'arguments':>9} "
         f"{'outputs':>8} {'temps':>8}")
-  for name, row in sorted(_ROWS):
+  for name, row in sorted(_ROWS, key=lambda r: r[0]):  # a program may be recorded by two tests
     write(f"{name:<44} {row['compile_s']:>9.1f} {row['kernels']:>8} {row['gemms']:>6} {gb(row['bytes']):>9} "
           f"{gb(row['argument_bytes']):>9} {gb(row['output_bytes']):>8} {gb(row['temp_bytes']):>8}")
   write(f"{len(_ROWS)} programs, {sum(r['compile_s'] for _, r in _ROWS):.0f} s of XLA compiles")
