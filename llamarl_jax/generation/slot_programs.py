@@ -178,11 +178,8 @@ class SlotPrograms:
     mesh = sampler.mesh
     self.platform = mesh.devices.flat[0].platform  # the paged attention's form follows the mesh's devices
     self.paged_attention, self.attention_form = decode_attention(paged_attention, mesh)
-    self.paths = {"paged_attention": self.attention_form}
-    if sampler.layout.fp8:
-      self.paths["quantize"] = "fp8"
-    if config.num_experts:
-      self.paths["moe_grouped_gemm"] = config.grouped_gemm
+    self.paths = {"paged_attention": self.attention_form, **({"quantize": "fp8"} if sampler.layout.fp8 else {}),
+                  **({"moe_grouped_gemm": config.grouped_gemm} if config.num_experts else {})}
     gpu_paths.announce("slot engine", self.platform, self.paths)
     self.num_lanes = num_slots if num_lanes is None else int(num_lanes)
     if not 1 <= self.num_lanes <= num_slots:
