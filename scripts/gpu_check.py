@@ -22,7 +22,9 @@ Numerics (each GPU path against a reference on the same inputs; pass/fail with t
   moe_ragged_dot the experts' grouped SwiGLU (`moe.grouped_swiglu`: `jax.lax.ragged_dot`) against a
                  per-expert dense loop at Qwen3-30B-A3B's expert shapes (fewer tokens)
   moe_grouped_gemm  the Pallas grouped GEMM (`grouped_gemm.grouped_gemm`, Triton) against
-                 `jax.lax.ragged_dot` on the same bf16 rows and experts: value, d rows, d weights
+                 `jax.lax.ragged_dot` on the same bf16 rows and experts: value, d rows, d weights; fp8
+                 experts read as fp8 (bit-equal to the widened ones); figures: ms of one MoE layer
+                 by each, forward and forward + backward
   exact_logprobs the `exact_logprobs` switch (`ModelConfig.exact`, `model.exact`'s batch-invariant ops):
                  a bf16 slot engine of 64 slots against the trainer's `token_logprobs` of its sampled
                  tokens at lag 0, bit for bit (max |diff| and k3 KL 0); figures, exact / plain on the
@@ -380,7 +382,46 @@ def moe_grouped_gemm_section(cfg, env) -> dict:
                    np.abs(g - r).max() / np.abs(r).max(), 4 * U,
                    "both accumulate in fp32 and round once to bf16 (an ulp each), summation order: 4u")
             for what, g, r in zip(("value", "d rows", "d weights"), out["pallas"], out["ragged_dot"])]
-  return {"shape": {"rows": N * k, "embed": E, "width": F, "experts": X}, "checks": checks}
+  q = rhs.astype(jnp.float8_e4m3fn)  # the generator's fp8 experts: read as fp8, each tile widened in the kernel
+  fp8_gap = np.abs(_f32(fns["pallas"](lhs, q, sizes)) - _f32(fns["pallas"](lhs, q.astype(jnp.bfloat16), sizes))).max()
+  checks.append(_check("fp8 experts, max |kernel on fp8 - kernel on the widened bf16|", fp8_gap, 0.0,
+                       "fp8 -> bf16 is exact: the same products"))
+  times = _moe_layer_ms(N, E, F, X, k)
+  return {"shape": {"rows": N * k, "embed": E, "width": F, "experts": X}, "checks": checks, "ms": times,
+          "figures": [f"one MoE layer, {N} tokens top-{k} of {X} experts: forward {times['pallas']['forward']:.3g} ms "
+                      f"(ragged_dot {times['ragged_dot']['forward']:.3g}), forward + backward "
+                      f"{times['pallas']['step']:.3g} ms (ragged_dot {times['ragged_dot']['step']:.3g})"]}
+
+
+def _moe_layer_ms(N: int, E: int, F: int, X: int, k: int, repeats: int = 5) -> dict:
+  """ms of one MoE layer (`moe.grouped_swiglu`, bf16, random routing) by each grouped matmul, forward and
+  forward + backward (the rows' and every expert weight's gradients), median of `repeats` after one."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from llamarl_jax.model import moe
+
+  rng = np.random.RandomState(2)
+  bf = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 2 else 1), jnp.bfloat16)
+  x, gate, up, down = bf(N, E), bf(X, E, F), bf(X, E, F), bf(X, F, E)
+  experts = jnp.asarray(np.stack([rng.choice(X, k, replace=False) for _ in range(N)]), jnp.int32)
+  weights = jax.nn.softmax(jnp.asarray(rng.normal(size=(N, k)), jnp.float32), -1).astype(jnp.bfloat16)
+  out = {}
+  for impl in ("pallas", "ragged_dot"):
+    layer = lambda x, gu, d, impl=impl: moe.grouped_swiglu(x, experts, weights, gu, d, grouped_gemm=impl)
+    loss = lambda *a, layer=layer: jnp.sum(layer(*a).astype(jnp.float32))
+    fns = {"forward": jax.jit(layer), "step": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+    out[impl] = {}
+    for what, fn in fns.items():
+      jax.block_until_ready(fn(x, (gate, up), down))
+      times = []
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x, (gate, up), down))
+        times.append(time.perf_counter() - t0)
+      out[impl][what] = statistics.median(times) * 1e3
+  return out
 
 
 def _decode_ms(engine, prompts, chunks: int) -> float:
