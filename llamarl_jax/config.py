@@ -370,12 +370,12 @@ class RunConfig(Validated):
 
   def check_model(self, model_config) -> None:
     """The checks that need the policy's `ModelConfig`: routing replay needs a mixture-of-experts model;
-    exact log-probs need a dense model whose compute dtype is the generator's."""
-    if self.rollout.exact_logprobs and (model_config.num_experts or model_config.dtype != self.generator.dtype):
-      raise ConfigError(f"RolloutConfig.exact_logprobs = True with a model of num_experts={model_config.num_experts}, "
-                        f"compute dtype {model_config.dtype!r} and GeneratorConfig.dtype={self.generator.dtype!r}: "
-                        "exact log-probs need a dense model (the experts' grouped GEMMs are not batch-invariant) "
-                        "computed in the generator's dtype on both sides; or set RolloutConfig.exact_logprobs = False")
+    exact log-probs need the model computed in the generator's dtype on both sides."""
+    if self.rollout.exact_logprobs and model_config.dtype != self.generator.dtype:
+      raise ConfigError(f"RolloutConfig.exact_logprobs = True with a model of compute dtype {model_config.dtype!r} "
+                        f"and GeneratorConfig.dtype={self.generator.dtype!r}: exact log-probs need the model "
+                        "computed in the generator's dtype on both sides; set ModelConfig.dtype to "
+                        "GeneratorConfig.dtype, or RolloutConfig.exact_logprobs = False")
     if self.train.routing_replay and not model_config.num_experts:
       raise ConfigError(f"TrainConfig.routing_replay = True replays a mixture-of-experts policy's routing, but the "
                         f"model is dense (model_type {model_config.model_type!r}, num_experts = 0); set "

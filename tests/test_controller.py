@@ -451,3 +451,27 @@ def test_exact_logprobs_make_the_lag0_mismatch_exactly_zero_on_fsdp_and_dp_meshe
     assert m["rollout_corr/lag0/num_tokens"] > 0
   _, plain = run(policy, tokenizer, tmp_path / "plain", 3, max_policy_lag=0, generator=generator)
   assert max(m["rollout_corr/lag0/kl_k3"] for m in plain) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "own_routing"])
+def test_exact_logprobs_of_a_mixture_of_experts_policy(tokenizer, tmp_path, replay):
+  """The same with a Qwen3-MoE policy (2 sparse layers of 4 experts, top-2) in bf16, with routing
+  replay and without: the router's logits, softmax and top-2 weights and the experts' grouped matmuls
+  are batch-invariant too (`exact.grouped_dot`), so each token's routing and output are the trainer's
+  bits; the lag-0 k3 KL is exactly 0, every ratio exactly 1 and, with replay, the trainer routes as
+  the generator did (0 disagreement), on every step."""
+  from flax import nnx
+
+  config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+                       model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       norm_topk_prob=True, dtype="bfloat16")
+  _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
+  _, steps = run((config, params), tokenizer, tmp_path, 3, max_policy_lag=0, exact_logprobs=True,
+                 routing_replay=replay, generator={"dtype": "bfloat16"})
+  for m in steps:
+    assert m["rollout_corr/lag0/kl_k3"] == 0.0 and m["rollout_corr/lag0/num_tokens"] > 0, m["rollout_corr/lag0/kl_k3"]
+    assert m["policy/ratio_max"] == 1.0 and m["policy/ratio_min"] == 1.0
+    if replay:
+      assert m["moe/routing_disagreement"] == 0.0

@@ -5,8 +5,8 @@ generator's behaviour log-probs equal the trainer's log-probs of the same tokens
 sampler (left-padded prompts, prefill then decode over a dense KV cache) or the slot engine (prefill,
 then decode over a paged pool, 7 slots; 1 and 64 under `slow`); the trainer is `token_logprobs` over
 the rows in two orders (right-padded from position 0) and `packed_logprobs` over the rows packed end
-to end. Models: tiny random transformers Llama and Qwen3 (q/k norms) checkpoints, fp32 and bf16 (the
-other two pairs under `slow`). Without the switch the same comparison differs (the test is not vacuous).
+to end. Models: tiny random transformers Llama, Qwen3 (q/k norms) and Qwen3-MoE (4 experts, top-2, in
+every layer) checkpoints, fp32 and bf16 (the other pairs under `slow`). Without the switch the same comparison differs (the test is not vacuous).
 """
 
 import dataclasses
@@ -38,7 +38,7 @@ SAMPLING = SamplingParams(temperature=TEMPERATURE, max_new_tokens=R, n=2, seed=1
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   out = {}
-  for family in ("llama", "qwen3"):
+  for family in ("llama", "qwen3", "qwen3_moe"):
     path = tmp_path_factory.mktemp(family)
     tiny_hf_model(family).save_pretrained(path)
     out[family] = load_hf_checkpoint(path)
@@ -108,7 +108,9 @@ def check_against_trainer(config, graphdef, params, batch):
 
 
 CASES = [("llama", "float32"), ("qwen3", "bfloat16"),
-         pytest.param("llama", "bfloat16", marks=pytest.mark.slow), pytest.param("qwen3", "float32", marks=pytest.mark.slow)]
+         pytest.param("llama", "bfloat16", marks=pytest.mark.slow), pytest.param("qwen3", "float32", marks=pytest.mark.slow),
+         pytest.param("qwen3_moe", "float32", marks=pytest.mark.slow),
+         pytest.param("qwen3_moe", "bfloat16", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("family,dtype", CASES)
@@ -122,7 +124,9 @@ def test_static_sampler_logprobs_equal_the_trainers(checkpoints, family, dtype):
     ("llama", "float32", 7),
     pytest.param("qwen3", "bfloat16", 1, marks=pytest.mark.slow), pytest.param("llama", "float32", 1, marks=pytest.mark.slow),
     pytest.param("qwen3", "bfloat16", 7, marks=pytest.mark.slow),
-    pytest.param("llama", "bfloat16", 64, marks=pytest.mark.slow), pytest.param("qwen3", "float32", 64, marks=pytest.mark.slow)])
+    pytest.param("llama", "bfloat16", 64, marks=pytest.mark.slow), pytest.param("qwen3", "float32", 64, marks=pytest.mark.slow),
+    ("qwen3_moe", "bfloat16", 7), pytest.param("qwen3_moe", "float32", 1, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "float32", 64, marks=pytest.mark.slow)])
 def test_slot_engine_logprobs_equal_the_trainers(checkpoints, family, dtype, lanes):
   config, graphdef, params = policy(checkpoints, family, dtype)
   sampling = SAMPLING if lanes >= SAMPLING.n else dataclasses.replace(SAMPLING, n=1)  # one slot: one sample per prompt
@@ -160,15 +164,17 @@ def test_incompatible_settings_are_refused_by_name(flat, keys):
   run_config(**flat)  # each is fine without the switch
 
 
-def test_a_moe_policy_or_another_compute_dtype_is_refused(checkpoints):
-  config = checkpoints["llama"][0]
+def test_another_compute_dtype_is_refused(checkpoints):
   run = run_config(exact_logprobs=True)
-  run.check_model(config)  # fp32 model, fp32 generator
+  run.check_model(checkpoints["llama"][0])  # fp32 model, fp32 generator
+  config = checkpoints["qwen3_moe"][0]
+  run.check_model(config)  # a mixture of experts too
+  dataclasses.replace(run, train=dataclasses.replace(run.train, routing_replay=True)).check_model(config)
   with pytest.raises(ConfigError, match="compute dtype"):
     run.check_model(config.replace(dtype="bfloat16"))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_the_trainers_gradient_is_the_default_modes(checkpoints, family):
   """The exact forward's log-probs differentiate as the plain forward's: every parameter's gradient
   of the response tokens' summed log-prob, fp32, equal within 1e-4 of its largest entry (the two

@@ -91,6 +91,82 @@ def test_dense_gradient_is_the_plain_one():
 
 
 
+# ----------------------------------------------------------------------------------------------------
+# a mixture of experts' grouped matmuls and routing
+
+
+def _grouped(x, groups, w, f):
+  """f(rows sorted by group, w, sizes) for x `[R, K]` whose row i belongs to group groups[i], in x's
+  row order again."""
+  order = jnp.argsort(groups, stable=True)
+  sizes = jnp.bincount(groups, length=w.shape[0]).astype(jnp.int32)
+  out = f(jnp.take(x, order, axis=0), w, sizes)
+  return jnp.zeros_like(out).at[order].set(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_grouped_dot_rows_invariant_and_close_to_ragged_dot(dtype):
+  """Each row's product with its group's matrix is the same bits whatever the other rows and their
+  groups (row counts 1 / 7 / 64 / 300, a permutation: other group sizes, other tile contents), and
+  within the summation-order bound of `jax.lax.ragged_dot`'s."""
+  R, K, N, G = 300, 96, 40, 5
+  x, w = normal((R, K), dtype), normal((G, K, N), dtype, 1, 1 / math.sqrt(K))
+  groups = jnp.asarray(np.random.default_rng(2).integers(0, G, R), jnp.int32)
+  f = jax.jit(lambda x, g: _grouped(x, g, w, exact.grouped_dot))
+  full = bits(f(x, groups))
+  for m in (1, 7, 64, R):
+    np.testing.assert_array_equal(bits(f(x[:m], groups[:m])), full[:m], err_msg=f"{m} rows")
+  perm = np.random.default_rng(1).permutation(R)
+  np.testing.assert_array_equal(bits(f(x[perm], groups[perm])), full[perm], err_msg="permuted rows")
+  got = np.asarray(f(x, groups), np.float64)
+  plain = np.asarray(_grouped(x, groups, w, jax.lax.ragged_dot), np.float64)
+  mag = np.abs(np.asarray(x, np.float64))[:, None, :] @ np.abs(np.asarray(w, np.float64))[np.asarray(groups)]
+  bound = 2 * K * np.finfo(np.float32).eps * mag[:, 0] + (np.abs(plain) * 2.0 ** -7 if dtype == jnp.bfloat16 else 0)
+  assert np.all(np.abs(got - plain) <= bound)
+
+
+def test_grouped_dot_gradient_is_ragged_dots():
+  x, w = normal((50, 32), jnp.float32), normal((3, 32, 16), jnp.float32, 1, 0.2)
+  sizes = jnp.asarray([20, 0, 25], jnp.int32)  # 5 rows past the groups: zero output, zero gradient
+  loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w, sizes)))
+  got = jax.grad(loss(exact.grouped_dot), argnums=(0, 1))(x, w)
+  want = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(x, w)
+  for g, p in zip(got, want):  # the forward values differ by ~1e-7
+    np.testing.assert_allclose(g, p, rtol=1e-5, atol=1e-6)
+  assert np.all(np.asarray(got[0])[45:] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("replay", [False, True], ids=["own", "replay"])
+def test_moe_layer_rows_invariant(dtype, replay):
+  """A Qwen3-MoE layer's routing and experts with grouped_gemm='exact' (router logits, fp32 softmax,
+  top-2 renormalised, the experts' SwiGLU, the weighted sum of the 2 choices): each token's output,
+  weights, experts and probabilities are the same bits whatever the other tokens (with routing
+  replay: the replayed experts, one token in four keeping its own)."""
+  from llamarl_jax.model import moe
+
+  X, E, F, k, N = 4, 32, 16, 2, 200
+  router = normal((E, X), dtype, 1, 0.3)
+  wg, wu, wd = normal((X, E, F), dtype, 2, 0.2), normal((X, E, F), dtype, 3, 0.2), normal((X, F, E), dtype, 4, 0.25)
+  x = normal((N, E), dtype)
+  rng = np.random.default_rng(5)
+  chosen = np.stack([rng.permutation(X)[:k] for _ in range(N)]).astype(np.int32)
+  chosen[rng.random(N) < 0.25] = -1
+  xs = jnp.concatenate([x.astype(jnp.float32), jnp.asarray(chosen, jnp.float32)], axis=1)
+
+  def layer(xs):
+    x, rep = xs[:, :E].astype(dtype), xs[:, E:].astype(jnp.int32)
+    w, e, p, own = moe.route(x, router, k, True, rep if replay else None, exact=True)
+    out = moe.grouped_swiglu(x, e, w, (wg, wu), wd, grouped_gemm="exact")
+    return jnp.concatenate([out.astype(jnp.float32), w.astype(jnp.float32), e.astype(jnp.float32), p], axis=1)
+
+  assert_rows_invariant(layer, xs, rows=(1, 7, 64, N))
+  if replay:  # the replayed rows use the given experts
+    e = np.asarray(jax.jit(layer)(xs))[:, E + k:E + 2 * k]
+    kept = chosen[:, 0] >= 0
+    assert kept.sum() > 100 and np.array_equal(e[kept], chosen[kept])
+
+
 @pytest.mark.parametrize("name", ["token_logprob", "log_softmax", "logsumexp", "temper", "rms_norm", "rope"])
 def test_elementwise_forms_differentiate_as_the_plain_ops(name):
   """Each form stores values through `opaque` (an integer bitcast, whose own derivative is 0); the

@@ -167,6 +167,15 @@ def log_softmax(logits: Array) -> Array:
   return z - jnp.log(exp_sum(z))[..., None]
 
 
+def softmax(logits: Array) -> Array:
+  """softmax over the last axis in fp32: exp(x - max) / their `exp_sum` (a MoE router's probabilities)."""
+  x = logits.astype(F32)
+  m = jnp.max(x, axis=-1, keepdims=True)
+  z = x - jnp.where(jnp.isfinite(m), m, 0.0)
+  e = opaque(jnp.exp(z), row_zero(z))
+  return e / tree_sum(e)[..., None]
+
+
 # ----------------------------------------------------------------------------------------------------
 # elementwise ops with one rounding
 
@@ -323,6 +332,71 @@ def dense(x: Array, w: Array, *, n_in: int = 1, out_dtype=None, tile: int = ROW_
   x2 = x.reshape(math.prod(batch), K)
   y = _dense2d(x2, w.reshape(K, N).astype(x.dtype), tile, out_dtype)
   return y.reshape(*batch, *out_shape)
+
+
+def traced_mesh():
+  """The mesh the program being traced runs on (`traced_on`), or None."""
+  return _MESH.get()
+
+
+# ----------------------------------------------------------------------------------------------------
+# grouped matmuls (a mixture of experts' experts)
+
+
+def local_grouped_dot(rows: Array, w: Array, sizes: Array, tile: int = ROW_TILE) -> Array:
+  """rows `[R, K]` sorted by group times each group's w `[G, K, N]` (`sizes` `[G]` rows per group;
+  rows past their sum: zero) -> fp32 `[R, N]`, batch-invariant: each group's rows padded to a multiple
+  of `tile` (`grouped_gemm.tile_plan`, so every tile belongs to one group), one `[tile, K] @ [K, N]` dot
+  per tile against its group's matrix in a loop, as `local_tiled_dot` does for one matrix. A row's
+  result depends on its values and its group's matrix only: not on the other rows, their groups' sizes
+  or the row count. Computes each row once (plus each group's last partial tile)."""
+  from llamarl_jax.model.grouped_gemm import tile_plan
+
+  R, K = rows.shape
+  G = w.shape[0]
+  tile_group, _, _, dst, src = tile_plan(sizes, R, tile)
+  w_zero = jnp.isnan(w[:1, :1, :1]).astype(jnp.int32)[0]
+  w = opaque(w, w_zero[None])
+  padded = jnp.take(rows, src, axis=0, mode="fill", fill_value=0)  # [T * tile, K], padding rows zero
+  padded = opaque(padded, row_zero(padded) | w_zero).reshape(-1, tile, K)
+
+  def one(args):
+    t, g = args
+    wg = jax.lax.dynamic_index_in_dim(w, jnp.minimum(g, G - 1), keepdims=False)  # an unused tile's rows are 0
+    return opaque(jnp.matmul(t, wg, preferred_element_type=F32), row_zero(t))
+
+  out = jax.lax.map(one, (padded, tile_group)).reshape(padded.shape[0] * tile, -1)
+  return jnp.take(out, dst, axis=0, mode="fill", fill_value=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(rows: Array, w: Array, sizes: Array, tile: int, out_dtype) -> Array:
+  return local_grouped_dot(rows, w, sizes, tile).astype(out_dtype)
+
+
+def _grouped_fwd(rows, w, sizes, tile, out_dtype):
+  return _grouped(rows, w, sizes, tile, out_dtype), (rows, w, sizes)
+
+
+def _grouped_bwd(tile, out_dtype, res, g):
+  rows, w, sizes = res
+  _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=F32), rows, w)
+  d_rows, d_w = vjp(g.astype(F32))
+  return d_rows.astype(rows.dtype), d_w.astype(w.dtype), None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_dot(rows: Array, w: Array, sizes: Array, *, out_dtype=None, tile: int = ROW_TILE) -> Array:
+  """`jax.lax.ragged_dot(rows, w, sizes)` (rows `[R, K]` sorted by group, w `[G, K, N]`, sizes `[G]`)
+  in its batch-invariant form (`local_grouped_dot`), accumulated in fp32 and rounded to `out_dtype`
+  (default rows'); w is cast to rows' dtype. Per device: a caller on a mesh runs it on each device's
+  own rows (`moe.grouped_swiglu`'s shard_map). The backward is `ragged_dot`'s."""
+  if rows.ndim != 2 or w.ndim != 3 or rows.shape[1] != w.shape[1] or sizes.shape != w.shape[:1]:
+    raise ValueError(f"grouped_dot: expected rows [R, K], w [G, K, N], sizes [G]; got rows {rows.shape}, "
+                     f"w {w.shape}, sizes {sizes.shape}")
+  return _grouped(rows, w.astype(rows.dtype), sizes, tile, jnp.dtype(out_dtype or rows.dtype))
 
 
 def lm_head_logprobs(hidden: Array, w: Array, tokens: Array, temperature: float | Array = 1.0) -> Array:

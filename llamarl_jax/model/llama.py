@@ -343,12 +343,14 @@ class MoE(nnx.Module):
     k = c.num_experts_per_tok
     replay = None if routing is None or routing.replay is None else routing.replay.reshape(B * T, k)
     flat = x.reshape(B * T, E)
-    weights, experts, probs, own = moe_lib.route(flat, self.router[...], k, c.norm_topk_prob, replay)
+    weights, experts, probs, own = moe_lib.route(flat, self.router[...], k, c.norm_topk_prob, replay, exact=c.exact)
     gate_up = self.expert("w_gate_up") if self.fused else (self.expert("w_gate"), self.expert("w_up"))
     mesh = None if routing is None else routing.mesh
+    if c.exact and mesh is None:
+      mesh = exact_lib.traced_mesh()  # the program's mesh: each device computes its own rows' experts
     out = moe_lib.grouped_swiglu(flat, experts, weights, gate_up, self.expert("w_down"), mesh,
                                  lora=lora if lora is not None and lora.weights else None,
-                                 grouped_gemm=c.grouped_gemm)
+                                 grouped_gemm="exact" if c.exact else c.grouped_gemm)
     mask = None if routing is None or routing.token_mask is None else routing.token_mask.reshape(B * T)
     counts, prob_sum = moe_lib.router_stats(own, probs, c.num_experts, mask)
     return out.reshape(B, T, E), moe_lib.RouterStats(topk=own.reshape(B, T, k), counts=counts, prob_sum=prob_sum)
@@ -394,7 +396,7 @@ class Block(nnx.Module):
     x = add(x, h)
     if isinstance(self.mlp, MoE):
       out, stats = self.mlp(self.mlp_norm(x), routing, mlp_lora)
-      return x + out, new_cache, stats
+      return add(x, out), new_cache, stats
     return add(x, self.mlp(self.mlp_norm(x), mlp_lora)), new_cache, None
 
   def decode_fp8(self, x: Array, pending: fp8_lib.Product | None, positions, inv_freq, layer: PagedLayer,

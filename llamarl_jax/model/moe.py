@@ -34,6 +34,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from llamarl_jax.model import exact as exact_lib
 from llamarl_jax.model.config import GROUPED_GEMMS
 
 Array = jax.Array
@@ -52,19 +53,22 @@ class RouterStats:
   prob_sum: Array
 
 
-def route(x: Array, router: Array, k: int, norm_topk_prob: bool, replay: Array | None = None):
+def route(x: Array, router: Array, k: int, norm_topk_prob: bool, replay: Array | None = None, exact: bool = False):
   """x `[N, E]`, router `[E, X]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int32, probs
   `[N, X]` fp32, own top-k `[N, k]` int32). With `replay` `[N, k]` the experts are those, weighted
-  by their probabilities under this router."""
-  logits = x @ router.astype(x.dtype)
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  by their probabilities under this router. exact: the logits, softmax and renormalisation in their
+  batch-invariant forms (`model.exact`), so a token's routing is the same whatever the other rows."""
+  if exact:
+    probs = exact_lib.softmax(exact_lib.dense(x, router.astype(x.dtype)))
+  else:
+    probs = jax.nn.softmax((x @ router.astype(x.dtype)).astype(jnp.float32), axis=-1)
   top_p, top_i = jax.lax.top_k(probs, k)
   if replay is not None:  # a row of -1 (nothing recorded there): this router's own choice
     replay = replay.astype(jnp.int32)
     top_i = jnp.where(jnp.any(replay < 0, axis=-1, keepdims=True), top_i, replay)
     top_p = jnp.take_along_axis(probs, top_i, axis=-1)
   if norm_topk_prob:
-    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    top_p = top_p / (exact_lib.tree_sum(top_p)[..., None] if exact else jnp.sum(top_p, axis=-1, keepdims=True))
   own = top_i if replay is None else jax.lax.top_k(probs, k)[1]
   return top_p.astype(x.dtype), top_i.astype(jnp.int32), probs, own.astype(jnp.int32)
 
@@ -102,7 +106,11 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
   Each way computes every (token, choice) row once; `expert_parallel_bytes` gives what each moves.
 
   grouped_gemm: the experts' grouped matmuls, one of GROUPED_GEMM_IMPLEMENTATIONS or 'auto'
-  (`resolve_grouped_gemm`: ragged_dot until the Pallas kernels pass on a GPU).
+  (`resolve_grouped_gemm`: ragged_dot until the Pallas kernels pass on a GPU), or 'exact': every op in
+  its batch-invariant form (`model.exact`: the grouped matmuls in fixed row tiles, SwiGLU rounded once,
+  the k choices' weighted sum in a fixed order), so a token's output is the same whatever the other
+  rows (`ModelConfig.exact`; no expert axis, no LoRA). Rows that do not split over the batch axes are
+  then computed whole on every device (the same dots, so the same bits) rather than left to XLA.
 
   lora: LoRA of the experts (`model.lora`; unfused gate_up only), an object with `weights`
   {"w_gate" | "w_up" | "w_down": {"a" `[X, in, r]`, "b" `[X, r, out]`}} and `scale`: each row's
@@ -112,9 +120,20 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
   if rows and x.shape[0] % math.prod(mesh.shape[a] for a in rows):
     rows = None  # rows that do not split over the batch axes (a prefill of fewer prompts): left to XLA there
   EP = 1 if mesh is None else mesh.shape.get("expert", 1)
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  batch_axes = () if mesh is None else tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  if grouped_gemm == "exact" and (EP > 1 or lora is not None):
+    raise ValueError(f"grouped_gemm='exact' computes unsharded experts without adapters; got expert={EP}, "
+                     f"lora={'set' if lora is not None else None}")
+  if grouped_gemm == "exact" and rows is None and batch_axes:
+    # every device computes every row with the whole weights (XLA's partition could split a tile's dot)
+    operands, narrow = _wide_on_cpu(mesh, (), x, experts, weights, gate_up, w_down)
+    body = lambda *a: _local_swiglu(*narrow(*a), first=0, grouped_gemm=grouped_gemm)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), axis_names=set(batch_axes),
+                         check_vma=False)(*operands)
   if mesh is None or (EP == 1 and rows is None):
     return _local_swiglu(x, experts, weights, gate_up, w_down, 0, grouped_gemm, lora=lora)
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
   groups = math.prod(mesh.shape.get(a, 1) for a in rows or ())
   mode = expert_parallel or choose_expert_parallel(dict(mesh.shape), x.shape[0], experts.shape[1], x.shape[1],
@@ -133,21 +152,36 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
   exp = P(*ep)
   gate_up = tuple(gate_up) if isinstance(gate_up, list) else gate_up
   gate_spec = (exp, exp) if isinstance(gate_up, tuple) else exp
+  # the experts' weights (replicated over the batch axes) and, under replicate, x and the routing weights
+  # (over `expert`): fp32 on a CPU mesh
+  manual = {*ep, *(rows or ())} if mode == "replicate" else ()  # the dispatch shard_map is unchecked
+  tokens = (x, weights) if mode == "replicate" and ep else None
+  operands, narrow = _wide_on_cpu(mesh, manual, tokens, gate_up, w_down, lora)
+  wide_tokens, gate_up, w_down, lora = operands
+  x, weights = (x, weights) if wide_tokens is None else wide_tokens
 
   if mode == "replicate":
     def body(x, experts, weights, gate_up, w_down, lora):
+      if ep:
+        x = jax.lax.pcast(x, "expert", to="varying")  # so that x's gradient is summed as `[N, E]`
+      tokens, gate_up, w_down, lora = narrow((x, weights) if ep else None, gate_up, w_down, lora)
       if not ep:
         return _local_swiglu(x, experts, weights, gate_up, w_down, 0, grouped_gemm, lora=lora)
       first = jax.lax.axis_index("expert") * w_down.shape[0]
-      x = jax.lax.pcast(x, "expert", to="varying")  # so that x's gradient is summed as `[N, E]`
-      return jax.lax.psum(_local_swiglu(x, experts, weights, gate_up, w_down, first, grouped_gemm, lora=lora), "expert")
+      y = _local_swiglu(*tokens[:1], experts, tokens[1], gate_up, w_down, first, grouped_gemm, lora=lora)
+      cpu = mesh.devices.flat[0].platform == "cpu"  # a 16-bit psum: XLA:CPU aborts (`_wide_on_cpu`)
+      return jax.lax.psum(y.astype(jnp.float32) if cpu else y, "expert").astype(y.dtype)
 
     tok = P(rows)
     return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp, exp), out_specs=tok,
                          axis_names=_manual_axes(mesh, {*ep, *(rows or ())}, grouped_gemm))(
                              x, experts, weights, gate_up, w_down, lora)
 
-  body = functools.partial(_dispatch_swiglu, ep=EP, ragged=mode == "dispatch", grouped_gemm=grouped_gemm)
+  def body(x, experts, weights, gate_up, w_down, lora):
+    _, gate_up, w_down, lora = narrow(None, gate_up, w_down, lora)
+    return _dispatch_swiglu(x, experts, weights, gate_up, w_down, lora, ep=EP, ragged=mode == "dispatch",
+                            grouped_gemm=grouped_gemm)
+
   tok = P((*(rows or ()), "expert"))  # each device of the expert axis takes 1/EP of its group's tokens
   out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp, exp), out_specs=tok,
                       axis_names=_manual_axes(mesh, {*ep, *(rows or ())}, grouped_gemm), check_vma=False)(
@@ -156,13 +190,36 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
   return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(rows)))
 
 
+def _wide_on_cpu(mesh, axes, *trees):
+  """(trees, narrow): on a CPU mesh the 16-bit float leaves of `trees` in fp32 (exact), and `narrow`
+  (trees of the same structure -> the same, made to vary over the manual `axes` - a checked
+  shard_map's, else () - and rounded back to their dtypes: exact) for the shard_map's body.
+  XLA:CPU (jaxlib 0.10.2 and 0.12) aborts compiling a 16-bit all-reduce that a shard_map's transpose
+  makes (AllReducePromotion: "Invalid binary instruction opcode copy"); the gradient of an input
+  replicated over a manual axis is such a sum (at the boundary, or where the body first makes it vary),
+  so it is summed in fp32 here. Elsewhere the trees as they are and `narrow` the identity."""
+  half = lambda a: jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize == 2
+  if mesh.devices.flat[0].platform != "cpu" or not any(map(half, jax.tree.leaves(trees))):
+    return trees, lambda *t: t
+  from llamarl_jax import compat
+
+  def one(a, dtype):
+    missing = tuple(sorted(set(axes) - compat.varying_axes(a)))
+    return (jax.lax.pcast(a, missing, to="varying") if missing else a).astype(dtype)
+
+  dtypes = jax.tree.map(lambda a: a.dtype, trees)
+  wide = jax.tree.map(lambda a: a.astype(jnp.float32) if half(a) else a, trees)
+  return wide, lambda *t: jax.tree.map(one, t, dtypes)
+
+
 def _manual_axes(mesh, axes: set, grouped_gemm: str) -> set:
   """The axes `grouped_swiglu`'s shard_map is manual over: `axes`, or every mesh axis when the Pallas
   kernels run interpreted (on the CPU: the interpreter's callbacks need a fully manual computation;
   inputs are replicated over the added axes, so each of their devices computes the same)."""
   from llamarl_jax.model.paged_attention import interpret_kernels
 
-  if resolve_grouped_gemm(grouped_gemm, mesh.devices.flat[0].platform) == "pallas" and interpret_kernels():
+  if grouped_gemm != "exact" and resolve_grouped_gemm(grouped_gemm, mesh.devices.flat[0].platform) == "pallas" \
+      and interpret_kernels():
     return set(mesh.axis_names)
   return axes
 
@@ -291,8 +348,15 @@ def _low_rank(y, rows, sizes, lora, name, matmul):
 
 def _expert_rows(rows, sizes, gate_up, w_down, grouped_gemm: str = "ragged_dot", lora=None):
   """SwiGLU of rows `[R, E]` sorted by expert, `sizes` `[X]` rows per expert (rows past their sum fall
-  outside every group: zero output) -> `[R, E]`, by `grouped_gemm` (GROUPED_GEMM_IMPLEMENTATIONS);
-  lora: the experts' adapters (`grouped_swiglu`; unfused gate_up only)."""
+  outside every group: zero output) -> `[R, E]`, by `grouped_gemm` (GROUPED_GEMM_IMPLEMENTATIONS, or
+  'exact': `exact.grouped_dot` and `exact.swiglu`); lora: the experts' adapters (`grouped_swiglu`;
+  unfused gate_up only)."""
+  if grouped_gemm == "exact":
+    if not isinstance(gate_up, (tuple, list)) or any(isinstance(w, ScaledExperts) for w in (*gate_up, w_down)):
+      raise ValueError("grouped_gemm='exact' computes the unfused bf16/fp32 w_gate, w_up (a fused or fp8 matrix "
+                       "is another computation)")
+    h = exact_lib.swiglu(exact_lib.grouped_dot(rows, gate_up[0], sizes), exact_lib.grouped_dot(rows, gate_up[1], sizes))
+    return exact_lib.grouped_dot(h, w_down, sizes)
   impl = resolve_grouped_gemm(grouped_gemm)
   matmul = functools.partial(grouped_dot, matmul=_grouped_matmul(impl), reads_fp8=impl == "pallas")
   if isinstance(gate_up, (tuple, list)):
@@ -322,6 +386,10 @@ def _local_swiglu(x, experts, weights, gate_up, w_down, first, grouped_gemm: str
   out = _expert_rows(rows, sizes, gate_up, w_down, grouped_gemm, lora=lora)  # [N * k, E]
   out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
   weights = jnp.where(local, weights, jnp.zeros((), weights.dtype))
+  if grouped_gemm == "exact":  # each product rounded by itself, the k of a token summed in a fixed order
+    out = out.reshape(N, k, -1).astype(jnp.float32)
+    terms = exact_lib.product(out, weights[..., None].astype(jnp.float32), exact_lib.row_zero(out))
+    return exact_lib.tree_sum(terms, axis=1).astype(x.dtype)
   return jnp.sum(out.reshape(N, k, -1) * weights[..., None], axis=1)
 
 
