@@ -29,6 +29,10 @@ What XLA:CPU does with the plain ops, and the form here that avoids it:
     can prove is zero) stores a value as computed: every product that an add reads (`product`), every
     exp that a sum reads, the dot's operands and result. (`optimization_barrier` does not do it: XLA
     removes it before fusion on 0.10.2; `--xla_cpu_max_isa=AVX` removes FMAs process-wide, not the rest.)
+  - a mixture of experts' grouped matmul (`jax.lax.ragged_dot`) is one matmul over all rows whose
+    kernel depends on the row count, like a dense one. `grouped_dot` pads each expert's rows to whole
+    tiles (the tile plan of `grouped_gemm`) and runs one `[ROW_TILE, K] @ [K, N]` dot per tile against
+    its expert's matrix; the router's `softmax` is a `tree_sum`'s.
 Elementwise ops (exp, log, rsqrt, sin, cos, silu, division) give the same bits per element for any
 shape or offset (measured).
 

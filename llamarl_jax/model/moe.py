@@ -17,6 +17,10 @@ are used instead of this forward's top-k, weighted by this forward's router prob
 (so the router's weights still get gradients for the replayed choices); a token whose replay row
 holds -1 keeps its own top-k.
 
+Exact mode (`ModelConfig.exact`, the `exact_logprobs` run switch): `route(exact=True)` and
+`grouped_swiglu(grouped_gemm='exact')` compute every op in its batch-invariant form (`model.exact`), so a
+token's routing and output are the same bits whatever the other rows (one device's experts, no LoRA).
+
 Expert parallelism (`grouped_swiglu` over a mesh whose `expert` axis is EP > 1; routing, replay and
 `router_stats` happen before and are the same either way): the tokens reach the experts' devices by
 replicate-and-sum (a psum of the `[tokens, embed]` output) or by token dispatch (each token's k rows

@@ -110,3 +110,33 @@ def test_fp8_experts_are_read_as_fp8_by_the_kernels(record_property):
   print(f"\ndecode MoE layer, 256 rows: pallas bf16 {bf16['bytes'] / 1e9:.3f} GB, fp8 {fp8['bytes'] / 1e9:.3f} GB")
   assert not fp8["widened"], fp8["widened"]
   assert bf16["bytes"] - fp8["bytes"] >= 0.95 * 3 * X * E * F, (fp8["bytes"], bf16["bytes"])
+
+
+def test_exact_layer_is_fixed_tile_gemms_with_no_dense_operand(record_property):
+  """`grouped_gemm='exact'` (`ModelConfig.exact`: `exact.grouped_dot`) at the same shapes, forward: every
+  GEMM is one 64-row tile of an expert's rows against that expert's whole `[K, N]` matrix (`exact.ROW_TILE`
+  x 2048 x 768 for gate and up, x 768 x 2048 for down), unbatched and accumulated in fp32, in a loop over
+  the (512 + 127) tiles of the grouped_gemm tile plan (1.25x the routed FLOPs, the Pallas kernels'
+  grid); no array larger than the experts' weights."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import SingleDeviceSharding
+
+  from llamarl_jax.model import exact, grouped_gemm as gg, moe
+
+  s = SingleDeviceSharding(h100.target_devices(1)[0])
+  sd = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=s)
+  args = (sd((ROWS // K, E)), sd((ROWS // K, K), jnp.int32), sd((ROWS // K, K)), (sd((X, E, F)), sd((X, E, F))),
+          sd((X, F, E)))
+  layer = lambda x, e, w, gu, d: moe.grouped_swiglu(x, e, w, gu, d, grouped_gemm="exact")
+  compiled = jax.jit(layer).lower(*args).compile(exact.COMPILER_OPTIONS)
+  text = compiled.as_text()
+  dots = re.findall(r"= (\w+)\[([0-9,]*)\]\{[^}]*\} dot\(([^)]*)\), ([^\n]*)", text)
+  shapes = sorted({(dt, dims) for dt, dims, _, _ in dots})
+  record_property("grouped_gemm_exact", {"dots": shapes, "tiles": gg.num_tiles(ROWS, X)})
+  print(f"\nexact MoE layer: dots {shapes}, {gg.num_tiles(ROWS, X)} tiles per matmul")
+  assert shapes == [("f32", f"{exact.ROW_TILE},{E}"), ("f32", f"{exact.ROW_TILE},{F}")], shapes
+  assert all("batch_dims" not in rest for *_, rest in dots)
+  assert gg.num_tiles(ROWS, X) * exact.ROW_TILE <= 1.25 * ROWS
+  largest = max(math.prod(int(n) for n in d.split(",")) for d in _ARRAY.findall(text))
+  assert largest <= X * E * F, largest
