@@ -131,11 +131,7 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
     raise ValueError(f"grouped_gemm='exact' computes unsharded experts without adapters; got expert={EP}, "
                      f"lora={'set' if lora is not None else None}")
   if grouped_gemm == "exact" and rows is None and batch_axes:
-    # every device computes every row with the whole weights (XLA's partition could split a tile's dot)
-    operands, narrow = _wide_on_cpu(mesh, (), x, experts, weights, gate_up, w_down)
-    body = lambda *a: _local_swiglu(*narrow(*a), first=0, grouped_gemm=grouped_gemm)
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), axis_names=set(batch_axes),
-                         check_vma=False)(*operands)
+    return _on_every_device(mesh, batch_axes, x, experts, weights, gate_up, w_down)
   if mesh is None or (EP == 1 and rows is None):
     return _local_swiglu(x, experts, weights, gate_up, w_down, 0, grouped_gemm, lora=lora)
 
@@ -153,33 +149,13 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
   if mode == "dispatch" and mesh.devices.flat[0].platform == "cpu":
     mode = "dispatch_dense"
   ep = ("expert",) if EP > 1 else ()
-  exp = P(*ep)
   gate_up = tuple(gate_up) if isinstance(gate_up, list) else gate_up
-  gate_spec = (exp, exp) if isinstance(gate_up, tuple) else exp
-  # the experts' weights (replicated over the batch axes) and, under replicate, x and the routing weights
-  # (over `expert`): fp32 on a CPU mesh
-  manual = {*ep, *(rows or ())} if mode == "replicate" else ()  # the dispatch shard_map is unchecked
-  tokens = (x, weights) if mode == "replicate" and ep else None
-  operands, narrow = _wide_on_cpu(mesh, manual, tokens, gate_up, w_down, lora)
-  wide_tokens, gate_up, w_down, lora = operands
-  x, weights = (x, weights) if wide_tokens is None else wide_tokens
-
   if mode == "replicate":
-    def body(x, experts, weights, gate_up, w_down, lora):
-      if ep:
-        x = jax.lax.pcast(x, "expert", to="varying")  # so that x's gradient is summed as `[N, E]`
-      tokens, gate_up, w_down, lora = narrow((x, weights) if ep else None, gate_up, w_down, lora)
-      if not ep:
-        return _local_swiglu(x, experts, weights, gate_up, w_down, 0, grouped_gemm, lora=lora)
-      first = jax.lax.axis_index("expert") * w_down.shape[0]
-      y = _local_swiglu(*tokens[:1], experts, tokens[1], gate_up, w_down, first, grouped_gemm, lora=lora)
-      cpu = mesh.devices.flat[0].platform == "cpu"  # a 16-bit psum: XLA:CPU aborts (`_wide_on_cpu`)
-      return jax.lax.psum(y.astype(jnp.float32) if cpu else y, "expert").astype(y.dtype)
-
-    tok = P(rows)
-    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp, exp), out_specs=tok,
-                         axis_names=_manual_axes(mesh, {*ep, *(rows or ())}, grouped_gemm))(
-                             x, experts, weights, gate_up, w_down, lora)
+    return _replicate_swiglu(mesh, rows, ep, x, experts, weights, gate_up, w_down, lora, grouped_gemm)
+  exp = P(*ep)
+  gate_spec = (exp, exp) if isinstance(gate_up, tuple) else exp
+  # the experts' weights (replicated over the batch axes): fp32 on a CPU mesh (the shard_map is unchecked)
+  (_, gate_up, w_down, lora), narrow = _wide_on_cpu(mesh, (), None, gate_up, w_down, lora)
 
   def body(x, experts, weights, gate_up, w_down, lora):
     _, gate_up, w_down, lora = narrow(None, gate_up, w_down, lora)
@@ -192,6 +168,48 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
                           x, experts, weights, gate_up, w_down, lora)
   # replicated over `expert` again (an all-gather; its transpose, the gradient's, is a slice)
   return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(rows)))
+
+
+def _replicate_swiglu(mesh, rows, ep, x, experts, weights, gate_up, w_down, lora, grouped_gemm):
+  """`grouped_swiglu`'s 'replicate' way over `mesh`, manual over the batch axes `rows` (or None) and `ep`
+  (("expert",) or ()): each device's experts over all its group's rows, summed over `expert`."""
+  from jax.sharding import PartitionSpec as P
+
+  exp = P(*ep)
+  gate_spec = (exp, exp) if isinstance(gate_up, tuple) else exp
+  manual = {*ep, *(rows or ())}
+  # the experts' weights (replicated over the batch axes) and with `expert`, x and the routing weights
+  # (replicated over it): fp32 on a CPU mesh
+  operands, narrow = _wide_on_cpu(mesh, manual, (x, weights) if ep else None, gate_up, w_down, lora)
+  tokens, gate_up, w_down, lora = operands
+  x, weights = tokens or (x, weights)
+
+  def body(x, experts, weights, gate_up, w_down, lora):
+    if ep:
+      x = jax.lax.pcast(x, "expert", to="varying")  # so that x's gradient is summed as `[N, E]`
+    tokens, gate_up, w_down, lora = narrow((x, weights) if ep else None, gate_up, w_down, lora)
+    if not ep:
+      return _local_swiglu(x, experts, weights, gate_up, w_down, 0, grouped_gemm, lora=lora)
+    first = jax.lax.axis_index("expert") * w_down.shape[0]
+    y = _local_swiglu(tokens[0], experts, tokens[1], gate_up, w_down, first, grouped_gemm, lora=lora)
+    cpu = mesh.devices.flat[0].platform == "cpu"  # a 16-bit psum: XLA:CPU aborts (`_wide_on_cpu`)
+    return jax.lax.psum(y.astype(jnp.float32) if cpu else y, "expert").astype(y.dtype)
+
+  tok = P(rows)
+  return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, exp, exp), out_specs=tok,
+                       axis_names=_manual_axes(mesh, manual, grouped_gemm))(x, experts, weights, gate_up, w_down, lora)
+
+
+def _on_every_device(mesh, axes, x, experts, weights, gate_up, w_down):
+  """The exact layer (`grouped_gemm='exact'`) of rows that do not split over the batch `axes`: every
+  device computes every row with the whole weights (the same dots, so the same bits), where XLA's own
+  partition could split a tile's dot."""
+  from jax.sharding import PartitionSpec as P
+
+  operands, narrow = _wide_on_cpu(mesh, (), x, experts, weights, gate_up, w_down)
+  body = lambda *a: _local_swiglu(*narrow(*a), first=0, grouped_gemm="exact")
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), axis_names=set(axes),
+                       check_vma=False)(*operands)
 
 
 def _wide_on_cpu(mesh, axes, *trees):
