@@ -17,6 +17,9 @@ response tokens. 'none' is the default mode, 'all' the switch itself (0 when the
   - RMSNorm, RoPE (angles and rotation), the RoPE frequencies computed in the program, attention
     (one masked softmax per program shape), residual adds (bf16: excess precision), SwiGLU, the
     log-softmax (its vectorised sum)
+  - with `--moe` (the policy as configs/tiny_moe.gin makes it: Qwen3-MoE, 4 sparse layers of 4 experts
+    of 192, top-2, renormalised; each token routed by its own top-k on both sides, no replay), also the
+    router's softmax and the experts' grouped matmul (`jax.lax.ragged_dot`: one matmul over all rows)
 
 Costs (`--cost`): the same policy in `make run`'s RL configuration (trainer FSDP over 2 devices,
 generator data-parallel over 2, 16 prompts x 8 samples, AIPO, lag 1), `--steps` RL steps with the
@@ -25,7 +28,7 @@ compile) of the step time, the trainer's step and the generator's busy time, the
 default, the better of the rounds (one run of each per round, so a shared machine's load falls on
 both).
 
-  python -m llamarl_jax.compat --cpu_devices 4 -- python scripts/bench_exact.py [--dtypes float32,bfloat16] [--cost]
+  python -m llamarl_jax.compat --cpu_devices 4 -- python scripts/bench_exact.py [--dtypes float32,bfloat16] [--cost] [--moe]
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ def plain_token_logprob(logits, tokens, temperature=1.0):
   return picked - jax.nn.logsumexp(x, axis=-1)
 
 
+def plain_grouped_dot(rows, w, sizes, *, out_dtype=None, tile=exact.ROW_TILE):
+  return jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes, preferred_element_type=F32).astype(out_dtype or rows.dtype)
+
+
 def program_frequencies(config):
   return config_lib.frequencies_in(config, jnp)
 
@@ -87,6 +94,10 @@ PLAIN = {
     "SwiGLU": {(exact, "swiglu"): lambda gate, up: jax.nn.silu(gate) * up},
     "log-softmax": {(exact, "token_logprob"): plain_token_logprob},
 }
+MOE_PLAIN = {
+    "MoE router softmax": {(exact, "softmax"): lambda x: jax.nn.softmax(x.astype(F32), axis=-1)},
+    "MoE grouped matmul": {(exact, "grouped_dot"): plain_grouped_dot},
+}
 
 
 @contextlib.contextmanager
@@ -105,27 +116,29 @@ def patched(replacements: dict):
     jax.clear_caches()
 
 
-def tiny_policy(dtype: str, exact_ops: bool, vocab: int = 100):
+def tiny_policy(dtype: str, exact_ops: bool, vocab: int = 100, moe: bool = False):
   from flax import nnx
 
   from llamarl_jax.model.config import ModelConfig
   from llamarl_jax.model.llama import Llama, split_params
 
+  experts = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=192,
+                 norm_topk_prob=True) if moe else {}
   config = ModelConfig(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
                        num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=True, dtype=dtype,
-                       param_dtype=dtype, exact=exact_ops)
+                       param_dtype=dtype, exact=exact_ops, **experts)
   _, params = split_params(Llama(config, rngs=nnx.Rngs(params=0)))
   return config, params
 
 
-def residual(dtype: str, exact_ops: bool, engine: bool) -> float:
+def residual(dtype: str, exact_ops: bool, engine: bool, moe: bool = False) -> float:
   """max |behaviour - trainer| over the response tokens of one generation (see the module doc)."""
   from llamarl_jax.generation import Sampler, SamplingParams
   from llamarl_jax.generation.engine import SlotEngine
   from llamarl_jax.model.llama import abstract_model, split_params
   from llamarl_jax.model.logprobs import token_logprobs
 
-  config, params = tiny_policy(dtype, exact_ops)
+  config, params = tiny_policy(dtype, exact_ops, moe=moe)
   mesh = parallel.make_mesh(jax.devices()[:2], data=2)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(4, 100, int(n)).tolist() for n in rng.integers(3, 8, 16)]
@@ -142,26 +155,26 @@ def residual(dtype: str, exact_ops: bool, engine: bool) -> float:
   return float(np.max(np.abs(np.asarray(batch.behaviour_logprobs)[m] - np.asarray(pi)[m])))
 
 
-def residual_table(dtypes: list[str]) -> None:
+def residual_table(dtypes: list[str], moe: bool = False) -> None:
   head = f"{'ops':<44}" + "".join(f" {f'{d} {g}':>22}" for d in dtypes for g in ("sampler", "engine"))
   print("max |log mu - log pi| over the response tokens (exact form for every op but the one named)")
   print(head)
   print("-" * len(head))
   rows = [("none (the default mode)", None), ("all (exact_logprobs)", {})] + [
-      (f"all but {name}", replacements) for name, replacements in PLAIN.items()]
+      (f"all but {name}", replacements) for name, replacements in {**PLAIN, **(MOE_PLAIN if moe else {})}.items()]
   for label, replacements in rows:
     cells = []
     for d in dtypes:
       for engine in (False, True):
         if replacements is None:
-          cells.append(residual(d, False, engine))
+          cells.append(residual(d, False, engine, moe))
         else:
           with patched(replacements):
-            cells.append(residual(d, True, engine))
+            cells.append(residual(d, True, engine, moe))
     print(f"{label:<44}" + "".join(f" {c:>22.3g}" for c in cells), flush=True)
 
 
-def rl_costs(dtype: str, steps: int, rounds: int) -> None:
+def rl_costs(dtype: str, steps: int, rounds: int, moe: bool = False) -> None:
   from llamarl_jax.config import OptimizerConfig, run_config
   from llamarl_jax.controller import Controller
   from llamarl_jax.data import PromptSource
@@ -173,7 +186,7 @@ def rl_costs(dtype: str, steps: int, rounds: int) -> None:
   best = {arm: {k: float("inf") for k in keys} for arm in ("default", "exact")}
   for r in range(rounds):
     for arm in ("exact", "default"):
-      config, params = tiny_policy(dtype, False, vocab=len(tokenizer))  # the run's switch sets `exact`
+      config, params = tiny_policy(dtype, False, vocab=len(tokenizer), moe=moe)  # the run's switch sets `exact`
       run = run_config(reward_fn="arithmetic", prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8,
                        trainer_fsdp=2, generator_dp=2, optimizer=OptimizerConfig(lr=1e-3), max_policy_lag=1,
                        step_timeout_s=600, exact_logprobs=arm == "exact", scan_layers=False)
@@ -204,16 +217,17 @@ def main(argv=None) -> None:
   parser.add_argument("--cost", action="store_true", help="also time the RL step's parts with and without")
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--moe", action="store_true", help="a mixture-of-experts policy (configs/tiny_moe.gin's)")
   args = parser.parse_args(argv)
   if len(jax.devices()) < 4:
     raise SystemExit(f"needs 4 devices (generator dp 2, trainer fsdp 2), got {len(jax.devices())}: run under "
                      "python -m llamarl_jax.compat --cpu_devices 4 -- ...")
   print(f"jax {jax.__version__}, {jax.devices()[0].platform} x {len(jax.devices())}\n")
   dtypes = args.dtypes.split(",")
-  residual_table(dtypes)
+  residual_table(dtypes, args.moe)
   if args.cost:
     for d in dtypes:
-      rl_costs(d, args.steps, args.rounds)
+      rl_costs(d, args.steps, args.rounds, args.moe)
 
 
 if __name__ == "__main__":
