@@ -29,6 +29,7 @@ default, the better of the rounds (one run of each per round, so a shared machin
 both).
 
   python -m llamarl_jax.compat --cpu_devices 4 -- python scripts/bench_exact.py [--dtypes float32,bfloat16] [--cost] [--moe]
+      [--ops 'MoE router softmax,MoE grouped matmul']
 """
 
 from __future__ import annotations
@@ -155,13 +156,14 @@ def residual(dtype: str, exact_ops: bool, engine: bool, moe: bool = False) -> fl
   return float(np.max(np.abs(np.asarray(batch.behaviour_logprobs)[m] - np.asarray(pi)[m])))
 
 
-def residual_table(dtypes: list[str], moe: bool = False) -> None:
+def residual_table(dtypes: list[str], moe: bool = False, ops: list[str] | None = None) -> None:
   head = f"{'ops':<44}" + "".join(f" {f'{d} {g}':>22}" for d in dtypes for g in ("sampler", "engine"))
   print("max |log mu - log pi| over the response tokens (exact form for every op but the one named)")
   print(head)
   print("-" * len(head))
   rows = [("none (the default mode)", None), ("all (exact_logprobs)", {})] + [
-      (f"all but {name}", replacements) for name, replacements in {**PLAIN, **(MOE_PLAIN if moe else {})}.items()]
+      (f"all but {name}", replacements) for name, replacements in {**PLAIN, **(MOE_PLAIN if moe else {})}.items()
+      if ops is None or name in ops]
   for label, replacements in rows:
     cells = []
     for d in dtypes:
@@ -218,13 +220,19 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--moe", action="store_true", help="a mixture-of-experts policy (configs/tiny_moe.gin's)")
+  parser.add_argument("--ops", default=None, help="comma-separated op kinds for the 'all but' rows (default: every one)")
   args = parser.parse_args(argv)
   if len(jax.devices()) < 4:
     raise SystemExit(f"needs 4 devices (generator dp 2, trainer fsdp 2), got {len(jax.devices())}: run under "
                      "python -m llamarl_jax.compat --cpu_devices 4 -- ...")
   print(f"jax {jax.__version__}, {jax.devices()[0].platform} x {len(jax.devices())}\n")
   dtypes = args.dtypes.split(",")
-  residual_table(dtypes, args.moe)
+  ops = None if args.ops is None else args.ops.split(",")
+  unknown = set(ops or ()) - set(PLAIN) - set(MOE_PLAIN if args.moe else ())
+  if unknown:
+    raise SystemExit(f"--ops {sorted(unknown)}: not op kinds of this table ({', '.join([*PLAIN, *MOE_PLAIN])}; "
+                     "the MoE ones with --moe)")
+  residual_table(dtypes, args.moe, ops)
   if args.cost:
     for d in dtypes:
       rl_costs(d, args.steps, args.rounds, args.moe)
