@@ -109,8 +109,9 @@ class RolloutConfig(Validated):
   DAPO's `overlong` reward shaping and `dynamic_sampling` (None: off) shape what a batch holds.
   `exact_logprobs`: the generator and the trainer compute every op in its batch-invariant form
   (`model.exact`; a mixture of experts' routing and grouped matmuls included), so at lag 0 a token's
-  behaviour log-prob equals the trainer's bit for bit; it spans both roles, like `temperature`, and needs unfiltered sampling (top_k = 0, top_p = 1): see
-  `RunConfig.exact_logprobs_problems` for what else it refuses."""
+  behaviour log-prob equals the trainer's bit for bit; it spans both roles, like `temperature`, and
+  needs unfiltered sampling (top_k = 0, top_p = 1): see `RunConfig.exact_logprobs_problems` for what
+  else it refuses."""
   prompts_per_step: int = 8
   samples_per_prompt: int = 4
   temperature: float = 1.0

@@ -132,12 +132,18 @@ def exp_sum(z: Array) -> Array:
   return tree_sum(opaque(e, row_zero(z)))
 
 
-def logsumexp(x: Array) -> Array:
-  """log(sum(exp(x))) over the last axis in fp32 (`exp_sum`), `[..., V]` -> `[...]`."""
-  x = x.astype(F32)
+def _max_shift(x: Array) -> tuple[Array, Array]:
+  """(m, x - m) for x `[..., V]`: m `[..., 1]` the last axis' max, 0 where that is not finite (a row
+  of -inf stays -inf rather than NaN)."""
   m = jnp.max(x, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
-  return m[..., 0] + jnp.log(exp_sum(x - m))
+  return m, x - m
+
+
+def logsumexp(x: Array) -> Array:
+  """log(sum(exp(x))) over the last axis in fp32 (`exp_sum`), `[..., V]` -> `[...]`."""
+  m, z = _max_shift(x.astype(F32))
+  return m[..., 0] + jnp.log(exp_sum(z))
 
 
 def temper(logits: Array, temperature: float | Array = 1.0) -> Array:
@@ -154,28 +160,20 @@ def token_logprob(logits: Array, tokens: Array, temperature: float | Array = 1.0
   `[...]`. The one form of a token's log-prob that the sampler (logits of one step) and the trainer
   (logits of every position) both compute: with x = `temper(logits, temperature)`, (x[token] - max)
   - log(sum(exp(x - max))), the sum `exp_sum`'s."""
-  x = temper(logits, temperature)
-  m = jnp.max(x, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  z = x - m
+  _, z = _max_shift(temper(logits, temperature))
   picked = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
   return picked - jnp.log(exp_sum(z))
 
 
 def log_softmax(logits: Array) -> Array:
   """log_softmax over the last axis in fp32 (`token_logprob`'s arithmetic for every token)."""
-  x = logits.astype(F32)
-  m = jnp.max(x, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  z = x - m
+  _, z = _max_shift(logits.astype(F32))
   return z - jnp.log(exp_sum(z))[..., None]
 
 
 def softmax(logits: Array) -> Array:
   """softmax over the last axis in fp32: exp(x - max) / their `exp_sum` (a MoE router's probabilities)."""
-  x = logits.astype(F32)
-  m = jnp.max(x, axis=-1, keepdims=True)
-  z = x - jnp.where(jnp.isfinite(m), m, 0.0)
+  _, z = _max_shift(logits.astype(F32))
   e = opaque(jnp.exp(z), row_zero(z))
   return e / tree_sum(e)[..., None]
 
@@ -359,10 +357,10 @@ def local_grouped_dot(rows: Array, w: Array, sizes: Array, tile: int = ROW_TILE)
   R, K = rows.shape
   G = w.shape[0]
   tile_group, _, _, dst, src = tile_plan(sizes, R, tile)
-  w_zero = jnp.isnan(w[:1, :1, :1]).astype(jnp.int32)[0]
-  w = opaque(w, w_zero[None])
+  w_zero = jnp.isnan(w[:1, :1, :1]).astype(jnp.int32)  # [1, 1, 1]
+  w = opaque(w, w_zero)
   padded = jnp.take(rows, src, axis=0, mode="fill", fill_value=0)  # [T * tile, K], padding rows zero
-  padded = opaque(padded, row_zero(padded) | w_zero).reshape(-1, tile, K)
+  padded = opaque(padded, row_zero(padded) | w_zero[0]).reshape(-1, tile, K)
 
   def one(args):
     t, g = args

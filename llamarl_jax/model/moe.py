@@ -120,13 +120,13 @@ def grouped_swiglu(x: Array, experts: Array, weights: Array, gate_up, w_down: Ar
   {"w_gate" | "w_up" | "w_down": {"a" `[X, in, r]`, "b" `[X, r, out]`}} and `scale`: each row's
   projection gains `scale * (row @ a_x) @ b_x` of its expert x, two grouped matmuls over the same
   groups (the adapters shard over `expert` like the weights), or None."""
-  rows = None if mesh is None else tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1) or None
-  if rows and x.shape[0] % math.prod(mesh.shape[a] for a in rows):
-    rows = None  # rows that do not split over the batch axes (a prefill of fewer prompts): left to XLA there
-  EP = 1 if mesh is None else mesh.shape.get("expert", 1)
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   batch_axes = () if mesh is None else tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  rows = batch_axes or None
+  if rows and x.shape[0] % math.prod(mesh.shape[a] for a in rows):
+    rows = None  # rows that do not split over the batch axes (a prefill of fewer prompts): left to XLA there
+  EP = 1 if mesh is None else mesh.shape.get("expert", 1)
   if grouped_gemm == "exact" and (EP > 1 or lora is not None):
     raise ValueError(f"grouped_gemm='exact' computes unsharded experts without adapters; got expert={EP}, "
                      f"lora={'set' if lora is not None else None}")
